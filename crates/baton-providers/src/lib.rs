@@ -1,0 +1,273 @@
+//! Thin clients for the wire formats Baton's workers speak: OpenAI Chat Completions (also used by
+//! every OpenAI-compatible server), Anthropic Messages and Gemini `generateContent`.
+//!
+//! Each wire module holds serde types for its requests and responses and a decoder for its
+//! stream. They all meet in one trait, [`ChatModel`], one stream item, [`ChatEvent`], and one
+//! error taxonomy, [`ProviderError`]. Retrying is the caller's business ([`RetryPolicy`] says
+//! how long to wait) so that the caller can report every attempt.
+
+pub mod anthropic;
+mod error;
+pub mod fake;
+pub mod gemini;
+mod http;
+pub mod openai;
+pub mod sse;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use serde::{Deserialize, Serialize};
+
+pub use error::{ErrorKind, ProviderError, RetryPolicy};
+
+/// Who speaks a turn of the conversation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    User,
+    Assistant,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Message {
+    pub role: Role,
+    pub content: String,
+}
+
+impl Message {
+    pub fn user(content: impl Into<String>) -> Self {
+        Message { role: Role::User, content: content.into() }
+    }
+
+    pub fn assistant(content: impl Into<String>) -> Self {
+        Message { role: Role::Assistant, content: content.into() }
+    }
+}
+
+/// One call: an optional system prompt and alternating turns that start and end with the user.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ChatRequest {
+    pub system: Option<String>,
+    pub messages: Vec<Message>,
+    /// Overrides the worker's `max_tokens` (used by connection checks to keep calls cheap).
+    pub max_tokens: Option<u32>,
+}
+
+/// Token counts as the provider reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Usage {
+    pub input_tokens: u64,
+    /// Includes reasoning ("thinking") tokens, which providers bill as output.
+    pub output_tokens: u64,
+}
+
+impl Usage {
+    pub fn total(&self) -> u64 {
+        self.input_tokens + self.output_tokens
+    }
+}
+
+impl std::ops::AddAssign for Usage {
+    fn add_assign(&mut self, rhs: Usage) {
+        self.input_tokens += rhs.input_tokens;
+        self.output_tokens += rhs.output_tokens;
+    }
+}
+
+/// An item of a model's answer stream.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ChatEvent {
+    /// More answer text.
+    Text(String),
+    /// The answer is complete. Always the last item of a successful stream.
+    Done { usage: Usage, stop_reason: Option<String> },
+}
+
+pub type ChatStream = BoxStream<'static, Result<ChatEvent, ProviderError>>;
+
+/// Anything that answers a conversation as a stream: a provider over HTTP, a local model, a fake.
+///
+/// Dropping the future or the stream cancels the call (the HTTP connection is closed).
+pub trait ChatModel: Send + Sync {
+    fn stream(&self, request: ChatRequest) -> BoxFuture<'static, Result<ChatStream, ProviderError>>;
+}
+
+/// The wire formats Baton speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ProviderKind {
+    #[serde(rename = "openai")]
+    OpenAi,
+    Anthropic,
+    Gemini,
+    #[serde(rename = "openai-compatible")]
+    OpenAiCompatible,
+}
+
+impl ProviderKind {
+    pub const ALL: [ProviderKind; 4] =
+        [ProviderKind::OpenAi, ProviderKind::Anthropic, ProviderKind::Gemini, ProviderKind::OpenAiCompatible];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProviderKind::OpenAi => "openai",
+            ProviderKind::Anthropic => "anthropic",
+            ProviderKind::Gemini => "gemini",
+            ProviderKind::OpenAiCompatible => "openai-compatible",
+        }
+    }
+
+    /// The base URL each provider's official SDK uses.
+    pub fn default_base_url(self) -> Option<&'static str> {
+        match self {
+            ProviderKind::OpenAi => Some(openai::DEFAULT_BASE_URL),
+            ProviderKind::Anthropic => Some(anthropic::DEFAULT_BASE_URL),
+            ProviderKind::Gemini => Some(gemini::DEFAULT_BASE_URL),
+            ProviderKind::OpenAiCompatible => None,
+        }
+    }
+
+    /// Whether calls without a key make sense (local OpenAI-compatible servers often take none).
+    pub fn key_optional(self) -> bool {
+        self == ProviderKind::OpenAiCompatible
+    }
+}
+
+impl fmt::Display for ProviderKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An API key. Its `Debug` shows nothing of the value, so it cannot leak through logging.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey(String);
+
+impl ApiKey {
+    pub fn new(key: impl Into<String>) -> Self {
+        ApiKey(key.into())
+    }
+
+    /// The secret itself, for building a request header and nothing else.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ApiKey(<redacted>)")
+    }
+}
+
+/// Produces the key when a request is built, so that keys are held no longer than a request.
+pub type KeySource = Arc<dyn Fn() -> Result<Option<ApiKey>, ProviderError> + Send + Sync>;
+
+/// Per-worker generation settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelSettings {
+    pub model: String,
+    pub max_tokens: u32,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    /// OpenAI reasoning models: `minimal`, `low`, `medium`, `high`.
+    pub reasoning_effort: Option<String>,
+    /// Anthropic extended thinking / Gemini thinking budget, in tokens.
+    pub thinking_budget: Option<u32>,
+    /// Stream the answer (default) or ask for one JSON body.
+    pub stream: bool,
+    /// Longest silence allowed between two pieces of a streamed answer.
+    pub idle_timeout: Duration,
+}
+
+impl ModelSettings {
+    pub fn new(model: impl Into<String>) -> Self {
+        ModelSettings {
+            model: model.into(),
+            max_tokens: 4096,
+            temperature: None,
+            top_p: None,
+            reasoning_effort: None,
+            thinking_budget: None,
+            stream: true,
+            idle_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// A worker model reached over HTTP in one of the wire formats.
+#[derive(Clone)]
+pub struct HttpModel {
+    inner: Arc<HttpModelInner>,
+}
+
+struct HttpModelInner {
+    kind: ProviderKind,
+    /// Without a trailing slash.
+    base_url: String,
+    settings: ModelSettings,
+    key: KeySource,
+    http: reqwest::Client,
+}
+
+impl fmt::Debug for HttpModel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HttpModel")
+            .field("kind", &self.inner.kind)
+            .field("base_url", &self.inner.base_url)
+            .field("settings", &self.inner.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl HttpModel {
+    /// `http` is shared between workers so connections are pooled.
+    pub fn new(
+        kind: ProviderKind,
+        base_url: &str,
+        settings: ModelSettings,
+        key: KeySource,
+        http: reqwest::Client,
+    ) -> Self {
+        let base_url = base_url.trim_end_matches('/').to_owned();
+        HttpModel { inner: Arc::new(HttpModelInner { kind, base_url, settings, key, http }) }
+    }
+
+    /// A client with the timeouts Baton uses for every provider.
+    pub fn http_client() -> reqwest::Client {
+        reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .user_agent(concat!("baton/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .unwrap_or_else(|_| reqwest::Client::new())
+    }
+
+    pub fn kind(&self) -> ProviderKind {
+        self.inner.kind
+    }
+}
+
+impl ChatModel for HttpModel {
+    fn stream(&self, request: ChatRequest) -> BoxFuture<'static, Result<ChatStream, ProviderError>> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let key = (inner.key)()?;
+            let call = http::Call {
+                http: &inner.http,
+                base_url: &inner.base_url,
+                settings: &inner.settings,
+                key: key.as_ref(),
+            };
+            match inner.kind {
+                ProviderKind::OpenAi => openai::stream(call, &request, true).await,
+                ProviderKind::OpenAiCompatible => openai::stream(call, &request, false).await,
+                ProviderKind::Anthropic => anthropic::stream(call, &request).await,
+                ProviderKind::Gemini => gemini::stream(call, &request).await,
+            }
+        })
+    }
+}
