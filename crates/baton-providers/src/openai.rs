@@ -1,0 +1,248 @@
+//! OpenAI Chat Completions (`POST {base_url}/chat/completions`), also spoken by OpenRouter,
+//! Ollama, vLLM, LM Studio and llama.cpp's server.
+
+use reqwest::header::HeaderMap;
+use serde::{Deserialize, Serialize};
+
+use crate::http::{self, Call, StreamParser};
+use crate::sse::SseEvent;
+use crate::{ChatEvent, ChatRequest, ChatStream, ErrorKind, ProviderError, Role, Usage};
+
+pub const DEFAULT_BASE_URL: &str = "https://api.openai.com/v1";
+
+#[derive(Debug, Serialize)]
+pub struct Request<'a> {
+    pub model: &'a str,
+    pub messages: Vec<RequestMessage<'a>>,
+    pub stream: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_completion_tokens: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_effort: Option<&'a str>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct RequestMessage<'a> {
+    pub role: &'static str,
+    pub content: &'a str,
+}
+
+#[derive(Debug, Serialize)]
+pub struct StreamOptions {
+    pub include_usage: bool,
+}
+
+/// One `data:` payload of a streamed answer.
+#[derive(Debug, Deserialize)]
+pub struct Chunk {
+    #[serde(default)]
+    pub choices: Vec<ChunkChoice>,
+    pub usage: Option<WireUsage>,
+    pub error: Option<WireError>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChunkChoice {
+    #[serde(default)]
+    pub delta: Delta,
+    pub finish_reason: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct Delta {
+    pub content: Option<String>,
+}
+
+/// A non-streamed answer.
+#[derive(Debug, Deserialize)]
+pub struct Response {
+    pub choices: Vec<ResponseChoice>,
+    pub usage: Option<WireUsage>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ResponseChoice {
+    pub message: ResponseMessage,
+    pub finish_reason: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ResponseMessage {
+    pub content: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+pub struct WireUsage {
+    #[serde(default)]
+    pub prompt_tokens: u64,
+    #[serde(default)]
+    pub completion_tokens: u64,
+}
+
+impl From<WireUsage> for Usage {
+    fn from(u: WireUsage) -> Self {
+        Usage { input_tokens: u.prompt_tokens, output_tokens: u.completion_tokens }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ErrorBody {
+    pub error: WireError,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct WireError {
+    #[serde(default)]
+    pub message: String,
+    #[serde(rename = "type", default)]
+    pub kind: Option<String>,
+    /// A string on OpenAI; some compatible servers send a number.
+    #[serde(default)]
+    pub code: Option<serde_json::Value>,
+}
+
+impl WireError {
+    fn into_error(self, status: Option<u16>, headers: Option<&HeaderMap>) -> ProviderError {
+        let code = self.code.as_ref().and_then(|c| c.as_str()).unwrap_or_default().to_owned();
+        let kind_name = self.kind.clone().unwrap_or_default();
+        let mut kind = match status {
+            Some(s) => http::kind_for_status(s),
+            None => match kind_name.as_str() {
+                "invalid_request_error" => ErrorKind::BadRequest,
+                "authentication_error" => ErrorKind::Auth,
+                "rate_limit_error" | "rate_limit_exceeded" => ErrorKind::RateLimited,
+                _ => ErrorKind::Overloaded,
+            },
+        };
+        let mut message = self.message;
+        match code.as_str() {
+            "context_length_exceeded" | "string_above_max_length" => kind = ErrorKind::ContextTooLong,
+            "invalid_api_key" => kind = ErrorKind::Auth,
+            "insufficient_quota" => {
+                kind = ErrorKind::Auth;
+                message = format!("the account's quota is used up: {message}");
+            }
+            _ if kind == ErrorKind::BadRequest && http::mentions_context_limit(&message) => {
+                kind = ErrorKind::ContextTooLong;
+            }
+            _ => {}
+        }
+        if message.is_empty() {
+            message = if kind_name.is_empty() { "(no message)".to_owned() } else { kind_name };
+        }
+        let mut err = ProviderError::new(kind, message).with_retry_after(headers.and_then(http::retry_after));
+        err.status = status;
+        err
+    }
+}
+
+/// Maps an HTTP error answer to the taxonomy, reading OpenAI's `{"error": {...}}` body.
+pub fn classify(status: u16, headers: &HeaderMap, body: &str) -> ProviderError {
+    match serde_json::from_str::<ErrorBody>(body) {
+        Ok(b) => b.error.into_error(Some(status), Some(headers)),
+        Err(_) => ProviderError::new(http::kind_for_status(status), http::excerpt(body))
+            .with_status(status)
+            .with_retry_after(http::retry_after(headers)),
+    }
+}
+
+/// Builds the request body. `official` selects OpenAI's own parameter names
+/// (`max_completion_tokens`, which reasoning models require) over the older `max_tokens` that
+/// compatible servers understand.
+pub(crate) fn request_body<'a>(call: &Call<'a>, req: &'a ChatRequest, official: bool) -> Request<'a> {
+    let s = call.settings;
+    let mut messages = Vec::with_capacity(req.messages.len() + 1);
+    if let Some(system) = &req.system {
+        messages.push(RequestMessage { role: "system", content: system });
+    }
+    messages.extend(req.messages.iter().map(|m| RequestMessage {
+        role: match m.role {
+            Role::User => "user",
+            Role::Assistant => "assistant",
+        },
+        content: &m.content,
+    }));
+    let max = req.max_tokens.unwrap_or(s.max_tokens);
+    let completion_style = official || s.reasoning_effort.is_some();
+    Request {
+        model: &s.model,
+        messages,
+        stream: s.stream,
+        stream_options: s.stream.then_some(StreamOptions { include_usage: true }),
+        max_tokens: (!completion_style).then_some(max),
+        max_completion_tokens: completion_style.then_some(max),
+        temperature: s.temperature,
+        top_p: s.top_p,
+        reasoning_effort: s.reasoning_effort.as_deref(),
+    }
+}
+
+pub(crate) async fn stream(call: Call<'_>, req: &ChatRequest, official: bool) -> Result<ChatStream, ProviderError> {
+    let body = request_body(&call, req, official);
+    let mut builder = call.http.post(format!("{}/chat/completions", call.base_url)).json(&body);
+    if let Some(key) = call.key {
+        builder = builder.bearer_auth(key.expose());
+    }
+    let response = http::send(builder, classify).await?;
+    if call.settings.stream {
+        Ok(http::sse_stream(response, Parser::default(), call.settings.idle_timeout))
+    } else {
+        let body: Response = http::json_body(response).await?;
+        let usage = body.usage.map(Usage::from).unwrap_or_default();
+        let choice = body.choices.into_iter().next().ok_or_else(|| ProviderError::malformed("no choices in the answer"))?;
+        let text = choice.message.content.unwrap_or_default();
+        Ok(http::finished_stream(text, ChatEvent::Done { usage, stop_reason: choice.finish_reason }))
+    }
+}
+
+#[derive(Debug, Default)]
+struct Parser {
+    usage: Option<Usage>,
+    finish_reason: Option<String>,
+}
+
+impl Parser {
+    fn done(&mut self) -> ChatEvent {
+        ChatEvent::Done { usage: self.usage.unwrap_or_default(), stop_reason: self.finish_reason.take() }
+    }
+}
+
+impl StreamParser for Parser {
+    fn event(&mut self, event: SseEvent, out: &mut Vec<ChatEvent>) -> Result<bool, ProviderError> {
+        if event.data.trim() == "[DONE]" {
+            out.push(self.done());
+            return Ok(true);
+        }
+        let chunk: Chunk = http::decode("stream chunk", &event.data)?;
+        if let Some(error) = chunk.error {
+            return Err(error.into_error(None, None));
+        }
+        for choice in chunk.choices {
+            if let Some(text) = choice.delta.content
+                && !text.is_empty()
+            {
+                out.push(ChatEvent::Text(text));
+            }
+            if choice.finish_reason.is_some() {
+                self.finish_reason = choice.finish_reason;
+            }
+        }
+        if let Some(usage) = chunk.usage {
+            self.usage = Some(usage.into());
+        }
+        Ok(false)
+    }
+
+    fn end_of_stream(&mut self) -> Result<ChatEvent, ProviderError> {
+        // Some compatible servers close after the finish reason without `[DONE]`.
+        if self.finish_reason.is_some() { Ok(self.done()) } else { Err(ProviderError::cut_stream()) }
+    }
+}

@@ -1,0 +1,252 @@
+//! The clients against loopback servers that speak each provider's wire format, over real HTTP.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use baton_providers::{
+    ApiKey, ChatEvent, ChatModel, ChatRequest, ErrorKind, HttpModel, Message, ModelSettings, ProviderError, ProviderKind,
+    Usage,
+};
+use baton_testserver::{TestServer, Wire};
+use futures::StreamExt;
+
+const KINDS: [(ProviderKind, Wire); 3] =
+    [(ProviderKind::OpenAi, Wire::OpenAi), (ProviderKind::Anthropic, Wire::Anthropic), (ProviderKind::Gemini, Wire::Gemini)];
+
+fn model(server: &TestServer, kind: ProviderKind, wire: Wire, settings: ModelSettings) -> HttpModel {
+    let key = Arc::new(|| Ok(Some(ApiKey::new("test-key-123"))));
+    HttpModel::new(kind, &server.base_url(wire), settings, key, HttpModel::http_client())
+}
+
+fn request() -> ChatRequest {
+    ChatRequest {
+        system: Some("Be brief.".into()),
+        messages: vec![
+            Message::user("Solve 2+2."),
+            Message::assistant("4"),
+            Message::user("Check the solution above."),
+        ],
+        max_tokens: None,
+    }
+}
+
+struct Answer {
+    text: String,
+    pieces: usize,
+    usage: Usage,
+    stop: Option<String>,
+}
+
+async fn call(m: &HttpModel) -> Result<Answer, ProviderError> {
+    let mut stream = m.stream(request()).await?;
+    let mut answer = Answer { text: String::new(), pieces: 0, usage: Usage::default(), stop: None };
+    let mut done = false;
+    while let Some(event) = stream.next().await {
+        match event? {
+            ChatEvent::Text(t) => {
+                assert!(!done, "text after Done");
+                answer.pieces += 1;
+                answer.text.push_str(&t);
+            }
+            ChatEvent::Done { usage, stop_reason } => {
+                done = true;
+                answer.usage = usage;
+                answer.stop = stop_reason;
+            }
+        }
+    }
+    assert!(done, "stream ended without Done");
+    Ok(answer)
+}
+
+fn settings(model: &str, stream: bool) -> ModelSettings {
+    ModelSettings { stream, max_tokens: 512, temperature: Some(0.2), ..ModelSettings::new(model) }
+}
+
+#[tokio::test]
+async fn streamed_and_whole_answers_with_usage_in_every_format() {
+    let server = TestServer::start().await.expect("server");
+    for (kind, wire) in KINDS {
+        for stream in [true, false] {
+            let m = model(&server, kind, wire, settings("checker", stream));
+            let a = call(&m).await.unwrap_or_else(|e| panic!("{kind} stream={stream}: {e}"));
+            assert_eq!(a.text, "checker (saw 1 earlier answers) answers: Check the solution above.", "{kind}");
+            if stream {
+                assert!(a.pieces > 3, "{kind}: streamed in pieces, got {}", a.pieces);
+            } else {
+                assert_eq!(a.pieces, 1, "{kind}");
+            }
+            assert!(a.usage.input_tokens > 0 && a.usage.output_tokens > 0, "{kind} stream={stream}: {:?}", a.usage);
+            assert!(a.stop.is_some(), "{kind}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn headers_and_bodies_follow_each_providers_reference() {
+    let server = TestServer::start().await.expect("server");
+    for (kind, wire) in KINDS {
+        call(&model(&server, kind, wire, settings("m", true))).await.expect("answer");
+    }
+    let reqs = server.requests();
+    assert_eq!(reqs.len(), 3);
+
+    let openai = &reqs[0];
+    assert_eq!(openai.path, "/v1/chat/completions");
+    assert_eq!(openai.headers["authorization"], "Bearer test-key-123");
+    assert_eq!(openai.body["stream"], true);
+    assert_eq!(openai.body["stream_options"]["include_usage"], true);
+    assert_eq!(openai.body["max_completion_tokens"], 512, "OpenAI itself takes max_completion_tokens");
+    assert!(openai.body.get("max_tokens").is_none());
+    assert_eq!(openai.body["messages"][0]["role"], "system");
+    assert_eq!(openai.body["messages"][2]["role"], "assistant");
+    assert_eq!(openai.body["messages"].as_array().map(Vec::len), Some(4));
+
+    let anthropic = &reqs[1];
+    assert_eq!(anthropic.path, "/v1/messages");
+    assert_eq!(anthropic.headers["x-api-key"], "test-key-123");
+    assert_eq!(anthropic.headers["anthropic-version"], "2023-06-01");
+    assert!(!anthropic.headers.contains_key("authorization"));
+    assert_eq!(anthropic.body["system"], "Be brief.");
+    assert_eq!(anthropic.body["max_tokens"], 512);
+    assert_eq!(anthropic.body["messages"].as_array().map(Vec::len), Some(3));
+    assert_eq!(anthropic.body["messages"][0]["role"], "user");
+
+    let gemini = &reqs[2];
+    assert_eq!(gemini.path, "/v1beta/models/m:streamGenerateContent");
+    assert_eq!(gemini.headers["x-goog-api-key"], "test-key-123");
+    assert_eq!(gemini.body["systemInstruction"]["parts"][0]["text"], "Be brief.");
+    assert_eq!(gemini.body["contents"][1]["role"], "model");
+    assert_eq!(gemini.body["generationConfig"]["maxOutputTokens"], 512);
+    let t = gemini.body["generationConfig"]["temperature"].as_f64().expect("temperature");
+    assert!((t - 0.2).abs() < 1e-6);
+}
+
+#[tokio::test]
+async fn compatible_servers_get_max_tokens_and_no_key_when_none_is_set() {
+    let server = TestServer::start().await.expect("server");
+    let m = HttpModel::new(
+        ProviderKind::OpenAiCompatible,
+        &server.base_url(Wire::OpenAi),
+        settings("llama", true),
+        Arc::new(|| Ok(None)),
+        HttpModel::http_client(),
+    );
+    call(&m).await.expect("answer");
+    let req = &server.requests()[0];
+    assert_eq!(req.body["max_tokens"], 512);
+    assert!(req.body.get("max_completion_tokens").is_none());
+    assert!(!req.headers.contains_key("authorization"));
+}
+
+#[tokio::test]
+async fn reasoning_parameters_pass_through_and_thoughts_stay_out_of_the_answer() {
+    let server = TestServer::start().await.expect("server");
+    for (kind, wire) in KINDS {
+        for stream in [true, false] {
+            let s = ModelSettings {
+                reasoning_effort: (kind == ProviderKind::OpenAi).then(|| "high".to_owned()),
+                thinking_budget: (kind != ProviderKind::OpenAi).then_some(1024),
+                ..settings("thinker;reply=four", stream)
+            };
+            let a = call(&model(&server, kind, wire, s)).await.expect("answer");
+            assert_eq!(a.text, "four", "{kind} stream={stream}");
+            assert!(a.usage.output_tokens >= 7, "{kind}: thinking tokens count as output: {:?}", a.usage);
+        }
+    }
+    let reqs = server.requests();
+    assert_eq!(reqs[0].body["reasoning_effort"], "high");
+    assert_eq!(reqs[2].body["thinking"]["type"], "enabled");
+    assert_eq!(reqs[2].body["thinking"]["budget_tokens"], 1024);
+    assert!(reqs[2].body["max_tokens"].as_u64() > Some(1024));
+    assert!(reqs[2].body.get("temperature").is_none(), "Anthropic rejects temperature with thinking");
+    assert_eq!(reqs[4].body["generationConfig"]["thinkingConfig"]["thinkingBudget"], 1024);
+}
+
+async fn error_of(server: &TestServer, kind: ProviderKind, wire: Wire, model_name: &str, stream: bool) -> ProviderError {
+    match call(&model(server, kind, wire, settings(model_name, stream))).await {
+        Ok(a) => panic!("{kind} {model_name}: expected an error, got {:?}", a.text),
+        Err(e) => e,
+    }
+}
+
+#[tokio::test]
+async fn error_bodies_map_to_one_taxonomy() {
+    let server = TestServer::start().await.expect("server");
+    for (kind, wire) in KINDS {
+        let e = error_of(&server, kind, wire, "m;fail=401", true).await;
+        assert_eq!(e.kind, ErrorKind::Auth, "{kind}: {e}");
+        assert!(!e.is_retryable());
+
+        let e = error_of(&server, kind, wire, "m;fail=429;retry_after=7", true).await;
+        assert_eq!(e.kind, ErrorKind::RateLimited, "{kind}: {e}");
+        assert_eq!(e.retry_after, Some(Duration::from_secs(7)), "{kind}");
+        assert_eq!(e.status, Some(429));
+
+        let e = error_of(&server, kind, wire, "m;fail=500", false).await;
+        assert_eq!(e.kind, ErrorKind::Overloaded, "{kind}: {e}");
+        assert!(e.is_retryable());
+
+        let e = error_of(&server, kind, wire, "m;fail=400", true).await;
+        assert_eq!(e.kind, ErrorKind::ContextTooLong, "{kind}: {e}");
+
+        let e = error_of(&server, kind, wire, "m;fail=404", true).await;
+        assert_eq!(e.kind, ErrorKind::BadRequest, "{kind}: {e}");
+
+        let e = error_of(&server, kind, wire, "m;garbage=99", false).await;
+        assert_eq!(e.kind, ErrorKind::MalformedResponse, "{kind}: {e}");
+        let e = error_of(&server, kind, wire, "m;garbage=99", true).await;
+        assert_eq!(e.kind, ErrorKind::MalformedResponse, "{kind}: {e}");
+
+        let e = error_of(&server, kind, wire, "m;cut=99", true).await;
+        assert_eq!(e.kind, ErrorKind::Network, "{kind}: {e}");
+        assert!(e.is_retryable());
+
+        let e = error_of(&server, kind, wire, "m;stream_error=99", true).await;
+        assert_eq!(e.kind, ErrorKind::Overloaded, "{kind}: {e}");
+    }
+    let e = error_of(&server, ProviderKind::Anthropic, Wire::Anthropic, "m;fail=529", true).await;
+    assert_eq!(e.kind, ErrorKind::Overloaded);
+    assert!(e.message.contains("Overloaded"));
+}
+
+#[tokio::test]
+async fn a_wrong_key_is_an_auth_error_in_every_format() {
+    let server = baton_testserver::TestServer::start_with(baton_testserver::Options {
+        key: Some("right".into()),
+        ..Default::default()
+    })
+    .await
+    .expect("server");
+    for (kind, wire) in KINDS {
+        let e = error_of(&server, kind, wire, "m", true).await;
+        assert_eq!(e.kind, ErrorKind::Auth, "{kind}: {e}");
+        assert!(!e.to_string().contains("test-key-123"), "the key must not appear in errors");
+    }
+}
+
+#[tokio::test]
+async fn silence_mid_stream_is_a_timeout() {
+    let server = TestServer::start().await.expect("server");
+    for (kind, wire) in KINDS {
+        let s = ModelSettings { idle_timeout: Duration::from_millis(100), ..settings("m;latency=3000;chunks=2", true) };
+        let e = call(&model(&server, kind, wire, s)).await.err().expect("times out");
+        assert_eq!(e.kind, ErrorKind::Timeout, "{kind}: {e}");
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_server_is_a_network_error() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    drop(listener);
+    let m = HttpModel::new(
+        ProviderKind::OpenAi,
+        &format!("http://{addr}/v1"),
+        settings("m", true),
+        Arc::new(|| Ok(Some(ApiKey::new("k")))),
+        HttpModel::http_client(),
+    );
+    let e = call(&m).await.err().expect("fails");
+    assert_eq!(e.kind, ErrorKind::Network, "{e}");
+}

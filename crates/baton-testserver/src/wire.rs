@@ -1,0 +1,366 @@
+//! The three wire formats' answers: streamed events, whole bodies and error bodies, shaped as
+//! the providers document them.
+
+use std::collections::BTreeMap;
+
+use axum::body::{Body, Bytes};
+use axum::http::{StatusCode, header};
+use axum::response::Response;
+use serde_json::{Value, json};
+
+use crate::Script;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Wire {
+    OpenAi,
+    Anthropic,
+    Gemini,
+}
+
+impl Wire {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Wire::OpenAi => "openai",
+            Wire::Anthropic => "anthropic",
+            Wire::Gemini => "gemini",
+        }
+    }
+}
+
+/// The key the request carries in its wire's auth header.
+pub(crate) fn presented_key(wire: Wire, headers: &BTreeMap<String, String>) -> Option<String> {
+    match wire {
+        Wire::OpenAi => headers.get("authorization").and_then(|v| v.strip_prefix("Bearer ")).map(str::to_owned),
+        Wire::Anthropic => headers.get("x-api-key").cloned(),
+        Wire::Gemini => headers.get("x-goog-api-key").cloned(),
+    }
+}
+
+pub(crate) fn auth_error(wire: Wire) -> Response {
+    match wire {
+        Wire::OpenAi => json_response(
+            StatusCode::UNAUTHORIZED,
+            json!({"error": {"message": "Incorrect API key provided. You can find your API key at https://platform.openai.com/account/api-keys.", "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}}),
+            None,
+        ),
+        Wire::Anthropic => json_response(
+            StatusCode::UNAUTHORIZED,
+            json!({"type": "error", "error": {"type": "authentication_error", "message": "invalid x-api-key"}}),
+            None,
+        ),
+        // Gemini answers a bad key with 400 INVALID_ARGUMENT and reason API_KEY_INVALID.
+        Wire::Gemini => json_response(
+            StatusCode::BAD_REQUEST,
+            json!({"error": {"code": 400, "message": "API key not valid. Please pass a valid API key.", "status": "INVALID_ARGUMENT",
+                "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "API_KEY_INVALID", "domain": "googleapis.com"}]}}),
+            None,
+        ),
+    }
+}
+
+/// The wire's error body for `status`, as its provider sends it.
+pub(crate) fn error_response(
+    wire: Wire,
+    status: StatusCode,
+    _hint: &str,
+    message: &str,
+    retry_after: Option<&str>,
+) -> Response {
+    let code = status.as_u16();
+    let body = match wire {
+        Wire::OpenAi => {
+            let (kind, code_str, msg) = match code {
+                400 => ("invalid_request_error", Some("context_length_exceeded"), "This model's maximum context length is 128000 tokens. However, your messages resulted in 131072 tokens. Please reduce the length of the messages."),
+                401 => return auth_error(wire),
+                404 => ("invalid_request_error", Some("model_not_found"), "The model does not exist or you do not have access to it."),
+                429 => ("requests", Some("rate_limit_exceeded"), "Rate limit reached for requests per min (RPM): Limit 3, Used 3, Requested 1. Please try again in 20s."),
+                500 => ("server_error", None, "The server had an error while processing your request. Sorry about that!"),
+                503 => ("server_error", None, "The engine is currently overloaded, please try again later"),
+                _ => ("server_error", None, message),
+            };
+            json!({"error": {"message": msg, "type": kind, "param": null, "code": code_str}})
+        }
+        Wire::Anthropic => {
+            let (kind, msg) = match code {
+                400 => ("invalid_request_error", "prompt is too long: 212345 tokens > 200000 maximum"),
+                401 => ("authentication_error", "invalid x-api-key"),
+                403 => ("permission_error", "Your API key does not have permission to use the specified resource."),
+                404 => ("not_found_error", "The requested resource could not be found."),
+                413 => ("request_too_large", "Request exceeds the maximum allowed number of bytes."),
+                429 => ("rate_limit_error", "Number of request tokens has exceeded your per-minute rate limit"),
+                500 => ("api_error", "An unexpected error has occurred internal to Anthropic's systems."),
+                529 => ("overloaded_error", "Overloaded"),
+                _ => ("api_error", message),
+            };
+            json!({"type": "error", "error": {"type": kind, "message": msg}})
+        }
+        Wire::Gemini => {
+            let (status_name, msg) = match code {
+                400 => ("INVALID_ARGUMENT", "The input token count (1200000) exceeds the maximum number of tokens allowed (1048576)."),
+                401 | 403 => return auth_error(wire),
+                404 => ("NOT_FOUND", "models/unknown is not found for API version v1beta, or is not supported for generateContent."),
+                429 => ("RESOURCE_EXHAUSTED", "You exceeded your current quota, please check your plan and billing details."),
+                500 => ("INTERNAL", "An internal error has occurred. Please retry or report in https://developers.generativeai.google/guide/troubleshooting"),
+                503 => ("UNAVAILABLE", "The model is overloaded. Please try again later."),
+                _ => ("UNKNOWN", message),
+            };
+            let mut details = vec![];
+            if let (429, Some(after)) = (code, retry_after) {
+                details.push(json!({"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": format!("{after}s")}));
+            }
+            json!({"error": {"code": code, "message": msg, "status": status_name, "details": details}})
+        }
+    };
+    let retry_after = if matches!(code, 429 | 503 | 529) { retry_after } else { None };
+    json_response(status, body, retry_after)
+}
+
+fn json_response(status: StatusCode, body: Value, retry_after: Option<&str>) -> Response {
+    let mut builder = Response::builder().status(status).header(header::CONTENT_TYPE, "application/json");
+    if let Some(after) = retry_after {
+        builder = builder.header(header::RETRY_AFTER, after);
+    }
+    builder.body(Body::from(body.to_string())).unwrap_or_default()
+}
+
+/// The conversation as the server sees it: last user text, earlier answers, prompt size.
+struct Conversation {
+    last_user: String,
+    answers_seen: usize,
+    prompt_chars: usize,
+    thinking: bool,
+    include_usage: bool,
+}
+
+fn text_of(content: &Value) -> String {
+    match content {
+        Value::String(s) => s.clone(),
+        Value::Array(blocks) => blocks.iter().filter_map(|b| b.get("text").and_then(Value::as_str)).collect(),
+        _ => String::new(),
+    }
+}
+
+fn conversation(wire: Wire, body: &Value) -> Conversation {
+    let empty = vec![];
+    let (turns, assistant_role, content_key) = match wire {
+        Wire::OpenAi | Wire::Anthropic => (body["messages"].as_array().unwrap_or(&empty), "assistant", "content"),
+        Wire::Gemini => (body["contents"].as_array().unwrap_or(&empty), "model", "parts"),
+    };
+    let mut last_user = String::new();
+    let mut answers_seen = 0;
+    let mut prompt_chars = 0;
+    for turn in turns {
+        let text = text_of(&turn[content_key]);
+        prompt_chars += text.len();
+        if turn["role"] == assistant_role {
+            answers_seen += 1;
+        } else if turn["role"] != "system" {
+            last_user = text;
+        }
+    }
+    let thinking = match wire {
+        Wire::OpenAi => body.get("reasoning_effort").is_some(),
+        Wire::Anthropic => body.get("thinking").is_some(),
+        Wire::Gemini => body["generationConfig"].get("thinkingConfig").is_some(),
+    };
+    let include_usage = body["stream_options"]["include_usage"].as_bool().unwrap_or(false);
+    Conversation { last_user, answers_seen, prompt_chars, thinking, include_usage }
+}
+
+pub(crate) async fn respond(wire: Wire, script: &Script, call: u32, body: &Value, stream: bool) -> Response {
+    let mut wait = script.ttfb;
+    if let Some((slow, n)) = script.slow
+        && call < n
+    {
+        wait += slow;
+    }
+    tokio::time::sleep(wait).await;
+
+    if let Some((status, n)) = script.fail
+        && call < n
+    {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        return error_response(wire, status, "", "scripted failure", script.retry_after.as_deref());
+    }
+    if call < script.garbage {
+        let mut builder = Response::builder().status(StatusCode::OK);
+        builder = builder.header(header::CONTENT_TYPE, if stream { "text/event-stream" } else { "application/json" });
+        let junk = if stream { "data: <html>upstream proxy error</html>\n\n" } else { "<html>upstream proxy error</html>" };
+        return builder.body(Body::from(junk)).unwrap_or_default();
+    }
+
+    let conv = conversation(wire, body);
+    let text = script.answer(&conv.last_user, conv.answers_seen);
+    let pieces = script.pieces(&text);
+    let usage_in = conv.prompt_chars.div_ceil(4) as u64;
+    let usage_out = pieces.len() as u64 + if conv.thinking { 7 } else { 0 };
+    let model = script.name.clone();
+
+    if !stream {
+        tokio::time::sleep(script.latency).await;
+        let body = match wire {
+            Wire::OpenAi => json!({
+                "id": "chatcmpl-test", "object": "chat.completion", "created": 0, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": null}, "logprobs": null, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": usage_in, "completion_tokens": usage_out, "total_tokens": usage_in + usage_out},
+            }),
+            Wire::Anthropic => {
+                let mut content = vec![];
+                if conv.thinking {
+                    content.push(json!({"type": "thinking", "thinking": "Let me think.", "signature": "sig"}));
+                }
+                content.push(json!({"type": "text", "text": text}));
+                json!({
+                    "id": "msg_test", "type": "message", "role": "assistant", "model": model, "content": content,
+                    "stop_reason": "end_turn", "stop_sequence": null,
+                    "usage": {"input_tokens": usage_in, "output_tokens": usage_out},
+                })
+            }
+            Wire::Gemini => {
+                let mut parts = vec![];
+                if conv.thinking {
+                    parts.push(json!({"text": "Let me think.", "thought": true}));
+                }
+                parts.push(json!({"text": text}));
+                json!({
+                    "candidates": [{"content": {"parts": parts, "role": "model"}, "finishReason": "STOP", "index": 0}],
+                    "usageMetadata": {"promptTokenCount": usage_in, "candidatesTokenCount": pieces.len(), "totalTokenCount": usage_in + usage_out,
+                        "thoughtsTokenCount": if conv.thinking { 7 } else { 0 }},
+                    "modelVersion": model,
+                })
+            }
+        };
+        return json_response(StatusCode::OK, body, None);
+    }
+
+    let events = stream_events(wire, &model, &pieces, &conv, usage_in, usage_out);
+    let delay = script.latency / (pieces.len() as u32 + 1);
+    let cut = call < script.cut;
+    let stream_error = call < script.stream_error;
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+    tokio::spawn(async move {
+        let total = events.len();
+        for (i, event) in events.into_iter().enumerate() {
+            let is_text = event.text;
+            if cut && i == total / 2 {
+                // Half an event, then the connection ends.
+                let partial: String = event.bytes.chars().take(event.bytes.len() / 2).collect();
+                let _ = tx.send(Ok(Bytes::from(partial))).await;
+                return;
+            }
+            if tx.send(Ok(Bytes::from(event.bytes))).await.is_err() {
+                return; // the client hung up
+            }
+            if is_text {
+                if stream_error {
+                    let _ = tx.send(Ok(Bytes::from(in_stream_error(wire)))).await;
+                    return;
+                }
+                tokio::time::sleep(delay).await;
+            }
+        }
+        tokio::time::sleep(delay).await;
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)))
+        .unwrap_or_default()
+}
+
+struct Event {
+    bytes: String,
+    /// Carries answer text (the scripted latency is spent after these).
+    text: bool,
+}
+
+fn data(value: Value) -> Event {
+    Event { bytes: format!("data: {value}\n\n"), text: false }
+}
+
+fn named(name: &str, value: Value) -> Event {
+    Event { bytes: format!("event: {name}\ndata: {value}\n\n"), text: false }
+}
+
+fn text(mut e: Event) -> Event {
+    e.text = true;
+    e
+}
+
+fn stream_events(wire: Wire, model: &str, pieces: &[String], conv: &Conversation, usage_in: u64, usage_out: u64) -> Vec<Event> {
+    let mut out = Vec::new();
+    match wire {
+        Wire::OpenAi => {
+            let chunk = |delta: Value, finish: Value| {
+                json!({"id": "chatcmpl-test", "object": "chat.completion.chunk", "created": 0, "model": model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]})
+            };
+            out.push(data(chunk(json!({"role": "assistant", "content": "", "refusal": null}), Value::Null)));
+            for p in pieces {
+                out.push(text(data(chunk(json!({"content": p}), Value::Null))));
+            }
+            out.push(data(chunk(json!({}), json!("stop"))));
+            if conv.include_usage {
+                out.push(data(json!({"id": "chatcmpl-test", "object": "chat.completion.chunk", "created": 0, "model": model, "choices": [],
+                    "usage": {"prompt_tokens": usage_in, "completion_tokens": usage_out, "total_tokens": usage_in + usage_out,
+                        "completion_tokens_details": {"reasoning_tokens": if conv.thinking { 7 } else { 0 }}}})));
+            }
+            out.push(Event { bytes: "data: [DONE]\n\n".to_owned(), text: false });
+        }
+        Wire::Anthropic => {
+            out.push(named("message_start", json!({"type": "message_start", "message": {"id": "msg_test", "type": "message", "role": "assistant",
+                "content": [], "model": model, "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": usage_in, "output_tokens": 1}}})));
+            let mut index = 0;
+            if conv.thinking {
+                out.push(named("content_block_start", json!({"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}})));
+                out.push(named("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "Let me think."}})));
+                out.push(named("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "sig"}})));
+                out.push(named("content_block_stop", json!({"type": "content_block_stop", "index": 0})));
+                index = 1;
+            }
+            out.push(named("content_block_start", json!({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}})));
+            out.push(named("ping", json!({"type": "ping"})));
+            for p in pieces {
+                out.push(text(named("content_block_delta", json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": p}}))));
+            }
+            out.push(named("content_block_stop", json!({"type": "content_block_stop", "index": index})));
+            out.push(named("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": usage_out}})));
+            out.push(named("message_stop", json!({"type": "message_stop"})));
+        }
+        Wire::Gemini => {
+            if conv.thinking {
+                out.push(data(json!({"candidates": [{"content": {"parts": [{"text": "Let me think.", "thought": true}], "role": "model"}, "index": 0}],
+                    "usageMetadata": {"promptTokenCount": usage_in, "totalTokenCount": usage_in}, "modelVersion": model})));
+            }
+            let last = pieces.len().saturating_sub(1);
+            for (i, p) in pieces.iter().enumerate() {
+                let mut candidate = json!({"content": {"parts": [{"text": p}], "role": "model"}, "index": 0});
+                let mut usage = json!({"promptTokenCount": usage_in, "candidatesTokenCount": i + 1, "totalTokenCount": usage_in + i as u64 + 1});
+                if i == last {
+                    candidate["finishReason"] = json!("STOP");
+                    usage["thoughtsTokenCount"] = json!(if conv.thinking { 7 } else { 0 });
+                }
+                out.push(text(data(json!({"candidates": [candidate], "usageMetadata": usage, "modelVersion": model, "responseId": "resp-test"}))));
+            }
+        }
+    }
+    out
+}
+
+fn in_stream_error(wire: Wire) -> String {
+    match wire {
+        Wire::OpenAi => format!(
+            "data: {}\n\n",
+            json!({"error": {"message": "The server had an error while processing your request.", "type": "server_error", "param": null, "code": null}})
+        ),
+        Wire::Anthropic => format!(
+            "event: error\ndata: {}\n\n",
+            json!({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}})
+        ),
+        Wire::Gemini => format!(
+            "data: {}\n\n",
+            json!({"error": {"code": 503, "message": "The model is overloaded. Please try again later.", "status": "UNAVAILABLE"}})
+        ),
+    }
+}
