@@ -1,1 +1,15 @@
+//! Baton's engine: the worker pool, the executor that runs a conductor's plan over it, and the
+//! [`RunEvent`] stream that reports everything the executor does.
+//!
+//! Nothing here knows about a UI or a terminal: the CLI and the desktop app are consumers of
+//! [`RunEvent`]s.
 
+pub mod event;
+pub mod executor;
+pub mod keys;
+pub mod pool;
+pub mod pricing;
+
+pub use event::{RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, Totals};
+pub use executor::{EventSink, Executor, RunOutcome, RunRequest, RunStatus, Worker, new_run_id};
+pub use pool::{Budget, Pool, PoolError, PoolOptions, WorkerInfo, WorkerSpec};

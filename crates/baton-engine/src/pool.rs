@@ -1,0 +1,542 @@
+//! The worker pool: a TOML file of `[[worker]]` tables plus run-wide options.
+//!
+//! Workers are numbered in file order; the conductor knows them only as "Model 0", "Model 1", …
+//! Every mistake in the file is reported with the file, the line, the worker and the field.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use baton_plan::DEFAULT_MAX_STEPS;
+use baton_providers::{ModelSettings, ProviderKind, RetryPolicy};
+use serde::Serialize;
+
+use crate::pricing::{self, Price};
+
+/// A pool file, parsed and checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pool {
+    pub workers: Vec<WorkerSpec>,
+    pub options: PoolOptions,
+}
+
+/// Run-wide settings, all optional in the file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolOptions {
+    /// Longest plan accepted (the paper uses 5).
+    pub max_steps: usize,
+    /// Also tell every worker the user's original question (the paper does not).
+    pub show_question: bool,
+    /// Calls in flight at once per provider endpoint.
+    pub max_concurrency_per_provider: usize,
+    pub budget: Budget,
+    pub retry: RetryPolicy,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        PoolOptions {
+            max_steps: DEFAULT_MAX_STEPS,
+            show_question: false,
+            max_concurrency_per_provider: 4,
+            budget: Budget::default(),
+            retry: RetryPolicy::default(),
+        }
+    }
+}
+
+/// Caps per run, checked before every call.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct Budget {
+    /// Provider calls, retries included.
+    pub max_calls: Option<u32>,
+    /// Input plus output tokens.
+    pub max_tokens: Option<u64>,
+    pub max_cost_usd: Option<f64>,
+}
+
+/// One worker as the pool file describes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerSpec {
+    /// Shown to the user, never to the conductor.
+    pub name: String,
+    pub provider: ProviderKind,
+    pub model: String,
+    /// Replaces the provider's default base URL; required for `openai-compatible`.
+    pub base_url: Option<String>,
+    /// Environment variable holding the key; it takes precedence over the key store.
+    pub api_key_env: Option<String>,
+    pub max_tokens: u32,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub reasoning_effort: Option<String>,
+    pub thinking_budget: Option<u32>,
+    pub stream: bool,
+    /// Limit for one call, first byte to last.
+    pub timeout: Duration,
+    /// Longest silence allowed inside a streamed answer.
+    pub idle_timeout: Duration,
+    pub price_in: Option<f64>,
+    pub price_out: Option<f64>,
+    /// What the conductor is told about this worker.
+    pub description: Option<String>,
+}
+
+impl WorkerSpec {
+    /// The base URL calls go to: the pool's, else the provider's default.
+    pub fn effective_base_url(&self) -> &str {
+        self.base_url.as_deref().or(self.provider.default_base_url()).unwrap_or_default()
+    }
+
+    /// $/1M-token prices: the pool's, else the built-in table's; `None` when unknown.
+    pub fn price(&self) -> Option<Price> {
+        let table = pricing::lookup(self.provider, &self.model);
+        let input = self.price_in.or(table.map(|p| p.input))?;
+        let output = self.price_out.or(table.map(|p| p.output))?;
+        Some(Price { input, output })
+    }
+
+    pub fn settings(&self) -> ModelSettings {
+        ModelSettings {
+            model: self.model.clone(),
+            max_tokens: self.max_tokens,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            reasoning_effort: self.reasoning_effort.clone(),
+            thinking_budget: self.thinking_budget,
+            stream: self.stream,
+            idle_timeout: self.idle_timeout,
+        }
+    }
+}
+
+/// What is wrong with a pool file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct PoolError {
+    pub file: String,
+    pub line: Option<usize>,
+    /// Index and name of the worker, when the problem is inside one.
+    pub worker: Option<(usize, Option<String>)>,
+    pub field: Option<String>,
+    pub message: String,
+}
+
+impl fmt::Display for PoolError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.file)?;
+        if let Some(line) = self.line {
+            write!(f, ":{line}")?;
+        }
+        f.write_str(": ")?;
+        if let Some((index, name)) = &self.worker {
+            match name {
+                Some(name) => write!(f, "worker {index} (\"{name}\"): ")?,
+                None => write!(f, "worker {index}: ")?,
+            }
+        }
+        if let Some(field) = &self.field {
+            write!(f, "field `{field}`: ")?;
+        }
+        f.write_str(&self.message)
+    }
+}
+
+const TOP_LEVEL_KEYS: &[&str] = &["max_steps", "show_question", "max_concurrency_per_provider", "budget", "retry", "worker"];
+const BUDGET_KEYS: &[&str] = &["max_calls", "max_tokens", "max_cost_usd"];
+const RETRY_KEYS: &[&str] = &["max_retries", "initial_delay_ms", "max_delay_ms", "max_retry_after_secs"];
+const WORKER_KEYS: &[&str] = &[
+    "name",
+    "provider",
+    "model",
+    "base_url",
+    "api_key_env",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "reasoning_effort",
+    "thinking_budget",
+    "stream",
+    "timeout_secs",
+    "idle_timeout_secs",
+    "price_in",
+    "price_out",
+    "description",
+];
+
+impl Pool {
+    pub fn load(path: &Path) -> Result<Pool, PoolError> {
+        let text = std::fs::read_to_string(path).map_err(|e| PoolError {
+            file: path.display().to_string(),
+            line: None,
+            worker: None,
+            field: None,
+            message: if e.kind() == std::io::ErrorKind::NotFound {
+                "no such file; create a pool file (see examples/pool.toml) or pass --pool FILE".to_owned()
+            } else {
+                format!("cannot read: {e}")
+            },
+        })?;
+        Pool::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses pool TOML; `file` names the source in errors.
+    pub fn parse(text: &str, file: &str) -> Result<Pool, PoolError> {
+        let err = |line: Option<usize>, worker: Option<(usize, Option<String>)>, field: Option<&str>, message: String| {
+            PoolError { file: file.to_owned(), line, worker, field: field.map(str::to_owned), message }
+        };
+        let doc: toml::Spanned<toml::Table> = toml::from_str(text).map_err(|e| {
+            let line = e.span().map(|s| line_of(text, s.start));
+            err(line, None, None, e.message().trim().to_owned())
+        })?;
+        let table = doc.into_inner();
+        // Spans of each [[worker]] table, for line numbers.
+        let worker_spans: Vec<usize> = toml::from_str::<WorkerSpans>(text)
+            .map(|w| w.worker.iter().map(|s| line_of(text, s.span().start)).collect())
+            .unwrap_or_default();
+
+        if let Some(key) = table.keys().find(|k| !TOP_LEVEL_KEYS.contains(&k.as_str())) {
+            return Err(err(None, None, Some(key), format!("unknown setting; expected one of {}", TOP_LEVEL_KEYS.join(", "))));
+        }
+
+        let mut options = PoolOptions::default();
+        let top = Fields { table: &table, allowed: TOP_LEVEL_KEYS };
+        let field_err = |e: FieldError| err(None, None, Some(&e.field), e.message);
+        if let Some(n) = top.int("max_steps", 1, 64).map_err(field_err)? {
+            options.max_steps = n as usize;
+        }
+        if let Some(b) = top.bool("show_question").map_err(field_err)? {
+            options.show_question = b;
+        }
+        if let Some(n) = top.int("max_concurrency_per_provider", 1, 1024).map_err(field_err)? {
+            options.max_concurrency_per_provider = n as usize;
+        }
+        if let Some(budget) = top.table("budget").map_err(field_err)? {
+            let b = Fields { table: budget, allowed: BUDGET_KEYS };
+            let field_err = |e: FieldError| err(None, None, Some(&format!("budget.{}", e.field)), e.message);
+            b.check_unknown().map_err(field_err)?;
+            options.budget.max_calls = b.int("max_calls", 1, u32::MAX as i64).map_err(field_err)?.map(|n| n as u32);
+            options.budget.max_tokens = b.int("max_tokens", 1, i64::MAX).map_err(field_err)?.map(|n| n as u64);
+            options.budget.max_cost_usd = b.float("max_cost_usd", 0.0).map_err(field_err)?;
+        }
+        if let Some(retry) = top.table("retry").map_err(field_err)? {
+            let r = Fields { table: retry, allowed: RETRY_KEYS };
+            let field_err = |e: FieldError| err(None, None, Some(&format!("retry.{}", e.field)), e.message);
+            r.check_unknown().map_err(field_err)?;
+            if let Some(n) = r.int("max_retries", 0, 20).map_err(field_err)? {
+                options.retry.max_retries = n as u32;
+            }
+            if let Some(n) = r.int("initial_delay_ms", 0, 600_000).map_err(field_err)? {
+                options.retry.initial_delay = Duration::from_millis(n as u64);
+            }
+            if let Some(n) = r.int("max_delay_ms", 0, 3_600_000).map_err(field_err)? {
+                options.retry.max_delay = Duration::from_millis(n as u64);
+            }
+            if let Some(n) = r.int("max_retry_after_secs", 0, 86_400).map_err(field_err)? {
+                options.retry.max_retry_after = Duration::from_secs(n as u64);
+            }
+        }
+
+        let raw_workers = match table.get("worker") {
+            None => Vec::new(),
+            Some(toml::Value::Array(items)) => items.clone(),
+            Some(_) => return Err(err(None, None, Some("worker"), "must be an array of tables: write [[worker]]".into())),
+        };
+        if raw_workers.is_empty() {
+            return Err(err(None, None, None, "the pool has no workers; add at least one [[worker]] table".into()));
+        }
+        let mut workers = Vec::with_capacity(raw_workers.len());
+        for (index, raw) in raw_workers.iter().enumerate() {
+            let line = worker_spans.get(index).copied();
+            let toml::Value::Table(t) = raw else {
+                return Err(err(line, Some((index, None)), None, "must be a table".into()));
+            };
+            let name = t.get("name").and_then(|v| v.as_str()).map(str::to_owned);
+            let spec = worker(t).map_err(|e| err(line, Some((index, name.clone())), Some(&e.field), e.message))?;
+            if let Some(first) = workers.iter().position(|w: &WorkerSpec| w.name == spec.name) {
+                return Err(err(
+                    line,
+                    Some((index, name)),
+                    Some("name"),
+                    format!("worker {first} already has this name; names must be unique"),
+                ));
+            }
+            workers.push(spec);
+        }
+        Ok(Pool { workers, options })
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct WorkerSpans {
+    #[serde(default)]
+    worker: Vec<toml::Spanned<toml::Table>>,
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    text[..offset.min(text.len())].matches('\n').count() + 1
+}
+
+struct FieldError {
+    field: String,
+    message: String,
+}
+
+/// Typed access to a TOML table that names the field in every error.
+struct Fields<'a> {
+    table: &'a toml::Table,
+    allowed: &'static [&'static str],
+}
+
+impl<'a> Fields<'a> {
+    fn check_unknown(&self) -> Result<(), FieldError> {
+        match self.table.keys().find(|k| !self.allowed.contains(&k.as_str())) {
+            Some(k) => Err(FieldError {
+                field: k.clone(),
+                message: format!("unknown field; expected one of {}", self.allowed.join(", ")),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn wrong_type(field: &'static str, want: &str, got: &toml::Value) -> FieldError {
+        FieldError { field: field.into(), message: format!("expected {want}, found {} `{got}`", got.type_str()) }
+    }
+
+    fn string(&self, field: &'static str) -> Result<Option<String>, FieldError> {
+        match self.table.get(field) {
+            None => Ok(None),
+            Some(toml::Value::String(s)) => Ok(Some(s.clone())),
+            Some(v) => Err(Self::wrong_type(field, "a string", v)),
+        }
+    }
+
+    fn required(&self, field: &'static str) -> Result<String, FieldError> {
+        match self.string(field)? {
+            Some(s) if !s.trim().is_empty() => Ok(s),
+            Some(_) => Err(FieldError { field: field.into(), message: "must not be empty".into() }),
+            None => Err(FieldError { field: field.into(), message: "missing; every worker needs one".into() }),
+        }
+    }
+
+    fn int(&self, field: &'static str, min: i64, max: i64) -> Result<Option<i64>, FieldError> {
+        match self.table.get(field) {
+            None => Ok(None),
+            Some(toml::Value::Integer(n)) if (min..=max).contains(n) => Ok(Some(*n)),
+            Some(toml::Value::Integer(n)) => {
+                Err(FieldError { field: field.into(), message: format!("{n} is out of range ({min} to {max})") })
+            }
+            Some(v) => Err(Self::wrong_type(field, "a whole number", v)),
+        }
+    }
+
+    fn float(&self, field: &'static str, min: f64) -> Result<Option<f64>, FieldError> {
+        let value = match self.table.get(field) {
+            None => return Ok(None),
+            Some(toml::Value::Float(f)) => *f,
+            Some(toml::Value::Integer(n)) => *n as f64,
+            Some(v) => return Err(Self::wrong_type(field, "a number", v)),
+        };
+        if value.is_finite() && value >= min {
+            Ok(Some(value))
+        } else {
+            Err(FieldError { field: field.into(), message: format!("{value} is out of range (at least {min})") })
+        }
+    }
+
+    fn bool(&self, field: &'static str) -> Result<Option<bool>, FieldError> {
+        match self.table.get(field) {
+            None => Ok(None),
+            Some(toml::Value::Boolean(b)) => Ok(Some(*b)),
+            Some(v) => Err(Self::wrong_type(field, "true or false", v)),
+        }
+    }
+
+    fn table(&self, field: &'static str) -> Result<Option<&'a toml::Table>, FieldError> {
+        match self.table.get(field) {
+            None => Ok(None),
+            Some(toml::Value::Table(t)) => Ok(Some(t)),
+            Some(v) => Err(Self::wrong_type(field, "a table", v)),
+        }
+    }
+}
+
+fn worker(t: &toml::Table) -> Result<WorkerSpec, FieldError> {
+    let f = Fields { table: t, allowed: WORKER_KEYS };
+    if let Some(k) = t.keys().find(|k| !WORKER_KEYS.contains(&k.as_str())) {
+        return Err(FieldError { field: k.clone(), message: format!("unknown field; expected one of {}", WORKER_KEYS.join(", ")) });
+    }
+    let name = f.required("name")?;
+    let provider_name = f.required("provider")?;
+    let provider = ProviderKind::ALL.into_iter().find(|k| k.as_str() == provider_name).ok_or_else(|| FieldError {
+        field: "provider".into(),
+        message: format!(
+            "unknown provider \"{provider_name}\"; expected one of {}",
+            ProviderKind::ALL.map(|k| k.as_str()).join(", ")
+        ),
+    })?;
+    let model = f.required("model")?;
+    let base_url = match f.string("base_url")? {
+        Some(u) => Some(check_url(&u).map_err(|message| FieldError { field: "base_url".into(), message })?),
+        None if provider == ProviderKind::OpenAiCompatible => {
+            return Err(FieldError {
+                field: "base_url".into(),
+                message: "missing; an openai-compatible worker needs the server's URL, e.g. http://127.0.0.1:11434/v1"
+                    .into(),
+            });
+        }
+        None => None,
+    };
+    let api_key_env = f.string("api_key_env")?;
+    if let Some(var) = &api_key_env
+        && (var.is_empty() || var.contains('=') || var.contains('\0'))
+    {
+        return Err(FieldError { field: "api_key_env".into(), message: format!("\"{var}\" is not an environment variable name") });
+    }
+    let reasoning_effort = f.string("reasoning_effort")?;
+    if let Some(effort) = &reasoning_effort
+        && !["minimal", "low", "medium", "high"].contains(&effort.as_str())
+    {
+        return Err(FieldError {
+            field: "reasoning_effort".into(),
+            message: format!("\"{effort}\"; expected minimal, low, medium or high"),
+        });
+    }
+    Ok(WorkerSpec {
+        name,
+        provider,
+        model,
+        base_url,
+        api_key_env,
+        max_tokens: f.int("max_tokens", 1, 10_000_000)?.map_or(4096, |n| n as u32),
+        temperature: f.float("temperature", 0.0)?.map(|x| x as f32),
+        top_p: f.float("top_p", 0.0)?.map(|x| x as f32),
+        reasoning_effort,
+        thinking_budget: f.int("thinking_budget", 0, 10_000_000)?.map(|n| n as u32),
+        stream: f.bool("stream")?.unwrap_or(true),
+        timeout: Duration::from_secs(f.int("timeout_secs", 1, 86_400)?.map_or(300, |n| n as u64)),
+        idle_timeout: Duration::from_secs(f.int("idle_timeout_secs", 1, 86_400)?.map_or(120, |n| n as u64)),
+        price_in: f.float("price_in", 0.0)?,
+        price_out: f.float("price_out", 0.0)?,
+        description: f.string("description")?,
+    })
+}
+
+fn check_url(raw: &str) -> Result<String, String> {
+    let url = url::Url::parse(raw).map_err(|e| format!("\"{raw}\" is not a URL ({e})"))?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(format!("\"{raw}\" must start with http:// or https://"));
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(format!("\"{raw}\" must not have a query or fragment"));
+    }
+    Ok(raw.trim_end_matches('/').to_owned())
+}
+
+/// What the conductor and the UI may know of a pool: no URLs, no key names.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub struct WorkerInfo {
+    pub index: usize,
+    pub name: String,
+    pub provider: ProviderKind,
+    pub model: String,
+    pub description: Option<String>,
+}
+
+impl Pool {
+    pub fn infos(&self) -> Vec<WorkerInfo> {
+        self.workers
+            .iter()
+            .enumerate()
+            .map(|(index, w)| WorkerInfo {
+                index,
+                name: w.name.clone(),
+                provider: w.provider,
+                model: w.model.clone(),
+                description: w.description.clone(),
+            })
+            .collect()
+    }
+}
+
+/// Where a pool file normally lives: `<config dir>/baton/pool.toml`.
+pub fn default_pool_path(config_dir: &Path) -> PathBuf {
+    config_dir.join("baton").join("pool.toml")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+max_steps = 4
+[budget]
+max_calls = 10
+max_cost_usd = 0.5
+
+[[worker]]
+name = "gpt"
+provider = "openai"
+model = "gpt-5"
+base_url = "http://127.0.0.1:8080/v1/"
+api_key_env = "OPENAI_API_KEY"
+max_tokens = 4096
+temperature = 0.2
+price_in = 1.25
+price_out = 10.0
+description = "strong at math"
+
+[[worker]]
+name = "claude"
+provider = "anthropic"
+model = "claude-sonnet-4-5"
+thinking_budget = 2048
+
+[[worker]]
+name = "local"
+provider = "openai-compatible"
+model = "llama3"
+base_url = "http://localhost:11434/v1"
+"#;
+
+    #[test]
+    fn parses_the_documented_format() {
+        let pool = Pool::parse(GOOD, "pool.toml").expect("valid");
+        assert_eq!(pool.workers.len(), 3);
+        assert_eq!(pool.options.max_steps, 4);
+        assert_eq!(pool.options.budget.max_calls, Some(10));
+        let gpt = &pool.workers[0];
+        assert_eq!(gpt.effective_base_url(), "http://127.0.0.1:8080/v1");
+        assert_eq!(gpt.price(), Some(Price { input: 1.25, output: 10.0 }));
+        assert_eq!(pool.workers[1].effective_base_url(), "https://api.anthropic.com");
+        assert!(pool.workers[1].price().is_some(), "claude-sonnet-4-5 is in the price table");
+        assert_eq!(pool.workers[2].price(), None);
+    }
+
+    fn error(text: &str) -> String {
+        Pool::parse(text, "pool.toml").expect_err("invalid").to_string()
+    }
+
+    #[test]
+    fn errors_name_file_line_worker_and_field() {
+        let bad_provider = GOOD.replace("provider = \"anthropic\"", "provider = \"antropic\"");
+        assert_eq!(
+            error(&bad_provider),
+            "pool.toml:19: worker 1 (\"claude\"): field `provider`: unknown provider \"antropic\"; expected one of openai, anthropic, gemini, openai-compatible"
+        );
+        let unknown = GOOD.replace("thinking_budget = 2048", "thinking_budgt = 2048");
+        assert!(error(&unknown).starts_with("pool.toml:19: worker 1 (\"claude\"): field `thinking_budgt`: unknown field"));
+        let missing = GOOD.replace("model = \"llama3\"\n", "");
+        assert_eq!(error(&missing), "pool.toml:25: worker 2 (\"local\"): field `model`: missing; every worker needs one");
+        let bad_url = GOOD.replace("http://localhost:11434/v1", "localhost:11434");
+        assert!(error(&bad_url).contains("worker 2 (\"local\"): field `base_url`:"), "{}", error(&bad_url));
+        let bad_type = GOOD.replace("max_tokens = 4096", "max_tokens = \"many\"");
+        assert!(error(&bad_type).contains("field `max_tokens`: expected a whole number, found string"));
+        assert!(error("[[worker]\nname=1").starts_with("pool.toml:1: "), "{}", error("[[worker]\nname=1"));
+        assert!(error("").contains("no workers"));
+        assert!(error("max_step = 3\n[[worker]]\nname='a'\nprovider='openai'\nmodel='m'").contains("field `max_step`: unknown setting"));
+        let dup = GOOD.replace("name = \"claude\"", "name = \"gpt\"");
+        assert!(error(&dup).contains("names must be unique"));
+        let no_url = GOOD.replace("base_url = \"http://localhost:11434/v1\"\n", "");
+        assert!(error(&no_url).contains("field `base_url`: missing"));
+    }
+}
