@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use baton_plan::{Limits, Plan};
-use baton_providers::{ChatEvent, ChatModel, ChatRequest, ErrorKind, HttpModel, Message, ProviderError, Usage};
+use baton_providers::{
+    ChatEvent, ChatModel, ChatRequest, ErrorKind, HttpModel, KeySource, Message, ProviderError, Usage,
+};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use tokio::sync::{Semaphore, mpsc};
@@ -18,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::event::{RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, Totals};
 use crate::keys;
-use crate::pool::{Budget, Pool, PoolOptions, WorkerInfo};
+use crate::pool::{Budget, Pool, PoolOptions, WorkerInfo, WorkerSpec};
 use crate::pricing::Price;
 
 /// Where a run's events go. Unbounded so a slow consumer never stalls the run.
@@ -86,6 +88,11 @@ impl Executor {
     /// Workers over HTTP for every pool entry, with keys from the environment variables the
     /// pool names.
     pub fn from_pool(pool: &Pool) -> Self {
+        Self::from_pool_with_keys(pool, keys::key_source)
+    }
+
+    /// Like [`Executor::from_pool`], with each worker's key source chosen by `keys`.
+    pub fn from_pool_with_keys(pool: &Pool, keys: impl Fn(&WorkerSpec) -> KeySource) -> Self {
         let http = HttpModel::http_client();
         let infos = pool.infos();
         let workers = pool
@@ -95,7 +102,7 @@ impl Executor {
             .map(|(spec, info)| {
                 let base_url = spec.effective_base_url().to_owned();
                 let model =
-                    HttpModel::new(spec.provider, &base_url, spec.settings(), keys::key_source(spec), http.clone());
+                    HttpModel::new(spec.provider, &base_url, spec.settings(), keys(spec), http.clone());
                 Worker {
                     info,
                     model: Arc::new(model),

@@ -31,3 +31,36 @@ pub fn key_source(spec: &WorkerSpec) -> KeySource {
         )),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Pool;
+
+    #[test]
+    fn a_missing_variable_is_a_clear_auth_error() {
+        let pool = Pool::parse(
+            "[[worker]]\nname = 'gpt'\nprovider = 'openai'\nmodel = 'gpt-5'\napi_key_env = 'BATON_SURELY_UNSET_VAR'\n\
+             [[worker]]\nname = 'bare'\nprovider = 'anthropic'\nmodel = 'claude'\n\
+             [[worker]]\nname = 'local'\nprovider = 'openai-compatible'\nmodel = 'llama'\nbase_url = 'http://127.0.0.1:1/v1'\n",
+            "p.toml",
+        )
+        .expect("valid");
+        let e = key_source(&pool.workers[0])().expect_err("unset");
+        assert_eq!(e.kind, ErrorKind::Auth);
+        assert!(e.message.contains("BATON_SURELY_UNSET_VAR"), "{}", e.message);
+        let e = key_source(&pool.workers[1])().expect_err("no key configured");
+        assert!(e.message.contains("api_key_env"), "{}", e.message);
+        assert_eq!(key_source(&pool.workers[2])(), Ok(None), "local servers may need no key");
+    }
+
+    #[test]
+    fn the_path_variable_is_read_per_call() {
+        // PATH is always set; reading it proves the variable is looked up, not cached.
+        let pool = Pool::parse("[[worker]]\nname = 'w'\nprovider = 'gemini'\nmodel = 'g'\napi_key_env = 'PATH'\n", "p.toml")
+            .expect("valid");
+        let key = key_source(&pool.workers[0])().expect("PATH is set").expect("some key");
+        assert_eq!(key.expose(), std::env::var("PATH").expect("PATH").trim());
+        assert_eq!(format!("{key:?}"), "ApiKey(<redacted>)");
+    }
+}

@@ -234,7 +234,8 @@ pub(crate) async fn respond(wire: Wire, script: &Script, call: u32, body: &Value
     }
 
     let events = stream_events(wire, &model, &pieces, &conv, usage_in, usage_out);
-    let delay = script.latency / (pieces.len() as u32 + 1);
+    // The last piece of text arrives `latency` after the headers.
+    let delay = script.latency / (pieces.len().max(1) as u32);
     let cut = call < script.cut;
     let stream_error = call < script.stream_error;
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
@@ -242,6 +243,9 @@ pub(crate) async fn respond(wire: Wire, script: &Script, call: u32, body: &Value
         let total = events.len();
         for (i, event) in events.into_iter().enumerate() {
             let is_text = event.text;
+            if is_text {
+                tokio::time::sleep(delay).await;
+            }
             if cut && i == total / 2 {
                 // Half an event, then the connection ends.
                 let partial: String = event.bytes.chars().take(event.bytes.len() / 2).collect();
@@ -251,15 +255,11 @@ pub(crate) async fn respond(wire: Wire, script: &Script, call: u32, body: &Value
             if tx.send(Ok(Bytes::from(event.bytes))).await.is_err() {
                 return; // the client hung up
             }
-            if is_text {
-                if stream_error {
-                    let _ = tx.send(Ok(Bytes::from(in_stream_error(wire)))).await;
-                    return;
-                }
-                tokio::time::sleep(delay).await;
+            if is_text && stream_error {
+                let _ = tx.send(Ok(Bytes::from(in_stream_error(wire)))).await;
+                return;
             }
         }
-        tokio::time::sleep(delay).await;
     });
     Response::builder()
         .status(StatusCode::OK)

@@ -1,0 +1,368 @@
+//! The executor over real HTTP against loopback provider servers: DAG concurrency, the
+//! conversation each worker receives, retries, partial failure, caps and cancellation.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use baton_engine::{
+    Executor, Pool, RunErrorKind, RunEvent, RunOutcome, RunRequest, RunStatus, StepErrorKind,
+};
+use baton_plan::Limits;
+use baton_providers::{ApiKey, Role};
+use baton_testserver::{TestServer, Wire};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+/// A pool whose workers all talk to `server`, one per `(name, provider, model)`.
+fn pool(server: &TestServer, extra: &str, workers: &[(&str, &str, &str)]) -> Pool {
+    let mut text = format!("{extra}\n[retry]\ninitial_delay_ms = 10\nmax_delay_ms = 50\n");
+    for (name, provider, model) in workers {
+        let wire = match *provider {
+            "anthropic" => Wire::Anthropic,
+            "gemini" => Wire::Gemini,
+            _ => Wire::OpenAi,
+        };
+        text.push_str(&format!(
+            "\n[[worker]]\nname = \"{name}\"\nprovider = \"{provider}\"\nmodel = \"{model}\"\nbase_url = \"{}\"\n",
+            server.base_url(wire)
+        ));
+        if *provider != "openai-compatible" {
+            text.push_str("api_key_env = \"BATON_TEST_KEY\"\n");
+        }
+    }
+    Pool::parse(&text, "test-pool.toml").expect("valid pool")
+}
+
+/// An executor whose workers all present the key the test server expects.
+fn executor(pool: &Pool) -> Executor {
+    Executor::from_pool_with_keys(pool, |_| Arc::new(|| Ok(Some(ApiKey::new("test-key")))))
+}
+
+async fn run(executor: &Executor, plan: &str, cancel: Option<(CancellationToken, Duration)>) -> (RunOutcome, Vec<RunEvent>) {
+    let plan = baton_plan::parse(plan, &Limits::default()).expect("plan parses");
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let token = CancellationToken::new();
+    if let Some((t, after)) = &cancel {
+        let t = t.clone();
+        let after = *after;
+        let token = token.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            t.cancel();
+            token.cancel();
+        });
+    }
+    let request = RunRequest { run_id: "test".into(), question: "What is 2+2?".into(), plan };
+    let outcome = executor.run(request, &tx, &token).await;
+    drop(tx);
+    let mut events = Vec::new();
+    while let Some(e) = rx.recv().await {
+        events.push(e);
+    }
+    check_event_order(&events);
+    (outcome, events)
+}
+
+/// The stream's contract: one start, one end, and per step a start before its deltas and
+/// exactly one finish or failure.
+fn check_event_order(events: &[RunEvent]) {
+    assert!(matches!(events.first(), Some(RunEvent::RunStarted { .. })), "first event: {:?}", events.first());
+    assert!(events.last().is_some_and(RunEvent::is_terminal), "last event: {:?}", events.last());
+    assert_eq!(events.iter().filter(|e| e.is_terminal()).count(), 1);
+    let mut started = std::collections::HashSet::new();
+    let mut ended = std::collections::HashSet::new();
+    for e in events {
+        match e {
+            RunEvent::StepStarted { step, .. } => assert!(started.insert(*step), "step {step} started twice"),
+            RunEvent::StepDelta { step, .. } | RunEvent::StepRetrying { step, .. } => {
+                assert!(started.contains(step) && !ended.contains(step), "event for step {step} outside its life")
+            }
+            RunEvent::StepFinished { step, .. } => {
+                assert!(started.contains(step));
+                assert!(ended.insert(*step), "step {step} ended twice");
+            }
+            RunEvent::StepFailed { step, .. } => assert!(ended.insert(*step), "step {step} ended twice"),
+            _ => {}
+        }
+    }
+}
+
+fn compat(name: &'static str, model: &'static str) -> (&'static str, &'static str, &'static str) {
+    (name, "openai-compatible", model)
+}
+
+#[tokio::test]
+async fn independent_steps_run_at_the_same_time() {
+    let server = TestServer::start().await.expect("server");
+    let p = pool(
+        &server,
+        "",
+        &[compat("a", "a;latency=300"), compat("b", "b;latency=300"), compat("c", "c;latency=300"), compat("judge", "judge;latency=300")],
+    );
+    let executor = executor(&p);
+    let started = Instant::now();
+    let (outcome, _) = run(
+        &executor,
+        "model_id = [0, 1, 2, 3]\nsubtasks = ['try A', 'try B', 'try C', 'judge']\naccess_list = [[], [], [], [0, 1, 2]]",
+        None,
+    )
+    .await;
+    let wall = started.elapsed();
+    assert_eq!(outcome.status, RunStatus::Finished, "{outcome:?}");
+    assert!(wall >= Duration::from_millis(590), "two 300 ms layers take at least 600 ms: {wall:?}");
+    assert!(wall < Duration::from_millis(1000), "three 300 ms steps in parallel then one: ~600 ms, not 1200: {wall:?}");
+    let reqs = server.requests();
+    let first_three: Vec<u64> = reqs[..3].iter().map(|r| r.at_ms).collect();
+    let spread = first_three.iter().max().unwrap_or(&0) - first_three.iter().min().unwrap_or(&0);
+    assert!(spread < 100, "the three attempts start together: {first_three:?}");
+    assert!(reqs[3].at_ms >= first_three[0] + 290, "the judge waits for all three");
+}
+
+#[tokio::test]
+async fn the_concurrency_limit_per_provider_holds() {
+    let server = TestServer::start().await.expect("server");
+    let p = pool(
+        &server,
+        "max_concurrency_per_provider = 1",
+        &[compat("a", "a;latency=200"), compat("b", "b;latency=200"), compat("c", "c;latency=200")],
+    );
+    let started = Instant::now();
+    let (outcome, _) =
+        run(&executor(&p), "model_id = [0, 1, 2]\nsubtasks = ['x', 'y', 'z']\naccess_list = [[], [], []]", None)
+            .await;
+    assert_eq!(outcome.status, RunStatus::Finished);
+    assert!(started.elapsed() >= Duration::from_millis(590), "one at a time: {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn workers_see_exactly_their_access_list_as_a_conversation() {
+    let server = TestServer::start().await.expect("server");
+    let p = pool(
+        &server,
+        "",
+        &[compat("solver", "solver;reply=x_=_4"), compat("checker", "checker;reply=looks_right"), compat("writer", "writer")],
+    );
+    let (outcome, events) = run(
+        &executor(&p),
+        "model_id = [0, 1, 2]\nsubtasks = ['Solve it.', 'Check it.', 'Write the answer.']\naccess_list = [[], 'all', [0]]",
+        None,
+    )
+    .await;
+    assert_eq!(outcome.status, RunStatus::Finished);
+    assert_eq!(outcome.answer.as_deref(), Some("writer (saw 1 earlier answers) answers: Write the answer."));
+
+    let reqs = server.requests();
+    let by_model = |m: &str| reqs.iter().find(|r| r.model.starts_with(m)).expect("request").body["messages"].clone();
+    let checker = by_model("checker");
+    assert_eq!(
+        checker,
+        serde_json::json!([
+            {"role": "user", "content": "Solve it."},
+            {"role": "assistant", "content": "x = 4"},
+            {"role": "user", "content": "Check it."},
+        ])
+    );
+    let writer = by_model("writer");
+    assert_eq!(writer.as_array().map(Vec::len), Some(3), "step 2 sees step 0 only: {writer}");
+    assert_eq!(writer[1]["content"], "x = 4");
+
+    // The StepStarted event carries those same messages.
+    let started = events
+        .iter()
+        .find_map(|e| match e {
+            RunEvent::StepStarted { step: 1, messages, .. } => Some(messages.clone()),
+            _ => None,
+        })
+        .expect("step 1 started");
+    assert_eq!(started.len(), 3);
+    assert_eq!(started[1].role, Role::Assistant);
+}
+
+#[tokio::test]
+async fn the_question_is_shown_only_when_the_pool_asks() {
+    let server = TestServer::start().await.expect("server");
+    let p = pool(&server, "show_question = true", &[compat("a", "a")]);
+    run(&executor(&p), "model_id = [0]\nsubtasks = ['go']\naccess_list = [[]]", None).await;
+    let body = &server.requests()[0].body;
+    assert_eq!(body["messages"][0]["role"], "system");
+    assert!(body["messages"][0]["content"].as_str().unwrap_or_default().contains("What is 2+2?"));
+}
+
+#[tokio::test]
+async fn retries_rate_limits_and_server_errors_but_not_auth() {
+    let server = TestServer::start().await.expect("server");
+    let p = pool(
+        &server,
+        "",
+        &[
+            compat("limited", "limited;fail=429x2;retry_after=0"),
+            compat("flaky", "flaky;fail=500x1"),
+            compat("cut", "cut;cut=1"),
+            compat("denied", "denied;fail=401"),
+        ],
+    );
+    let (outcome, events) = run(
+        &executor(&p),
+        "model_id = [0, 1, 2, 3]\nsubtasks = ['a', 'b', 'c', 'd']\naccess_list = [[], [], [], []]",
+        None,
+    )
+    .await;
+    assert_eq!(outcome.status, RunStatus::Failed, "the last step fails on auth");
+    let retries: Vec<(usize, u32)> = events
+        .iter()
+        .filter_map(|e| match e {
+            RunEvent::StepFinished { step, retries, .. } => Some((*step, *retries)),
+            _ => None,
+        })
+        .collect();
+    assert!(retries.contains(&(0, 2)), "{retries:?}");
+    assert!(retries.contains(&(1, 1)), "{retries:?}");
+    assert!(retries.contains(&(2, 1)), "a cut stream is retried: {retries:?}");
+    let denied = server.requests().iter().filter(|r| r.model.starts_with("denied")).count();
+    assert_eq!(denied, 1, "auth errors are never retried");
+    let failed = events.iter().find_map(|e| match e {
+        RunEvent::StepFailed { step: 3, error } => Some(error.clone()),
+        _ => None,
+    });
+    assert_eq!(failed.map(|e| (e.kind, e.status)), Some((StepErrorKind::Auth, Some(401))));
+    assert_eq!(outcome.totals.calls, 3 + 2 + 2 + 1);
+}
+
+#[tokio::test]
+async fn retry_after_is_honoured() {
+    let server = TestServer::start().await.expect("server");
+    let p = pool(&server, "", &[compat("limited", "limited;fail=429x1;retry_after=1")]);
+    let started = Instant::now();
+    let (outcome, events) = run(&executor(&p), "model_id = [0]\nsubtasks = ['a']\naccess_list = [[]]", None).await;
+    assert_eq!(outcome.status, RunStatus::Finished);
+    assert!(started.elapsed() >= Duration::from_secs(1));
+    let delay = events.iter().find_map(|e| match e {
+        RunEvent::StepRetrying { delay_ms, error, .. } => Some((*delay_ms, error.kind)),
+        _ => None,
+    });
+    assert_eq!(delay, Some((1000, StepErrorKind::RateLimited)));
+}
+
+#[tokio::test]
+async fn a_slow_first_byte_times_out_and_is_retried() {
+    let server = TestServer::start().await.expect("server");
+    let mut p = pool(&server, "", &[compat("slow", "slow;slow=2000x1")]);
+    p.workers[0].timeout = Duration::from_millis(300);
+    let started = Instant::now();
+    let (outcome, events) = run(&executor(&p), "model_id = [0]\nsubtasks = ['a']\naccess_list = [[]]", None).await;
+    assert_eq!(outcome.status, RunStatus::Finished, "{outcome:?}");
+    assert!(started.elapsed() < Duration::from_millis(1500), "gave up on the slow attempt: {:?}", started.elapsed());
+    assert!(events.iter().any(|e| matches!(e, RunEvent::StepRetrying { error, .. } if error.kind == StepErrorKind::Timeout)));
+}
+
+#[tokio::test]
+async fn a_failed_step_fails_its_dependents_and_only_them() {
+    let server = TestServer::start().await.expect("server");
+    let p = pool(&server, "", &[compat("ok", "ok"), compat("bad", "bad;fail=400")]);
+    let (outcome, events) = run(
+        &executor(&p),
+        "model_id = [0, 1, 0, 0]\nsubtasks = ['a', 'b', 'c', 'd']\naccess_list = [[], [], [1], [0]]",
+        None,
+    )
+    .await;
+    assert_eq!(outcome.status, RunStatus::Finished, "the last step only needs step 0");
+    assert_eq!(outcome.totals.steps_failed, vec![1, 2]);
+    assert_eq!(outcome.totals.steps_finished, vec![0, 3]);
+    let kinds: Vec<(usize, StepErrorKind)> = events
+        .iter()
+        .filter_map(|e| match e {
+            RunEvent::StepFailed { step, error } => Some((*step, error.kind)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(kinds, vec![(1, StepErrorKind::ContextTooLong), (2, StepErrorKind::DependencyFailed)]);
+
+    let (outcome, _) = run(
+        &executor(&p),
+        "model_id = [0, 1, 0]\nsubtasks = ['a', 'b', 'c']\naccess_list = [[], [], 'all']",
+        None,
+    )
+    .await;
+    assert_eq!(outcome.status, RunStatus::Failed);
+    let error = outcome.error.expect("error");
+    assert_eq!(error.kind, RunErrorKind::StepFailed);
+    assert!(error.message.contains("step 2"), "{}", error.message);
+}
+
+#[tokio::test]
+async fn cancelling_mid_stream_stops_at_once_and_closes_the_call() {
+    let server = TestServer::start().await.expect("server");
+    let p = pool(&server, "", &[compat("slow", "slow;latency=10000;chunks=20"), compat("fast", "fast")]);
+    let token = CancellationToken::new();
+    let started = Instant::now();
+    let (outcome, events) = run(
+        &executor(&p),
+        "model_id = [1, 0, 1]\nsubtasks = ['a', 'b', 'c']\naccess_list = [[], [0], 'all']",
+        Some((token, Duration::from_millis(800))),
+    )
+    .await;
+    assert_eq!(outcome.status, RunStatus::Cancelled);
+    assert!(started.elapsed() < Duration::from_millis(2000), "{:?}", started.elapsed());
+    assert!(events.iter().any(|e| matches!(e, RunEvent::StepDelta { step: 1, .. })), "step 1 was streaming");
+    assert!(events.iter().any(|e| matches!(e, RunEvent::StepFailed { step: 1, error } if error.kind == StepErrorKind::Cancelled)));
+    assert!(matches!(events.last(), Some(RunEvent::RunCancelled { .. })));
+    assert!(!events.iter().any(|e| matches!(e, RunEvent::StepStarted { step: 2, .. })));
+}
+
+#[tokio::test]
+async fn budget_caps_end_the_run_and_keep_what_finished() {
+    let server = TestServer::start().await.expect("server");
+    let chain = "model_id = [0, 0, 0]\nsubtasks = ['a', 'b', 'c']\naccess_list = [[], [0], [1]]";
+
+    let p = pool(&server, "[budget]\nmax_calls = 2", &[compat("w", "w")]);
+    let (outcome, events) = run(&executor(&p), chain, None).await;
+    assert_eq!(outcome.status, RunStatus::Failed);
+    let error = outcome.error.expect("error");
+    assert_eq!(error.kind, RunErrorKind::BudgetExceeded);
+    assert!(error.message.contains("2 of at most 2 calls"), "{}", error.message);
+    assert_eq!(outcome.totals.steps_finished, vec![0, 1], "finished steps are kept");
+    assert_eq!(events.iter().filter(|e| matches!(e, RunEvent::StepFinished { .. })).count(), 2);
+
+    let p = pool(&server, "[budget]\nmax_tokens = 5", &[compat("w", "w")]);
+    let (outcome, _) = run(&executor(&p), chain, None).await;
+    assert_eq!(outcome.error.map(|e| e.kind), Some(RunErrorKind::BudgetExceeded));
+    assert_eq!(outcome.totals.steps_finished, vec![0]);
+
+    let mut p = pool(&server, "[budget]\nmax_cost_usd = 0.000001", &[compat("w", "w")]);
+    p.workers[0].price_in = Some(1000.0);
+    p.workers[0].price_out = Some(1000.0);
+    let (outcome, _) = run(&executor(&p), chain, None).await;
+    assert_eq!(outcome.error.map(|e| e.kind), Some(RunErrorKind::BudgetExceeded));
+    assert!(outcome.totals.cost_usd > 0.0 && outcome.totals.cost_complete);
+}
+
+#[tokio::test]
+async fn a_plan_that_does_not_fit_the_pool_is_refused() {
+    let server = TestServer::start().await.expect("server");
+    let p = pool(&server, "", &[compat("w", "w")]);
+    let (outcome, events) = run(&executor(&p), "model_id = [3]\nsubtasks = ['a']\naccess_list = [[]]", None).await;
+    assert_eq!(outcome.error.as_ref().map(|e| e.kind), Some(RunErrorKind::InvalidPlan));
+    assert!(outcome.error.map(|e| e.message).unwrap_or_default().contains("model 3 is not in the pool"));
+    assert_eq!(events.len(), 2, "RunStarted and RunFailed only");
+    assert!(server.requests().is_empty());
+}
+
+#[tokio::test]
+async fn every_wire_format_works_in_one_run() {
+    let server = TestServer::start().await.expect("server");
+    let p = pool(
+        &server,
+        "",
+        &[("o", "openai", "gpt-5"), ("a", "anthropic", "claude-sonnet-4-5"), ("g", "gemini", "gemini-2.5-pro")],
+    );
+    let (outcome, _) =
+        run(&executor(&p), "model_id = [0, 1, 2]\nsubtasks = ['a', 'b', 'c']\naccess_list = [[], [0], 'all']", None).await;
+    assert_eq!(outcome.status, RunStatus::Finished, "{outcome:?}");
+    assert!(outcome.totals.cost_complete, "all three models are in the price table");
+    assert!(outcome.totals.cost_usd > 0.0);
+    let reqs = server.requests();
+    assert_eq!(reqs.len(), 3);
+    assert_eq!(reqs[0].headers["authorization"], "Bearer test-key");
+    assert_eq!(reqs[1].headers["x-api-key"], "test-key");
+    assert_eq!(reqs[2].headers["x-goog-api-key"], "test-key");
+}
