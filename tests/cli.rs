@@ -1,1 +1,227 @@
+//! The `baton` binary end to end, against loopback servers that speak the OpenAI, Anthropic and
+//! Gemini wire formats.
 
+use std::time::{Duration, Instant};
+
+use baton_tests::{TEST_KEY, W, baton, fixture, write_pool};
+use baton_testserver::{Options, TestServer};
+use serde_json::Value;
+
+async fn server() -> TestServer {
+    TestServer::start_with(Options { key: Some(TEST_KEY.into()), ..Options::default() }).await.expect("server")
+}
+
+fn path(p: &std::path::Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn plan_parse_prints_normalized_json_and_rejects_bad_plans_with_exit_2() {
+    let plan = fixture("fanout-plan.txt");
+    let out = baton(&["plan", "parse", path(&plan)], None, "").await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let json: Value = serde_json::from_str(out.stdout.trim()).expect("one JSON object");
+    assert_eq!(json["model_id"], serde_json::json!([0, 1, 2, 3]));
+    assert_eq!(json["access_list"], serde_json::json!([[], [], [], "all"]));
+    assert_eq!(json["subtasks"][2], "Attempt the problem a third way.");
+
+    let stdin = baton(&["plan", "parse"], Some("model_id=[1]\nsubtasks=['x']\naccess_list=[[]]"), "").await;
+    assert_eq!(stdin.code, Some(0));
+    assert_eq!(stdin.stdout.trim(), r#"{"model_id":[1],"subtasks":["x"],"access_list":[[]]}"#);
+
+    let bad = baton(&["plan", "parse", path(&fixture("bad-plan.txt"))], None, "").await;
+    assert_eq!(bad.code, Some(2));
+    assert!(bad.stdout.is_empty());
+    assert!(
+        bad.stderr.contains("bad-plan.txt: line 3, column 20: access_list[1]: step 1 cannot see its own output"),
+        "{}",
+        bad.stderr
+    );
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = server().await;
+    let pool = write_pool(dir.path(), &s, "", &[W("only", "openai", "m")]);
+    let out = baton(&["plan", "parse", "--pool", path(&pool), path(&plan)], None, "").await;
+    assert_eq!(out.code, Some(2));
+    assert!(out.stderr.contains("model_id[1]: model 1 is not in the pool; the pool has 1 worker (0..=0)"), "{}", out.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ask_runs_a_plan_over_all_three_wire_formats() {
+    let s = server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = write_pool(
+        dir.path(),
+        &s,
+        "",
+        &[W("gpt", "openai", "gpt-5"), W("claude", "anthropic", "claude-sonnet-4-5"), W("gemini", "gemini", "gemini-2.5-pro")],
+    );
+    let plan = fixture("chain-plan.txt");
+    let out = baton(&["ask", "--pool", path(&pool), "--plan", path(&plan), "What is 2+2?"], None, TEST_KEY).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert_eq!(out.stdout, "gemini-2.5-pro (saw 2 earlier answers) answers: Write the final answer.\n", "only the answer on stdout");
+    assert!(out.stderr.contains("plan: 3 steps"), "{}", out.stderr);
+    assert!(out.stderr.contains("step 2 finished   gemini"), "{}", out.stderr);
+    assert!(out.stderr.contains("done in"), "{}", out.stderr);
+    let reqs = s.requests();
+    assert_eq!(reqs.iter().map(|r| r.path.as_str()).collect::<Vec<_>>(), vec![
+        "/v1/chat/completions",
+        "/v1/messages",
+        "/v1beta/models/gemini-2.5-pro:streamGenerateContent"
+    ]);
+    assert!(!out.stderr.contains(TEST_KEY) && !out.stdout.contains(TEST_KEY));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ask_json_writes_every_event_as_a_json_line() {
+    let s = server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = write_pool(dir.path(), &s, "", &[W("a", "anthropic", "a"), W("b", "openai", "b"), W("c", "gemini", "c")]);
+    let out = baton(&["ask", "--json", "--pool", path(&pool), "--plan", path(&fixture("chain-plan.txt")), "Q"], None, TEST_KEY).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let events: Vec<Value> = out.stdout.lines().map(|l| serde_json::from_str(l).expect("JSON line")).collect();
+    let types: Vec<&str> = events.iter().map(|e| e["type"].as_str().expect("type")).collect();
+    assert_eq!(types.first(), Some(&"run_started"));
+    assert_eq!(types[1], "plan_ready");
+    assert_eq!(types.last(), Some(&"run_finished"));
+    for t in ["step_started", "step_delta", "step_finished"] {
+        assert_eq!(types.iter().filter(|x| **x == t).count() >= 3, true, "{t}: {types:?}");
+    }
+    let last = events.last().expect("event");
+    assert_eq!(last["answer"], "c (saw 2 earlier answers) answers: Write the final answer.");
+    assert_eq!(last["totals"]["calls"], 3);
+    let started = events.iter().find(|e| e["type"] == "step_started" && e["step"] == 1).expect("step 1");
+    assert_eq!(started["messages"][1]["role"], "assistant", "the exact messages are in the event");
+    assert!(!out.stdout.contains(TEST_KEY));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fan_out_plan_visibly_runs_its_independent_steps_at_the_same_time() {
+    let s = server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = write_pool(
+        dir.path(),
+        &s,
+        "",
+        &[
+            W("one", "openai", "one;latency=400"),
+            W("two", "anthropic", "two;latency=400"),
+            W("three", "gemini", "three;latency=400"),
+            W("judge", "openai", "judge;latency=400"),
+        ],
+    );
+    let started = Instant::now();
+    let out = baton(&["ask", "--pool", path(&pool), "--plan", path(&fixture("fanout-plan.txt")), "Q"], None, TEST_KEY).await;
+    let wall = started.elapsed();
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    // Sequential would be 1.6 s of model time; parallel is two layers, 0.8 s.
+    assert!(wall < Duration::from_millis(1500), "{wall:?}\n{}", out.stderr);
+    let lines: Vec<&str> = out.stderr.lines().collect();
+    let first_finish = lines.iter().position(|l| l.contains(" finished ")).expect("a step finished");
+    for step in 0..3 {
+        let start = lines.iter().position(|l| l.contains(&format!("step {step} started"))).expect("started");
+        assert!(start < first_finish, "step {step} starts before any step finishes:\n{}", out.stderr);
+    }
+    assert!(out.stdout.starts_with("judge (saw 3 earlier answers)"), "{}", out.stdout);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn whole_body_workers_work_too() {
+    let s = server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = write_pool(dir.path(), &s, "", &[W("a", "anthropic", "a"), W("b", "gemini", "b"), W("c", "openai", "c")]);
+    let text = std::fs::read_to_string(&pool).expect("pool").replace("api_key_env", "stream = false\napi_key_env");
+    std::fs::write(&pool, text).expect("write");
+    let out = baton(&["ask", "--pool", path(&pool), "--plan", path(&fixture("chain-plan.txt")), "Q"], None, TEST_KEY).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert_eq!(out.stdout, "c (saw 2 earlier answers) answers: Write the final answer.\n");
+    assert!(s.requests().iter().all(|r| r.body.get("stream") != Some(&Value::Bool(true))));
+    assert!(s.requests().iter().any(|r| r.path.ends_with(":generateContent")));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn exit_codes_say_what_went_wrong() {
+    let s = server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = write_pool(dir.path(), &s, "", &[W("a", "openai", "a"), W("b", "anthropic", "b"), W("c", "gemini", "c")]);
+    let plan = fixture("chain-plan.txt");
+
+    // A wrong key: the run fails (1), the error names the kind, nothing on stdout.
+    let out = baton(&["ask", "--pool", path(&pool), "--plan", path(&plan), "Q"], None, "sk-wrong").await;
+    assert_eq!(out.code, Some(1), "{}", out.stderr);
+    assert!(out.stdout.is_empty());
+    assert!(out.stderr.contains("step 0 failed") && out.stderr.contains("Auth"), "{}", out.stderr);
+    assert!(out.stderr.contains("DependencyFailed"), "{}", out.stderr);
+    assert!(!out.stderr.contains("sk-wrong"), "keys never appear in output");
+
+    // A broken pool: bad input (2), naming the file, the worker and the field.
+    let broken = dir.path().join("broken.toml");
+    std::fs::write(&broken, "[[worker]]\nname = \"x\"\nprovider = \"openia\"\nmodel = \"m\"\n").expect("write");
+    let out = baton(&["ask", "--pool", path(&broken), "--plan", path(&plan), "Q"], None, TEST_KEY).await;
+    assert_eq!(out.code, Some(2));
+    assert!(out.stderr.contains("broken.toml:1: worker 0 (\"x\"): field `provider`: unknown provider \"openia\""), "{}", out.stderr);
+
+    // A plan that does not parse: bad input (2).
+    let out = baton(&["ask", "--pool", path(&pool), "--plan", path(&fixture("bad-plan.txt")), "Q"], None, TEST_KEY).await;
+    assert_eq!(out.code, Some(2));
+
+    // A missing pool file says how to make one.
+    let out = baton(&["ask", "--pool", "/nonexistent/pool.toml", "--plan", path(&plan), "Q"], None, TEST_KEY).await;
+    assert_eq!(out.code, Some(2));
+    assert!(out.stderr.contains("no such file"), "{}", out.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pool_check_reports_each_worker() {
+    let s = server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = write_pool(
+        dir.path(),
+        &s,
+        "",
+        &[W("good", "openai", "good"), W("overloaded", "anthropic", "o;fail=529"), W("slow", "gemini", "slow;ttfb=150")],
+    );
+    let out = baton(&["pool", "check", "--json", "--pool", path(&pool)], None, TEST_KEY).await;
+    assert_eq!(out.code, Some(1), "one worker fails: {}", out.stderr);
+    let lines: Vec<Value> = out.stdout.lines().map(|l| serde_json::from_str(l).expect("JSON")).collect();
+    assert_eq!(lines.len(), 3);
+    assert_eq!(lines[0]["ok"], true);
+    assert_eq!(lines[1]["ok"], false);
+    assert_eq!(lines[1]["error"]["kind"], "overloaded");
+    assert_eq!(lines[1]["error"]["status"], 529);
+    assert!(lines[2]["latency_ms"].as_u64() >= Some(150));
+    let good = s.requests().into_iter().find(|r| r.model == "good").expect("good was called");
+    assert_eq!(good.body["max_completion_tokens"], 16, "checks are minimal calls");
+
+    let out = baton(&["pool", "check", "--pool", path(&pool)], None, "sk-wrong").await;
+    assert_eq!(out.code, Some(1));
+    assert_eq!(out.stdout.lines().filter(|l| l.starts_with("FAILED") && l.contains("auth")).count(), 3, "{}", out.stdout);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn interrupting_a_run_exits_130() {
+    let s = server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = write_pool(dir.path(), &s, "", &[W("slow", "openai", "slow;latency=20000;chunks=40")]);
+    let plan = "model_id = [0]\nsubtasks = ['take your time']\naccess_list = [[]]";
+    let plan_path = dir.path().join("plan.txt");
+    std::fs::write(&plan_path, plan).expect("write");
+    let child = tokio::process::Command::new(baton_tests::baton_bin())
+        .args(["ask", "--pool", path(&pool), "--plan", path(&plan_path), "Q"])
+        .env("BATON_E2E_KEY", TEST_KEY)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let pid = child.id().expect("pid").to_string();
+    let status = std::process::Command::new("kill").args(["-INT", &pid]).status().expect("kill");
+    assert!(status.success());
+    let started = Instant::now();
+    let out = tokio::time::timeout(Duration::from_secs(10), child.wait_with_output()).await.expect("exits").expect("output");
+    assert!(started.elapsed() < Duration::from_secs(3), "stops promptly");
+    assert_eq!(out.status.code(), Some(130));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("cancelled"), "{stderr}");
+}

@@ -1,1 +1,85 @@
+//! Shared support for the cross-crate tests: finding the `baton` binary, writing pool files that
+//! point at a loopback test server, and running the CLI as a user would.
 
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use baton_testserver::{TestServer, Wire};
+
+/// The key the loopback servers expect in these tests. Distinctive, so a leak is easy to spot.
+pub const TEST_KEY: &str = "sk-baton-test-7f3a9c1e5d";
+
+/// The `baton` binary built by this workspace (`cargo test --workspace` builds it).
+pub fn baton_bin() -> PathBuf {
+    // Test executables live in target/<profile>/deps; binaries one level up.
+    let exe = std::env::current_exe().expect("current exe");
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let bin = dir.join(format!("baton{}", std::env::consts::EXE_SUFFIX));
+    assert!(bin.exists(), "{} is missing: build it with `cargo build -p baton-cli`", bin.display());
+    bin
+}
+
+/// The repository's `tests/fixtures` directory.
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)
+}
+
+/// A worker line for [`write_pool`]: name, provider, model (with test-server directives).
+#[derive(Debug)]
+pub struct W<'a>(pub &'a str, pub &'a str, pub &'a str);
+
+/// Writes a pool whose workers all talk to `server`; keys come from `$BATON_E2E_KEY`.
+pub fn write_pool(dir: &Path, server: &TestServer, extra: &str, workers: &[W<'_>]) -> PathBuf {
+    let mut text = format!("{extra}\n[retry]\ninitial_delay_ms = 10\nmax_delay_ms = 100\n");
+    for W(name, provider, model) in workers {
+        let wire = match *provider {
+            "anthropic" => Wire::Anthropic,
+            "gemini" => Wire::Gemini,
+            _ => Wire::OpenAi,
+        };
+        text.push_str(&format!(
+            "\n[[worker]]\nname = \"{name}\"\nprovider = \"{provider}\"\nmodel = \"{model}\"\nbase_url = \"{}\"\napi_key_env = \"BATON_E2E_KEY\"\n",
+            server.base_url(wire)
+        ));
+    }
+    let path = dir.join("pool.toml");
+    std::fs::write(&path, text).expect("write pool");
+    path
+}
+
+/// What a finished `baton` process left behind.
+#[derive(Debug)]
+pub struct Output {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs `baton args…` with `stdin` and the test key in the environment.
+pub async fn baton(args: &[&str], stdin: Option<&str>, key: &str) -> Output {
+    let mut child = tokio::process::Command::new(baton_bin())
+        .args(args)
+        .env("BATON_E2E_KEY", key)
+        .env("NO_COLOR", "1")
+        .env_remove("BATON_POOL")
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn baton");
+    if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        use tokio::io::AsyncWriteExt;
+        pipe.write_all(text.as_bytes()).await.expect("write stdin");
+    }
+    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+        .await
+        .expect("baton finished within 60 s")
+        .expect("baton ran");
+    Output {
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}

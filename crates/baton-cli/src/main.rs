@@ -1,1 +1,105 @@
-fn main() {}
+//! `baton`: ask a pool of models a question through a conductor's plan, check a pool, parse
+//! plans, and measure the engine.
+//!
+//! Exit codes: 0 success, 1 the run (or a check) failed, 2 bad input, 130 interrupted.
+
+mod ask;
+mod bench;
+mod plan_cmd;
+mod pool_cmd;
+mod progress;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "baton", version, about = "Orchestrate a pool of language models with a conductor's plan")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a plan over the pool and print the final answer.
+    Ask(ask::Args),
+    /// Work with plans in the conductor's format.
+    #[command(subcommand)]
+    Plan(plan_cmd::Command),
+    /// Inspect and check the worker pool.
+    #[command(subcommand)]
+    Pool(pool_cmd::Command),
+    /// Measure the engine.
+    #[command(subcommand)]
+    Bench(bench::Command),
+}
+
+/// How a command ended, mapped to the documented exit codes.
+#[derive(Debug)]
+pub enum Failure {
+    /// The input was wrong (exit 2); the message says what and where.
+    BadInput(String),
+    /// The work was attempted and failed (exit 1).
+    Failed(String),
+    /// Interrupted by the user (exit 130).
+    Interrupted,
+}
+
+pub type Outcome = Result<(), Failure>;
+
+/// The pool file: `--pool`, else `$BATON_POOL`, else `<config dir>/baton/pool.toml`.
+#[derive(Debug, clap::Args)]
+pub struct PoolArg {
+    /// Pool file (TOML).
+    #[arg(long, value_name = "FILE", env = "BATON_POOL")]
+    pool: Option<PathBuf>,
+}
+
+impl PoolArg {
+    pub fn path(&self) -> PathBuf {
+        match &self.pool {
+            Some(p) => p.clone(),
+            None => baton_engine::pool::default_pool_path(&dirs::config_dir().unwrap_or_else(|| PathBuf::from("."))),
+        }
+    }
+
+    pub fn load(&self) -> Result<baton_engine::Pool, Failure> {
+        baton_engine::Pool::load(&self.path()).map_err(|e| Failure::BadInput(e.to_string()))
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Ask(args) => ask::run(args).await,
+            Command::Plan(cmd) => plan_cmd::run(cmd),
+            Command::Pool(cmd) => pool_cmd::run(cmd).await,
+            Command::Bench(cmd) => bench::run(cmd).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::BadInput(message)) => {
+            eprintln!("error: {message}");
+            ExitCode::from(2)
+        }
+        Err(Failure::Failed(message)) => {
+            eprintln!("error: {message}");
+            ExitCode::from(1)
+        }
+        Err(Failure::Interrupted) => {
+            eprintln!("interrupted");
+            ExitCode::from(130)
+        }
+    }
+}

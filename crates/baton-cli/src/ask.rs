@@ -1,0 +1,95 @@
+//! `baton ask`: run a plan over the pool. The answer goes to stdout, progress to stderr; with
+//! `--json`, every RunEvent goes to stdout as one JSON object per line instead.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use baton_engine::{Executor, RunRequest, RunStatus, new_run_id};
+use baton_plan::Limits;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::progress::Progress;
+use crate::{Failure, Outcome, PoolArg};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The question (`-` reads it from stdin).
+    question: String,
+    #[command(flatten)]
+    pool: PoolArg,
+    /// The plan to run, in the conductor's format (a file, or `-` for stdin).
+    #[arg(long, value_name = "FILE")]
+    plan: PathBuf,
+    /// Write every run event to stdout as JSON lines instead of the answer.
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn run(args: Args) -> Outcome {
+    let pool = args.pool.load()?;
+    if args.question == "-" && args.plan.as_os_str() == "-" {
+        return Err(Failure::BadInput("the question and the plan cannot both come from stdin".into()));
+    }
+    let (plan_text, plan_source) = crate::plan_cmd::read_input(Some(&args.plan))?;
+    let limits = Limits { max_steps: pool.options.max_steps, pool_size: Some(pool.workers.len()), allow_stop: false };
+    let plan = baton_plan::parse(&plan_text, &limits).map_err(|e| Failure::BadInput(format!("{plan_source}: {e}")))?;
+    let question = if args.question == "-" {
+        crate::plan_cmd::read_input(None)?.0.trim().to_owned()
+    } else {
+        args.question.clone()
+    };
+    if question.trim().is_empty() {
+        return Err(Failure::BadInput("the question is empty".into()));
+    }
+
+    let executor = Executor::from_pool(&pool);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let cancel = CancellationToken::new();
+    let ctrl_c = {
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                cancel.cancel();
+            }
+        })
+    };
+
+    let json = args.json;
+    let names: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
+    let consumer = tokio::spawn(async move {
+        let mut progress = Progress::new(names);
+        let stdout = std::io::stdout();
+        while let Some(event) = rx.recv().await {
+            if json {
+                let mut out = stdout.lock();
+                // A closed stdout (e.g. `| head`) must not abort the run.
+                let _ = serde_json::to_writer(&mut out, &event).map(|()| writeln!(out));
+                let _ = out.flush();
+            } else {
+                progress.show(&event);
+            }
+        }
+    });
+
+    let request = RunRequest { run_id: new_run_id(), question, plan };
+    let outcome = executor.run(request, &tx, &cancel).await;
+    drop(tx);
+    let _ = consumer.await;
+    ctrl_c.abort();
+
+    match outcome.status {
+        RunStatus::Finished => {
+            if !json {
+                let answer = outcome.answer.unwrap_or_default();
+                println!("{}", answer.trim_end());
+            }
+            Ok(())
+        }
+        RunStatus::Cancelled => Err(Failure::Interrupted),
+        RunStatus::Failed => {
+            let message = outcome.error.map_or_else(|| "the run failed".to_owned(), |e| e.message);
+            Err(Failure::Failed(message))
+        }
+    }
+}

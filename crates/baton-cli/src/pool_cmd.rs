@@ -1,0 +1,107 @@
+//! `baton pool`: show the pool as the conductor sees it, and check that every worker answers.
+
+use std::time::{Duration, Instant};
+
+use baton_engine::{Executor, Pool};
+use baton_providers::{ChatEvent, ChatRequest, ErrorKind, Message, ProviderError};
+use futures::StreamExt;
+
+use crate::{Failure, Outcome, PoolArg};
+
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// Print where the pool file is.
+    Path(PoolArg),
+    /// List the workers, numbered as the conductor sees them.
+    Show(PoolArg),
+    /// Make a minimal call to each worker; report reachability, auth and latency.
+    Check {
+        #[command(flatten)]
+        pool: PoolArg,
+        /// One JSON object per worker on stdout.
+        #[arg(long)]
+        json: bool,
+        /// Give up on a worker after this many seconds.
+        #[arg(long, default_value_t = 30)]
+        timeout_secs: u64,
+    },
+}
+
+pub async fn run(cmd: Command) -> Outcome {
+    match cmd {
+        Command::Path(pool) => {
+            println!("{}", pool.path().display());
+            Ok(())
+        }
+        Command::Show(pool) => {
+            let pool = pool.load()?;
+            show(&pool);
+            Ok(())
+        }
+        Command::Check { pool, json, timeout_secs } => {
+            let pool = pool.load()?;
+            check(&pool, json, Duration::from_secs(timeout_secs)).await
+        }
+    }
+}
+
+fn show(pool: &Pool) {
+    for (i, w) in pool.workers.iter().enumerate() {
+        let price = w.price().map_or_else(|| "price unknown".to_owned(), |p| format!("${}/${} per 1M tokens", p.input, p.output));
+        println!("Model {i}: {} ({} {} at {}; {price})", w.name, w.provider, w.model, w.effective_base_url());
+        if let Some(d) = &w.description {
+            println!("         {d}");
+        }
+    }
+    let o = &pool.options;
+    println!("max_steps = {}, show_question = {}, max_concurrency_per_provider = {}", o.max_steps, o.show_question, o.max_concurrency_per_provider);
+}
+
+async fn check(pool: &Pool, json: bool, timeout: Duration) -> Outcome {
+    let executor = Executor::from_pool(pool);
+    let checks = executor.workers().iter().map(|worker| async move {
+        let started = Instant::now();
+        let request = ChatRequest { system: None, messages: vec![Message::user("Reply with the single word OK.")], max_tokens: Some(16) };
+        let call = async {
+            let mut stream = worker.model.stream(request).await?;
+            let mut text = String::new();
+            while let Some(item) = stream.next().await {
+                match item? {
+                    ChatEvent::Text(t) => text.push_str(&t),
+                    ChatEvent::Done { .. } => return Ok(text),
+                }
+            }
+            Err(ProviderError::new(ErrorKind::Network, "the stream ended without completing"))
+        };
+        let result = tokio::time::timeout(timeout, call)
+            .await
+            .unwrap_or_else(|_| Err(ProviderError::new(ErrorKind::Timeout, format!("no answer within {} s", timeout.as_secs()))));
+        (worker, result, started.elapsed())
+    });
+    let results = futures::future::join_all(checks).await;
+    let mut failures = 0;
+    for (worker, result, elapsed) in results {
+        let ms = elapsed.as_millis() as u64;
+        if json {
+            let line = match &result {
+                Ok(_) => serde_json::json!({"worker": worker.info.index, "name": worker.info.name, "ok": true, "latency_ms": ms}),
+                Err(e) => serde_json::json!({"worker": worker.info.index, "name": worker.info.name, "ok": false,
+                    "latency_ms": ms, "error": {"kind": e.kind, "message": e.message, "status": e.status}}),
+            };
+            println!("{line}");
+        } else {
+            match &result {
+                Ok(_) => println!("ok      {:<16} {:<24} {ms} ms", worker.info.name, worker.info.model),
+                Err(e) => println!("FAILED  {:<16} {:<24} {ms} ms  {}: {}", worker.info.name, worker.info.model, e.kind, e.message),
+            }
+        }
+        if result.is_err() {
+            failures += 1;
+        }
+    }
+    if failures > 0 {
+        Err(Failure::Failed(format!("{failures} of {} workers failed the check", pool.workers.len())))
+    } else {
+        Ok(())
+    }
+}
