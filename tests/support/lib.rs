@@ -1,5 +1,5 @@
-//! Shared support for the cross-crate tests: finding the `baton` binary, writing pool files that
-//! point at a loopback test server, and running the CLI as a user would.
+//! Shared support for tests that drive Baton's binaries: fixtures, pool files that point at a
+//! loopback test server, and running a binary as a user would.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -9,16 +9,6 @@ use baton_testserver::{TestServer, Wire};
 
 /// The key the loopback servers expect in these tests. Distinctive, so a leak is easy to spot.
 pub const TEST_KEY: &str = "sk-baton-test-7f3a9c1e5d";
-
-/// The `baton` binary built by this workspace (`cargo test --workspace` builds it).
-pub fn baton_bin() -> PathBuf {
-    // Test executables live in target/<profile>/deps; binaries one level up.
-    let exe = std::env::current_exe().expect("current exe");
-    let dir = exe.parent().and_then(Path::parent).expect("target dir");
-    let bin = dir.join(format!("baton{}", std::env::consts::EXE_SUFFIX));
-    assert!(bin.exists(), "{} is missing: build it with `cargo build -p baton-cli`", bin.display());
-    bin
-}
 
 /// The repository's `tests/fixtures` directory.
 pub fn fixture(name: &str) -> PathBuf {
@@ -56,9 +46,9 @@ pub struct Output {
     pub stderr: String,
 }
 
-/// Runs `baton args…` with `stdin` and the test key in the environment.
-pub async fn baton(args: &[&str], stdin: Option<&str>, key: &str) -> Output {
-    let mut child = tokio::process::Command::new(baton_bin())
+/// Runs the binary `bin` with `args`, `stdin` and the test key in the environment.
+pub async fn run(bin: &Path, args: &[&str], stdin: Option<&str>, key: &str) -> Output {
+    let mut child = tokio::process::Command::new(bin)
         .args(args)
         .env("BATON_E2E_KEY", key)
         .env("NO_COLOR", "1")
@@ -68,15 +58,15 @@ pub async fn baton(args: &[&str], stdin: Option<&str>, key: &str) -> Output {
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
-        .expect("spawn baton");
+        .expect("spawn");
     if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
         use tokio::io::AsyncWriteExt;
         pipe.write_all(text.as_bytes()).await.expect("write stdin");
     }
     let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
         .await
-        .expect("baton finished within 60 s")
-        .expect("baton ran");
+        .expect("finished within 60 s")
+        .expect("ran");
     Output {
         code: out.status.code(),
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),

@@ -33,9 +33,18 @@ pub enum Command {
 
 const PLANS: &[(&str, &str)] = &[
     ("1-step", "model_id = [0]\nsubtasks = ['a']\naccess_list = [[]]"),
-    ("chain", "model_id = [0, 1, 2, 3, 4]\nsubtasks = ['a', 'b', 'c', 'd', 'e']\naccess_list = [[], [0], [1], [2], [3]]"),
-    ("fan-out", "model_id = [0, 1, 2, 3, 4]\nsubtasks = ['a', 'b', 'c', 'd', 'e']\naccess_list = [[], [], [], [], [0, 1, 2, 3]]"),
-    ("all", "model_id = [0, 1, 2, 3, 4]\nsubtasks = ['a', 'b', 'c', 'd', 'e']\naccess_list = [[], 'all', 'all', 'all', 'all']"),
+    (
+        "chain",
+        "model_id = [0, 1, 2, 3, 4]\nsubtasks = ['a', 'b', 'c', 'd', 'e']\naccess_list = [[], [0], [1], [2], [3]]",
+    ),
+    (
+        "fan-out",
+        "model_id = [0, 1, 2, 3, 4]\nsubtasks = ['a', 'b', 'c', 'd', 'e']\naccess_list = [[], [], [], [], [0, 1, 2, 3]]",
+    ),
+    (
+        "all",
+        "model_id = [0, 1, 2, 3, 4]\nsubtasks = ['a', 'b', 'c', 'd', 'e']\naccess_list = [[], 'all', 'all', 'all', 'all']",
+    ),
 ];
 
 pub async fn run(cmd: Command) -> Outcome {
@@ -46,7 +55,10 @@ pub async fn run(cmd: Command) -> Outcome {
     let latency = Duration::from_millis(latency_ms);
     if !json {
         println!("executor overhead, fake workers at {latency_ms} ms, {runs} runs per plan (median / worst)");
-        println!("{:<8} {:>5} {:>14} {:>12} {:>17} {:>22}", "plan", "steps", "critical path", "wall", "wall / critical", "overhead per step");
+        println!(
+            "{:<8} {:>5} {:>14} {:>12} {:>17} {:>22}",
+            "plan", "steps", "critical path", "wall", "wall / critical", "overhead per step"
+        );
     }
     for (name, text) in PLANS {
         let plan = baton_plan::parse(text, &Limits::default()).map_err(|e| Failure::Failed(e.to_string()))?;

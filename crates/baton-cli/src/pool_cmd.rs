@@ -47,21 +47,30 @@ pub async fn run(cmd: Command) -> Outcome {
 
 fn show(pool: &Pool) {
     for (i, w) in pool.workers.iter().enumerate() {
-        let price = w.price().map_or_else(|| "price unknown".to_owned(), |p| format!("${}/${} per 1M tokens", p.input, p.output));
+        let price = w
+            .price()
+            .map_or_else(|| "price unknown".to_owned(), |p| format!("${}/${} per 1M tokens", p.input, p.output));
         println!("Model {i}: {} ({} {} at {}; {price})", w.name, w.provider, w.model, w.effective_base_url());
         if let Some(d) = &w.description {
             println!("         {d}");
         }
     }
     let o = &pool.options;
-    println!("max_steps = {}, show_question = {}, max_concurrency_per_provider = {}", o.max_steps, o.show_question, o.max_concurrency_per_provider);
+    println!(
+        "max_steps = {}, show_question = {}, max_concurrency_per_provider = {}",
+        o.max_steps, o.show_question, o.max_concurrency_per_provider
+    );
 }
 
 async fn check(pool: &Pool, json: bool, timeout: Duration) -> Outcome {
     let executor = Executor::from_pool(pool);
     let checks = executor.workers().iter().map(|worker| async move {
         let started = Instant::now();
-        let request = ChatRequest { system: None, messages: vec![Message::user("Reply with the single word OK.")], max_tokens: Some(16) };
+        let request = ChatRequest {
+            system: None,
+            messages: vec![Message::user("Reply with the single word OK.")],
+            max_tokens: Some(16),
+        };
         let call = async {
             let mut stream = worker.model.stream(request).await?;
             let mut text = String::new();
@@ -73,9 +82,9 @@ async fn check(pool: &Pool, json: bool, timeout: Duration) -> Outcome {
             }
             Err(ProviderError::new(ErrorKind::Network, "the stream ended without completing"))
         };
-        let result = tokio::time::timeout(timeout, call)
-            .await
-            .unwrap_or_else(|_| Err(ProviderError::new(ErrorKind::Timeout, format!("no answer within {} s", timeout.as_secs()))));
+        let result = tokio::time::timeout(timeout, call).await.unwrap_or_else(|_| {
+            Err(ProviderError::new(ErrorKind::Timeout, format!("no answer within {} s", timeout.as_secs())))
+        });
         (worker, result, started.elapsed())
     });
     let results = futures::future::join_all(checks).await;
@@ -84,7 +93,9 @@ async fn check(pool: &Pool, json: bool, timeout: Duration) -> Outcome {
         let ms = elapsed.as_millis() as u64;
         if json {
             let line = match &result {
-                Ok(_) => serde_json::json!({"worker": worker.info.index, "name": worker.info.name, "ok": true, "latency_ms": ms}),
+                Ok(_) => {
+                    serde_json::json!({"worker": worker.info.index, "name": worker.info.name, "ok": true, "latency_ms": ms})
+                }
                 Err(e) => serde_json::json!({"worker": worker.info.index, "name": worker.info.name, "ok": false,
                     "latency_ms": ms, "error": {"kind": e.kind, "message": e.message, "status": e.status}}),
             };
@@ -92,7 +103,10 @@ async fn check(pool: &Pool, json: bool, timeout: Duration) -> Outcome {
         } else {
             match &result {
                 Ok(_) => println!("ok      {:<16} {:<24} {ms} ms", worker.info.name, worker.info.model),
-                Err(e) => println!("FAILED  {:<16} {:<24} {ms} ms  {}: {}", worker.info.name, worker.info.model, e.kind, e.message),
+                Err(e) => println!(
+                    "FAILED  {:<16} {:<24} {ms} ms  {}: {}",
+                    worker.info.name, worker.info.model, e.kind, e.message
+                ),
             }
         }
         if result.is_err() {

@@ -92,7 +92,11 @@ impl Progress {
     }
 
     fn summary(&self, what: &str, t: &Totals) {
-        let cost = if t.cost_complete { format!("${:.4}", t.cost_usd) } else { format!("≥ ${:.4} (some prices unknown)", t.cost_usd) };
+        let cost = if t.cost_complete {
+            format!("${:.4}", t.cost_usd)
+        } else {
+            format!("≥ ${:.4} (some prices unknown)", t.cost_usd)
+        };
         let msg = format!(
             "{what} in {:.2} s · {} calls · {} in / {} out tokens · {cost}",
             t.wall_ms as f64 / 1000.0,

@@ -101,8 +101,7 @@ impl Executor {
             .zip(infos)
             .map(|(spec, info)| {
                 let base_url = spec.effective_base_url().to_owned();
-                let model =
-                    HttpModel::new(spec.provider, &base_url, spec.settings(), keys(spec), http.clone());
+                let model = HttpModel::new(spec.provider, &base_url, spec.settings(), keys(spec), http.clone());
                 Worker {
                     info,
                     model: Arc::new(model),
@@ -140,10 +139,14 @@ impl Executor {
         let ledger = Ledger::new(self.options.budget);
         let finish = |status: RunStatus, answer: Option<String>, error: Option<RunError>, totals: Totals| {
             let event = match (status, &answer, &error) {
-                (RunStatus::Finished, Some(a), _) => RunEvent::RunFinished { answer: a.clone(), totals: totals.clone() },
+                (RunStatus::Finished, Some(a), _) => {
+                    RunEvent::RunFinished { answer: a.clone(), totals: totals.clone() }
+                }
                 (RunStatus::Cancelled, _, _) => RunEvent::RunCancelled { totals: totals.clone() },
                 (_, _, e) => RunEvent::RunFailed {
-                    error: e.clone().unwrap_or(RunError { kind: RunErrorKind::StepFailed, message: "the run failed".into() }),
+                    error: e
+                        .clone()
+                        .unwrap_or(RunError { kind: RunErrorKind::StepFailed, message: "the run failed".into() }),
                     totals: totals.clone(),
                 },
             };
@@ -152,7 +155,8 @@ impl Executor {
         };
 
         let plan = request.plan;
-        let limits = Limits { max_steps: self.options.max_steps, pool_size: Some(self.workers.len()), allow_stop: false };
+        let limits =
+            Limits { max_steps: self.options.max_steps, pool_size: Some(self.workers.len()), allow_stop: false };
         if let Err(e) = plan.validate(&limits) {
             let error = RunError { kind: RunErrorKind::InvalidPlan, message: e.to_string() };
             return finish(RunStatus::Failed, None, Some(error), ledger.totals(started, &[]));
@@ -192,10 +196,12 @@ impl Executor {
                         messages.push(Message::assistant(output.clone()));
                     }
                     messages.push(Message::user(plan.steps[i].subtask.clone()));
-                    let system = self
-                        .options
-                        .show_question
-                        .then(|| format!("You are one step of a larger workflow. The user's original question:\n\n{}", request.question));
+                    let system = self.options.show_question.then(|| {
+                        format!(
+                            "You are one step of a larger workflow. The user's original question:\n\n{}",
+                            request.question
+                        )
+                    });
                     states[i] = State::Running;
                     running.push(self.run_step(i, plan.steps[i].model_id, system, messages, events, &ledger));
                 }
@@ -306,7 +312,8 @@ impl Executor {
             if let Err(message) = ledger.begin_call() {
                 return (step, Err(StepFailure::Budget(message)));
             }
-            let attempt = tokio::time::timeout(worker.timeout, attempt(worker.model.as_ref(), request.clone(), step, events));
+            let attempt =
+                tokio::time::timeout(worker.timeout, attempt(worker.model.as_ref(), request.clone(), step, events));
             let result = attempt.await.unwrap_or_else(|_| {
                 Err(ProviderError::new(
                     ErrorKind::Timeout,
@@ -327,7 +334,11 @@ impl Executor {
                             let _ = events.send(RunEvent::StepRetrying {
                                 step,
                                 attempt: retries,
-                                error: StepError { kind: error.kind.into(), message: error.message, status: error.status },
+                                error: StepError {
+                                    kind: error.kind.into(),
+                                    message: error.message,
+                                    status: error.status,
+                                },
                                 delay_ms: delay.as_millis() as u64,
                             });
                             tokio::time::sleep(delay).await;
@@ -445,7 +456,12 @@ impl Ledger {
             cost_usd: l.cost,
             cost_complete: !l.unknown_cost,
             wall_ms: started.elapsed().as_millis() as u64,
-            steps_finished: states.iter().enumerate().filter(|(_, s)| matches!(s, State::Done(_))).map(|(i, _)| i).collect(),
+            steps_finished: states
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| matches!(s, State::Done(_)))
+                .map(|(i, _)| i)
+                .collect(),
             steps_failed: states.iter().enumerate().filter(|(_, s)| **s == State::Failed).map(|(i, _)| i).collect(),
         }
     }

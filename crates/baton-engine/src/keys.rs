@@ -19,7 +19,9 @@ pub fn key_source(spec: &WorkerSpec) -> KeySource {
             Ok(key) if !key.trim().is_empty() => Ok(Some(ApiKey::new(key.trim()))),
             _ => Err(ProviderError::new(
                 ErrorKind::Auth,
-                format!("the environment variable {var} (api_key_env of worker \"{name}\") is not set; export it with the {provider} key"),
+                format!(
+                    "the environment variable {var} (api_key_env of worker \"{name}\") is not set; export it with the {provider} key"
+                ),
             )),
         },
         None if provider.key_optional() => Ok(None),
@@ -57,8 +59,9 @@ mod tests {
     #[test]
     fn the_path_variable_is_read_per_call() {
         // PATH is always set; reading it proves the variable is looked up, not cached.
-        let pool = Pool::parse("[[worker]]\nname = 'w'\nprovider = 'gemini'\nmodel = 'g'\napi_key_env = 'PATH'\n", "p.toml")
-            .expect("valid");
+        let pool =
+            Pool::parse("[[worker]]\nname = 'w'\nprovider = 'gemini'\nmodel = 'g'\napi_key_env = 'PATH'\n", "p.toml")
+                .expect("valid");
         let key = key_source(&pool.workers[0])().expect("PATH is set").expect("some key");
         assert_eq!(key.expose(), std::env::var("PATH").expect("PATH").trim());
         assert_eq!(format!("{key:?}"), "ApiKey(<redacted>)");

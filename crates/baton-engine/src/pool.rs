@@ -141,7 +141,8 @@ impl fmt::Display for PoolError {
     }
 }
 
-const TOP_LEVEL_KEYS: &[&str] = &["max_steps", "show_question", "max_concurrency_per_provider", "budget", "retry", "worker"];
+const TOP_LEVEL_KEYS: &[&str] =
+    &["max_steps", "show_question", "max_concurrency_per_provider", "budget", "retry", "worker"];
 const BUDGET_KEYS: &[&str] = &["max_calls", "max_tokens", "max_cost_usd"];
 const RETRY_KEYS: &[&str] = &["max_retries", "initial_delay_ms", "max_delay_ms", "max_retry_after_secs"];
 const WORKER_KEYS: &[&str] = &[
@@ -181,9 +182,10 @@ impl Pool {
 
     /// Parses pool TOML; `file` names the source in errors.
     pub fn parse(text: &str, file: &str) -> Result<Pool, PoolError> {
-        let err = |line: Option<usize>, worker: Option<(usize, Option<String>)>, field: Option<&str>, message: String| {
-            PoolError { file: file.to_owned(), line, worker, field: field.map(str::to_owned), message }
-        };
+        let err =
+            |line: Option<usize>, worker: Option<(usize, Option<String>)>, field: Option<&str>, message: String| {
+                PoolError { file: file.to_owned(), line, worker, field: field.map(str::to_owned), message }
+            };
         let doc: toml::Spanned<toml::Table> = toml::from_str(text).map_err(|e| {
             let line = e.span().map(|s| line_of(text, s.start));
             err(line, None, None, e.message().trim().to_owned())
@@ -195,7 +197,12 @@ impl Pool {
             .unwrap_or_default();
 
         if let Some(key) = table.keys().find(|k| !TOP_LEVEL_KEYS.contains(&k.as_str())) {
-            return Err(err(None, None, Some(key), format!("unknown setting; expected one of {}", TOP_LEVEL_KEYS.join(", "))));
+            return Err(err(
+                None,
+                None,
+                Some(key),
+                format!("unknown setting; expected one of {}", TOP_LEVEL_KEYS.join(", ")),
+            ));
         }
 
         let mut options = PoolOptions::default();
@@ -239,7 +246,9 @@ impl Pool {
         let raw_workers = match table.get("worker") {
             None => Vec::new(),
             Some(toml::Value::Array(items)) => items.clone(),
-            Some(_) => return Err(err(None, None, Some("worker"), "must be an array of tables: write [[worker]]".into())),
+            Some(_) => {
+                return Err(err(None, None, Some("worker"), "must be an array of tables: write [[worker]]".into()));
+            }
         };
         if raw_workers.is_empty() {
             return Err(err(None, None, None, "the pool has no workers; add at least one [[worker]] table".into()));
@@ -363,7 +372,10 @@ impl<'a> Fields<'a> {
 fn worker(t: &toml::Table) -> Result<WorkerSpec, FieldError> {
     let f = Fields { table: t, allowed: WORKER_KEYS };
     if let Some(k) = t.keys().find(|k| !WORKER_KEYS.contains(&k.as_str())) {
-        return Err(FieldError { field: k.clone(), message: format!("unknown field; expected one of {}", WORKER_KEYS.join(", ")) });
+        return Err(FieldError {
+            field: k.clone(),
+            message: format!("unknown field; expected one of {}", WORKER_KEYS.join(", ")),
+        });
     }
     let name = f.required("name")?;
     let provider_name = f.required("provider")?;
@@ -390,7 +402,10 @@ fn worker(t: &toml::Table) -> Result<WorkerSpec, FieldError> {
     if let Some(var) = &api_key_env
         && (var.is_empty() || var.contains('=') || var.contains('\0'))
     {
-        return Err(FieldError { field: "api_key_env".into(), message: format!("\"{var}\" is not an environment variable name") });
+        return Err(FieldError {
+            field: "api_key_env".into(),
+            message: format!("\"{var}\" is not an environment variable name"),
+        });
     }
     let reasoning_effort = f.string("reasoning_effort")?;
     if let Some(effort) = &reasoning_effort
@@ -524,16 +539,24 @@ base_url = "http://localhost:11434/v1"
             "pool.toml:19: worker 1 (\"claude\"): field `provider`: unknown provider \"antropic\"; expected one of openai, anthropic, gemini, openai-compatible"
         );
         let unknown = GOOD.replace("thinking_budget = 2048", "thinking_budgt = 2048");
-        assert!(error(&unknown).starts_with("pool.toml:19: worker 1 (\"claude\"): field `thinking_budgt`: unknown field"));
+        assert!(
+            error(&unknown).starts_with("pool.toml:19: worker 1 (\"claude\"): field `thinking_budgt`: unknown field")
+        );
         let missing = GOOD.replace("model = \"llama3\"\n", "");
-        assert_eq!(error(&missing), "pool.toml:25: worker 2 (\"local\"): field `model`: missing; every worker needs one");
+        assert_eq!(
+            error(&missing),
+            "pool.toml:25: worker 2 (\"local\"): field `model`: missing; every worker needs one"
+        );
         let bad_url = GOOD.replace("http://localhost:11434/v1", "localhost:11434");
         assert!(error(&bad_url).contains("worker 2 (\"local\"): field `base_url`:"), "{}", error(&bad_url));
         let bad_type = GOOD.replace("max_tokens = 4096", "max_tokens = \"many\"");
         assert!(error(&bad_type).contains("field `max_tokens`: expected a whole number, found string"));
         assert!(error("[[worker]\nname=1").starts_with("pool.toml:1: "), "{}", error("[[worker]\nname=1"));
         assert!(error("").contains("no workers"));
-        assert!(error("max_step = 3\n[[worker]]\nname='a'\nprovider='openai'\nmodel='m'").contains("field `max_step`: unknown setting"));
+        assert!(
+            error("max_step = 3\n[[worker]]\nname='a'\nprovider='openai'\nmodel='m'")
+                .contains("field `max_step`: unknown setting")
+        );
         let dup = GOOD.replace("name = \"claude\"", "name = \"gpt\"");
         assert!(error(&dup).contains("names must be unique"));
         let no_url = GOOD.replace("base_url = \"http://localhost:11434/v1\"\n", "");

@@ -4,9 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use baton_engine::{
-    Executor, Pool, RunErrorKind, RunEvent, RunOutcome, RunRequest, RunStatus, StepErrorKind,
-};
+use baton_engine::{Executor, Pool, RunErrorKind, RunEvent, RunOutcome, RunRequest, RunStatus, StepErrorKind};
 use baton_plan::Limits;
 use baton_providers::{ApiKey, Role};
 use baton_testserver::{TestServer, Wire};
@@ -38,7 +36,11 @@ fn executor(pool: &Pool) -> Executor {
     Executor::from_pool_with_keys(pool, |_| Arc::new(|| Ok(Some(ApiKey::new("test-key")))))
 }
 
-async fn run(executor: &Executor, plan: &str, cancel: Option<(CancellationToken, Duration)>) -> (RunOutcome, Vec<RunEvent>) {
+async fn run(
+    executor: &Executor,
+    plan: &str,
+    cancel: Option<(CancellationToken, Duration)>,
+) -> (RunOutcome, Vec<RunEvent>) {
     let plan = baton_plan::parse(plan, &Limits::default()).expect("plan parses");
     let (tx, mut rx) = mpsc::unbounded_channel();
     let token = CancellationToken::new();
@@ -97,7 +99,12 @@ async fn independent_steps_run_at_the_same_time() {
     let p = pool(
         &server,
         "",
-        &[compat("a", "a;latency=300"), compat("b", "b;latency=300"), compat("c", "c;latency=300"), compat("judge", "judge;latency=300")],
+        &[
+            compat("a", "a;latency=300"),
+            compat("b", "b;latency=300"),
+            compat("c", "c;latency=300"),
+            compat("judge", "judge;latency=300"),
+        ],
     );
     let executor = executor(&p);
     let started = Instant::now();
@@ -128,8 +135,7 @@ async fn the_concurrency_limit_per_provider_holds() {
     );
     let started = Instant::now();
     let (outcome, _) =
-        run(&executor(&p), "model_id = [0, 1, 2]\nsubtasks = ['x', 'y', 'z']\naccess_list = [[], [], []]", None)
-            .await;
+        run(&executor(&p), "model_id = [0, 1, 2]\nsubtasks = ['x', 'y', 'z']\naccess_list = [[], [], []]", None).await;
     assert_eq!(outcome.status, RunStatus::Finished);
     assert!(started.elapsed() >= Duration::from_millis(590), "one at a time: {:?}", started.elapsed());
 }
@@ -140,7 +146,11 @@ async fn workers_see_exactly_their_access_list_as_a_conversation() {
     let p = pool(
         &server,
         "",
-        &[compat("solver", "solver;reply=x_=_4"), compat("checker", "checker;reply=looks_right"), compat("writer", "writer")],
+        &[
+            compat("solver", "solver;reply=x_=_4"),
+            compat("checker", "checker;reply=looks_right"),
+            compat("writer", "writer"),
+        ],
     );
     let (outcome, events) = run(
         &executor(&p),
@@ -252,7 +262,11 @@ async fn a_slow_first_byte_times_out_and_is_retried() {
     let (outcome, events) = run(&executor(&p), "model_id = [0]\nsubtasks = ['a']\naccess_list = [[]]", None).await;
     assert_eq!(outcome.status, RunStatus::Finished, "{outcome:?}");
     assert!(started.elapsed() < Duration::from_millis(1500), "gave up on the slow attempt: {:?}", started.elapsed());
-    assert!(events.iter().any(|e| matches!(e, RunEvent::StepRetrying { error, .. } if error.kind == StepErrorKind::Timeout)));
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, RunEvent::StepRetrying { error, .. } if error.kind == StepErrorKind::Timeout))
+    );
 }
 
 #[tokio::test]
@@ -277,12 +291,9 @@ async fn a_failed_step_fails_its_dependents_and_only_them() {
         .collect();
     assert_eq!(kinds, vec![(1, StepErrorKind::ContextTooLong), (2, StepErrorKind::DependencyFailed)]);
 
-    let (outcome, _) = run(
-        &executor(&p),
-        "model_id = [0, 1, 0]\nsubtasks = ['a', 'b', 'c']\naccess_list = [[], [], 'all']",
-        None,
-    )
-    .await;
+    let (outcome, _) =
+        run(&executor(&p), "model_id = [0, 1, 0]\nsubtasks = ['a', 'b', 'c']\naccess_list = [[], [], 'all']", None)
+            .await;
     assert_eq!(outcome.status, RunStatus::Failed);
     let error = outcome.error.expect("error");
     assert_eq!(error.kind, RunErrorKind::StepFailed);
@@ -304,7 +315,11 @@ async fn cancelling_mid_stream_stops_at_once_and_closes_the_call() {
     assert_eq!(outcome.status, RunStatus::Cancelled);
     assert!(started.elapsed() < Duration::from_millis(2000), "{:?}", started.elapsed());
     assert!(events.iter().any(|e| matches!(e, RunEvent::StepDelta { step: 1, .. })), "step 1 was streaming");
-    assert!(events.iter().any(|e| matches!(e, RunEvent::StepFailed { step: 1, error } if error.kind == StepErrorKind::Cancelled)));
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, RunEvent::StepFailed { step: 1, error } if error.kind == StepErrorKind::Cancelled))
+    );
     assert!(matches!(events.last(), Some(RunEvent::RunCancelled { .. })));
     assert!(!events.iter().any(|e| matches!(e, RunEvent::StepStarted { step: 2, .. })));
 }
@@ -356,7 +371,8 @@ async fn every_wire_format_works_in_one_run() {
         &[("o", "openai", "gpt-5"), ("a", "anthropic", "claude-sonnet-4-5"), ("g", "gemini", "gemini-2.5-pro")],
     );
     let (outcome, _) =
-        run(&executor(&p), "model_id = [0, 1, 2]\nsubtasks = ['a', 'b', 'c']\naccess_list = [[], [0], 'all']", None).await;
+        run(&executor(&p), "model_id = [0, 1, 2]\nsubtasks = ['a', 'b', 'c']\naccess_list = [[], [0], 'all']", None)
+            .await;
     assert_eq!(outcome.status, RunStatus::Finished, "{outcome:?}");
     assert!(outcome.totals.cost_complete, "all three models are in the price table");
     assert!(outcome.totals.cost_usd > 0.0);

@@ -110,7 +110,9 @@ fn parse_unchecked(text: &str) -> Result<Parsed, PlanError> {
     for (i, ((id, subtask), acc)) in ids.iter().zip(subtasks.iter()).zip(access.iter()).enumerate() {
         let model_id = match id.value {
             Literal::Int(n) if n >= 0 => n as usize,
-            Literal::Int(n) => return Err(element_error(text, List::ModelId, i, id, format!("{n} is not a worker number"))),
+            Literal::Int(n) => {
+                return Err(element_error(text, List::ModelId, i, id, format!("{n} is not a worker number")));
+            }
             ref other => {
                 return Err(element_error(
                     text,
@@ -145,7 +147,7 @@ fn parse_unchecked(text: &str) -> Result<Parsed, PlanError> {
                                 text,
                                 List::AccessList,
                                 i,
-                                &item,
+                                item,
                                 format!("expected a step number, found {}", other.describe()),
                             ));
                         }
@@ -321,7 +323,10 @@ mod tests {
     #[test]
     fn errors_say_where() {
         let e = fail("model_id = [0, 7]\nsubtasks = ['a', 'b']\naccess_list = [[], [0]]");
-        assert_eq!(e.to_string(), "line 1, column 16: model_id[1]: model 7 is not in the pool; the pool has 3 workers (0..=2)");
+        assert_eq!(
+            e.to_string(),
+            "line 1, column 16: model_id[1]: model 7 is not in the pool; the pool has 3 workers (0..=2)"
+        );
         let e = fail("model_id = [0, 1]\nsubtasks = ['a', 'b']\naccess_list = [[], [1]]");
         assert!(e.to_string().starts_with("line 3, column 20: access_list[1]:"), "{e}");
         let e = fail("model_id = [0, 1]\nsubtasks = ['a', 'b'\naccess_list = [[], [0]]");

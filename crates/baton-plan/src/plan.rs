@@ -246,9 +246,9 @@ impl<'de> Deserialize<'de> for Access {
         }
         match Repr::deserialize(deserializer)? {
             Repr::Word(w) if w == "all" => Ok(Access::All),
-            Repr::Word(w) => Err(serde::de::Error::custom(format!(
-                "access entry {w:?}: expected \"all\" or a list of step numbers"
-            ))),
+            Repr::Word(w) => {
+                Err(serde::de::Error::custom(format!("access entry {w:?}: expected \"all\" or a list of step numbers")))
+            }
             Repr::Steps(v) => Ok(Access::steps(v)),
         }
     }

@@ -43,14 +43,23 @@ pub struct Thinking {
 #[derive(Debug, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum StreamEvent {
-    MessageStart { message: MessageStart },
+    MessageStart {
+        message: MessageStart,
+    },
     ContentBlockStart {},
-    ContentBlockDelta { delta: ContentDelta },
+    ContentBlockDelta {
+        delta: ContentDelta,
+    },
     ContentBlockStop {},
-    MessageDelta { delta: MessageDeltaBody, usage: Option<WireUsage> },
+    MessageDelta {
+        delta: MessageDeltaBody,
+        usage: Option<WireUsage>,
+    },
     MessageStop,
     Ping,
-    Error { error: WireError },
+    Error {
+        error: WireError,
+    },
     #[serde(other)]
     Unknown,
 }
@@ -63,7 +72,9 @@ pub struct MessageStart {
 #[derive(Debug, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ContentDelta {
-    TextDelta { text: String },
+    TextDelta {
+        text: String,
+    },
     /// Extended thinking: billed as output, not part of the answer.
     ThinkingDelta {},
     SignatureDelta {},
@@ -95,7 +106,9 @@ pub struct Response {
 #[derive(Debug, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ContentBlock {
-    Text { text: String },
+    Text {
+        text: String,
+    },
     #[serde(other)]
     Other,
 }

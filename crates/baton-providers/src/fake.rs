@@ -57,7 +57,8 @@ impl ChatModel for FakeModel {
             let text = FakeModel::answer_for(&me.name, &request);
             let input: u64 = request.messages.iter().map(|m| m.content.len() as u64 / 4 + 1).sum();
             let usage = Usage { input_tokens: input, output_tokens: text.len() as u64 / 4 + 1 };
-            let items = vec![Ok(ChatEvent::Text(text)), Ok(ChatEvent::Done { usage, stop_reason: Some("stop".into()) })];
+            let items =
+                vec![Ok(ChatEvent::Text(text)), Ok(ChatEvent::Done { usage, stop_reason: Some("stop".into()) })];
             Ok(futures::stream::iter(items).boxed())
         })
     }

@@ -129,9 +129,7 @@ pub struct WireError {
 impl WireError {
     fn into_error(self, status: Option<u16>, headers: Option<&HeaderMap>) -> ProviderError {
         let status = status.or(self.code);
-        let reason = |want: &str| {
-            self.details.iter().any(|d| d.get("reason").and_then(|r| r.as_str()) == Some(want))
-        };
+        let reason = |want: &str| self.details.iter().any(|d| d.get("reason").and_then(|r| r.as_str()) == Some(want));
         let kind = match self.status.as_str() {
             "UNAUTHENTICATED" | "PERMISSION_DENIED" => ErrorKind::Auth,
             // An invalid key comes back as 400 INVALID_ARGUMENT with reason API_KEY_INVALID.
@@ -163,9 +161,9 @@ impl WireError {
 pub fn classify(status: u16, headers: &HeaderMap, body: &str) -> ProviderError {
     // Errors on the streaming endpoint sometimes come as a one-element JSON array.
     let body_trim = body.trim();
-    let parsed = serde_json::from_str::<ErrorBody>(body_trim).ok().or_else(|| {
-        serde_json::from_str::<Vec<ErrorBody>>(body_trim).ok().and_then(|v| v.into_iter().next())
-    });
+    let parsed = serde_json::from_str::<ErrorBody>(body_trim)
+        .ok()
+        .or_else(|| serde_json::from_str::<Vec<ErrorBody>>(body_trim).ok().and_then(|v| v.into_iter().next()));
     match parsed {
         Some(b) => b.error.into_error(Some(status), Some(headers)),
         None => ProviderError::new(http::kind_for_status(status), http::excerpt(body))

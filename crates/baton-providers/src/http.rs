@@ -55,7 +55,7 @@ async fn read_bounded(mut response: reqwest::Response) -> String {
 /// The error kind an HTTP status implies when the body says nothing more specific.
 pub(crate) fn kind_for_status(status: u16) -> ErrorKind {
     match status {
-        401 | 402 | 403 => ErrorKind::Auth,
+        401..=403 => ErrorKind::Auth,
         408 => ErrorKind::Timeout,
         413 => ErrorKind::ContextTooLong,
         429 => ErrorKind::RateLimited,
@@ -66,7 +66,8 @@ pub(crate) fn kind_for_status(status: u16) -> ErrorKind {
 
 /// `retry-after-ms` (OpenAI) or `retry-after` (everyone).
 pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
-    if let Some(ms) = headers.get("retry-after-ms").and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<f64>().ok())
+    if let Some(ms) =
+        headers.get("retry-after-ms").and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<f64>().ok())
         && ms.is_finite()
         && ms >= 0.0
     {
@@ -130,7 +131,11 @@ struct StreamState<P> {
 }
 
 /// Turns an SSE response into a [`ChatStream`]. Ends after [`ChatEvent::Done`] or the first error.
-pub(crate) fn sse_stream<P: StreamParser>(response: reqwest::Response, parser: P, idle_timeout: Duration) -> ChatStream {
+pub(crate) fn sse_stream<P: StreamParser>(
+    response: reqwest::Response,
+    parser: P,
+    idle_timeout: Duration,
+) -> ChatStream {
     let state = StreamState {
         body: response.bytes_stream().boxed(),
         decoder: SseDecoder::new(),
@@ -155,7 +160,10 @@ pub(crate) fn sse_stream<P: StreamParser>(response: reqwest::Response, parser: P
             match next {
                 Err(_) => {
                     let secs = s.idle_timeout.as_secs_f64();
-                    return fail(s, ProviderError::new(ErrorKind::Timeout, format!("no data for {secs:.1} s mid-stream")));
+                    return fail(
+                        s,
+                        ProviderError::new(ErrorKind::Timeout, format!("no data for {secs:.1} s mid-stream")),
+                    );
                 }
                 Ok(None) => {
                     s.finished = true;

@@ -197,7 +197,8 @@ pub(crate) async fn stream(call: Call<'_>, req: &ChatRequest, official: bool) ->
     } else {
         let body: Response = http::json_body(response).await?;
         let usage = body.usage.map(Usage::from).unwrap_or_default();
-        let choice = body.choices.into_iter().next().ok_or_else(|| ProviderError::malformed("no choices in the answer"))?;
+        let choice =
+            body.choices.into_iter().next().ok_or_else(|| ProviderError::malformed("no choices in the answer"))?;
         let text = choice.message.content.unwrap_or_default();
         Ok(http::finished_stream(text, ChatEvent::Done { usage, stop_reason: choice.finish_reason }))
     }

@@ -99,7 +99,8 @@ mod tests {
 
     #[test]
     fn any_chunking_gives_the_same_events() {
-        let input = "event: message_start\ndata: {\"a\":1}\n\n: ping\r\ndata: x\r\ndata: y\r\n\r\ndata:z\r\rdata: é\n\n";
+        let input =
+            "event: message_start\ndata: {\"a\":1}\n\n: ping\r\ndata: x\r\ndata: y\r\n\r\ndata:z\r\rdata: é\n\n";
         let expected = vec![
             SseEvent { event: Some("message_start".into()), data: "{\"a\":1}".into() },
             SseEvent { event: None, data: "x\ny".into() },

@@ -4,14 +4,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use baton_providers::{
-    ApiKey, ChatEvent, ChatModel, ChatRequest, ErrorKind, HttpModel, Message, ModelSettings, ProviderError, ProviderKind,
-    Usage,
+    ApiKey, ChatEvent, ChatModel, ChatRequest, ErrorKind, HttpModel, Message, ModelSettings, ProviderError,
+    ProviderKind, Usage,
 };
 use baton_testserver::{TestServer, Wire};
 use futures::StreamExt;
 
-const KINDS: [(ProviderKind, Wire); 3] =
-    [(ProviderKind::OpenAi, Wire::OpenAi), (ProviderKind::Anthropic, Wire::Anthropic), (ProviderKind::Gemini, Wire::Gemini)];
+const KINDS: [(ProviderKind, Wire); 3] = [
+    (ProviderKind::OpenAi, Wire::OpenAi),
+    (ProviderKind::Anthropic, Wire::Anthropic),
+    (ProviderKind::Gemini, Wire::Gemini),
+];
 
 fn model(server: &TestServer, kind: ProviderKind, wire: Wire, settings: ModelSettings) -> HttpModel {
     let key = Arc::new(|| Ok(Some(ApiKey::new("test-key-123"))));
@@ -163,7 +166,13 @@ async fn reasoning_parameters_pass_through_and_thoughts_stay_out_of_the_answer()
     assert_eq!(reqs[4].body["generationConfig"]["thinkingConfig"]["thinkingBudget"], 1024);
 }
 
-async fn error_of(server: &TestServer, kind: ProviderKind, wire: Wire, model_name: &str, stream: bool) -> ProviderError {
+async fn error_of(
+    server: &TestServer,
+    kind: ProviderKind,
+    wire: Wire,
+    model_name: &str,
+    stream: bool,
+) -> ProviderError {
     match call(&model(server, kind, wire, settings(model_name, stream))).await {
         Ok(a) => panic!("{kind} {model_name}: expected an error, got {:?}", a.text),
         Err(e) => e,

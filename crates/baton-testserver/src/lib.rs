@@ -80,12 +80,8 @@ impl TestServer {
     }
 
     pub async fn start_with(options: Options) -> std::io::Result<TestServer> {
-        let shared = Arc::new(Shared {
-            key: options.key,
-            started: Some(Instant::now()),
-            log: options.log,
-            ..Shared::default()
-        });
+        let shared =
+            Arc::new(Shared { key: options.key, started: Some(Instant::now()), log: options.log, ..Shared::default() });
         let app = Router::new()
             .route("/v1/chat/completions", post(openai))
             .route("/v1/messages", post(anthropic))
@@ -177,7 +173,8 @@ async fn handle(
         .map(|(k, v)| (k.as_str().to_ascii_lowercase(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
         .collect();
     let at_ms = shared.started.map_or(0, |s| s.elapsed().as_millis() as u64);
-    let record = RecordedRequest { wire, path, headers: header_map.clone(), body: json.clone(), model: model.clone(), at_ms };
+    let record =
+        RecordedRequest { wire, path, headers: header_map.clone(), body: json.clone(), model: model.clone(), at_ms };
     if let Some(log) = &shared.log {
         let line = serde_json::json!({
             "wire": wire.as_str(), "path": record.path, "headers": record.headers,

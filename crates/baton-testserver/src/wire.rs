@@ -70,11 +70,25 @@ pub(crate) fn error_response(
     let body = match wire {
         Wire::OpenAi => {
             let (kind, code_str, msg) = match code {
-                400 => ("invalid_request_error", Some("context_length_exceeded"), "This model's maximum context length is 128000 tokens. However, your messages resulted in 131072 tokens. Please reduce the length of the messages."),
+                400 => (
+                    "invalid_request_error",
+                    Some("context_length_exceeded"),
+                    "This model's maximum context length is 128000 tokens. However, your messages resulted in 131072 tokens. Please reduce the length of the messages.",
+                ),
                 401 => return auth_error(wire),
-                404 => ("invalid_request_error", Some("model_not_found"), "The model does not exist or you do not have access to it."),
-                429 => ("requests", Some("rate_limit_exceeded"), "Rate limit reached for requests per min (RPM): Limit 3, Used 3, Requested 1. Please try again in 20s."),
-                500 => ("server_error", None, "The server had an error while processing your request. Sorry about that!"),
+                404 => (
+                    "invalid_request_error",
+                    Some("model_not_found"),
+                    "The model does not exist or you do not have access to it.",
+                ),
+                429 => (
+                    "requests",
+                    Some("rate_limit_exceeded"),
+                    "Rate limit reached for requests per min (RPM): Limit 3, Used 3, Requested 1. Please try again in 20s.",
+                ),
+                500 => {
+                    ("server_error", None, "The server had an error while processing your request. Sorry about that!")
+                }
                 503 => ("server_error", None, "The engine is currently overloaded, please try again later"),
                 _ => ("server_error", None, message),
             };
@@ -96,17 +110,31 @@ pub(crate) fn error_response(
         }
         Wire::Gemini => {
             let (status_name, msg) = match code {
-                400 => ("INVALID_ARGUMENT", "The input token count (1200000) exceeds the maximum number of tokens allowed (1048576)."),
+                400 => (
+                    "INVALID_ARGUMENT",
+                    "The input token count (1200000) exceeds the maximum number of tokens allowed (1048576).",
+                ),
                 401 | 403 => return auth_error(wire),
-                404 => ("NOT_FOUND", "models/unknown is not found for API version v1beta, or is not supported for generateContent."),
-                429 => ("RESOURCE_EXHAUSTED", "You exceeded your current quota, please check your plan and billing details."),
-                500 => ("INTERNAL", "An internal error has occurred. Please retry or report in https://developers.generativeai.google/guide/troubleshooting"),
+                404 => (
+                    "NOT_FOUND",
+                    "models/unknown is not found for API version v1beta, or is not supported for generateContent.",
+                ),
+                429 => (
+                    "RESOURCE_EXHAUSTED",
+                    "You exceeded your current quota, please check your plan and billing details.",
+                ),
+                500 => (
+                    "INTERNAL",
+                    "An internal error has occurred. Please retry or report in https://developers.generativeai.google/guide/troubleshooting",
+                ),
                 503 => ("UNAVAILABLE", "The model is overloaded. Please try again later."),
                 _ => ("UNKNOWN", message),
             };
             let mut details = vec![];
             if let (429, Some(after)) = (code, retry_after) {
-                details.push(json!({"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": format!("{after}s")}));
+                details.push(
+                    json!({"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": format!("{after}s")}),
+                );
             }
             json!({"error": {"code": code, "message": msg, "status": status_name, "details": details}})
         }
@@ -185,7 +213,8 @@ pub(crate) async fn respond(wire: Wire, script: &Script, call: u32, body: &Value
     if call < script.garbage {
         let mut builder = Response::builder().status(StatusCode::OK);
         builder = builder.header(header::CONTENT_TYPE, if stream { "text/event-stream" } else { "application/json" });
-        let junk = if stream { "data: <html>upstream proxy error</html>\n\n" } else { "<html>upstream proxy error</html>" };
+        let junk =
+            if stream { "data: <html>upstream proxy error</html>\n\n" } else { "<html>upstream proxy error</html>" };
         return builder.body(Body::from(junk)).unwrap_or_default();
     }
 
@@ -288,7 +317,14 @@ fn text(mut e: Event) -> Event {
     e
 }
 
-fn stream_events(wire: Wire, model: &str, pieces: &[String], conv: &Conversation, usage_in: u64, usage_out: u64) -> Vec<Event> {
+fn stream_events(
+    wire: Wire,
+    model: &str,
+    pieces: &[String],
+    conv: &Conversation,
+    usage_in: u64,
+    usage_out: u64,
+) -> Vec<Event> {
     let mut out = Vec::new();
     match wire {
         Wire::OpenAi => {
@@ -319,10 +355,16 @@ fn stream_events(wire: Wire, model: &str, pieces: &[String], conv: &Conversation
                 out.push(named("content_block_stop", json!({"type": "content_block_stop", "index": 0})));
                 index = 1;
             }
-            out.push(named("content_block_start", json!({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}})));
+            out.push(named(
+                "content_block_start",
+                json!({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}}),
+            ));
             out.push(named("ping", json!({"type": "ping"})));
             for p in pieces {
-                out.push(text(named("content_block_delta", json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": p}}))));
+                out.push(text(named(
+                    "content_block_delta",
+                    json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": p}}),
+                )));
             }
             out.push(named("content_block_stop", json!({"type": "content_block_stop", "index": index})));
             out.push(named("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": usage_out}})));

@@ -3,12 +3,17 @@
 
 use std::time::{Duration, Instant};
 
-use baton_tests::{TEST_KEY, W, baton, fixture, write_pool};
+use baton_tests::{Output, TEST_KEY, W, fixture, write_pool};
 use baton_testserver::{Options, TestServer};
 use serde_json::Value;
 
 async fn server() -> TestServer {
     TestServer::start_with(Options { key: Some(TEST_KEY.into()), ..Options::default() }).await.expect("server")
+}
+
+/// Runs the `baton` binary this package builds.
+async fn baton(args: &[&str], stdin: Option<&str>, key: &str) -> Output {
+    baton_tests::run(std::path::Path::new(env!("CARGO_BIN_EXE_baton")), args, stdin, key).await
 }
 
 fn path(p: &std::path::Path) -> &str {
@@ -43,7 +48,11 @@ async fn plan_parse_prints_normalized_json_and_rejects_bad_plans_with_exit_2() {
     let pool = write_pool(dir.path(), &s, "", &[W("only", "openai", "m")]);
     let out = baton(&["plan", "parse", "--pool", path(&pool), path(&plan)], None, "").await;
     assert_eq!(out.code, Some(2));
-    assert!(out.stderr.contains("model_id[1]: model 1 is not in the pool; the pool has 1 worker (0..=0)"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("model_id[1]: model 1 is not in the pool; the pool has 1 worker (0..=0)"),
+        "{}",
+        out.stderr
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -54,21 +63,27 @@ async fn ask_runs_a_plan_over_all_three_wire_formats() {
         dir.path(),
         &s,
         "",
-        &[W("gpt", "openai", "gpt-5"), W("claude", "anthropic", "claude-sonnet-4-5"), W("gemini", "gemini", "gemini-2.5-pro")],
+        &[
+            W("gpt", "openai", "gpt-5"),
+            W("claude", "anthropic", "claude-sonnet-4-5"),
+            W("gemini", "gemini", "gemini-2.5-pro"),
+        ],
     );
     let plan = fixture("chain-plan.txt");
     let out = baton(&["ask", "--pool", path(&pool), "--plan", path(&plan), "What is 2+2?"], None, TEST_KEY).await;
     assert_eq!(out.code, Some(0), "{}", out.stderr);
-    assert_eq!(out.stdout, "gemini-2.5-pro (saw 2 earlier answers) answers: Write the final answer.\n", "only the answer on stdout");
+    assert_eq!(
+        out.stdout, "gemini-2.5-pro (saw 2 earlier answers) answers: Write the final answer.\n",
+        "only the answer on stdout"
+    );
     assert!(out.stderr.contains("plan: 3 steps"), "{}", out.stderr);
     assert!(out.stderr.contains("step 2 finished   gemini"), "{}", out.stderr);
     assert!(out.stderr.contains("done in"), "{}", out.stderr);
     let reqs = s.requests();
-    assert_eq!(reqs.iter().map(|r| r.path.as_str()).collect::<Vec<_>>(), vec![
-        "/v1/chat/completions",
-        "/v1/messages",
-        "/v1beta/models/gemini-2.5-pro:streamGenerateContent"
-    ]);
+    assert_eq!(
+        reqs.iter().map(|r| r.path.as_str()).collect::<Vec<_>>(),
+        vec!["/v1/chat/completions", "/v1/messages", "/v1beta/models/gemini-2.5-pro:streamGenerateContent"]
+    );
     assert!(!out.stderr.contains(TEST_KEY) && !out.stdout.contains(TEST_KEY));
 }
 
@@ -76,8 +91,14 @@ async fn ask_runs_a_plan_over_all_three_wire_formats() {
 async fn ask_json_writes_every_event_as_a_json_line() {
     let s = server().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let pool = write_pool(dir.path(), &s, "", &[W("a", "anthropic", "a"), W("b", "openai", "b"), W("c", "gemini", "c")]);
-    let out = baton(&["ask", "--json", "--pool", path(&pool), "--plan", path(&fixture("chain-plan.txt")), "Q"], None, TEST_KEY).await;
+    let pool =
+        write_pool(dir.path(), &s, "", &[W("a", "anthropic", "a"), W("b", "openai", "b"), W("c", "gemini", "c")]);
+    let out = baton(
+        &["ask", "--json", "--pool", path(&pool), "--plan", path(&fixture("chain-plan.txt")), "Q"],
+        None,
+        TEST_KEY,
+    )
+    .await;
     assert_eq!(out.code, Some(0), "{}", out.stderr);
     let events: Vec<Value> = out.stdout.lines().map(|l| serde_json::from_str(l).expect("JSON line")).collect();
     let types: Vec<&str> = events.iter().map(|e| e["type"].as_str().expect("type")).collect();
@@ -85,7 +106,7 @@ async fn ask_json_writes_every_event_as_a_json_line() {
     assert_eq!(types[1], "plan_ready");
     assert_eq!(types.last(), Some(&"run_finished"));
     for t in ["step_started", "step_delta", "step_finished"] {
-        assert_eq!(types.iter().filter(|x| **x == t).count() >= 3, true, "{t}: {types:?}");
+        assert!(types.iter().filter(|x| **x == t).count() >= 3, "{t}: {types:?}");
     }
     let last = events.last().expect("event");
     assert_eq!(last["answer"], "c (saw 2 earlier answers) answers: Write the final answer.");
@@ -111,7 +132,8 @@ async fn a_fan_out_plan_visibly_runs_its_independent_steps_at_the_same_time() {
         ],
     );
     let started = Instant::now();
-    let out = baton(&["ask", "--pool", path(&pool), "--plan", path(&fixture("fanout-plan.txt")), "Q"], None, TEST_KEY).await;
+    let out =
+        baton(&["ask", "--pool", path(&pool), "--plan", path(&fixture("fanout-plan.txt")), "Q"], None, TEST_KEY).await;
     let wall = started.elapsed();
     assert_eq!(out.code, Some(0), "{}", out.stderr);
     // Sequential would be 1.6 s of model time; parallel is two layers, 0.8 s.
@@ -129,10 +151,12 @@ async fn a_fan_out_plan_visibly_runs_its_independent_steps_at_the_same_time() {
 async fn whole_body_workers_work_too() {
     let s = server().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let pool = write_pool(dir.path(), &s, "", &[W("a", "anthropic", "a"), W("b", "gemini", "b"), W("c", "openai", "c")]);
+    let pool =
+        write_pool(dir.path(), &s, "", &[W("a", "anthropic", "a"), W("b", "gemini", "b"), W("c", "openai", "c")]);
     let text = std::fs::read_to_string(&pool).expect("pool").replace("api_key_env", "stream = false\napi_key_env");
     std::fs::write(&pool, text).expect("write");
-    let out = baton(&["ask", "--pool", path(&pool), "--plan", path(&fixture("chain-plan.txt")), "Q"], None, TEST_KEY).await;
+    let out =
+        baton(&["ask", "--pool", path(&pool), "--plan", path(&fixture("chain-plan.txt")), "Q"], None, TEST_KEY).await;
     assert_eq!(out.code, Some(0), "{}", out.stderr);
     assert_eq!(out.stdout, "c (saw 2 earlier answers) answers: Write the final answer.\n");
     assert!(s.requests().iter().all(|r| r.body.get("stream") != Some(&Value::Bool(true))));
@@ -143,7 +167,8 @@ async fn whole_body_workers_work_too() {
 async fn exit_codes_say_what_went_wrong() {
     let s = server().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let pool = write_pool(dir.path(), &s, "", &[W("a", "openai", "a"), W("b", "anthropic", "b"), W("c", "gemini", "c")]);
+    let pool =
+        write_pool(dir.path(), &s, "", &[W("a", "openai", "a"), W("b", "anthropic", "b"), W("c", "gemini", "c")]);
     let plan = fixture("chain-plan.txt");
 
     // A wrong key: the run fails (1), the error names the kind, nothing on stdout.
@@ -159,10 +184,15 @@ async fn exit_codes_say_what_went_wrong() {
     std::fs::write(&broken, "[[worker]]\nname = \"x\"\nprovider = \"openia\"\nmodel = \"m\"\n").expect("write");
     let out = baton(&["ask", "--pool", path(&broken), "--plan", path(&plan), "Q"], None, TEST_KEY).await;
     assert_eq!(out.code, Some(2));
-    assert!(out.stderr.contains("broken.toml:1: worker 0 (\"x\"): field `provider`: unknown provider \"openia\""), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("broken.toml:1: worker 0 (\"x\"): field `provider`: unknown provider \"openia\""),
+        "{}",
+        out.stderr
+    );
 
     // A plan that does not parse: bad input (2).
-    let out = baton(&["ask", "--pool", path(&pool), "--plan", path(&fixture("bad-plan.txt")), "Q"], None, TEST_KEY).await;
+    let out =
+        baton(&["ask", "--pool", path(&pool), "--plan", path(&fixture("bad-plan.txt")), "Q"], None, TEST_KEY).await;
     assert_eq!(out.code, Some(2));
 
     // A missing pool file says how to make one.
@@ -179,7 +209,11 @@ async fn pool_check_reports_each_worker() {
         dir.path(),
         &s,
         "",
-        &[W("good", "openai", "good"), W("overloaded", "anthropic", "o;fail=529"), W("slow", "gemini", "slow;ttfb=150")],
+        &[
+            W("good", "openai", "good"),
+            W("overloaded", "anthropic", "o;fail=529"),
+            W("slow", "gemini", "slow;ttfb=150"),
+        ],
     );
     let out = baton(&["pool", "check", "--json", "--pool", path(&pool)], None, TEST_KEY).await;
     assert_eq!(out.code, Some(1), "one worker fails: {}", out.stderr);
@@ -195,7 +229,12 @@ async fn pool_check_reports_each_worker() {
 
     let out = baton(&["pool", "check", "--pool", path(&pool)], None, "sk-wrong").await;
     assert_eq!(out.code, Some(1));
-    assert_eq!(out.stdout.lines().filter(|l| l.starts_with("FAILED") && l.contains("auth")).count(), 3, "{}", out.stdout);
+    assert_eq!(
+        out.stdout.lines().filter(|l| l.starts_with("FAILED") && l.contains("auth")).count(),
+        3,
+        "{}",
+        out.stdout
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -206,7 +245,7 @@ async fn interrupting_a_run_exits_130() {
     let plan = "model_id = [0]\nsubtasks = ['take your time']\naccess_list = [[]]";
     let plan_path = dir.path().join("plan.txt");
     std::fs::write(&plan_path, plan).expect("write");
-    let child = tokio::process::Command::new(baton_tests::baton_bin())
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_baton"))
         .args(["ask", "--pool", path(&pool), "--plan", path(&plan_path), "Q"])
         .env("BATON_E2E_KEY", TEST_KEY)
         .stdout(std::process::Stdio::piped())
@@ -219,7 +258,8 @@ async fn interrupting_a_run_exits_130() {
     let status = std::process::Command::new("kill").args(["-INT", &pid]).status().expect("kill");
     assert!(status.success());
     let started = Instant::now();
-    let out = tokio::time::timeout(Duration::from_secs(10), child.wait_with_output()).await.expect("exits").expect("output");
+    let out =
+        tokio::time::timeout(Duration::from_secs(10), child.wait_with_output()).await.expect("exits").expect("output");
     assert!(started.elapsed() < Duration::from_secs(3), "stops promptly");
     assert_eq!(out.status.code(), Some(130));
     let stderr = String::from_utf8_lossy(&out.stderr);
