@@ -90,6 +90,7 @@ pub enum StepErrorKind {
     Network,
     Timeout,
     MalformedResponse,
+    EmptyAnswer,
     /// The run was cancelled, or stopped by a budget cap, while this step ran.
     Cancelled,
     /// A step this one depends on failed, so it never ran.
@@ -107,6 +108,7 @@ impl From<ErrorKind> for StepErrorKind {
             ErrorKind::Network => StepErrorKind::Network,
             ErrorKind::Timeout => StepErrorKind::Timeout,
             ErrorKind::MalformedResponse => StepErrorKind::MalformedResponse,
+            ErrorKind::EmptyAnswer => StepErrorKind::EmptyAnswer,
             ErrorKind::Cancelled => StepErrorKind::Cancelled,
         }
     }

@@ -366,7 +366,20 @@ async fn attempt(
                 output.push_str(&text);
                 let _ = events.send(RunEvent::StepDelta { step, text });
             }
-            ChatEvent::Done { usage, .. } => return Ok((output, usage)),
+            ChatEvent::Done { usage, stop_reason } => {
+                // An empty answer would reach dependent steps as an empty assistant turn, which
+                // providers reject; say why here instead.
+                if output.trim().is_empty() {
+                    let stop = stop_reason.unwrap_or_else(|| "none given".to_owned());
+                    return Err(ProviderError::new(
+                        ErrorKind::EmptyAnswer,
+                        format!(
+                            "the model finished without any text (stop reason: {stop}); if it ran out of tokens, raise max_tokens or lower thinking_budget"
+                        ),
+                    ));
+                }
+                return Ok((output, usage));
+            }
         }
     }
     Err(ProviderError::new(ErrorKind::Network, "the answer stream ended without completing"))

@@ -400,11 +400,12 @@ fn worker(t: &toml::Table) -> Result<WorkerSpec, FieldError> {
     };
     let api_key_env = f.string("api_key_env")?;
     if let Some(var) = &api_key_env
-        && (var.is_empty() || var.contains('=') || var.contains('\0'))
+        && !is_env_var_name(var)
     {
+        // Never echo the value: a key pasted here by mistake must not reach the terminal.
         return Err(FieldError {
             field: "api_key_env".into(),
-            message: format!("\"{var}\" is not an environment variable name"),
+            message: "must be the NAME of an environment variable (letters, digits and _, e.g. OPENAI_API_KEY), not the key itself".into(),
         });
     }
     let reasoning_effort = f.string("reasoning_effort")?;
@@ -436,6 +437,14 @@ fn worker(t: &toml::Table) -> Result<WorkerSpec, FieldError> {
     })
 }
 
+/// A portable environment variable name. Keys (`sk-…`, `AIza…` with dashes) never match.
+fn is_env_var_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars.next().is_some_and(|c| c == '_' || c.is_ascii_alphabetic())
+        && chars.all(|c| c == '_' || c.is_ascii_alphanumeric())
+        && name.len() <= 64
+}
+
 fn check_url(raw: &str) -> Result<String, String> {
     let url = url::Url::parse(raw).map_err(|e| format!("\"{raw}\" is not a URL ({e})"))?;
     if !matches!(url.scheme(), "http" | "https") {
@@ -444,7 +453,7 @@ fn check_url(raw: &str) -> Result<String, String> {
     if url.query().is_some() || url.fragment().is_some() {
         return Err(format!("\"{raw}\" must not have a query or fragment"));
     }
-    Ok(raw.trim_end_matches('/').to_owned())
+    Ok(url.as_str().trim_end_matches('/').to_owned())
 }
 
 /// What the conductor and the UI may know of a pool: no URLs, no key names.
@@ -559,6 +568,9 @@ base_url = "http://localhost:11434/v1"
         );
         let dup = GOOD.replace("name = \"claude\"", "name = \"gpt\"");
         assert!(error(&dup).contains("names must be unique"));
+        let pasted_key = GOOD.replace("api_key_env = \"OPENAI_API_KEY\"", "api_key_env = \"sk-proj-abc123-secret\"");
+        assert!(error(&pasted_key).contains("field `api_key_env`: must be the NAME"), "{}", error(&pasted_key));
+        assert!(!error(&pasted_key).contains("secret"), "the value is never echoed");
         let no_url = GOOD.replace("base_url = \"http://localhost:11434/v1\"\n", "");
         assert!(error(&no_url).contains("field `base_url`: missing"));
     }

@@ -322,6 +322,12 @@ async fn cancelling_mid_stream_stops_at_once_and_closes_the_call() {
     );
     assert!(matches!(events.last(), Some(RunEvent::RunCancelled { .. })));
     assert!(!events.iter().any(|e| matches!(e, RunEvent::StepStarted { step: 2, .. })));
+    // The server notices the closed connection at its next piece (every 500 ms).
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while server.hangups() == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(server.hangups(), 1, "the cancelled call's connection was closed");
 }
 
 #[tokio::test]
@@ -349,6 +355,25 @@ async fn budget_caps_end_the_run_and_keep_what_finished() {
     let (outcome, _) = run(&executor(&p), chain, None).await;
     assert_eq!(outcome.error.map(|e| e.kind), Some(RunErrorKind::BudgetExceeded));
     assert!(outcome.totals.cost_usd > 0.0 && outcome.totals.cost_complete);
+}
+
+#[tokio::test]
+async fn an_empty_answer_fails_its_step_with_the_reason() {
+    let server = TestServer::start().await.expect("server");
+    let p = pool(&server, "", &[compat("mute", "mute;reply="), compat("w", "w")]);
+    let (outcome, events) =
+        run(&executor(&p), "model_id = [0, 1]\nsubtasks = ['a', 'b']\naccess_list = [[], [0]]", None).await;
+    assert_eq!(outcome.status, RunStatus::Failed);
+    let error = events
+        .iter()
+        .find_map(|e| match e {
+            RunEvent::StepFailed { step: 0, error } => Some(error.clone()),
+            _ => None,
+        })
+        .expect("step 0 failed");
+    assert_eq!(error.kind, StepErrorKind::EmptyAnswer);
+    assert!(error.message.contains("stop reason: stop"), "{}", error.message);
+    assert_eq!(server.requests().len(), 1, "not retried, and the dependent step never ran");
 }
 
 #[tokio::test]

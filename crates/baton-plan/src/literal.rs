@@ -179,11 +179,16 @@ impl Parser<'_> {
         let open = self.bump();
         let close = if open == Some('[') { ']' } else { ')' };
         let mut items = Vec::new();
+        let mut saw_comma = false;
         loop {
             self.skip_trivia();
             match self.peek() {
                 Some(c) if c == close => {
                     self.bump();
+                    // `(x)` is x in parentheses, not a tuple: only `(x,)` is.
+                    if close == ')' && items.len() == 1 && !saw_comma {
+                        return Ok(items.pop().map_or(Literal::Seq(Vec::new()), |s: Spanned| s.value));
+                    }
                     return Ok(Literal::Seq(items));
                 }
                 None => {
@@ -195,6 +200,7 @@ impl Parser<'_> {
             self.skip_trivia();
             match self.peek() {
                 Some(',') => {
+                    saw_comma = true;
                     self.bump();
                 }
                 Some(c) if c == close => {}
@@ -289,6 +295,13 @@ impl Parser<'_> {
                         return Ok(out);
                     }
                     out.push(c);
+                }
+                // Python reads source line endings as \n, so CRLF files give the same strings.
+                '\r' if triple => {
+                    if self.peek() == Some('\n') {
+                        self.bump();
+                    }
+                    out.push('\n');
                 }
                 '\n' | '\r' if !triple => {
                     return self.error(
@@ -447,6 +460,11 @@ mod tests {
         assert_eq!(items(v[2].clone()), vec![Literal::Int(0), Literal::Int(1)]);
         assert_eq!(items(v[3].clone()), vec![Literal::Int(2)]);
         assert_eq!(lit("-3"), Literal::Int(-3));
+        assert_eq!(lit("(\"wrapped \"\n \"string\")"), s("wrapped string"), "parentheses group; they make no tuple");
+        assert_eq!(lit("(2)"), Literal::Int(2));
+        assert_eq!(items(lit("(2,)")), vec![Literal::Int(2)]);
+        assert_eq!(lit("()"), Literal::Seq(vec![]));
+        assert_eq!(lit("'''a\r\nb\rc'''"), s("a\nb\nc"));
         assert_eq!(lit("1_000"), Literal::Int(1000));
     }
 

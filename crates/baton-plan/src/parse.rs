@@ -52,10 +52,13 @@ struct Assignment {
 fn parse_unchecked(text: &str) -> Result<Parsed, PlanError> {
     let assignments = find_assignments(text);
 
-    // Group consecutive good assignments into sets; a name seen twice starts a new set.
+    // Group consecutive good assignments into sets; a name seen twice starts a new set. A
+    // broken assignment after the last complete set means the conductor's final restatement
+    // is broken: report it rather than silently run an earlier draft.
     let mut complete: Option<[Option<&Spanned>; 3]> = None;
     let mut current: [Option<&Spanned>; 3] = [None, None, None];
-    let mut last_error: Option<&Assignment> = None;
+    let mut error_since_complete: Option<&Assignment> = None;
+    let mut any_error: Option<&Assignment> = None;
     for a in &assignments {
         match &a.value {
             Ok(v) => {
@@ -67,15 +70,26 @@ fn parse_unchecked(text: &str) -> Result<Parsed, PlanError> {
                 if current.iter().all(Option::is_some) {
                     complete = Some(current);
                     current = [None, None, None];
+                    error_since_complete = None;
                 }
             }
-            Err(_) => last_error = Some(a),
+            Err(_) => {
+                error_since_complete = Some(a);
+                any_error = Some(a);
+            }
         }
+    }
+    let syntax = |a: &Assignment| match &a.value {
+        Err(e) => PlanError::Syntax { list: a.list, pos: pos_at(text, e.at), message: e.message.clone() },
+        Ok(_) => PlanError::NotFound,
+    };
+    if let Some(a) = error_since_complete.filter(|_| complete.is_some()) {
+        return Err(syntax(a));
     }
 
     let Some([Some(ids), Some(subtasks), Some(access)]) = complete else {
-        if let Some(Assignment { list, value: Err(e), .. }) = last_error {
-            return Err(PlanError::Syntax { list: *list, pos: pos_at(text, e.at), message: e.message.clone() });
+        if let Some(a) = any_error {
+            return Err(syntax(a));
         }
         let found: Vec<&str> = List::ALL
             .iter()
@@ -86,6 +100,13 @@ fn parse_unchecked(text: &str) -> Result<Parsed, PlanError> {
             return Err(PlanError::NotFound);
         }
         let missing: Vec<&str> = List::ALL.iter().map(|l| l.name()).filter(|n| !found.contains(n)).collect();
+        if missing.is_empty() {
+            return Err(PlanError::invalid(
+                None,
+                None,
+                "`model_id`, `subtasks` and `access_list` never appear together as one set; write each once, in one place",
+            ));
+        }
         return Err(PlanError::Incomplete { found: join_names(&found), missing: join_names(&missing) });
     };
 
@@ -266,6 +287,7 @@ fn assignment_value(text: &str, after_name: usize) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Pos;
 
     fn ok(text: &str) -> Plan {
         parse(text, &Limits::default()).unwrap_or_else(|e| panic!("{e}"))
@@ -305,6 +327,22 @@ mod tests {
         let text = "model_id = [0]\nsubtasks = ['a']\naccess_list = [[]]\nmodel_id = [1]\n";
         let plan = ok(text);
         assert_eq!(plan.steps[0].model_id, 0);
+    }
+
+    #[test]
+    fn a_broken_restatement_is_reported_not_replaced_by_the_draft() {
+        let text = "model_id = [0]\nsubtasks = ['draft']\naccess_list = [[]]\nFinal:\nmodel_id = [1]\nsubtasks = ['final\naccess_list = [[]]";
+        let e = parse(text, &Limits::default()).expect_err("the final plan is broken");
+        assert!(matches!(e, PlanError::Syntax { list: List::Subtasks, pos: Pos { line: 6, column: 13 }, .. }), "{e:?}");
+        // A broken draft before a good final plan does not matter.
+        let text = "model_id = [0\nmodel_id = [1]\nsubtasks = ['ok']\naccess_list = [[]]";
+        assert_eq!(ok(text).steps[0].model_id, 1);
+    }
+
+    #[test]
+    fn scattered_assignments_are_explained() {
+        let e = fail("model_id = [0]\nsubtasks = ['a']\nmodel_id = [0]\naccess_list = [[]]");
+        assert!(e.to_string().contains("never appear together"), "{e}");
     }
 
     #[test]

@@ -15,8 +15,8 @@ fn arb_plan() -> impl Strategy<Value = Plan> {
                         Access::steps(if i == 0 { vec![] } else { v })
                     }),
                 ];
-                // Any text, including quotes, backslashes, newlines and non-ASCII; never blank.
-                let subtask = "\\PC*[a-zA-Z\"'\\\\\n\t\u{e9}\u{1F600}]\\PC*".prop_map(String::from);
+                // Any text, including quotes, backslashes, newlines, tabs and non-ASCII; never blank.
+                let subtask = "[\\PC\n\t]*[a-zA-Z\"'\\\\\u{e9}\u{1F600}][\\PC\n\t]*".prop_map(String::from);
                 (0usize..50, subtask, access).prop_map(|(model_id, subtask, access)| Step { model_id, subtask, access })
             })
             .collect();

@@ -139,9 +139,7 @@ impl WireError {
             _ => status.map_or(ErrorKind::Overloaded, http::kind_for_status),
         };
         let message = if self.message.is_empty() { self.kind } else { self.message };
-        let mut err = ProviderError::new(kind, message).with_retry_after(headers.and_then(http::retry_after));
-        err.status = status;
-        err
+        http::wire_error(kind, message, status, headers)
     }
 }
 
@@ -149,9 +147,7 @@ impl WireError {
 pub fn classify(status: u16, headers: &HeaderMap, body: &str) -> ProviderError {
     match serde_json::from_str::<ErrorBody>(body) {
         Ok(b) => b.error.into_error(Some(status), Some(headers)),
-        Err(_) => ProviderError::new(http::kind_for_status(status), http::excerpt(body))
-            .with_status(status)
-            .with_retry_after(http::retry_after(headers)),
+        Err(_) => http::unrecognized_error(status, headers, body),
     }
 }
 

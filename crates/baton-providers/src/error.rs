@@ -25,6 +25,8 @@ pub enum ErrorKind {
     Timeout,
     /// The provider answered something that is not its documented format.
     MalformedResponse,
+    /// The model finished without any text (out of tokens while thinking, or filtered).
+    EmptyAnswer,
     /// The caller cancelled the call.
     Cancelled,
 }
@@ -45,6 +47,7 @@ impl ErrorKind {
             ErrorKind::Network => "network",
             ErrorKind::Timeout => "timeout",
             ErrorKind::MalformedResponse => "malformed_response",
+            ErrorKind::EmptyAnswer => "empty_answer",
             ErrorKind::Cancelled => "cancelled",
         }
     }
@@ -169,7 +172,8 @@ fn jitter() -> f64 {
 pub(crate) fn parse_retry_after(value: &str) -> Option<Duration> {
     let value = value.trim();
     if let Ok(secs) = value.parse::<f64>() {
-        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs));
+        // try_from: a huge or negative value from a server must not panic.
+        return Duration::try_from_secs_f64(secs).ok();
     }
     let when = httpdate::parse_http_date(value).ok()?;
     Some(when.duration_since(std::time::SystemTime::now()).unwrap_or(Duration::ZERO))
@@ -178,7 +182,7 @@ pub(crate) fn parse_retry_after(value: &str) -> Option<Duration> {
 /// Parses a protobuf JSON duration such as Gemini's `"retryDelay": "1.5s"`.
 pub(crate) fn parse_proto_duration(value: &str) -> Option<Duration> {
     let secs: f64 = value.trim().strip_suffix('s')?.parse().ok()?;
-    (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs))
+    Duration::try_from_secs_f64(secs).ok()
 }
 
 #[cfg(test)]
@@ -221,5 +225,9 @@ mod tests {
         assert_eq!(parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"), Some(Duration::ZERO));
         assert_eq!(parse_retry_after("soon"), None);
         assert_eq!(parse_proto_duration("1.5s"), Some(Duration::from_millis(1500)));
+        for hostile in ["1e30", "-1", "NaN", "inf"] {
+            assert_eq!(parse_retry_after(hostile), None, "{hostile}");
+            assert_eq!(parse_proto_duration(&format!("{hostile}s")), None, "{hostile}");
+        }
     }
 }

@@ -166,9 +166,7 @@ pub fn classify(status: u16, headers: &HeaderMap, body: &str) -> ProviderError {
         .or_else(|| serde_json::from_str::<Vec<ErrorBody>>(body_trim).ok().and_then(|v| v.into_iter().next()));
     match parsed {
         Some(b) => b.error.into_error(Some(status), Some(headers)),
-        None => ProviderError::new(http::kind_for_status(status), http::excerpt(body))
-            .with_status(status)
-            .with_retry_after(http::retry_after(headers)),
+        None => http::unrecognized_error(status, headers, body),
     }
 }
 
@@ -223,7 +221,9 @@ pub(crate) async fn stream(call: Call<'_>, req: &ChatRequest) -> Result<ChatStre
                 ChatEvent::Done { .. } => None,
             })
             .collect();
-        let done = parser.end_of_stream()?;
+        let done = parser
+            .end_of_stream()
+            .map_err(|_| ProviderError::malformed("the answer has no candidate with a finish reason"))?;
         Ok(http::finished_stream(text, done))
     }
 }

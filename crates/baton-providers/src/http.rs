@@ -64,14 +64,33 @@ pub(crate) fn kind_for_status(status: u16) -> ErrorKind {
     }
 }
 
+/// An error the provider described in its own error body.
+pub(crate) fn wire_error(
+    kind: ErrorKind,
+    message: String,
+    status: Option<u16>,
+    headers: Option<&HeaderMap>,
+) -> ProviderError {
+    let mut err = ProviderError::new(kind, message).with_retry_after(headers.and_then(retry_after));
+    err.status = status;
+    err
+}
+
+/// An error answer whose body is not the provider's documented error shape (a proxy's HTML
+/// page, say): the status decides the kind, the body's start becomes the message.
+pub(crate) fn unrecognized_error(status: u16, headers: &HeaderMap, body: &str) -> ProviderError {
+    ProviderError::new(kind_for_status(status), excerpt(body))
+        .with_status(status)
+        .with_retry_after(retry_after(headers))
+}
+
 /// `retry-after-ms` (OpenAI) or `retry-after` (everyone).
 pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     if let Some(ms) =
         headers.get("retry-after-ms").and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<f64>().ok())
-        && ms.is_finite()
-        && ms >= 0.0
+        && let Ok(after) = Duration::try_from_secs_f64(ms / 1000.0)
     {
-        return Some(Duration::from_secs_f64(ms / 1000.0));
+        return Some(after);
     }
     headers.get(reqwest::header::RETRY_AFTER).and_then(|v| v.to_str().ok()).and_then(parse_retry_after)
 }

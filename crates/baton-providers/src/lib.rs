@@ -18,6 +18,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use serde::{Deserialize, Serialize};
@@ -262,11 +263,23 @@ impl ChatModel for HttpModel {
                 settings: &inner.settings,
                 key: key.as_ref(),
             };
-            match inner.kind {
+            let result = match inner.kind {
                 ProviderKind::OpenAi => openai::stream(call, &request, true).await,
                 ProviderKind::OpenAiCompatible => openai::stream(call, &request, false).await,
                 ProviderKind::Anthropic => anthropic::stream(call, &request).await,
                 ProviderKind::Gemini => gemini::stream(call, &request).await,
+            };
+            // Some servers and proxies echo the key they received in their error text; errors
+            // are shown and stored, so the key is cut out of every one.
+            let redact = move |mut e: ProviderError| {
+                if let Some(key) = key.as_ref().map(ApiKey::expose).filter(|k| k.len() >= 4) {
+                    e.message = e.message.replace(key, "<redacted>");
+                }
+                e
+            };
+            match result {
+                Ok(stream) => Ok(stream.map(move |item| item.map_err(&redact)).boxed()),
+                Err(e) => Err(redact(e)),
             }
         })
     }

@@ -46,7 +46,8 @@ pub struct Chunk {
     #[serde(default)]
     pub choices: Vec<ChunkChoice>,
     pub usage: Option<WireUsage>,
-    pub error: Option<WireError>,
+    /// OpenAI sends an object; some compatible servers send a bare string.
+    pub error: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -113,7 +114,9 @@ impl WireError {
     fn into_error(self, status: Option<u16>, headers: Option<&HeaderMap>) -> ProviderError {
         let code = self.code.as_ref().and_then(|c| c.as_str()).unwrap_or_default().to_owned();
         let kind_name = self.kind.clone().unwrap_or_default();
-        let mut kind = match status {
+        // In a stream there is no HTTP status; vLLM and others put one in `code`.
+        let numeric_code = self.code.as_ref().and_then(serde_json::Value::as_u64).and_then(|c| u16::try_from(c).ok());
+        let mut kind = match status.or(numeric_code) {
             Some(s) => http::kind_for_status(s),
             None => match kind_name.as_str() {
                 "invalid_request_error" => ErrorKind::BadRequest,
@@ -138,9 +141,7 @@ impl WireError {
         if message.is_empty() {
             message = if kind_name.is_empty() { "(no message)".to_owned() } else { kind_name };
         }
-        let mut err = ProviderError::new(kind, message).with_retry_after(headers.and_then(http::retry_after));
-        err.status = status;
-        err
+        http::wire_error(kind, message, status, headers)
     }
 }
 
@@ -148,9 +149,7 @@ impl WireError {
 pub fn classify(status: u16, headers: &HeaderMap, body: &str) -> ProviderError {
     match serde_json::from_str::<ErrorBody>(body) {
         Ok(b) => b.error.into_error(Some(status), Some(headers)),
-        Err(_) => ProviderError::new(http::kind_for_status(status), http::excerpt(body))
-            .with_status(status)
-            .with_retry_after(http::retry_after(headers)),
+        Err(_) => http::unrecognized_error(status, headers, body),
     }
 }
 
@@ -224,7 +223,12 @@ impl StreamParser for Parser {
         }
         let chunk: Chunk = http::decode("stream chunk", &event.data)?;
         if let Some(error) = chunk.error {
-            return Err(error.into_error(None, None));
+            let wire = match error {
+                serde_json::Value::String(message) => WireError { message, kind: None, code: None },
+                other => serde_json::from_value(other.clone())
+                    .map_err(|_| ProviderError::malformed(format!("unreadable error in stream: {other}")))?,
+            };
+            return Err(wire.into_error(None, None));
         }
         for choice in chunk.choices {
             if let Some(text) = choice.delta.content

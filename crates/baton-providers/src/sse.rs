@@ -18,6 +18,8 @@ pub struct SseDecoder {
     pending_cr: bool,
     event: Option<String>,
     data: Option<String>,
+    /// How many bytes of a leading byte-order mark were matched (3 once past the start).
+    bom: u8,
 }
 
 /// The stream is not valid UTF-8.
@@ -33,6 +35,17 @@ impl SseDecoder {
     pub fn push(&mut self, chunk: &[u8]) -> Result<Vec<SseEvent>, InvalidUtf8> {
         let mut events = Vec::new();
         for &b in chunk {
+            // The standard strips one leading UTF-8 byte-order mark.
+            if self.bom < 3 {
+                if b == [0xEF, 0xBB, 0xBF][self.bom as usize] {
+                    self.bom += 1;
+                    continue;
+                }
+                // Not a mark after all: give back what was held.
+                let held = [0xEF, 0xBB, 0xBF][..self.bom as usize].to_vec();
+                self.bom = 3;
+                self.line.extend(held);
+            }
             if self.pending_cr {
                 self.pending_cr = false;
                 if b == b'\n' {
@@ -109,6 +122,16 @@ mod tests {
         ];
         for size in 1..=input.len() {
             assert_eq!(decode_in_chunks(input.as_bytes(), size), expected, "chunk size {size}");
+        }
+    }
+
+    #[test]
+    fn a_leading_byte_order_mark_is_dropped() {
+        let input = "\u{feff}data: a\n\ndata: \u{feff}b\n\n";
+        for size in 1..=input.len() {
+            let events = decode_in_chunks(input.as_bytes(), size);
+            let data: Vec<&str> = events.iter().map(|e| e.data.as_str()).collect();
+            assert_eq!(data, vec!["a", "\u{feff}b"], "chunk size {size}");
         }
     }
 

@@ -50,6 +50,8 @@ struct Shared {
     requests: Mutex<Vec<RecordedRequest>>,
     /// Calls seen per model string, for directives that apply to the first N calls.
     counts: Mutex<HashMap<String, u32>>,
+    /// Streams the client closed before their end.
+    hangups: Arc<std::sync::atomic::AtomicU32>,
     /// When set, requests must carry this key in the wire's auth header.
     key: Option<String>,
     started: Option<Instant>,
@@ -109,6 +111,11 @@ impl TestServer {
 
     pub fn requests(&self) -> Vec<RecordedRequest> {
         self.shared.requests.lock().map(|r| r.clone()).unwrap_or_default()
+    }
+
+    /// How many streamed answers the client closed before their end (a cancelled call).
+    pub fn hangups(&self) -> u32 {
+        self.shared.hangups.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Waits for the server task (for the standalone binary).
@@ -189,10 +196,11 @@ async fn handle(
         r.push(record);
     }
 
-    if let Some(expected) = &shared.key
-        && wire::presented_key(wire, &header_map).as_deref() != Some(expected.as_str())
-    {
-        return wire::auth_error(wire);
+    if let Some(expected) = &shared.key {
+        let presented = wire::presented_key(wire, &header_map);
+        if presented.as_deref() != Some(expected.as_str()) {
+            return wire::auth_error(wire, presented.as_deref());
+        }
     }
 
     let call_index = {
@@ -202,5 +210,5 @@ async fn handle(
         *n - 1
     };
     let script = Script::parse(&model);
-    wire::respond(wire, &script, call_index, &json, stream).await
+    wire::respond(wire, &script, call_index, &json, stream, shared.hangups.clone()).await
 }

@@ -36,11 +36,13 @@ pub(crate) fn presented_key(wire: Wire, headers: &BTreeMap<String, String>) -> O
     }
 }
 
-pub(crate) fn auth_error(wire: Wire) -> Response {
+/// The wire's answer to a wrong key. The OpenAI one echoes the key it got, as some
+/// compatible proxies do, so tests can prove Baton keeps it out of its own messages.
+pub(crate) fn auth_error(wire: Wire, presented: Option<&str>) -> Response {
     match wire {
         Wire::OpenAi => json_response(
             StatusCode::UNAUTHORIZED,
-            json!({"error": {"message": "Incorrect API key provided. You can find your API key at https://platform.openai.com/account/api-keys.", "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}}),
+            json!({"error": {"message": format!("Incorrect API key provided: {}. You can find your API key at https://platform.openai.com/account/api-keys.", presented.unwrap_or("(none)")), "type": "invalid_request_error", "param": null, "code": "invalid_api_key"}}),
             None,
         ),
         Wire::Anthropic => json_response(
@@ -75,7 +77,7 @@ pub(crate) fn error_response(
                     Some("context_length_exceeded"),
                     "This model's maximum context length is 128000 tokens. However, your messages resulted in 131072 tokens. Please reduce the length of the messages.",
                 ),
-                401 => return auth_error(wire),
+                401 => return auth_error(wire, None),
                 404 => (
                     "invalid_request_error",
                     Some("model_not_found"),
@@ -114,7 +116,7 @@ pub(crate) fn error_response(
                     "INVALID_ARGUMENT",
                     "The input token count (1200000) exceeds the maximum number of tokens allowed (1048576).",
                 ),
-                401 | 403 => return auth_error(wire),
+                401 | 403 => return auth_error(wire, None),
                 404 => (
                     "NOT_FOUND",
                     "models/unknown is not found for API version v1beta, or is not supported for generateContent.",
@@ -195,7 +197,15 @@ fn conversation(wire: Wire, body: &Value) -> Conversation {
     Conversation { last_user, answers_seen, prompt_chars, thinking, include_usage }
 }
 
-pub(crate) async fn respond(wire: Wire, script: &Script, call: u32, body: &Value, stream: bool) -> Response {
+/// `hangups` counts streams the client closed before their end.
+pub(crate) async fn respond(
+    wire: Wire,
+    script: &Script,
+    call: u32,
+    body: &Value,
+    stream: bool,
+    hangups: std::sync::Arc<std::sync::atomic::AtomicU32>,
+) -> Response {
     let mut wait = script.ttfb;
     if let Some((slow, n)) = script.slow
         && call < n
@@ -282,7 +292,8 @@ pub(crate) async fn respond(wire: Wire, script: &Script, call: u32, body: &Value
                 return;
             }
             if tx.send(Ok(Bytes::from(event.bytes))).await.is_err() {
-                return; // the client hung up
+                hangups.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                return;
             }
             if is_text && stream_error {
                 let _ = tx.send(Ok(Bytes::from(in_stream_error(wire)))).await;
