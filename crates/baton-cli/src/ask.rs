@@ -43,6 +43,16 @@ pub async fn run(args: Args) -> Outcome {
         return Err(Failure::BadInput("the question is empty".into()));
     }
 
+    if pool.options.budget.max_cost_usd.is_some() {
+        let unpriced: Vec<&str> =
+            pool.workers.iter().filter(|w| w.price().is_none()).map(|w| w.name.as_str()).collect();
+        if !unpriced.is_empty() {
+            eprintln!(
+                "warning: budget.max_cost_usd does not count workers without a price ({}); set price_in and price_out for them",
+                unpriced.join(", ")
+            );
+        }
+    }
     let executor = Executor::from_pool(&pool);
     let (tx, mut rx) = mpsc::unbounded_channel();
     let cancel = CancellationToken::new();

@@ -10,8 +10,10 @@ use crate::pool::WorkerInfo;
 
 /// Everything that happens in a run, in order. Per step: `StepStarted`, then `StepDelta`s
 /// (and `StepRetrying`, after which the step's text starts over), then exactly one of
-/// `StepFinished` or `StepFailed`. The run ends with exactly one of `RunFinished`, `RunFailed`
-/// or `RunCancelled`.
+/// `StepFinished` or `StepFailed`. A step can also fail without ever starting: when a step it
+/// sees failed (`dependency_failed`), or when the run stops while it waits for a free slot at
+/// its provider (`cancelled`). Steps that never became ready get no event. The run ends with
+/// exactly one of `RunFinished`, `RunFailed` or `RunCancelled`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum RunEvent {

@@ -417,6 +417,16 @@ fn worker(t: &toml::Table) -> Result<WorkerSpec, FieldError> {
             message: format!("\"{effort}\"; expected minimal, low, medium or high"),
         });
     }
+    let thinking_budget = f.int("thinking_budget", 0, 10_000_000)?.map(|n| n as u32);
+    if provider == ProviderKind::Anthropic
+        && let Some(budget) = thinking_budget
+        && budget < 1024
+    {
+        return Err(FieldError {
+            field: "thinking_budget".into(),
+            message: format!("{budget} is below Anthropic's minimum of 1024 tokens"),
+        });
+    }
     Ok(WorkerSpec {
         name,
         provider,
@@ -427,7 +437,7 @@ fn worker(t: &toml::Table) -> Result<WorkerSpec, FieldError> {
         temperature: f.float("temperature", 0.0)?.map(|x| x as f32),
         top_p: f.float("top_p", 0.0)?.map(|x| x as f32),
         reasoning_effort,
-        thinking_budget: f.int("thinking_budget", 0, 10_000_000)?.map(|n| n as u32),
+        thinking_budget,
         stream: f.bool("stream")?.unwrap_or(true),
         timeout: Duration::from_secs(f.int("timeout_secs", 1, 86_400)?.map_or(300, |n| n as u64)),
         idle_timeout: Duration::from_secs(f.int("idle_timeout_secs", 1, 86_400)?.map_or(120, |n| n as u64)),
@@ -571,6 +581,8 @@ base_url = "http://localhost:11434/v1"
         let pasted_key = GOOD.replace("api_key_env = \"OPENAI_API_KEY\"", "api_key_env = \"sk-proj-abc123-secret\"");
         assert!(error(&pasted_key).contains("field `api_key_env`: must be the NAME"), "{}", error(&pasted_key));
         assert!(!error(&pasted_key).contains("secret"), "the value is never echoed");
+        let low = GOOD.replace("thinking_budget = 2048", "thinking_budget = 512");
+        assert!(error(&low).contains("field `thinking_budget`: 512 is below Anthropic's minimum"), "{}", error(&low));
         let no_url = GOOD.replace("base_url = \"http://localhost:11434/v1\"\n", "");
         assert!(error(&no_url).contains("field `base_url`: missing"));
     }
