@@ -1,4 +1,4 @@
-//! `baton ask`: run a plan over the pool. The answer goes to stdout, progress to stderr; with
+//! `baton ask`: the conductor writes a plan (or `--plan` gives one) and the pool runs it. The answer goes to stdout, progress to stderr; with
 //! `--json`, every RunEvent goes to stdout as one JSON object per line instead.
 
 use std::io::Write;
@@ -18,9 +18,12 @@ pub struct Args {
     question: String,
     #[command(flatten)]
     pool: PoolArg,
-    /// The plan to run, in the conductor's format (a file, or `-` for stdin).
+    /// Run this plan (the conductor's format; a file, or `-` for stdin) instead of asking the
+    /// conductor for one.
     #[arg(long, value_name = "FILE")]
-    plan: PathBuf,
+    plan: Option<PathBuf>,
+    #[command(flatten)]
+    conductor: crate::conductor_setup::ConductorArgs,
     /// Write every run event to stdout as JSON lines instead of the answer.
     #[arg(long)]
     json: bool,
@@ -28,12 +31,19 @@ pub struct Args {
 
 pub async fn run(args: Args) -> Outcome {
     let pool = args.pool.load()?;
-    if args.question == "-" && args.plan.as_os_str() == "-" {
+    if args.question == "-" && args.plan.as_ref().is_some_and(|p| p.as_os_str() == "-") {
         return Err(Failure::BadInput("the question and the plan cannot both come from stdin".into()));
     }
-    let (plan_text, plan_source) = crate::plan_cmd::read_input(Some(&args.plan))?;
-    let limits = Limits { max_steps: pool.options.max_steps, pool_size: Some(pool.workers.len()), allow_stop: false };
-    let plan = baton_plan::parse(&plan_text, &limits).map_err(|e| Failure::BadInput(format!("{plan_source}: {e}")))?;
+    let plan = match &args.plan {
+        Some(path) => {
+            let (plan_text, plan_source) = crate::plan_cmd::read_input(Some(path))?;
+            // A written plan runs without a conductor, so it cannot hand work back to one.
+            let limits =
+                Limits { max_steps: pool.options.max_steps, pool_size: Some(pool.workers.len()), allow_stop: false };
+            Some(baton_plan::parse(&plan_text, &limits).map_err(|e| Failure::BadInput(format!("{plan_source}: {e}")))?)
+        }
+        None => None,
+    };
     let question = if args.question == "-" {
         crate::plan_cmd::read_input(None)?.0.trim().to_owned()
     } else {
@@ -53,7 +63,10 @@ pub async fn run(args: Args) -> Outcome {
             );
         }
     }
-    let executor = Executor::from_pool(&pool);
+    let mut executor = Executor::from_pool(&pool);
+    if plan.is_none() {
+        executor = executor.with_planner(crate::conductor_setup::planner(&pool, &args.conductor, args.json).await?);
+    }
     let (tx, mut rx) = mpsc::unbounded_channel();
     let cancel = CancellationToken::new();
     let ctrl_c = {
@@ -82,7 +95,7 @@ pub async fn run(args: Args) -> Outcome {
         }
     });
 
-    let request = RunRequest { run_id: new_run_id(), question, plan };
+    let request = RunRequest { run_id: new_run_id(), question, plan, ..RunRequest::default() };
     let outcome = executor.run(request, &tx, &cancel).await;
     drop(tx);
     let _ = consumer.await;

@@ -29,6 +29,34 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Load time, prompt and decode speed, time to the first plan token and plan time of a
+    /// local conductor model.
+    Conductor {
+        /// A .gguf file or a safetensors model directory.
+        #[arg(long, value_name = "PATH")]
+        model: std::path::PathBuf,
+        /// Plans to write.
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        /// Workers in the pool the plans are for.
+        #[arg(long, default_value_t = 4)]
+        workers: usize,
+        /// Longest reasoning before the lists.
+        #[arg(long, default_value_t = 400)]
+        max_reasoning_chars: usize,
+        /// Run on the CPU even when a GPU is available.
+        #[arg(long)]
+        cpu: bool,
+        /// In-situ quantization while loading a safetensors model (e.g. Q4K).
+        #[arg(long)]
+        isq: Option<String>,
+        /// A chat template (.jinja) for a model that lacks one.
+        #[arg(long, value_name = "FILE")]
+        chat_template: Option<std::path::PathBuf>,
+        /// One JSON object on stdout.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 const PLANS: &[(&str, &str)] = &[
@@ -48,7 +76,19 @@ const PLANS: &[(&str, &str)] = &[
 ];
 
 pub async fn run(cmd: Command) -> Outcome {
-    let Command::Executor { latency_ms, runs, json } = cmd;
+    match cmd {
+        Command::Executor { latency_ms, runs, json } => executor(latency_ms, runs, json).await,
+        #[cfg(feature = "local")]
+        Command::Conductor { model, runs, workers, max_reasoning_chars, cpu, isq, chat_template, json } => {
+            conductor::run(conductor::Args { model, runs, workers, max_reasoning_chars, cpu, isq, chat_template, json })
+                .await
+        }
+        #[cfg(not(feature = "local"))]
+        Command::Conductor { .. } => Err(Failure::BadInput("this build of baton runs no local models".into())),
+    }
+}
+
+async fn executor(latency_ms: u64, runs: usize, json: bool) -> Outcome {
     if runs == 0 {
         return Err(Failure::BadInput("--runs must be at least 1".into()));
     }
@@ -138,7 +178,12 @@ async fn measure(plan: &Plan, latency: Duration) -> Result<Sample, Failure> {
         }
         n
     });
-    let request = RunRequest { run_id: "bench".into(), question: "bench".into(), plan: plan.clone() };
+    let request = RunRequest {
+        run_id: "bench".into(),
+        question: "bench".into(),
+        plan: Some(plan.clone()),
+        ..RunRequest::default()
+    };
     let started = Instant::now();
     let outcome = executor.run(request, &tx, &CancellationToken::new()).await;
     let wall = started.elapsed().as_secs_f64();
@@ -162,4 +207,123 @@ async fn measure(plan: &Plan, latency: Duration) -> Result<Sample, Failure> {
 fn median_max(values: &mut [f64]) -> (f64, f64) {
     values.sort_by(f64::total_cmp);
     (values[values.len() / 2], values[values.len() - 1])
+}
+
+#[cfg(feature = "local")]
+mod conductor {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use baton_conductor::local::{LocalModel, LocalModelConfig};
+    use baton_conductor::{ConductorOptions, LocalConductor};
+    use baton_engine::{PlanningContext, WorkerInfo};
+    use baton_providers::ProviderKind;
+
+    use super::median_max;
+    use crate::{Failure, Outcome};
+
+    pub struct Args {
+        pub model: std::path::PathBuf,
+        pub runs: usize,
+        pub workers: usize,
+        pub max_reasoning_chars: usize,
+        pub cpu: bool,
+        pub isq: Option<String>,
+        pub chat_template: Option<std::path::PathBuf>,
+        pub json: bool,
+    }
+
+    const QUESTIONS: &[&str] = &[
+        "What is the sum of the first 100 prime numbers?",
+        "Write a Python function that checks whether a string is a palindrome, ignoring punctuation.",
+        "Who wrote 'The Master and Margarita', and when was it first published?",
+        "A rectangle's perimeter is 46 cm and its area is 120 cm^2. What are its sides?",
+        "Explain the difference between TCP and UDP to a new programmer.",
+        "Is 2^31 - 1 prime? Justify the answer.",
+    ];
+
+    pub async fn run(a: Args) -> Outcome {
+        if a.runs == 0 || a.workers == 0 {
+            return Err(Failure::BadInput("--runs and --workers must be at least 1".into()));
+        }
+        let config = LocalModelConfig {
+            path: a.model.clone(),
+            chat_template: a.chat_template.clone(),
+            force_cpu: a.cpu,
+            isq: a.isq.clone(),
+            ..LocalModelConfig::default()
+        };
+        eprintln!("loading {} …", a.model.display());
+        let model = Arc::new(LocalModel::load(&config).await.map_err(|e| Failure::BadInput(e.to_string()))?);
+        eprintln!("loaded in {:.2} s on {}", model.load_time.as_secs_f64(), model.device);
+        let workers: Vec<WorkerInfo> = (0..a.workers)
+            .map(|i| WorkerInfo {
+                index: i,
+                name: format!("w{i}"),
+                provider: ProviderKind::OpenAi,
+                model: "m".into(),
+                description: Some(
+                    ["strong at math", "careful reviewer", "fast and cheap", "strong at code"][i % 4].into(),
+                ),
+            })
+            .collect();
+        let options = ConductorOptions { max_reasoning_chars: a.max_reasoning_chars, ..ConductorOptions::default() };
+        let conductor = LocalConductor::new(model.clone(), workers, options);
+        let (mut prompt_tps, mut decode_tps, mut ttft, mut total, mut tokens) =
+            (vec![], vec![], vec![], vec![], vec![]);
+        for i in 0..a.runs {
+            let question = QUESTIONS[i % QUESTIONS.len()];
+            let ctx = PlanningContext {
+                question: question.into(),
+                history: vec![],
+                work: vec![],
+                depth: 0,
+                allow_self: false,
+                allow_stop: false,
+                max_steps: 5,
+                pool_size: a.workers,
+            };
+            let started = Instant::now();
+            let mut ignore = |_: &str| {};
+            let (planned, stats) =
+                conductor.plan_with_stats(&ctx, &mut ignore).await.map_err(|e| Failure::Failed(e.to_string()))?;
+            let secs = started.elapsed().as_secs_f64();
+            eprintln!(
+                "[{}/{}] {} steps, {} prompt + {} generated tokens in {secs:.2} s",
+                i + 1,
+                a.runs,
+                planned.plan.steps.len(),
+                stats.usage.input_tokens,
+                stats.usage.output_tokens
+            );
+            prompt_tps.push(f64::from(stats.prompt_tokens_per_sec));
+            decode_tps.push(f64::from(stats.decode_tokens_per_sec));
+            ttft.push(stats.time_to_first_token.map_or(secs, |d| d.as_secs_f64()));
+            total.push(secs);
+            tokens.push(stats.usage.output_tokens as f64);
+        }
+        let (p, _) = median_max(&mut prompt_tps);
+        let (d, _) = median_max(&mut decode_tps);
+        let (f, _) = median_max(&mut ttft);
+        let (t, tmax) = median_max(&mut total);
+        let (n, _) = median_max(&mut tokens);
+        if a.json {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "model": a.model.display().to_string(), "device": model.device, "runs": a.runs,
+                    "load_s": model.load_time.as_secs_f64(), "prompt_tokens_per_s": p, "decode_tokens_per_s": d,
+                    "time_to_first_token_s": f, "plan_s_median": t, "plan_s_max": tmax, "plan_tokens_median": n,
+                })
+            );
+        } else {
+            println!("model        {} on {}", a.model.display(), model.device);
+            println!("load         {:.2} s", model.load_time.as_secs_f64());
+            println!("prompt       {p:.0} tokens/s (median)");
+            println!("decode       {d:.1} tokens/s (median)");
+            println!("first token  {:.3} s (median)", f);
+            println!("plan         {t:.2} s median, {tmax:.2} s worst, {n:.0} tokens median");
+        }
+        Ok(())
+    }
 }

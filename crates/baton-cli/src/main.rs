@@ -5,6 +5,7 @@
 
 mod ask;
 mod bench;
+mod conductor_setup;
 mod plan_cmd;
 mod pool_cmd;
 mod progress;
@@ -25,15 +26,27 @@ struct Cli {
 enum Command {
     /// Run a plan over the pool and print the final answer.
     Ask(ask::Args),
-    /// Work with plans in the conductor's format.
-    #[command(subcommand)]
-    Plan(plan_cmd::Command),
+    /// Print the conductor's plan for a question without running it; `plan parse` checks one.
+    Plan(plan_cmd::Args),
     /// Inspect and check the worker pool.
     #[command(subcommand)]
     Pool(pool_cmd::Command),
     /// Measure the engine.
     #[command(subcommand)]
     Bench(bench::Command),
+}
+
+/// mistral.rs creates a Hugging Face cache directory even for local models; point it at Baton's
+/// own data directory so nothing is written to the user's home cache, and never go online.
+fn keep_model_caches_in_baton_data_dir() {
+    let dir = dirs::data_dir().unwrap_or_else(std::env::temp_dir).join("baton").join("hf");
+    // SAFETY: called first thing in main, before the async runtime or any other thread
+    // exists, so nothing can read the environment concurrently.
+    #[allow(unsafe_code)]
+    unsafe {
+        std::env::set_var("HF_HOME", &dir);
+        std::env::set_var("HF_HUB_OFFLINE", "1");
+    }
 }
 
 /// How a command ended, mapped to the documented exit codes.
@@ -72,6 +85,7 @@ impl PoolArg {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    keep_model_caches_in_baton_data_dir();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -82,7 +96,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Ask(args) => ask::run(args).await,
-            Command::Plan(cmd) => plan_cmd::run(cmd),
+            Command::Plan(args) => plan_cmd::run(args).await,
             Command::Pool(cmd) => pool_cmd::run(cmd).await,
             Command::Bench(cmd) => bench::run(cmd).await,
         }

@@ -1,4 +1,5 @@
-//! `baton plan parse`: read a conductor's answer, print the normalized plan as JSON.
+//! `baton plan "question"`: the conductor's plan, without running it. `baton plan parse`:
+//! read a conductor's answer, print the normalized plan as JSON.
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -6,6 +7,23 @@ use std::path::PathBuf;
 use baton_plan::{DEFAULT_MAX_STEPS, Limits};
 
 use crate::{Failure, Outcome};
+
+#[derive(Debug, clap::Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+pub struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// The question to plan for.
+    #[arg(required = true)]
+    question: Option<String>,
+    #[command(flatten)]
+    pool: crate::PoolArg,
+    #[command(flatten)]
+    conductor: crate::conductor_setup::ConductorArgs,
+    /// Print the normalized plan as JSON (as `plan parse` does) instead of the conductor's text.
+    #[arg(long)]
+    json: bool,
+}
 
 #[derive(Debug, clap::Subcommand)]
 pub enum Command {
@@ -22,7 +40,58 @@ pub enum Command {
     },
 }
 
-pub fn run(cmd: Command) -> Outcome {
+pub async fn run(args: Args) -> Outcome {
+    match (args.command, args.question) {
+        (Some(cmd), _) => parse_command(cmd),
+        (None, Some(question)) => write(&question, &args.pool, &args.conductor, args.json).await,
+        (None, None) => Err(Failure::BadInput("give a question, or `baton plan parse FILE`".into())),
+    }
+}
+
+/// Asks the conductor for a plan and prints it: its text (reasoning included) on stdout, or
+/// with `--json` the normalized lists.
+async fn write(
+    question: &str,
+    pool: &crate::PoolArg,
+    conductor: &crate::conductor_setup::ConductorArgs,
+    json: bool,
+) -> Outcome {
+    let pool = pool.load()?;
+    let planner = crate::conductor_setup::planner(&pool, conductor, json).await?;
+    let context = baton_engine::PlanningContext {
+        question: question.to_owned(),
+        history: Vec::new(),
+        work: Vec::new(),
+        depth: 0,
+        allow_self: pool.options.recursion.enabled,
+        allow_stop: false,
+        max_steps: pool.options.max_steps,
+        pool_size: pool.workers.len(),
+    };
+    let stream_text = !json;
+    let planned = planner
+        .plan(
+            context,
+            Box::new(move |t: &str| {
+                if stream_text {
+                    use std::io::Write;
+                    let mut out = std::io::stdout().lock();
+                    let _ = out.write_all(t.as_bytes());
+                    let _ = out.flush();
+                }
+            }),
+        )
+        .await
+        .map_err(|e| Failure::Failed(e.to_string()))?;
+    if json {
+        println!("{}", planned.plan.to_json());
+    } else {
+        println!();
+    }
+    Ok(())
+}
+
+fn parse_command(cmd: Command) -> Outcome {
     match cmd {
         Command::Parse { file, pool, max_steps } => {
             let (text, source) = read_input(file.as_ref())?;

@@ -1,6 +1,7 @@
 //! Human-readable progress on stderr: the plan, then one line per step start, retry, finish or
 //! failure, with elapsed time, so a fan-out is visibly concurrent.
 
+use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
 use std::time::Instant;
 
@@ -9,24 +10,42 @@ use baton_plan::Access;
 
 pub struct Progress {
     names: Vec<String>,
-    /// Worker index per step, from the plan.
-    step_workers: Vec<usize>,
+    /// Worker index per step of each round, from the plans.
+    step_workers: HashMap<u32, Vec<usize>>,
     started: Instant,
     color: bool,
+    /// The conductor's text is being echoed and the line is still open.
+    streaming_plan: bool,
 }
 
 impl Progress {
     pub fn new(names: Vec<String>) -> Self {
         let color = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
-        Progress { names, step_workers: Vec::new(), started: Instant::now(), color }
+        Progress { names, step_workers: HashMap::new(), started: Instant::now(), color, streaming_plan: false }
     }
 
     fn paint(&self, code: &str, text: &str) -> String {
         if self.color { format!("\x1b[{code}m{text}\x1b[0m") } else { text.to_owned() }
     }
 
-    fn worker(&self, step: usize) -> &str {
-        self.step_workers.get(step).and_then(|&w| self.names.get(w)).map_or("?", String::as_str)
+    fn worker(&self, round: u32, step: usize) -> &str {
+        match self.step_workers.get(&round).and_then(|w| w.get(step)) {
+            Some(&w) if w == self.names.len() => "conductor",
+            Some(&w) => self.names.get(w).map_or("?", String::as_str),
+            None => "?",
+        }
+    }
+
+    /// "step 2", or "r1 step 2" inside a recursive round.
+    fn label(round: u32, step: usize) -> String {
+        if round == 0 { format!("step {step}") } else { format!("r{round} step {step}") }
+    }
+
+    fn end_plan_stream(&mut self) {
+        if self.streaming_plan {
+            self.streaming_plan = false;
+            let _ = writeln!(std::io::stderr().lock());
+        }
     }
 
     fn line(&self, text: String) {
@@ -36,12 +55,36 @@ impl Progress {
     }
 
     pub fn show(&mut self, event: &RunEvent) {
+        if !matches!(event, RunEvent::PlanDelta { .. }) {
+            self.end_plan_stream();
+        }
         match event {
+            RunEvent::RunStarted { conductor: Some(c), .. } => self.line(format!("conductor: {c}")),
             RunEvent::RunStarted { .. } | RunEvent::StepDelta { .. } => {}
-            RunEvent::PlanReady { plan } => {
-                self.step_workers = plan.steps.iter().map(|s| s.model_id).collect();
+            RunEvent::PlanStarted { round, depth, parent } => {
+                let what = match parent {
+                    Some(p) => format!(
+                        "round {round} (depth {depth}, for {}): the conductor is planning",
+                        Self::label(p.round, p.step)
+                    ),
+                    None => "the conductor is planning".to_owned(),
+                };
+                self.line(self.paint("2", &what));
+            }
+            RunEvent::PlanDelta { text, .. } => {
+                self.streaming_plan = true;
                 let mut err = std::io::stderr().lock();
-                let _ = writeln!(err, "{}", self.paint("1", &format!("plan: {} steps", plan.steps.len())));
+                let _ = write!(err, "{}", self.paint("2", text));
+                let _ = err.flush();
+            }
+            RunEvent::PlanReady { round, plan, .. } => {
+                self.step_workers.insert(*round, plan.steps.iter().map(|s| s.model_id).collect());
+                let title = match (round, plan.is_stop()) {
+                    (_, true) => format!("round {round}: the conductor stops here"),
+                    (0, false) => format!("plan: {} steps", plan.steps.len()),
+                    (r, false) => format!("round {r} plan: {} steps", plan.steps.len()),
+                };
+                let mut lines = vec![self.paint("1", &title)];
                 for (i, step) in plan.steps.iter().enumerate() {
                     let sees = match &step.access {
                         Access::All if i == 0 => "sees nothing".to_owned(),
@@ -52,34 +95,47 @@ impl Progress {
                         }
                     };
                     let subtask: String = step.subtask.replace('\n', " ").chars().take(60).collect();
-                    let _ = writeln!(err, "  [{i}] {:<12} {subtask}  ({sees})", self.worker(i));
+                    lines.push(format!("  [{i}] {:<12} {subtask}  ({sees})", self.worker(*round, i)));
+                }
+                let mut err = std::io::stderr().lock();
+                for l in lines {
+                    let _ = writeln!(err, "{l}");
                 }
             }
-            RunEvent::StepStarted { step, .. } => {
-                self.line(format!("step {step} started    {}", self.worker(*step)));
+            RunEvent::StepStarted { round, step, .. } => {
+                let label = Self::label(*round, *step);
+                self.line(format!("{label} started    {}", self.worker(*round, *step)));
             }
-            RunEvent::StepRetrying { step, attempt, error, delay_ms } => {
+            RunEvent::StepRetrying { round, step, attempt, error, delay_ms } => {
                 let msg = format!(
-                    "step {step} retrying   {} after attempt {attempt}: {} ({:?}); waiting {delay_ms} ms",
-                    self.worker(*step),
+                    "{} retrying   {} after attempt {attempt}: {} ({:?}); waiting {delay_ms} ms",
+                    Self::label(*round, *step),
+                    self.worker(*round, *step),
                     error.message,
                     error.kind
                 );
                 self.line(self.paint("33", &msg));
             }
-            RunEvent::StepFinished { step, usage, cost_usd, latency_ms, retries, .. } => {
+            RunEvent::StepFinished { round, step, usage, cost_usd, latency_ms, retries, .. } => {
                 let cost = cost_usd.map_or_else(|| "$?".to_owned(), |c| format!("${c:.4}"));
                 let retries = if *retries > 0 { format!(", {retries} retries") } else { String::new() };
                 let msg = format!(
-                    "step {step} finished   {}  {latency_ms} ms, {} in / {} out tokens, {cost}{retries}",
-                    self.worker(*step),
+                    "{} finished   {}  {latency_ms} ms, {} in / {} out tokens, {cost}{retries}",
+                    Self::label(*round, *step),
+                    self.worker(*round, *step),
                     usage.input_tokens,
                     usage.output_tokens
                 );
                 self.line(self.paint("32", &msg));
             }
-            RunEvent::StepFailed { step, error } => {
-                let msg = format!("step {step} failed     {}  {:?}: {}", self.worker(*step), error.kind, error.message);
+            RunEvent::StepFailed { round, step, error } => {
+                let msg = format!(
+                    "{} failed     {}  {:?}: {}",
+                    Self::label(*round, *step),
+                    self.worker(*round, *step),
+                    error.kind,
+                    error.message
+                );
                 self.line(self.paint("31", &msg));
             }
             RunEvent::RunFinished { totals, .. } => self.summary("done", totals),

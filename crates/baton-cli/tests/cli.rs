@@ -265,3 +265,84 @@ async fn interrupting_a_run_exits_130() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("cancelled"), "{stderr}");
 }
+
+/// A pool on `server` whose conductor is a tiny random model written into `dir`.
+fn pool_with_tiny_conductor(dir: &std::path::Path, server: &TestServer) -> (std::path::PathBuf, std::path::PathBuf) {
+    let model = dir.join("tiny-conductor");
+    baton_tinymodel::write_safetensors_model(&model, &baton_tinymodel::TinySpec::default()).expect("write model");
+    let pool = write_pool(dir, server, "", &[W("a", "openai", "a"), W("b", "anthropic", "b"), W("c", "gemini", "c")]);
+    let text = std::fs::read_to_string(&pool).expect("pool");
+    // Short reasoning keeps a random model's plans quick.
+    let conductor = format!(
+        "[conductor]\nmodel = \"{}\"\ndevice = \"cpu\"\nmax_reasoning_chars = 24\nmax_subtask_chars = 16\ntemperature = 1.0\n",
+        model.display()
+    );
+    std::fs::write(&pool, format!("{conductor}{text}")).expect("write pool");
+    (pool, model)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ask_without_a_plan_lets_the_local_conductor_write_one() {
+    let s = server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (pool, _) = pool_with_tiny_conductor(dir.path(), &s);
+    let out = baton(&["ask", "--pool", path(&pool), "What is 6 times 7?"], None, TEST_KEY).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(out.stderr.contains("loading the conductor") && out.stderr.contains("loaded in"), "{}", out.stderr);
+    assert!(out.stderr.contains("plan: "), "{}", out.stderr);
+    assert!(out.stdout.contains("answers:"), "the last worker's answer: {}", out.stdout);
+    assert!(!s.requests().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn plan_prints_the_conductors_plan_without_running_it() {
+    let s = server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (pool, model) = pool_with_tiny_conductor(dir.path(), &s);
+    let out = baton(&["plan", "--pool", path(&pool), "--json", "Why is the sky blue?"], None, TEST_KEY).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let json: Value = serde_json::from_str(out.stdout.trim()).expect("one JSON object");
+    let n = json["model_id"].as_array().map_or(0, Vec::len);
+    assert!((1..=5).contains(&n), "{json}");
+    assert!(json["model_id"].as_array().into_iter().flatten().all(|id| id.as_u64() < Some(3)));
+    assert!(s.requests().is_empty(), "planning calls no worker");
+
+    let text = baton(&["plan", "--pool", path(&pool), "--conductor", path(&model), "Why?"], None, TEST_KEY).await;
+    assert_eq!(text.code, Some(0), "{}", text.stderr);
+    assert!(text.stdout.contains("```python\nmodel_id = ["), "{}", text.stdout);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn without_a_conductor_ask_says_how_to_configure_one() {
+    let s = server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = write_pool(dir.path(), &s, "", &[W("a", "openai", "a")]);
+    let out = baton(&["ask", "--pool", path(&pool), "Q"], None, TEST_KEY).await;
+    assert_eq!(out.code, Some(2));
+    assert!(out.stderr.contains("no conductor is configured"), "{}", out.stderr);
+    let out = baton(&["ask", "--pool", path(&pool), "--conductor", "/nowhere/model.gguf", "Q"], None, TEST_KEY).await;
+    assert_eq!(out.code, Some(2));
+    assert!(out.stderr.contains("/nowhere/model.gguf: not found"), "{}", out.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_local_conductor_needs_no_network_and_leaves_the_home_cache_alone() {
+    let s = server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (pool, _) = pool_with_tiny_conductor(dir.path(), &s);
+    let home = tempfile::tempdir().expect("home");
+    // A new network namespace has no interfaces at all: any download attempt fails.
+    let out = tokio::process::Command::new("unshare")
+        .args(["--net", "--", env!("CARGO_BIN_EXE_baton"), "plan", "--json", "--pool", path(&pool), "Q"])
+        .env("HOME", home.path())
+        .env_remove("XDG_DATA_HOME")
+        .env_remove("XDG_CACHE_HOME")
+        .env_remove("HF_HOME")
+        .output()
+        .await
+        .expect("unshare runs (util-linux)");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "planning offline failed: {stderr}");
+    assert!(!home.path().join(".cache").join("huggingface").exists(), "nothing in the user's HF cache");
+    assert!(home.path().join(".local/share/baton/hf").exists(), "mistral.rs's cache dir is Baton's own");
+}

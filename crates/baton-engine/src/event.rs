@@ -8,12 +8,20 @@ use serde::{Deserialize, Serialize};
 
 use crate::pool::WorkerInfo;
 
-/// Everything that happens in a run, in order. Per step: `StepStarted`, then `StepDelta`s
-/// (and `StepRetrying`, after which the step's text starts over), then exactly one of
-/// `StepFinished` or `StepFailed`. A step can also fail without ever starting: when a step it
-/// sees failed (`dependency_failed`), or when the run stops while it waits for a free slot at
-/// its provider (`cancelled`). Steps that never became ready get no event. The run ends with
-/// exactly one of `RunFinished`, `RunFailed` or `RunCancelled`.
+/// Everything that happens in a run, in order.
+///
+/// A run has one or more *rounds*: round 0 is the plan for the question; each time a plan
+/// gives a step to the conductor itself, that step opens a new round (numbered in the order
+/// they start) whose plan continues the work. Step events carry their round, so `(round, step)`
+/// names a step uniquely.
+///
+/// Per round: `PlanStarted` and `PlanDelta`s while a conductor writes it (absent for a given
+/// plan), then `PlanReady`. Per step: `StepStarted`, then `StepDelta`s (and `StepRetrying`,
+/// after which the step's text starts over), then exactly one of `StepFinished` or
+/// `StepFailed`. A step can also fail without ever starting: when a step it sees failed
+/// (`dependency_failed`), or when the run stops while it waits for a free slot at its provider
+/// (`cancelled`). Steps that never became ready get no event. The run ends with exactly one of
+/// `RunFinished`, `RunFailed` or `RunCancelled`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum RunEvent {
@@ -21,25 +29,51 @@ pub enum RunEvent {
         run_id: String,
         question: String,
         workers: Vec<WorkerInfo>,
+        /// The conductor that writes plans, when there is one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        conductor: Option<String>,
     },
-    /// The plan about to run, normalized.
+    /// A conductor starts writing the plan of `round`.
+    PlanStarted {
+        round: u32,
+        depth: u32,
+        /// The step that handed work back to the conductor (recursion), if any.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        parent: Option<StepRef>,
+    },
+    /// More of the conductor's text for `round`, as it is written.
+    PlanDelta {
+        round: u32,
+        text: String,
+    },
+    /// The plan of `round` about to run, normalized. An empty plan is a stop.
     PlanReady {
+        round: u32,
+        depth: u32,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        parent: Option<StepRef>,
         plan: Plan,
+        /// The conductor's whole answer; absent for a given plan.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        raw: Option<String>,
     },
     StepStarted {
+        round: u32,
         step: usize,
-        /// Index of the worker in the pool.
+        /// Index of the worker in the pool; the pool's size means the conductor itself.
         worker: usize,
         /// Exactly what the worker is sent.
         system: Option<String>,
         messages: Vec<Message>,
     },
     StepDelta {
+        round: u32,
         step: usize,
         text: String,
     },
     /// An attempt failed and will be retried after `delay_ms`; text streamed so far is void.
     StepRetrying {
+        round: u32,
         step: usize,
         /// The attempt that failed (1 for the first).
         attempt: u32,
@@ -47,6 +81,7 @@ pub enum RunEvent {
         delay_ms: u64,
     },
     StepFinished {
+        round: u32,
         step: usize,
         output: String,
         usage: Usage,
@@ -57,6 +92,7 @@ pub enum RunEvent {
         retries: u32,
     },
     StepFailed {
+        round: u32,
         step: usize,
         error: StepError,
     },
@@ -71,6 +107,13 @@ pub enum RunEvent {
     RunCancelled {
         totals: Totals,
     },
+}
+
+/// A step of a particular round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct StepRef {
+    pub round: u32,
+    pub step: usize,
 }
 
 impl RunEvent {
@@ -97,6 +140,10 @@ pub enum StepErrorKind {
     Cancelled,
     /// A step this one depends on failed, so it never ran.
     DependencyFailed,
+    /// The conductor could not write a plan for this step (recursion).
+    Conductor,
+    /// A recursion cap (depth or total steps) was reached.
+    RecursionLimit,
 }
 
 impl From<ErrorKind> for StepErrorKind {
@@ -135,6 +182,8 @@ pub enum RunErrorKind {
     StepFailed,
     /// A budget cap was reached before a call.
     BudgetExceeded,
+    /// The conductor could not write the plan.
+    Conductor,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -154,6 +203,63 @@ pub struct Totals {
     /// False when some step's price is unknown, so `cost_usd` is a lower bound.
     pub cost_complete: bool,
     pub wall_ms: u64,
+    /// Steps of round 0 that finished or failed (nested rounds are in the events).
     pub steps_finished: Vec<usize>,
     pub steps_failed: Vec<usize>,
+    /// Plans written, recursive rounds included.
+    pub rounds: u32,
+}
+
+/// Checks a whole run's events against the contract documented on [`RunEvent`]; the error
+/// says which rule broke. Consumers' tests use it on every run they make.
+pub fn check_sequence(events: &[RunEvent]) -> Result<(), String> {
+    use std::collections::HashSet;
+    if !matches!(events.first(), Some(RunEvent::RunStarted { .. })) {
+        return Err(format!("the first event is not run_started: {:?}", events.first()));
+    }
+    if !events.last().is_some_and(RunEvent::is_terminal) {
+        return Err(format!("the last event does not end the run: {:?}", events.last()));
+    }
+    if events.iter().filter(|e| e.is_terminal()).count() != 1 {
+        return Err("more than one terminal event".into());
+    }
+    let mut planned = HashSet::new();
+    let mut started = HashSet::new();
+    let mut ended = HashSet::new();
+    for e in events {
+        match e {
+            RunEvent::PlanReady { round, .. } if !planned.insert(*round) => {
+                return Err(format!("round {round} planned twice"));
+            }
+            RunEvent::StepStarted { round, step, .. } => {
+                if !planned.contains(round) {
+                    return Err(format!("step {round}.{step} started before its round's plan"));
+                }
+                if !started.insert((*round, *step)) {
+                    return Err(format!("step {round}.{step} started twice"));
+                }
+            }
+            RunEvent::StepDelta { round, step, .. } | RunEvent::StepRetrying { round, step, .. }
+                if !started.contains(&(*round, *step)) || ended.contains(&(*round, *step)) =>
+            {
+                return Err(format!("an event for step {round}.{step} outside its life"));
+            }
+            RunEvent::StepFinished { round, step, .. } => {
+                if !started.contains(&(*round, *step)) {
+                    return Err(format!("step {round}.{step} finished without starting"));
+                }
+                if !ended.insert((*round, *step)) {
+                    return Err(format!("step {round}.{step} ended twice"));
+                }
+            }
+            RunEvent::StepFailed { round, step, .. } if !ended.insert((*round, *step)) => {
+                return Err(format!("step {round}.{step} ended twice"));
+            }
+            _ => {}
+        }
+    }
+    if let Some((round, step)) = started.difference(&ended).next() {
+        return Err(format!("step {round}.{step} started but never ended"));
+    }
+    Ok(())
 }

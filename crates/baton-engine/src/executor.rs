@@ -4,22 +4,32 @@
 //! independent steps run at the same time (bounded per provider endpoint). A step that fails
 //! after its retries fails the steps that depend on it; the others still finish. The last step's
 //! output is the answer. Progress leaves only as [`RunEvent`]s.
+//!
+//! With a [`Planner`] the executor also asks the conductor for the plan, and on recursive pools
+//! a step given to the conductor itself opens a new round: the conductor sees that step's work
+//! and writes a plan (or stops), whose answer becomes the step's output.
+//!
+//! Stopping is cooperative: every future in flight watches the run's stop token and returns
+//! promptly, so each running step reports its own `StepFailed` before the run ends.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use baton_plan::{Limits, Plan};
 use baton_providers::{
-    ChatEvent, ChatModel, ChatRequest, ErrorKind, HttpModel, KeySource, Message, ProviderError, Usage,
+    ChatEvent, ChatModel, ChatRequest, ErrorKind, HttpModel, KeySource, Message, ProviderError, Role, Usage,
 };
 use futures::StreamExt;
+use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
-use crate::event::{RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, Totals};
+use crate::event::{RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, StepRef, Totals};
 use crate::keys;
+use crate::planner::{Planner, PlanningContext};
 use crate::pool::{Budget, Pool, PoolOptions, WorkerInfo, WorkerSpec};
 use crate::pricing::Price;
 
@@ -43,19 +53,32 @@ impl std::fmt::Debug for Worker {
     }
 }
 
-#[derive(Debug)]
 pub struct Executor {
     workers: Vec<Worker>,
     options: PoolOptions,
     limits: HashMap<String, Arc<Semaphore>>,
+    planner: Option<Arc<dyn Planner>>,
+}
+
+impl std::fmt::Debug for Executor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Executor")
+            .field("workers", &self.workers)
+            .field("options", &self.options)
+            .field("planner", &self.planner.as_ref().map(|p| p.describe()))
+            .finish()
+    }
 }
 
 /// What to run.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct RunRequest {
     pub run_id: String,
     pub question: String,
-    pub plan: Plan,
+    /// Earlier turns of the conversation, for the conductor.
+    pub history: Vec<Message>,
+    /// The plan to run; `None` asks the conductor for one.
+    pub plan: Option<Plan>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,7 +105,7 @@ impl Executor {
                 .entry(w.endpoint.clone())
                 .or_insert_with(|| Arc::new(Semaphore::new(options.max_concurrency_per_provider)));
         }
-        Executor { workers, options, limits }
+        Executor { workers, options, limits, planner: None }
     }
 
     /// Workers over HTTP for every pool entry, with keys from the environment variables the
@@ -94,11 +117,10 @@ impl Executor {
     /// Like [`Executor::from_pool`], with each worker's key source chosen by `keys`.
     pub fn from_pool_with_keys(pool: &Pool, keys: impl Fn(&WorkerSpec) -> KeySource) -> Self {
         let http = HttpModel::http_client();
-        let infos = pool.infos();
         let workers = pool
             .workers
             .iter()
-            .zip(infos)
+            .zip(pool.infos())
             .map(|(spec, info)| {
                 let base_url = spec.effective_base_url().to_owned();
                 let model = HttpModel::new(spec.provider, &base_url, spec.settings(), keys(spec), http.clone());
@@ -114,6 +136,22 @@ impl Executor {
         Executor::new(workers, pool.options.clone())
     }
 
+    /// Lets the executor ask `planner` for plans (and, on recursive pools, hand work back to it).
+    pub fn with_planner(mut self, planner: Arc<dyn Planner>) -> Self {
+        self.planner = Some(planner);
+        self
+    }
+
+    /// Replaces worker `index` (e.g. with a local model).
+    pub fn replace_worker(&mut self, index: usize, worker: Worker) {
+        if let Some(slot) = self.workers.get_mut(index) {
+            self.limits
+                .entry(worker.endpoint.clone())
+                .or_insert_with(|| Arc::new(Semaphore::new(self.options.max_concurrency_per_provider)));
+            *slot = worker;
+        }
+    }
+
     pub fn workers(&self) -> &[Worker] {
         &self.workers
     }
@@ -122,102 +160,206 @@ impl Executor {
         &self.options
     }
 
-    /// Runs `request.plan`, sending every event to `events`. Cancelling `cancel` stops all calls
-    /// in flight (their connections are closed) and ends the run with `RunCancelled`.
+    /// Whether plans may give steps to the conductor itself.
+    fn recursive(&self) -> bool {
+        self.options.recursion.enabled && self.planner.is_some()
+    }
+
+    /// Plan numbers a plan may use: the workers, plus the conductor on recursive pools.
+    fn plan_pool_size(&self) -> usize {
+        self.workers.len() + usize::from(self.recursive())
+    }
+
+    /// Runs the question, sending every event to `events`. Cancelling `cancel` stops all calls
+    /// in flight (their connections are closed, local generation stops) and ends the run with
+    /// `RunCancelled`.
     pub async fn run(&self, request: RunRequest, events: &EventSink, cancel: &CancellationToken) -> RunOutcome {
         let started = Instant::now();
-        let emit = |event: RunEvent| {
-            // A consumer that went away must not stop the run.
-            let _ = events.send(event);
+        let ctx = RunCtx {
+            events,
+            ledger: Ledger::new(self.options.budget),
+            user_cancel: cancel.clone(),
+            stop: cancel.child_token(),
+            stop_reason: Mutex::new(None),
+            rounds: AtomicU32::new(0),
+            steps_started: AtomicUsize::new(0),
+            step_cap: AtomicUsize::new(usize::MAX),
+            question: request.question.clone(),
+            history: request.history.clone(),
         };
-        emit(RunEvent::RunStarted {
+        ctx.emit(RunEvent::RunStarted {
             run_id: request.run_id.clone(),
             question: request.question.clone(),
             workers: self.workers.iter().map(|w| w.info.clone()).collect(),
+            conductor: self.planner.as_ref().map(|p| p.describe()),
         });
 
-        let ledger = Ledger::new(self.options.budget);
-        let finish = |status: RunStatus, answer: Option<String>, error: Option<RunError>, totals: Totals| {
-            let event = match (status, &answer, &error) {
-                (RunStatus::Finished, Some(a), _) => {
-                    RunEvent::RunFinished { answer: a.clone(), totals: totals.clone() }
+        let (round, plan) = match request.plan {
+            Some(plan) => {
+                let limits = Limits {
+                    max_steps: self.options.max_steps,
+                    pool_size: Some(self.plan_pool_size()),
+                    allow_stop: false,
+                };
+                if let Err(e) = plan.validate(&limits) {
+                    let error = RunError { kind: RunErrorKind::InvalidPlan, message: e.to_string() };
+                    return ctx.finish(RunStatus::Failed, None, Some(error), started, &[], &[]);
                 }
-                (RunStatus::Cancelled, _, _) => RunEvent::RunCancelled { totals: totals.clone() },
-                (_, _, e) => RunEvent::RunFailed {
-                    error: e
-                        .clone()
-                        .unwrap_or(RunError { kind: RunErrorKind::StepFailed, message: "the run failed".into() }),
-                    totals: totals.clone(),
-                },
-            };
-            emit(event);
-            RunOutcome { status, answer, error, totals }
+                let round = ctx.rounds.fetch_add(1, Ordering::SeqCst);
+                ctx.emit(RunEvent::PlanReady { round, depth: 0, parent: None, plan: plan.clone(), raw: None });
+                (round, plan)
+            }
+            None => match self.write_plan(&ctx, 0, None, Vec::new()).await {
+                Ok(written) => written,
+                Err(StepFailure::Stopped) => return ctx.finish_stopped(started),
+                Err(failure) => {
+                    let error = RunError { kind: RunErrorKind::Conductor, message: failure.message() };
+                    return ctx.finish(RunStatus::Failed, None, Some(error), started, &[], &[]);
+                }
+            },
         };
+        let cap = self.options.recursion.max_total_steps.unwrap_or(2 * plan.steps.len());
+        ctx.step_cap.store(cap, Ordering::SeqCst);
 
-        let plan = request.plan;
-        let limits =
-            Limits { max_steps: self.options.max_steps, pool_size: Some(self.workers.len()), allow_stop: false };
-        if let Err(e) = plan.validate(&limits) {
-            let error = RunError { kind: RunErrorKind::InvalidPlan, message: e.to_string() };
-            return finish(RunStatus::Failed, None, Some(error), ledger.totals(started, &[]));
+        let outcome = self.run_plan(&ctx, round, 0, plan, Vec::new()).await;
+        match outcome.result {
+            Ok(answer) => {
+                ctx.finish(RunStatus::Finished, Some(answer), None, started, &outcome.finished, &outcome.failed)
+            }
+            Err(RoundError::Stopped) => ctx.finish_stopped_with(started, &outcome.finished, &outcome.failed),
+            Err(RoundError::Failed(message)) => {
+                let error = RunError { kind: RunErrorKind::StepFailed, message };
+                ctx.finish(RunStatus::Failed, None, Some(error), started, &outcome.finished, &outcome.failed)
+            }
         }
-        emit(RunEvent::PlanReady { plan: plan.clone() });
+    }
 
-        let n = plan.steps.len();
-        let deps = plan.dependencies();
-        let mut states: Vec<State> = vec![State::Waiting; n];
-        let mut running = FuturesUnordered::new();
-        let mut stop: Option<(RunStatus, Option<RunError>)> = None;
+    /// Asks the conductor for a plan; emits the round's plan events. Returns the round number.
+    async fn write_plan(
+        &self,
+        ctx: &RunCtx<'_>,
+        depth: u32,
+        parent: Option<StepRef>,
+        work: Vec<Message>,
+    ) -> Result<(u32, Plan), StepFailure> {
+        let Some(planner) = &self.planner else {
+            return Err(StepFailure::Conductor("no conductor is configured to write a plan".into()));
+        };
+        let round = ctx.rounds.fetch_add(1, Ordering::SeqCst);
+        ctx.emit(RunEvent::PlanStarted { round, depth, parent });
+        let recursive_round = parent.is_some();
+        let remaining = ctx.step_cap.load(Ordering::SeqCst).saturating_sub(ctx.steps_started.load(Ordering::SeqCst));
+        let max_steps = if recursive_round { self.options.max_steps.min(remaining) } else { self.options.max_steps };
+        let context = PlanningContext {
+            question: ctx.question.clone(),
+            history: ctx.history.clone(),
+            work,
+            depth,
+            allow_self: self.recursive() && depth < self.options.recursion.max_depth,
+            allow_stop: recursive_round,
+            max_steps,
+            pool_size: self.workers.len(),
+        };
+        let allow_self = context.allow_self;
+        let allow_stop = context.allow_stop;
+        let events = ctx.events;
+        let deltas = Box::new(move |text: &str| {
+            let _ = events.send(RunEvent::PlanDelta { round, text: text.to_owned() });
+        });
+        let planned = tokio::select! {
+            biased;
+            () = ctx.stop.cancelled() => return Err(StepFailure::Stopped),
+            planned = planner.plan(context, deltas) => planned,
+        };
+        let planned = planned.map_err(|e| StepFailure::Conductor(format!("the conductor failed: {}", e.message)))?;
+        // The conductor should only produce valid plans; check anyway, against this round.
+        let limits = Limits { max_steps, pool_size: Some(self.workers.len() + usize::from(allow_self)), allow_stop };
+        if let Err(e) = planned.plan.validate(&limits) {
+            return Err(StepFailure::Conductor(format!("the conductor's plan is not usable: {e}")));
+        }
+        ctx.emit(RunEvent::PlanReady { round, depth, parent, plan: planned.plan.clone(), raw: Some(planned.raw) });
+        Ok((round, planned.plan))
+    }
 
-        loop {
-            // Fail what can no longer run; start what is ready. Steps only see earlier steps, so
-            // one pass in order settles everything.
-            for i in 0..n {
-                if states[i] != State::Waiting {
-                    continue;
-                }
-                if let Some(&j) = deps[i].iter().find(|&&j| matches!(states[j], State::Failed)) {
-                    states[i] = State::Failed;
-                    emit(RunEvent::StepFailed {
-                        step: i,
-                        error: StepError {
-                            kind: StepErrorKind::DependencyFailed,
-                            message: format!("step {j}, which this step sees, failed"),
-                            status: None,
-                        },
-                    });
-                    continue;
-                }
-                if deps[i].iter().all(|&j| matches!(states[j], State::Done(_))) {
-                    let mut messages = Vec::with_capacity(deps[i].len() * 2 + 1);
-                    for &j in &deps[i] {
-                        let State::Done(output) = &states[j] else { continue };
-                        messages.push(Message::user(plan.steps[j].subtask.clone()));
-                        messages.push(Message::assistant(output.clone()));
+    /// Runs one round's plan. `prefix` is context every step of the round sees first (the work
+    /// handed to a recursive round).
+    fn run_plan<'a>(
+        &'a self,
+        ctx: &'a RunCtx<'a>,
+        round: u32,
+        depth: u32,
+        plan: Plan,
+        prefix: Vec<Message>,
+    ) -> BoxFuture<'a, RoundOutcome> {
+        Box::pin(async move {
+            let n = plan.steps.len();
+            let deps = plan.dependencies();
+            let mut states: Vec<State> = vec![State::Waiting; n];
+            let mut running: FuturesUnordered<BoxFuture<'a, (usize, Result<StepDone, StepFailure>)>> =
+                FuturesUnordered::new();
+            let mut stopping = false;
+
+            loop {
+                if !stopping {
+                    // Fail what can no longer run; start what is ready. Steps only see earlier
+                    // steps, so one pass in order settles everything.
+                    for i in 0..n {
+                        if states[i] != State::Waiting {
+                            continue;
+                        }
+                        if let Some(&j) = deps[i].iter().find(|&&j| matches!(states[j], State::Failed)) {
+                            states[i] = State::Failed;
+                            ctx.step_failed(
+                                round,
+                                i,
+                                StepErrorKind::DependencyFailed,
+                                format!("step {j}, which this step sees, failed"),
+                                None,
+                            );
+                            continue;
+                        }
+                        if !deps[i].iter().all(|&j| matches!(states[j], State::Done(_))) {
+                            continue;
+                        }
+                        if ctx.steps_started.fetch_add(1, Ordering::SeqCst) >= ctx.step_cap.load(Ordering::SeqCst) {
+                            states[i] = State::Failed;
+                            let cap = ctx.step_cap.load(Ordering::SeqCst);
+                            ctx.step_failed(
+                                round,
+                                i,
+                                StepErrorKind::RecursionLimit,
+                                format!("the run's cap of {cap} steps is used up"),
+                                None,
+                            );
+                            continue;
+                        }
+                        let mut messages = prefix.clone();
+                        for &j in &deps[i] {
+                            let State::Done(output) = &states[j] else { continue };
+                            messages.push(Message::user(plan.steps[j].subtask.clone()));
+                            messages.push(Message::assistant(output.clone()));
+                        }
+                        messages.push(Message::user(plan.steps[i].subtask.clone()));
+                        states[i] = State::Running;
+                        let worker = plan.steps[i].model_id;
+                        if worker == self.workers.len() {
+                            running.push(Box::pin(self.run_recursive_step(ctx, round, i, depth, messages)));
+                        } else {
+                            let system = self.options.show_question.then(|| {
+                                format!(
+                                    "You are one step of a larger workflow. The user's original question:\n\n{}",
+                                    ctx.question
+                                )
+                            });
+                            running.push(Box::pin(self.run_step(ctx, round, i, worker, system, messages)));
+                        }
                     }
-                    messages.push(Message::user(plan.steps[i].subtask.clone()));
-                    let system = self.options.show_question.then(|| {
-                        format!(
-                            "You are one step of a larger workflow. The user's original question:\n\n{}",
-                            request.question
-                        )
-                    });
-                    states[i] = State::Running;
-                    running.push(self.run_step(i, plan.steps[i].model_id, system, messages, events, &ledger));
                 }
-            }
-            if running.is_empty() {
-                break;
-            }
-            tokio::select! {
-                biased;
-                () = cancel.cancelled() => {
-                    stop = Some((RunStatus::Cancelled, None));
-                    break;
-                }
-                Some((i, result)) = running.next() => match result {
+                let Some((i, result)) = running.next().await else { break };
+                match result {
                     Ok(done) => {
-                        emit(RunEvent::StepFinished {
+                        ctx.emit(RunEvent::StepFinished {
+                            round,
                             step: i,
                             output: done.output.clone(),
                             usage: done.usage,
@@ -227,79 +369,73 @@ impl Executor {
                         });
                         states[i] = State::Done(done.output);
                     }
-                    Err(StepFailure::Provider(e)) => {
+                    Err(failure) => {
                         states[i] = State::Failed;
-                        emit(RunEvent::StepFailed {
-                            step: i,
-                            error: StepError { kind: e.kind.into(), message: e.message, status: e.status },
-                        });
+                        let (kind, status) = match &failure {
+                            StepFailure::Provider(e) => (e.kind.into(), e.status),
+                            StepFailure::Stopped | StepFailure::Budget(_) => (StepErrorKind::Cancelled, None),
+                            StepFailure::Conductor(_) => (StepErrorKind::Conductor, None),
+                            StepFailure::RecursionLimit(_) => (StepErrorKind::RecursionLimit, None),
+                        };
+                        let message = match &failure {
+                            StepFailure::Stopped => ctx.stop_message(),
+                            other => other.message(),
+                        };
+                        if let StepFailure::Budget(message) = &failure {
+                            ctx.stop_for(RunError { kind: RunErrorKind::BudgetExceeded, message: message.clone() });
+                        }
+                        ctx.step_failed(round, i, kind, message, status);
                     }
-                    Err(StepFailure::Budget(message)) => {
-                        states[i] = State::Failed;
-                        emit(RunEvent::StepFailed {
-                            step: i,
-                            error: StepError { kind: StepErrorKind::Cancelled, message: message.clone(), status: None },
-                        });
-                        stop = Some((RunStatus::Failed, Some(RunError { kind: RunErrorKind::BudgetExceeded, message })));
-                        break;
-                    }
-                },
-            }
-        }
-        // Dropping the futures closes their connections.
-        drop(running);
-
-        if let Some((status, error)) = stop {
-            let why = match status {
-                RunStatus::Cancelled => "the run was cancelled".to_owned(),
-                _ => format!("the run stopped: {}", error.as_ref().map_or("", |e| e.message.as_str())),
-            };
-            for (i, state) in states.iter_mut().enumerate() {
-                if *state == State::Running {
-                    *state = State::Failed;
-                    emit(RunEvent::StepFailed {
-                        step: i,
-                        error: StepError { kind: StepErrorKind::Cancelled, message: why.clone(), status: None },
-                    });
                 }
+                // Once stopping, no new step starts; the ones in flight notice the stop token
+                // and finish promptly with their own StepFailed.
+                stopping |= ctx.stop.is_cancelled();
             }
-            return finish(status, None, error, ledger.totals(started, &states));
-        }
 
-        let totals = ledger.totals(started, &states);
-        match &states[n - 1] {
-            State::Done(answer) => finish(RunStatus::Finished, Some(answer.clone()), None, totals),
-            _ => {
-                let worker = &self.workers[plan.steps[n - 1].model_id].info.name;
-                let error = RunError {
-                    kind: RunErrorKind::StepFailed,
-                    message: format!(
-                        "the last step (step {}, worker \"{worker}\") failed; failed steps: {:?}",
-                        n - 1,
-                        totals.steps_failed
-                    ),
-                };
-                finish(RunStatus::Failed, None, Some(error), totals)
-            }
-        }
+            let finished =
+                states.iter().enumerate().filter(|(_, s)| matches!(s, State::Done(_))).map(|(i, _)| i).collect();
+            let failed = states.iter().enumerate().filter(|(_, s)| **s == State::Failed).map(|(i, _)| i).collect();
+            let result = if stopping || ctx.stop.is_cancelled() {
+                Err(RoundError::Stopped)
+            } else {
+                match states.last() {
+                    Some(State::Done(answer)) => Ok(answer.clone()),
+                    _ => {
+                        let last = n.saturating_sub(1);
+                        let worker = plan.steps.get(last).map_or(0, |s| s.model_id);
+                        let name = self.workers.get(worker).map_or("the conductor", |w| w.info.name.as_str());
+                        Err(RoundError::Failed(format!(
+                            "the last step (step {last}, worker \"{name}\") failed; failed steps: {failed:?}"
+                        )))
+                    }
+                }
+            };
+            RoundOutcome { result, finished, failed }
+        })
     }
 
-    /// One step: wait for a slot at the worker's endpoint, then call with retries.
+    /// A step given to a worker: wait for a slot at its endpoint, then call with retries.
     async fn run_step(
         &self,
+        ctx: &RunCtx<'_>,
+        round: u32,
         step: usize,
         worker_index: usize,
         system: Option<String>,
         messages: Vec<Message>,
-        events: &EventSink,
-        ledger: &Ledger,
     ) -> (usize, Result<StepDone, StepFailure>) {
         let worker = &self.workers[worker_index];
-        let _permit = match self.limits.get(&worker.endpoint) {
-            Some(limit) => limit.clone().acquire_owned().await.ok(),
+        let permit = match self.limits.get(&worker.endpoint) {
+            Some(limit) => tokio::select! {
+                biased;
+                () = ctx.stop.cancelled() => return (step, Err(StepFailure::Stopped)),
+                permit = limit.clone().acquire_owned() => permit.ok(),
+            },
             None => None,
         };
-        let _ = events.send(RunEvent::StepStarted {
+        let _permit = permit;
+        ctx.emit(RunEvent::StepStarted {
+            round,
             step,
             worker: worker_index,
             system: system.clone(),
@@ -309,45 +445,104 @@ impl Executor {
         let request = ChatRequest { system, messages, max_tokens: None };
         let mut retries = 0;
         loop {
-            if let Err(message) = ledger.begin_call() {
+            if let Err(message) = ctx.ledger.begin_call() {
                 return (step, Err(StepFailure::Budget(message)));
             }
-            let attempt =
-                tokio::time::timeout(worker.timeout, attempt(worker.model.as_ref(), request.clone(), step, events));
-            let result = attempt.await.unwrap_or_else(|_| {
-                Err(ProviderError::new(
-                    ErrorKind::Timeout,
-                    format!("no complete answer within {} s", worker.timeout.as_secs_f64()),
-                ))
-            });
+            let attempt = tokio::time::timeout(
+                worker.timeout,
+                attempt(worker.model.as_ref(), request.clone(), round, step, ctx.events),
+            );
+            let result = tokio::select! {
+                biased;
+                () = ctx.stop.cancelled() => return (step, Err(StepFailure::Stopped)),
+                result = attempt => result.unwrap_or_else(|_| {
+                    Err(ProviderError::new(
+                        ErrorKind::Timeout,
+                        format!("no complete answer within {} s", worker.timeout.as_secs_f64()),
+                    ))
+                }),
+            };
             match result {
                 Ok((output, usage)) => {
                     let cost_usd = worker.price.map(|p| p.cost(&usage));
-                    ledger.record(usage, cost_usd);
+                    ctx.ledger.record(usage, cost_usd);
                     let latency = started.elapsed();
                     return (step, Ok(StepDone { output, usage, cost_usd, latency, retries }));
                 }
                 Err(error) => {
                     retries += 1;
-                    match self.options.retry.delay(retries, &error) {
-                        Some(delay) => {
-                            let _ = events.send(RunEvent::StepRetrying {
-                                step,
-                                attempt: retries,
-                                error: StepError {
-                                    kind: error.kind.into(),
-                                    message: error.message,
-                                    status: error.status,
-                                },
-                                delay_ms: delay.as_millis() as u64,
-                            });
-                            tokio::time::sleep(delay).await;
-                        }
-                        None => return (step, Err(StepFailure::Provider(error))),
+                    let Some(delay) = self.options.retry.delay(retries, &error) else {
+                        return (step, Err(StepFailure::Provider(error)));
+                    };
+                    ctx.emit(RunEvent::StepRetrying {
+                        round,
+                        step,
+                        attempt: retries,
+                        error: StepError { kind: error.kind.into(), message: error.message, status: error.status },
+                        delay_ms: delay.as_millis() as u64,
+                    });
+                    tokio::select! {
+                        biased;
+                        () = ctx.stop.cancelled() => return (step, Err(StepFailure::Stopped)),
+                        () = tokio::time::sleep(delay) => {}
                     }
                 }
             }
         }
+    }
+
+    /// A step given to the conductor itself: it sees the step's work and writes a new round,
+    /// whose answer becomes this step's output, or stops, keeping the latest answer it saw.
+    async fn run_recursive_step(
+        &self,
+        ctx: &RunCtx<'_>,
+        round: u32,
+        step: usize,
+        depth: u32,
+        messages: Vec<Message>,
+    ) -> (usize, Result<StepDone, StepFailure>) {
+        ctx.emit(RunEvent::StepStarted {
+            round,
+            step,
+            worker: self.workers.len(),
+            system: None,
+            messages: messages.clone(),
+        });
+        let started = Instant::now();
+        if depth >= self.options.recursion.max_depth {
+            let cap = self.options.recursion.max_depth;
+            return (step, Err(StepFailure::RecursionLimit(format!("the recursion depth cap ({cap}) is reached"))));
+        }
+        // The step's own instruction was for the conductor; the work before it is what the
+        // conductor and the next round's workers see.
+        let work: Vec<Message> = messages[..messages.len().saturating_sub(1)].to_vec();
+        let parent = Some(StepRef { round, step });
+        let (inner_round, plan) = match self.write_plan(ctx, depth + 1, parent, messages.clone()).await {
+            Ok(written) => written,
+            Err(failure) => return (step, Err(failure)),
+        };
+        let output = if plan.is_stop() {
+            match work.iter().rev().find(|m| m.role == Role::Assistant) {
+                Some(latest) => latest.content.clone(),
+                None => {
+                    return (
+                        step,
+                        Err(StepFailure::Conductor("the conductor stopped with no earlier answer to keep".into())),
+                    );
+                }
+            }
+        } else {
+            match self.run_plan(ctx, inner_round, depth + 1, plan, work).await.result {
+                Ok(answer) => answer,
+                Err(RoundError::Stopped) => return (step, Err(StepFailure::Stopped)),
+                Err(RoundError::Failed(message)) => {
+                    return (step, Err(StepFailure::Conductor(format!("round {inner_round} failed: {message}"))));
+                }
+            }
+        };
+        let done =
+            StepDone { output, usage: Usage::default(), cost_usd: Some(0.0), latency: started.elapsed(), retries: 0 };
+        (step, Ok(done))
     }
 }
 
@@ -355,6 +550,7 @@ impl Executor {
 async fn attempt(
     model: &dyn ChatModel,
     request: ChatRequest,
+    round: u32,
     step: usize,
     events: &EventSink,
 ) -> Result<(String, Usage), ProviderError> {
@@ -364,7 +560,7 @@ async fn attempt(
         match item? {
             ChatEvent::Text(text) => {
                 output.push_str(&text);
-                let _ = events.send(RunEvent::StepDelta { step, text });
+                let _ = events.send(RunEvent::StepDelta { round, step, text });
             }
             ChatEvent::Done { usage, stop_reason } => {
                 // An empty answer would reach dependent steps as an empty assistant turn, which
@@ -383,6 +579,86 @@ async fn attempt(
         }
     }
     Err(ProviderError::new(ErrorKind::Network, "the answer stream ended without completing"))
+}
+
+/// Shared state of one run.
+struct RunCtx<'a> {
+    events: &'a EventSink,
+    ledger: Ledger,
+    user_cancel: CancellationToken,
+    /// Cancelled when the user cancels or a budget cap stops the run.
+    stop: CancellationToken,
+    /// Why the run stopped, when it was not the user.
+    stop_reason: Mutex<Option<RunError>>,
+    rounds: AtomicU32,
+    steps_started: AtomicUsize,
+    /// Steps allowed in the whole run, recursive rounds included.
+    step_cap: AtomicUsize,
+    question: String,
+    history: Vec<Message>,
+}
+
+impl RunCtx<'_> {
+    fn emit(&self, event: RunEvent) {
+        // A consumer that went away must not stop the run.
+        let _ = self.events.send(event);
+    }
+
+    fn step_failed(&self, round: u32, step: usize, kind: StepErrorKind, message: String, status: Option<u16>) {
+        self.emit(RunEvent::StepFailed { round, step, error: StepError { kind, message, status } });
+    }
+
+    fn stop_for(&self, error: RunError) {
+        let mut reason = self.stop_reason.lock().unwrap_or_else(|p| p.into_inner());
+        reason.get_or_insert(error);
+        self.stop.cancel();
+    }
+
+    fn stop_message(&self) -> String {
+        match &*self.stop_reason.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(reason) => format!("the run stopped: {}", reason.message),
+            None => "the run was cancelled".to_owned(),
+        }
+    }
+
+    fn finish(
+        &self,
+        status: RunStatus,
+        answer: Option<String>,
+        error: Option<RunError>,
+        started: Instant,
+        finished: &[usize],
+        failed: &[usize],
+    ) -> RunOutcome {
+        let totals = self.ledger.totals(started, finished, failed, self.rounds.load(Ordering::SeqCst));
+        let event = match (status, &answer) {
+            (RunStatus::Finished, Some(a)) => RunEvent::RunFinished { answer: a.clone(), totals: totals.clone() },
+            (RunStatus::Cancelled, _) => RunEvent::RunCancelled { totals: totals.clone() },
+            _ => RunEvent::RunFailed {
+                error: error
+                    .clone()
+                    .unwrap_or(RunError { kind: RunErrorKind::StepFailed, message: "the run failed".into() }),
+                totals: totals.clone(),
+            },
+        };
+        self.emit(event);
+        RunOutcome { status, answer, error, totals }
+    }
+
+    fn finish_stopped(&self, started: Instant) -> RunOutcome {
+        self.finish_stopped_with(started, &[], &[])
+    }
+
+    /// Ends a stopped run: cancelled by the user, or failed for the recorded reason.
+    fn finish_stopped_with(&self, started: Instant, finished: &[usize], failed: &[usize]) -> RunOutcome {
+        let reason = self.stop_reason.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        match reason {
+            Some(error) if !self.user_cancel.is_cancelled() => {
+                self.finish(RunStatus::Failed, None, Some(error), started, finished, failed)
+            }
+            _ => self.finish(RunStatus::Cancelled, None, None, started, finished, failed),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -405,6 +681,32 @@ enum StepFailure {
     Provider(ProviderError),
     /// A budget cap was reached before a call; the message says which.
     Budget(String),
+    /// The run is stopping (cancelled, or another step hit a cap).
+    Stopped,
+    /// The conductor could not write a usable plan.
+    Conductor(String),
+    RecursionLimit(String),
+}
+
+impl StepFailure {
+    fn message(&self) -> String {
+        match self {
+            StepFailure::Provider(e) => e.message.clone(),
+            StepFailure::Budget(m) | StepFailure::Conductor(m) | StepFailure::RecursionLimit(m) => m.clone(),
+            StepFailure::Stopped => "the run stopped".to_owned(),
+        }
+    }
+}
+
+enum RoundError {
+    Stopped,
+    Failed(String),
+}
+
+struct RoundOutcome {
+    result: Result<String, RoundError>,
+    finished: Vec<usize>,
+    failed: Vec<usize>,
 }
 
 /// Counts calls, tokens and cost against the run's budget.
@@ -461,7 +763,7 @@ impl Ledger {
         }
     }
 
-    fn totals(&self, started: Instant, states: &[State]) -> Totals {
+    fn totals(&self, started: Instant, finished: &[usize], failed: &[usize], rounds: u32) -> Totals {
         let l = self.lock();
         Totals {
             calls: l.calls,
@@ -469,13 +771,9 @@ impl Ledger {
             cost_usd: l.cost,
             cost_complete: !l.unknown_cost,
             wall_ms: started.elapsed().as_millis() as u64,
-            steps_finished: states
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| matches!(s, State::Done(_)))
-                .map(|(i, _)| i)
-                .collect(),
-            steps_failed: states.iter().enumerate().filter(|(_, s)| **s == State::Failed).map(|(i, _)| i).collect(),
+            steps_finished: finished.to_vec(),
+            steps_failed: failed.to_vec(),
+            rounds,
         }
     }
 }

@@ -7,9 +7,11 @@
 pub mod event;
 pub mod executor;
 pub mod keys;
+pub mod planner;
 pub mod pool;
 pub mod pricing;
 
-pub use event::{RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, Totals};
+pub use event::{RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, StepRef, Totals};
 pub use executor::{EventSink, Executor, RunOutcome, RunRequest, RunStatus, Worker, new_run_id};
-pub use pool::{Budget, Pool, PoolError, PoolOptions, WorkerInfo, WorkerSpec};
+pub use planner::{PlanDeltas, Planned, Planner, PlannerError, PlanningContext};
+pub use pool::{Budget, ConductorSpec, Pool, PoolError, PoolOptions, RecursionOptions, WorkerInfo, WorkerSpec};

@@ -31,6 +31,44 @@ pub struct PoolOptions {
     pub max_concurrency_per_provider: usize,
     pub budget: Budget,
     pub retry: RetryPolicy,
+    pub recursion: RecursionOptions,
+    /// The `[conductor]` table: which model writes plans.
+    pub conductor: ConductorSpec,
+}
+
+/// Which model writes plans, and how. Either `model` is a local path (a `.gguf` file or a
+/// safetensors directory), or `url` names an OpenAI-compatible endpoint serving `model`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ConductorSpec {
+    pub model: Option<String>,
+    pub url: Option<String>,
+    /// Environment variable holding the remote endpoint's key.
+    pub api_key_env: Option<String>,
+    pub lora: Option<String>,
+    pub chat_template: Option<String>,
+    /// `auto` (GPU when there is one) or `cpu`.
+    pub device: Option<String>,
+    pub isq: Option<String>,
+    pub dtype: Option<String>,
+    pub temperature: Option<f64>,
+    pub max_reasoning_chars: Option<usize>,
+    pub max_subtask_chars: Option<usize>,
+}
+
+/// The conductor as its own worker ("Model k: yourself").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecursionOptions {
+    pub enabled: bool,
+    /// Rounds nested below the question's plan.
+    pub max_depth: u32,
+    /// Steps in the whole run, recursive rounds included; default twice the first plan's.
+    pub max_total_steps: Option<usize>,
+}
+
+impl Default for RecursionOptions {
+    fn default() -> Self {
+        RecursionOptions { enabled: false, max_depth: 2, max_total_steps: None }
+    }
 }
 
 impl Default for PoolOptions {
@@ -41,6 +79,8 @@ impl Default for PoolOptions {
             max_concurrency_per_provider: 4,
             budget: Budget::default(),
             retry: RetryPolicy::default(),
+            recursion: RecursionOptions::default(),
+            conductor: ConductorSpec::default(),
         }
     }
 }
@@ -141,8 +181,30 @@ impl fmt::Display for PoolError {
     }
 }
 
-const TOP_LEVEL_KEYS: &[&str] =
-    &["max_steps", "show_question", "max_concurrency_per_provider", "budget", "retry", "worker"];
+const TOP_LEVEL_KEYS: &[&str] = &[
+    "max_steps",
+    "show_question",
+    "max_concurrency_per_provider",
+    "budget",
+    "retry",
+    "recursion",
+    "conductor",
+    "worker",
+];
+const RECURSION_KEYS: &[&str] = &["enabled", "max_depth", "max_total_steps"];
+const CONDUCTOR_KEYS: &[&str] = &[
+    "model",
+    "url",
+    "api_key_env",
+    "lora",
+    "chat_template",
+    "device",
+    "isq",
+    "dtype",
+    "temperature",
+    "max_reasoning_chars",
+    "max_subtask_chars",
+];
 const BUDGET_KEYS: &[&str] = &["max_calls", "max_tokens", "max_cost_usd"];
 const RETRY_KEYS: &[&str] = &["max_retries", "initial_delay_ms", "max_delay_ms", "max_retry_after_secs"];
 const WORKER_KEYS: &[&str] = &[
@@ -241,6 +303,65 @@ impl Pool {
             if let Some(n) = r.int("max_retry_after_secs", 0, 86_400).map_err(field_err)? {
                 options.retry.max_retry_after = Duration::from_secs(n as u64);
             }
+        }
+
+        if let Some(recursion) = top.table("recursion").map_err(field_err)? {
+            let r = Fields { table: recursion, allowed: RECURSION_KEYS };
+            let field_err = |e: FieldError| err(None, None, Some(&format!("recursion.{}", e.field)), e.message);
+            r.check_unknown().map_err(field_err)?;
+            if let Some(b) = r.bool("enabled").map_err(field_err)? {
+                options.recursion.enabled = b;
+            }
+            if let Some(n) = r.int("max_depth", 1, 8).map_err(field_err)? {
+                options.recursion.max_depth = n as u32;
+            }
+            options.recursion.max_total_steps =
+                r.int("max_total_steps", 1, 1000).map_err(field_err)?.map(|n| n as usize);
+        }
+
+        if let Some(conductor) = top.table("conductor").map_err(field_err)? {
+            let c = Fields { table: conductor, allowed: CONDUCTOR_KEYS };
+            let field_err = |e: FieldError| err(None, None, Some(&format!("conductor.{}", e.field)), e.message);
+            c.check_unknown().map_err(field_err)?;
+            let spec = &mut options.conductor;
+            spec.model = c.string("model").map_err(field_err)?;
+            spec.url = match c.string("url").map_err(field_err)? {
+                Some(u) => {
+                    Some(check_url(&u).map_err(|message| field_err(FieldError { field: "url".into(), message }))?)
+                }
+                None => None,
+            };
+            if spec.url.is_some() && spec.model.is_none() {
+                return Err(field_err(FieldError {
+                    field: "model".into(),
+                    message: "missing; a remote conductor needs the model name the server serves".into(),
+                }));
+            }
+            spec.api_key_env = c.string("api_key_env").map_err(field_err)?;
+            if let Some(var) = &spec.api_key_env
+                && !is_env_var_name(var)
+            {
+                return Err(field_err(FieldError {
+                    field: "api_key_env".into(),
+                    message: "must be the NAME of an environment variable, not the key itself".into(),
+                }));
+            }
+            spec.lora = c.string("lora").map_err(field_err)?;
+            spec.chat_template = c.string("chat_template").map_err(field_err)?;
+            spec.device = c.string("device").map_err(field_err)?;
+            if let Some(d) = &spec.device
+                && !["auto", "cpu"].contains(&d.as_str())
+            {
+                return Err(field_err(FieldError {
+                    field: "device".into(),
+                    message: format!("\"{d}\"; expected auto (the GPU when Baton is built for one) or cpu"),
+                }));
+            }
+            spec.isq = c.string("isq").map_err(field_err)?;
+            spec.dtype = c.string("dtype").map_err(field_err)?;
+            spec.temperature = c.float("temperature", 0.0).map_err(field_err)?;
+            spec.max_reasoning_chars = c.int("max_reasoning_chars", 0, 100_000).map_err(field_err)?.map(|n| n as usize);
+            spec.max_subtask_chars = c.int("max_subtask_chars", 1, 100_000).map_err(field_err)?.map(|n| n as usize);
         }
 
         let raw_workers = match table.get("worker") {

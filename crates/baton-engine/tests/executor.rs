@@ -54,7 +54,12 @@ async fn run(
             token.cancel();
         });
     }
-    let request = RunRequest { run_id: "test".into(), question: "What is 2+2?".into(), plan };
+    let request = RunRequest {
+        run_id: "test".into(),
+        question: "What is 2+2?".into(),
+        plan: Some(plan),
+        ..RunRequest::default()
+    };
     let outcome = executor.run(request, &tx, &token).await;
     drop(tx);
     let mut events = Vec::new();
@@ -65,27 +70,9 @@ async fn run(
     (outcome, events)
 }
 
-/// The stream's contract: one start, one end, and per step a start before its deltas and
-/// exactly one finish or failure.
 fn check_event_order(events: &[RunEvent]) {
-    assert!(matches!(events.first(), Some(RunEvent::RunStarted { .. })), "first event: {:?}", events.first());
-    assert!(events.last().is_some_and(RunEvent::is_terminal), "last event: {:?}", events.last());
-    assert_eq!(events.iter().filter(|e| e.is_terminal()).count(), 1);
-    let mut started = std::collections::HashSet::new();
-    let mut ended = std::collections::HashSet::new();
-    for e in events {
-        match e {
-            RunEvent::StepStarted { step, .. } => assert!(started.insert(*step), "step {step} started twice"),
-            RunEvent::StepDelta { step, .. } | RunEvent::StepRetrying { step, .. } => {
-                assert!(started.contains(step) && !ended.contains(step), "event for step {step} outside its life")
-            }
-            RunEvent::StepFinished { step, .. } => {
-                assert!(started.contains(step));
-                assert!(ended.insert(*step), "step {step} ended twice");
-            }
-            RunEvent::StepFailed { step, .. } => assert!(ended.insert(*step), "step {step} ended twice"),
-            _ => {}
-        }
+    if let Err(e) = baton_engine::event::check_sequence(events) {
+        panic!("{e}\n{events:#?}");
     }
 }
 
@@ -231,7 +218,7 @@ async fn retries_rate_limits_and_server_errors_but_not_auth() {
     let denied = server.requests().iter().filter(|r| r.model.starts_with("denied")).count();
     assert_eq!(denied, 1, "auth errors are never retried");
     let failed = events.iter().find_map(|e| match e {
-        RunEvent::StepFailed { step: 3, error } => Some(error.clone()),
+        RunEvent::StepFailed { step: 3, error, .. } => Some(error.clone()),
         _ => None,
     });
     assert_eq!(failed.map(|e| (e.kind, e.status)), Some((StepErrorKind::Auth, Some(401))));
@@ -285,7 +272,7 @@ async fn a_failed_step_fails_its_dependents_and_only_them() {
     let kinds: Vec<(usize, StepErrorKind)> = events
         .iter()
         .filter_map(|e| match e {
-            RunEvent::StepFailed { step, error } => Some((*step, error.kind)),
+            RunEvent::StepFailed { step, error, .. } => Some((*step, error.kind)),
             _ => None,
         })
         .collect();
@@ -316,9 +303,9 @@ async fn cancelling_mid_stream_stops_at_once_and_closes_the_call() {
     assert!(started.elapsed() < Duration::from_millis(2000), "{:?}", started.elapsed());
     assert!(events.iter().any(|e| matches!(e, RunEvent::StepDelta { step: 1, .. })), "step 1 was streaming");
     assert!(
-        events
-            .iter()
-            .any(|e| matches!(e, RunEvent::StepFailed { step: 1, error } if error.kind == StepErrorKind::Cancelled))
+        events.iter().any(
+            |e| matches!(e, RunEvent::StepFailed { step: 1, error, .. } if error.kind == StepErrorKind::Cancelled)
+        )
     );
     assert!(matches!(events.last(), Some(RunEvent::RunCancelled { .. })));
     assert!(!events.iter().any(|e| matches!(e, RunEvent::StepStarted { step: 2, .. })));
@@ -367,7 +354,7 @@ async fn an_empty_answer_fails_its_step_with_the_reason() {
     let error = events
         .iter()
         .find_map(|e| match e {
-            RunEvent::StepFailed { step: 0, error } => Some(error.clone()),
+            RunEvent::StepFailed { step: 0, error, .. } => Some(error.clone()),
             _ => None,
         })
         .expect("step 0 failed");

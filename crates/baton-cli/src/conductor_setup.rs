@@ -1,0 +1,127 @@
+//! Choosing and loading the conductor: `--conductor PATH|URL` or the pool's `[conductor]` table.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use baton_conductor::ConductorOptions;
+use baton_engine::{Planner, Pool};
+use baton_providers::{ApiKey, ErrorKind, HttpModel, ModelSettings, ProviderError, ProviderKind};
+
+use crate::Failure;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ConductorArgs {
+    /// The conductor: a .gguf file or a safetensors model directory, or the URL of an
+    /// OpenAI-compatible server (default: the pool's [conductor] table).
+    #[arg(long, value_name = "PATH|URL")]
+    pub conductor: Option<String>,
+    /// The model name a remote conductor's server serves.
+    #[arg(long, value_name = "NAME")]
+    pub conductor_model: Option<String>,
+    /// A LoRA adapter for the local conductor (a fine-tuned conductor).
+    #[arg(long, value_name = "DIR")]
+    pub lora: Option<PathBuf>,
+    /// A chat template (.jinja) for a local model that lacks one.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+    /// Run the local conductor on the CPU even when a GPU is available.
+    #[arg(long)]
+    pub cpu: bool,
+}
+
+const NONE_CONFIGURED: &str = "no conductor is configured: add a [conductor] table with model = \"/path/to/model.gguf\" to the pool file, pass --conductor PATH|URL, or run a written plan with --plan FILE";
+
+/// Builds the planner the arguments and the pool describe. `quiet` suppresses load progress.
+pub async fn planner(pool: &Pool, args: &ConductorArgs, quiet: bool) -> Result<Arc<dyn Planner>, Failure> {
+    let spec = &pool.options.conductor;
+    let options = ConductorOptions {
+        max_reasoning_chars: spec.max_reasoning_chars.unwrap_or(ConductorOptions::default().max_reasoning_chars),
+        max_subtask_chars: spec.max_subtask_chars.unwrap_or(ConductorOptions::default().max_subtask_chars),
+        temperature: spec.temperature.or(ConductorOptions::default().temperature),
+        ..ConductorOptions::default()
+    };
+    let (source, remote) = match &args.conductor {
+        Some(c) => (c.clone(), c.starts_with("http://") || c.starts_with("https://")),
+        None => match (&spec.url, &spec.model) {
+            (Some(url), _) => (url.clone(), true),
+            (None, Some(model)) => (model.clone(), false),
+            (None, None) => return Err(Failure::BadInput(NONE_CONFIGURED.into())),
+        },
+    };
+    if remote {
+        let model_name = args
+            .conductor_model
+            .clone()
+            .or_else(|| spec.url.as_ref().and(spec.model.clone()))
+            .unwrap_or_else(|| "default".to_owned());
+        let var = spec.api_key_env.clone();
+        let key: baton_providers::KeySource = Arc::new(move || match &var {
+            Some(v) => match std::env::var(v) {
+                Ok(k) if !k.trim().is_empty() => Ok(Some(ApiKey::new(k.trim()))),
+                _ => Err(ProviderError::new(
+                    ErrorKind::Auth,
+                    format!("the environment variable {v} (the conductor's api_key_env) is not set"),
+                )),
+            },
+            None => Ok(None),
+        });
+        let settings = ModelSettings {
+            max_tokens: 4096,
+            temperature: options.temperature.map(|t| t as f32),
+            ..ModelSettings::new(&model_name)
+        };
+        let http = HttpModel::new(ProviderKind::OpenAiCompatible, &source, settings, key, HttpModel::http_client());
+        let name = format!("{model_name} at {source}");
+        return Ok(Arc::new(baton_conductor::RemoteConductor::new(Arc::new(http), name, pool.infos(), &options)));
+    }
+    local(pool, spec, args, &source, options, quiet).await
+}
+
+#[cfg(feature = "local")]
+async fn local(
+    pool: &Pool,
+    spec: &baton_engine::ConductorSpec,
+    args: &ConductorArgs,
+    path: &str,
+    options: ConductorOptions,
+    quiet: bool,
+) -> Result<Arc<dyn Planner>, Failure> {
+    use baton_conductor::local::{LocalModel, LocalModelConfig};
+    let config = LocalModelConfig {
+        path: PathBuf::from(path),
+        lora: args.lora.clone().or_else(|| spec.lora.as_ref().map(PathBuf::from)),
+        chat_template: args.chat_template.clone().or_else(|| spec.chat_template.as_ref().map(PathBuf::from)),
+        force_cpu: args.cpu || spec.device.as_deref() == Some("cpu"),
+        isq: spec.isq.clone(),
+        dtype: spec.dtype.clone(),
+    };
+    if !quiet {
+        eprint!("loading the conductor {path} … ");
+        let _ = std::io::stderr().flush();
+    }
+    let model = LocalModel::load(&config).await.map_err(|e| {
+        if !quiet {
+            eprintln!("failed");
+        }
+        Failure::BadInput(e.to_string())
+    })?;
+    if !quiet {
+        eprintln!("loaded in {:.2} s on {}", model.load_time.as_secs_f64(), model.device);
+    }
+    Ok(Arc::new(baton_conductor::LocalConductor::new(Arc::new(model), pool.infos(), options)))
+}
+
+#[cfg(not(feature = "local"))]
+async fn local(
+    _pool: &Pool,
+    _spec: &baton_engine::ConductorSpec,
+    _args: &ConductorArgs,
+    path: &str,
+    _options: ConductorOptions,
+    _quiet: bool,
+) -> Result<Arc<dyn Planner>, Failure> {
+    Err(Failure::BadInput(format!(
+        "{path}: this build of baton runs no local models (built without the `local` feature); use a remote conductor URL"
+    )))
+}

@@ -1,0 +1,97 @@
+//! Cancelling a plan stops generation. In its own test binary: it measures the process's CPU
+//! time, which other tests running in parallel would disturb.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use baton_conductor::local::{LocalModel, LocalModelConfig};
+use baton_conductor::{ConductorOptions, LocalConductor};
+use baton_engine::{Planner, PlanningContext, WorkerInfo};
+use baton_providers::ProviderKind;
+use tokio::sync::mpsc;
+
+async fn model() -> (tempfile::TempDir, Arc<LocalModel>) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    baton_tinymodel::write_safetensors_model(dir.path(), &baton_tinymodel::TinySpec::default()).expect("write model");
+    let config = LocalModelConfig { path: dir.path().to_path_buf(), force_cpu: true, ..Default::default() };
+    let model = LocalModel::load(&config).await.unwrap_or_else(|e| panic!("the tiny model loads: {e}"));
+    (dir, Arc::new(model))
+}
+
+fn workers(n: usize) -> Vec<WorkerInfo> {
+    (0..n)
+        .map(|i| WorkerInfo {
+            index: i,
+            name: format!("w{i}"),
+            provider: ProviderKind::OpenAiCompatible,
+            model: "m".into(),
+            description: None,
+        })
+        .collect()
+}
+
+fn context(question: &str, pool_size: usize, max_steps: usize) -> PlanningContext {
+    PlanningContext {
+        question: question.to_owned(),
+        history: vec![],
+        work: vec![],
+        depth: 0,
+        allow_self: false,
+        allow_stop: false,
+        max_steps,
+        pool_size,
+    }
+}
+
+/// Process CPU time, from /proc (user + system, in clock ticks of 10 ms).
+fn cpu_ticks() -> u64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").expect("/proc/self/stat");
+    let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or_default();
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    fields[11].parse::<u64>().unwrap_or(0) + fields[12].parse::<u64>().unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cancelling_a_plan_stops_generation() {
+    let (_dir, model) = model().await;
+    // Long reasoning allowed: left alone this generates for many seconds.
+    let options = ConductorOptions {
+        max_reasoning_chars: 4000,
+        max_subtask_chars: 400,
+        temperature: Some(1.0),
+        ..ConductorOptions::default()
+    };
+    let conductor = LocalConductor::new(model.clone(), workers(3), options);
+    let (tx, mut rx) = mpsc::unbounded_channel::<()>();
+    // A BoxFuture, so `drop` below really drops it (tokio::pin! would only drop a reference).
+    let mut plan = conductor.plan(
+        context("Think at length.", 3, 5),
+        Box::new(move |_t: &str| {
+            let _ = tx.send(());
+        }),
+    );
+    tokio::select! {
+        _ = &mut plan => panic!("the plan finished before any text arrived"),
+        _ = rx.recv() => {}
+    }
+    tokio::select! {
+        _ = &mut plan => panic!("the plan finished within 300 ms of streaming; it should take seconds"),
+        () = tokio::time::sleep(Duration::from_millis(300)) => {}
+    }
+    let streamed_before = {
+        let mut n = 0;
+        while rx.try_recv().is_ok() {
+            n += 1;
+        }
+        n
+    };
+    assert!(streamed_before > 0, "text was streaming");
+    // Dropping the future drops the stream, which must end the sequence.
+    drop(plan);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = cpu_ticks();
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let used = (cpu_ticks() - before) as f64 / 100.0 / started.elapsed().as_secs_f64();
+    assert!(used < 0.3, "after cancelling, the process uses {used:.2} CPU-seconds per second");
+}

@@ -1,0 +1,240 @@
+//! The local conductor with a real (tiny, random) model through the real mistral.rs pipeline:
+//! loading, constrained plans that always parse, recursion and its caps, cancellation.
+
+use std::sync::Arc;
+
+use baton_conductor::local::{LoadError, LocalModel, LocalModelConfig};
+use baton_conductor::{ConductorOptions, LocalConductor};
+use baton_engine::{
+    Executor, Planner, PlanningContext, Pool, RunEvent, RunRequest, RunStatus, StepErrorKind, WorkerInfo,
+};
+use baton_providers::{ApiKey, ProviderKind};
+use baton_testserver::{TestServer, Wire};
+use tokio::sync::{OnceCell, mpsc};
+use tokio_util::sync::CancellationToken;
+
+/// One tiny model for the whole test binary: loading is fast, but there is no need to repeat it.
+async fn model() -> Arc<LocalModel> {
+    static MODEL: OnceCell<(tempfile::TempDir, Arc<LocalModel>)> = OnceCell::const_new();
+    let (_, m) = MODEL
+        .get_or_init(|| async {
+            let dir = tempfile::tempdir().expect("tempdir");
+            baton_tinymodel::write_safetensors_model(dir.path(), &baton_tinymodel::TinySpec::default())
+                .expect("write model");
+            let config = LocalModelConfig { path: dir.path().to_path_buf(), force_cpu: true, ..Default::default() };
+            let model = LocalModel::load(&config).await.unwrap_or_else(|e| panic!("the tiny model loads: {e}"));
+            (dir, Arc::new(model))
+        })
+        .await;
+    m.clone()
+}
+
+/// Short reasoning and subtasks keep a random model's plans quick.
+fn quick() -> ConductorOptions {
+    ConductorOptions {
+        max_reasoning_chars: 24,
+        max_subtask_chars: 16,
+        temperature: Some(1.0),
+        ..ConductorOptions::default()
+    }
+}
+
+fn workers(n: usize) -> Vec<WorkerInfo> {
+    (0..n)
+        .map(|i| WorkerInfo {
+            index: i,
+            name: format!("w{i}"),
+            provider: ProviderKind::OpenAiCompatible,
+            model: format!("w{i}"),
+            description: Some(format!("worker number {i}")),
+        })
+        .collect()
+}
+
+fn context(question: &str, pool_size: usize, max_steps: usize) -> PlanningContext {
+    PlanningContext {
+        question: question.to_owned(),
+        history: vec![],
+        work: vec![],
+        depth: 0,
+        allow_self: false,
+        allow_stop: false,
+        max_steps,
+        pool_size,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fifty_plans_for_fifty_questions_all_parse_and_validate() {
+    let model = model().await;
+    let mut steps_seen = std::collections::BTreeSet::new();
+    for i in 0..50 {
+        let pool_size = 1 + i % 5;
+        let max_steps = 1 + (i * 7) % 5;
+        // The few-shot workflows are left out to keep 50 prefills quick; what is tested here is
+        // that the grammar makes every plan valid, whatever the prompt.
+        let conductor =
+            LocalConductor::new(model.clone(), workers(pool_size), ConductorOptions { no_examples: true, ..quick() });
+        let question = format!("Question {i}: what is {i} times {}?", i + 3);
+        let mut deltas = String::new();
+        let planned = conductor
+            .plan(context(&question, pool_size, max_steps), Box::new(|t: &str| deltas.push_str(t)))
+            .await
+            .unwrap_or_else(|e| panic!("plan {i} (pool {pool_size}, max {max_steps}): {e}"));
+        assert_eq!(deltas, planned.raw, "the deltas are the whole text, streamed");
+        let limits = baton_plan::Limits { max_steps, pool_size: Some(pool_size), allow_stop: false };
+        baton_plan::parse(&planned.raw, &limits).unwrap_or_else(|e| panic!("plan {i} reparses: {e}"));
+        assert!(!planned.plan.steps.is_empty() && planned.plan.steps.len() <= max_steps);
+        assert!(planned.plan.steps.iter().all(|s| s.model_id < pool_size));
+        assert!(planned.usage.output_tokens > 0);
+        steps_seen.insert(planned.plan.steps.len());
+    }
+    assert!(steps_seen.len() > 1, "plans of several lengths: {steps_seen:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn loading_errors_name_the_file_and_what_to_do() {
+    let missing =
+        LocalModel::load(&LocalModelConfig { path: "/nonexistent/model.gguf".into(), ..Default::default() }).await;
+    let e = missing.expect_err("missing");
+    assert!(matches!(e, LoadError::NotFound { .. }), "{e}");
+    assert!(e.to_string().starts_with("/nonexistent/model.gguf: not found; point to a .gguf file"), "{e}");
+
+    let empty = tempfile::tempdir().expect("tempdir");
+    let e = LocalModel::load(&LocalModelConfig { path: empty.path().to_path_buf(), ..Default::default() })
+        .await
+        .expect_err("no config.json");
+    assert!(e.to_string().contains("config.json: not found"), "{e}");
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    baton_tinymodel::write_safetensors_model(dir.path(), &baton_tinymodel::TinySpec::default()).expect("write");
+    std::fs::write(dir.path().join("config.json"), r#"{"architectures": ["NoSuchModelForCausalLM"]}"#).expect("write");
+    let e =
+        LocalModel::load(&LocalModelConfig { path: dir.path().to_path_buf(), force_cpu: true, ..Default::default() })
+            .await
+            .expect_err("unknown architecture");
+    assert!(e.to_string().starts_with(&dir.path().display().to_string()), "names the model: {e}");
+}
+
+fn loopback_pool(server: &TestServer, extra: &str, n: usize) -> Pool {
+    let mut text = format!("{extra}\n[retry]\ninitial_delay_ms = 10\n");
+    for i in 0..n {
+        text.push_str(&format!(
+            "\n[[worker]]\nname = \"w{i}\"\nprovider = \"openai-compatible\"\nmodel = \"w{i}\"\nbase_url = \"{}\"\n",
+            server.base_url(Wire::OpenAi)
+        ));
+    }
+    Pool::parse(&text, "pool.toml").expect("valid pool")
+}
+
+async fn run(executor: &Executor, question: &str, plan: Option<&str>) -> (baton_engine::RunOutcome, Vec<RunEvent>) {
+    let plan = plan.map(|p| {
+        baton_plan::parse(p, &baton_plan::Limits { max_steps: 5, pool_size: None, allow_stop: false }).expect("plan")
+    });
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let request = RunRequest { run_id: "t".into(), question: question.into(), plan, ..RunRequest::default() };
+    let outcome = executor.run(request, &tx, &CancellationToken::new()).await;
+    drop(tx);
+    let mut events = Vec::new();
+    while let Some(e) = rx.recv().await {
+        events.push(e);
+    }
+    if let Err(e) = baton_engine::event::check_sequence(&events) {
+        panic!("{e}\n{events:#?}");
+    }
+    (outcome, events)
+}
+
+fn executor(pool: &Pool, conductor: LocalConductor) -> Executor {
+    Executor::from_pool_with_keys(pool, |_| Arc::new(|| Ok(Some(ApiKey::new("k"))))).with_planner(Arc::new(conductor))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_conductor_plans_and_the_pool_answers() {
+    let server = TestServer::start().await.expect("server");
+    let pool = loopback_pool(&server, "", 3);
+    let conductor = LocalConductor::new(model().await, pool.infos(), quick());
+    let (outcome, events) = run(&executor(&pool, conductor), "What is 6 times 7?", None).await;
+    assert_eq!(outcome.status, RunStatus::Finished, "{outcome:?}");
+    assert!(events.iter().any(|e| matches!(e, RunEvent::PlanStarted { round: 0, .. })));
+    assert!(events.iter().any(|e| matches!(e, RunEvent::PlanDelta { round: 0, .. })));
+    let (plan, raw) = events
+        .iter()
+        .find_map(|e| match e {
+            RunEvent::PlanReady { round: 0, plan, raw, .. } => Some((plan.clone(), raw.clone())),
+            _ => None,
+        })
+        .expect("plan ready");
+    assert!(raw.is_some_and(|r| r.contains("```python")));
+    assert_eq!(server.requests().len(), plan.steps.len(), "one call per planned step");
+    assert!(outcome.answer.is_some_and(|a| a.contains("answers:")));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_recursive_round_that_must_stop_keeps_the_latest_answer() {
+    let server = TestServer::start().await.expect("server");
+    // Two steps allowed in the whole run: the conductor's round gets none, so it must stop.
+    let pool = loopback_pool(&server, "[recursion]\nenabled = true\nmax_total_steps = 2", 2);
+    let conductor = LocalConductor::new(model().await, pool.infos(), quick());
+    let given = "model_id = [1, 2]\nsubtasks = ['Solve it.', 'Check the work.']\naccess_list = [[], 'all']";
+    let (outcome, events) = run(&executor(&pool, conductor), "Q", Some(given)).await;
+    assert_eq!(outcome.status, RunStatus::Finished, "{outcome:?}");
+    assert_eq!(outcome.answer.as_deref(), Some("w1 (saw 0 earlier answers) answers: Solve it."));
+    let stop = events.iter().find_map(|e| match e {
+        RunEvent::PlanReady { round: 1, depth, parent, plan, .. } => Some((*depth, *parent, plan.is_stop())),
+        _ => None,
+    });
+    assert_eq!(stop, Some((1, Some(baton_engine::StepRef { round: 0, step: 1 }), true)));
+    assert_eq!(outcome.totals.rounds, 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn forced_recursion_stays_within_its_depth_and_step_caps() {
+    let server = TestServer::start().await.expect("server");
+    let pool =
+        loopback_pool(&server, "max_steps = 2\n[recursion]\nenabled = true\nmax_depth = 2\nmax_total_steps = 6", 2);
+    let options = ConductorOptions { force_self: true, no_examples: true, ..quick() };
+    let conductor = LocalConductor::new(model().await, pool.infos(), options);
+    let (outcome, events) = run(&executor(&pool, conductor), "Q", None).await;
+
+    let depths: Vec<u32> = events
+        .iter()
+        .filter_map(|e| match e {
+            RunEvent::PlanReady { depth, .. } => Some(*depth),
+            _ => None,
+        })
+        .collect();
+    assert!(depths.contains(&1), "the conductor handed work to itself: {depths:?}");
+    assert!(depths.iter().all(|d| *d <= 2), "depth cap 2: {depths:?}");
+    // Below the depth cap the grammar offers only the conductor, so every round-0 and round-1
+    // step is recursive; at depth 2 it offers only workers.
+    for e in &events {
+        if let RunEvent::PlanReady { depth, plan, .. } = e {
+            let expected = |id: usize| if *depth < 2 { id == 2 } else { id < 2 };
+            assert!(plan.steps.iter().all(|s| expected(s.model_id)), "depth {depth}: {plan:?}");
+        }
+    }
+    let started = events.iter().filter(|e| matches!(e, RunEvent::StepStarted { .. })).count();
+    let refused = events
+        .iter()
+        .filter(|e| matches!(e, RunEvent::StepFailed { error, .. } if error.kind == StepErrorKind::RecursionLimit))
+        .count();
+    assert!(started <= 6, "{started} steps started; the cap is 6");
+    if outcome.status != RunStatus::Finished {
+        let reasons: Vec<_> = events
+            .iter()
+            .filter_map(|e| match e {
+                RunEvent::StepFailed { error, .. } => Some(error.kind),
+                _ => None,
+            })
+            .collect();
+        assert!(
+            reasons.iter().all(|k| matches!(
+                k,
+                StepErrorKind::RecursionLimit | StepErrorKind::Conductor | StepErrorKind::DependencyFailed
+            )),
+            "a capped run fails only for its caps: {reasons:?}"
+        );
+        assert!(refused > 0 || reasons.contains(&StepErrorKind::Conductor), "{reasons:?}");
+    }
+}

@@ -1,0 +1,60 @@
+//! The conductor as the executor sees it: something that writes a plan for a question, and,
+//! on recursive pools, for the work a step hands back to it.
+
+use baton_plan::Plan;
+use baton_providers::{Message, Usage};
+use futures::future::BoxFuture;
+
+/// What a conductor is asked to plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanningContext {
+    pub question: String,
+    /// Earlier turns of the conversation, oldest first, already bounded by the caller.
+    pub history: Vec<Message>,
+    /// For a recursive round: the work the conductor's step sees, as subtask/answer turns.
+    pub work: Vec<Message>,
+    /// 0 for the question's plan, 1 for a round opened by that plan, and so on.
+    pub depth: u32,
+    /// Whether the plan may give a step to the conductor itself.
+    pub allow_self: bool,
+    /// Whether three empty lists (stop) are acceptable: recursive rounds only.
+    pub allow_stop: bool,
+    pub max_steps: usize,
+    /// Number of workers in the pool; the conductor itself is number `pool_size`.
+    pub pool_size: usize,
+}
+
+/// A plan and the text it came from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Planned {
+    pub raw: String,
+    pub plan: Plan,
+    pub usage: Usage,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct PlannerError {
+    pub message: String,
+}
+
+impl PlannerError {
+    pub fn new(message: impl Into<String>) -> Self {
+        PlannerError { message: message.into() }
+    }
+}
+
+/// Receives the conductor's text as it is written.
+pub type PlanDeltas<'a> = Box<dyn FnMut(&str) + Send + 'a>;
+
+/// Writes plans. Dropping the future must stop generation.
+pub trait Planner: Send + Sync {
+    /// Names the conductor for people (events, history): model and where it runs.
+    fn describe(&self) -> String;
+
+    fn plan<'a>(
+        &'a self,
+        context: PlanningContext,
+        deltas: PlanDeltas<'a>,
+    ) -> BoxFuture<'a, Result<Planned, PlannerError>>;
+}

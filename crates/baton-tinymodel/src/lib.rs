@@ -1,0 +1,208 @@
+//! Writes a tiny random-weight chat model that loads through the real mistral.rs pipeline, so
+//! tests run a real model with no download: a Qwen2-architecture `model.safetensors`,
+//! `config.json`, a byte-level BPE `tokenizer.json` (256 byte tokens plus three specials), a
+//! ChatML chat template and `generation_config.json`. The same seed gives the same files.
+//!
+//! The weights are random, so the text is noise; what the tests check is everything around it:
+//! loading, templating, constrained decoding, streaming, cancellation.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::path::Path;
+
+use safetensors::tensor::{Dtype, TensorView};
+use serde_json::json;
+
+/// Shape of the tiny model. The defaults give ≈ 0.2 M parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TinySpec {
+    pub seed: u64,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    /// Scale of the uniform random weights.
+    pub init: f32,
+}
+
+impl Default for TinySpec {
+    fn default() -> Self {
+        TinySpec { seed: 7, hidden: 64, intermediate: 128, layers: 2, heads: 4, kv_heads: 2, init: 0.08 }
+    }
+}
+
+/// Token ids of the special tokens, after the 256 byte tokens.
+pub const ENDOFTEXT: u32 = 256;
+pub const IM_START: u32 = 257;
+pub const IM_END: u32 = 258;
+/// The vocabulary is exactly the tokenizer's: a larger `vocab_size` makes constrained decoding
+/// reject the padding ids.
+pub const VOCAB: usize = 259;
+
+pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// Writes the model files into `dir` (created if missing).
+pub fn write_safetensors_model(dir: &Path, spec: &TinySpec) -> io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join("config.json"), config(spec).to_string())?;
+    std::fs::write(dir.join("tokenizer.json"), tokenizer().to_string())?;
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        json!({
+            "chat_template": CHATML_TEMPLATE,
+            "bos_token": null,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "unk_token": null,
+            "add_bos_token": false,
+            "model_max_length": 32768,
+        })
+        .to_string(),
+    )?;
+    // The constraint engine ends on <|endoftext|>; the chat ends on <|im_end|>. Both must stop
+    // generation or it runs invisibly to the length cap.
+    std::fs::write(
+        dir.join("generation_config.json"),
+        json!({"bos_token_id": ENDOFTEXT, "eos_token_id": [IM_END, ENDOFTEXT], "do_sample": false}).to_string(),
+    )?;
+    let tensors = weights(spec);
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, (shape, bytes))| {
+            let view = TensorView::new(Dtype::F32, shape.clone(), bytes).map_err(io::Error::other)?;
+            Ok((name.clone(), view))
+        })
+        .collect::<io::Result<_>>()?;
+    let bytes = safetensors::serialize(views, None).map_err(io::Error::other)?;
+    std::fs::write(dir.join("model.safetensors"), bytes)?;
+    Ok(())
+}
+
+fn config(spec: &TinySpec) -> serde_json::Value {
+    json!({
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": VOCAB,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "max_position_embeddings": 32768,
+        "sliding_window": 32768,
+        "max_window_layers": spec.layers,
+        "use_sliding_window": false,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "tie_word_embeddings": false,
+        "torch_dtype": "float32",
+        "bos_token_id": ENDOFTEXT,
+        "eos_token_id": IM_END,
+    })
+}
+
+/// GPT-2's reversible map from bytes to printable characters, used by byte-level BPE.
+pub fn byte_to_char(b: u8) -> char {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    if printable(b) {
+        return char::from(b);
+    }
+    // The others are numbered in byte order from U+0100.
+    let rank = (0..b).filter(|&x| !printable(x)).count() as u32;
+    char::from_u32(256 + rank).unwrap_or('?')
+}
+
+fn tokenizer() -> serde_json::Value {
+    let vocab: BTreeMap<String, u32> = (0..=255u8).map(|b| (byte_to_char(b).to_string(), u32::from(b))).collect();
+    let special = |id: u32, content: &str| {
+        json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false,
+               "normalized": false, "special": true})
+    };
+    json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [special(ENDOFTEXT, "<|endoftext|>"), special(IM_START, "<|im_start|>"), special(IM_END, "<|im_end|>")],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": [],
+        },
+    })
+}
+
+/// Tensor name → (shape, little-endian f32 bytes), in the Hugging Face Qwen2 layout.
+fn weights(spec: &TinySpec) -> BTreeMap<String, (Vec<usize>, Vec<u8>)> {
+    let mut rng = fastrand::Rng::with_seed(spec.seed);
+    let mut out = BTreeMap::new();
+    let h = spec.hidden;
+    let head_dim = h / spec.heads;
+    let kv = spec.kv_heads * head_dim;
+    let mut random = |name: String, shape: Vec<usize>| {
+        let n: usize = shape.iter().product();
+        let bytes = (0..n).flat_map(|_| ((rng.f32() * 2.0 - 1.0) * spec.init).to_le_bytes()).collect();
+        out.insert(name, (shape, bytes));
+    };
+    random("model.embed_tokens.weight".into(), vec![VOCAB, h]);
+    random("lm_head.weight".into(), vec![VOCAB, h]);
+    for l in 0..spec.layers {
+        let p = format!("model.layers.{l}");
+        random(format!("{p}.self_attn.q_proj.weight"), vec![h, h]);
+        random(format!("{p}.self_attn.q_proj.bias"), vec![h]);
+        random(format!("{p}.self_attn.k_proj.weight"), vec![kv, h]);
+        random(format!("{p}.self_attn.k_proj.bias"), vec![kv]);
+        random(format!("{p}.self_attn.v_proj.weight"), vec![kv, h]);
+        random(format!("{p}.self_attn.v_proj.bias"), vec![kv]);
+        random(format!("{p}.self_attn.o_proj.weight"), vec![h, h]);
+        random(format!("{p}.mlp.gate_proj.weight"), vec![spec.intermediate, h]);
+        random(format!("{p}.mlp.up_proj.weight"), vec![spec.intermediate, h]);
+        random(format!("{p}.mlp.down_proj.weight"), vec![h, spec.intermediate]);
+    }
+    let ones = |n: usize| (0..n).flat_map(|_| 1.0f32.to_le_bytes()).collect::<Vec<u8>>();
+    for l in 0..spec.layers {
+        let p = format!("model.layers.{l}");
+        out.insert(format!("{p}.input_layernorm.weight"), (vec![h], ones(h)));
+        out.insert(format!("{p}.post_attention_layernorm.weight"), (vec![h], ones(h)));
+    }
+    out.insert("model.norm.weight".into(), (vec![h], ones(h)));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_map_is_a_bijection_onto_printable_chars() {
+        let chars: std::collections::HashSet<char> = (0..=255u8).map(byte_to_char).collect();
+        assert_eq!(chars.len(), 256);
+        assert_eq!(byte_to_char(b' '), 'Ġ');
+        assert_eq!(byte_to_char(b'\n'), 'Ċ');
+        assert_eq!(byte_to_char(b'a'), 'a');
+    }
+
+    #[test]
+    fn same_seed_same_files() {
+        let a = tempdir();
+        let b = tempdir();
+        write_safetensors_model(&a, &TinySpec::default()).expect("write");
+        write_safetensors_model(&b, &TinySpec::default()).expect("write");
+        for f in ["config.json", "tokenizer.json", "model.safetensors", "generation_config.json"] {
+            assert_eq!(std::fs::read(a.join(f)).expect("read"), std::fs::read(b.join(f)).expect("read"), "{f}");
+        }
+        let _ = std::fs::remove_dir_all(&a);
+        let _ = std::fs::remove_dir_all(&b);
+    }
+
+    fn tempdir() -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("baton-tiny-{}-{}", std::process::id(), fastrand::u64(..)));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        dir
+    }
+}
