@@ -52,6 +52,8 @@ struct Shared {
     counts: Mutex<HashMap<String, u32>>,
     /// Streams the client closed before their end.
     hangups: Arc<std::sync::atomic::AtomicU32>,
+    /// Replies queued per model name (the part before `;`), used before the script's own.
+    replies: Mutex<HashMap<String, std::collections::VecDeque<String>>>,
     /// When set, requests must carry this key in the wire's auth header.
     key: Option<String>,
     started: Option<Instant>,
@@ -111,6 +113,14 @@ impl TestServer {
 
     pub fn requests(&self) -> Vec<RecordedRequest> {
         self.shared.requests.lock().map(|r| r.clone()).unwrap_or_default()
+    }
+
+    /// Queues exact answers for calls to `model` (any text, newlines included), one per call;
+    /// when they run out the model's script answers again.
+    pub fn queue_replies(&self, model: &str, replies: impl IntoIterator<Item = impl Into<String>>) {
+        if let Ok(mut r) = self.shared.replies.lock() {
+            r.entry(model.to_owned()).or_default().extend(replies.into_iter().map(Into::into));
+        }
     }
 
     /// How many streamed answers the client closed before their end (a cancelled call).
@@ -209,6 +219,10 @@ async fn handle(
         *n += 1;
         *n - 1
     };
-    let script = Script::parse(&model);
+    let mut script = Script::parse(&model);
+    let queued = shared.replies.lock().ok().and_then(|mut r| r.get_mut(&script.name).and_then(|q| q.pop_front()));
+    if let Some(reply) = queued {
+        script.reply = Some(reply);
+    }
     wire::respond(wire, &script, call_index, &json, stream, shared.hangups.clone()).await
 }

@@ -1,0 +1,75 @@
+//! A conductor behind an OpenAI-compatible endpoint: its answer is parsed; an unusable plan is
+//! retried once with the error fed back, then fails clearly.
+
+use std::sync::Arc;
+
+use baton_conductor::{ConductorOptions, RemoteConductor};
+use baton_engine::{PlanningContext, Planner, WorkerInfo};
+use baton_providers::{HttpModel, ModelSettings, ProviderKind};
+use baton_testserver::{TestServer, Wire};
+
+fn conductor(server: &TestServer, model: &str) -> RemoteConductor {
+    let http = HttpModel::new(
+        ProviderKind::OpenAiCompatible,
+        &server.base_url(Wire::OpenAi),
+        ModelSettings::new(model),
+        Arc::new(|| Ok(None)),
+        HttpModel::http_client(),
+    );
+    let workers = (0..2)
+        .map(|i| WorkerInfo { index: i, name: format!("w{i}"), provider: ProviderKind::OpenAi, model: "m".into(), description: None })
+        .collect();
+    RemoteConductor::new(Arc::new(http), "big-conductor".into(), workers, &ConductorOptions::default())
+}
+
+fn context() -> PlanningContext {
+    PlanningContext {
+        question: "What is 2+2?".into(),
+        history: vec![],
+        work: vec![],
+        depth: 0,
+        allow_self: false,
+        allow_stop: false,
+        max_steps: 5,
+        pool_size: 2,
+    }
+}
+
+const GOOD: &str = "Simple arithmetic; one worker suffices.\n```python\nmodel_id = [1]\nsubtasks = [\"Compute 2+2.\"]\naccess_list = [[]]\n```";
+const BAD: &str = "```python\nmodel_id = [7]\nsubtasks = [\"Compute 2+2.\"]\naccess_list = [[]]\n```";
+
+#[tokio::test]
+async fn a_good_plan_is_parsed_and_streamed() {
+    let server = TestServer::start().await.expect("server");
+    server.queue_replies("big", [GOOD]);
+    let mut streamed = String::new();
+    let planned = conductor(&server, "big").plan(context(), Box::new(|t: &str| streamed.push_str(t))).await.expect("plan");
+    assert_eq!(planned.plan.to_json(), r#"{"model_id":[1],"subtasks":["Compute 2+2."],"access_list":[[]]}"#);
+    assert_eq!(streamed, GOOD);
+    let request = &server.requests()[0];
+    assert!(request.body["messages"][0]["content"].as_str().unwrap_or_default().contains("- Model 1:"), "the system prompt lists the workers");
+    assert_eq!(request.body["messages"][1]["content"], "Question: What is 2+2?");
+}
+
+#[tokio::test]
+async fn an_unusable_plan_is_retried_once_with_the_error_fed_back() {
+    let server = TestServer::start().await.expect("server");
+    server.queue_replies("big", [BAD, GOOD]);
+    let planned = conductor(&server, "big").plan(context(), Box::new(|_: &str| {})).await.expect("second try works");
+    assert_eq!(planned.plan.steps[0].model_id, 1);
+    let retry = &server.requests()[1].body["messages"];
+    let n = retry.as_array().map_or(0, Vec::len);
+    assert_eq!(retry[n - 2]["content"], BAD, "the first answer is shown back");
+    let feedback = retry[n - 1]["content"].as_str().unwrap_or_default();
+    assert!(feedback.contains("model 7 is not in the pool"), "{feedback}");
+}
+
+#[tokio::test]
+async fn two_unusable_plans_fail_clearly() {
+    let server = TestServer::start().await.expect("server");
+    server.queue_replies("big", [BAD, "no lists at all"]);
+    let e = conductor(&server, "big").plan(context(), Box::new(|_: &str| {})).await.expect_err("fails");
+    assert!(e.message.contains("could not be used twice"), "{e}");
+    assert!(e.message.contains("model 7 is not in the pool") && e.message.contains("no plan found"), "{e}");
+    assert_eq!(server.requests().len(), 2, "exactly one retry");
+}
