@@ -32,8 +32,107 @@ pub struct ConductorArgs {
 
 const NONE_CONFIGURED: &str = "no conductor is configured: add a [conductor] table with model = \"/path/to/model.gguf\" to the pool file, pass --conductor PATH|URL, or run a written plan with --plan FILE";
 
+/// Local models loaded by this command, by path, so a model used as conductor and worker (or
+/// by several workers) is loaded once.
+#[derive(Default)]
+pub struct LocalModels {
+    #[cfg(feature = "local")]
+    loaded: std::collections::HashMap<PathBuf, Arc<baton_conductor::local::LocalModel>>,
+}
+
+#[cfg(feature = "local")]
+impl LocalModels {
+    async fn load(
+        &mut self,
+        config: baton_conductor::local::LocalModelConfig,
+        what: &str,
+        quiet: bool,
+    ) -> Result<Arc<baton_conductor::local::LocalModel>, Failure> {
+        if let Some(m) = self.loaded.get(&config.path) {
+            return Ok(m.clone());
+        }
+        if !quiet {
+            eprint!("loading {what} {} … ", config.path.display());
+            let _ = std::io::stderr().flush();
+        }
+        let model = baton_conductor::local::LocalModel::load(&config).await.map_err(|e| {
+            if !quiet {
+                eprintln!("failed");
+            }
+            Failure::BadInput(e.to_string())
+        })?;
+        if !quiet {
+            eprintln!("loaded in {:.2} s on {}", model.load_time.as_secs_f64(), model.device);
+        }
+        let model = Arc::new(model);
+        self.loaded.insert(config.path.clone(), model.clone());
+        Ok(model)
+    }
+}
+
+/// Runs the pool's `local` workers in process.
+#[cfg(feature = "local")]
+pub async fn attach_local_workers(
+    executor: &mut baton_engine::Executor,
+    pool: &Pool,
+    models: &mut LocalModels,
+    force_cpu: bool,
+    quiet: bool,
+) -> Result<(), Failure> {
+    for (index, spec) in pool.workers.iter().enumerate() {
+        if spec.provider != ProviderKind::Local {
+            continue;
+        }
+        let config = baton_conductor::local::LocalModelConfig {
+            path: PathBuf::from(&spec.model),
+            force_cpu,
+            ..Default::default()
+        };
+        let model = models.load(config, &format!("worker \"{}\"", spec.name), quiet).await?;
+        let local = baton_conductor::local::LocalWorker {
+            model,
+            max_tokens: spec.max_tokens as usize,
+            temperature: spec.temperature.map(f64::from),
+        };
+        executor.replace_worker(
+            index,
+            baton_engine::Worker {
+                info: pool.infos()[index].clone(),
+                model: Arc::new(local),
+                price: spec.price(),
+                timeout: spec.timeout,
+                // One local engine runs its sequences itself; share one limit per model file.
+                endpoint: format!("local {}", spec.model),
+            },
+        );
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "local"))]
+pub async fn attach_local_workers(
+    _executor: &mut baton_engine::Executor,
+    pool: &Pool,
+    _models: &mut LocalModels,
+    _force_cpu: bool,
+    _quiet: bool,
+) -> Result<(), Failure> {
+    match pool.workers.iter().find(|w| w.provider == ProviderKind::Local) {
+        Some(w) => Err(Failure::BadInput(format!(
+            "worker \"{}\" is local, but this build of baton runs no local models (built without the `local` feature)",
+            w.name
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Builds the planner the arguments and the pool describe. `quiet` suppresses load progress.
-pub async fn planner(pool: &Pool, args: &ConductorArgs, quiet: bool) -> Result<Arc<dyn Planner>, Failure> {
+pub async fn planner(
+    pool: &Pool,
+    args: &ConductorArgs,
+    models: &mut LocalModels,
+    quiet: bool,
+) -> Result<Arc<dyn Planner>, Failure> {
     let spec = &pool.options.conductor;
     let options = ConductorOptions {
         max_reasoning_chars: spec.max_reasoning_chars.unwrap_or(ConductorOptions::default().max_reasoning_chars),
@@ -75,7 +174,7 @@ pub async fn planner(pool: &Pool, args: &ConductorArgs, quiet: bool) -> Result<A
         let name = format!("{model_name} at {source}");
         return Ok(Arc::new(baton_conductor::RemoteConductor::new(Arc::new(http), name, pool.infos(), &options)));
     }
-    local(pool, spec, args, &source, options, quiet).await
+    local(pool, spec, args, &source, options, models, quiet).await
 }
 
 #[cfg(feature = "local")]
@@ -85,9 +184,10 @@ async fn local(
     args: &ConductorArgs,
     path: &str,
     options: ConductorOptions,
+    models: &mut LocalModels,
     quiet: bool,
 ) -> Result<Arc<dyn Planner>, Failure> {
-    use baton_conductor::local::{LocalModel, LocalModelConfig};
+    use baton_conductor::local::LocalModelConfig;
     let config = LocalModelConfig {
         path: PathBuf::from(path),
         lora: args.lora.clone().or_else(|| spec.lora.as_ref().map(PathBuf::from)),
@@ -96,20 +196,8 @@ async fn local(
         isq: spec.isq.clone(),
         dtype: spec.dtype.clone(),
     };
-    if !quiet {
-        eprint!("loading the conductor {path} … ");
-        let _ = std::io::stderr().flush();
-    }
-    let model = LocalModel::load(&config).await.map_err(|e| {
-        if !quiet {
-            eprintln!("failed");
-        }
-        Failure::BadInput(e.to_string())
-    })?;
-    if !quiet {
-        eprintln!("loaded in {:.2} s on {}", model.load_time.as_secs_f64(), model.device);
-    }
-    Ok(Arc::new(baton_conductor::LocalConductor::new(Arc::new(model), pool.infos(), options)))
+    let model = models.load(config, "the conductor", quiet).await?;
+    Ok(Arc::new(baton_conductor::LocalConductor::new(model, pool.infos(), options)))
 }
 
 #[cfg(not(feature = "local"))]
@@ -119,6 +207,7 @@ async fn local(
     _args: &ConductorArgs,
     path: &str,
     _options: ConductorOptions,
+    _models: &mut LocalModels,
     _quiet: bool,
 ) -> Result<Arc<dyn Planner>, Failure> {
     Err(Failure::BadInput(format!(

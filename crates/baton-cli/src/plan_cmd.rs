@@ -57,7 +57,8 @@ async fn write(
     json: bool,
 ) -> Outcome {
     let pool = pool.load()?;
-    let planner = crate::conductor_setup::planner(&pool, conductor, json).await?;
+    let mut models = crate::conductor_setup::LocalModels::default();
+    let planner = crate::conductor_setup::planner(&pool, conductor, &mut models, json).await?;
     let context = baton_engine::PlanningContext {
         question: question.to_owned(),
         history: Vec::new(),

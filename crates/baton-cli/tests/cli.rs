@@ -346,3 +346,28 @@ async fn the_local_conductor_needs_no_network_and_leaves_the_home_cache_alone() 
     assert!(!home.path().join(".cache").join("huggingface").exists(), "nothing in the user's HF cache");
     assert!(home.path().join(".local/share/baton/hf").exists(), "mistral.rs's cache dir is Baton's own");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fully_offline_pool_of_local_workers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("tiny");
+    baton_tinymodel::write_safetensors_model(&model, &baton_tinymodel::TinySpec::default()).expect("write model");
+    let pool = dir.path().join("pool.toml");
+    let m = model.display();
+    std::fs::write(
+        &pool,
+        format!(
+            "[conductor]\nmodel = \"{m}\"\ndevice = \"cpu\"\nmax_reasoning_chars = 16\nmax_subtask_chars = 12\n\n\
+             [[worker]]\nname = \"local-a\"\nprovider = \"local\"\nmodel = \"{m}\"\nmax_tokens = 12\n\n\
+             [[worker]]\nname = \"local-b\"\nprovider = \"local\"\nmodel = \"{m}\"\nmax_tokens = 12\n"
+        ),
+    )
+    .expect("write pool");
+    let out = baton(&["ask", "--json", "--pool", path(&pool), "Say something."], None, "").await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let events: Vec<Value> = out.stdout.lines().map(|l| serde_json::from_str(l).expect("JSON line")).collect();
+    assert_eq!(events.last().map(|e| e["type"].clone()), Some(Value::from("run_finished")));
+    let finished = events.iter().filter(|e| e["type"] == "step_finished").count();
+    assert!(finished >= 1, "local workers answered");
+    assert_eq!(events.last().map(|e| e["totals"]["cost_complete"].clone()), Some(Value::Bool(true)), "local is free");
+}

@@ -19,7 +19,7 @@ pub struct ConductorOptions {
     pub max_reasoning_chars: usize,
     /// Longest subtask, in characters.
     pub max_subtask_chars: usize,
-    /// `None` samples greedily.
+    /// `None` uses the model's generation defaults.
     pub temperature: Option<f64>,
     /// Whenever the conductor may pick itself, it must (tests drive recursion to its caps).
     pub force_self: bool,

@@ -85,7 +85,7 @@ pub struct GenerateOptions {
     /// A Lark grammar the output must follow.
     pub grammar: Option<String>,
     pub max_tokens: usize,
-    /// `None` samples greedily.
+    /// `None` uses the model's generation defaults.
     pub temperature: Option<f64>,
 }
 
@@ -212,10 +212,11 @@ impl LocalModel {
             request = request.set_constraint(Constraint::Lark(grammar.clone()));
         }
         request = request.set_sampler_max_len(options.max_tokens);
-        request = match options.temperature {
-            Some(t) => request.set_sampler_temperature(t),
-            None => request.set_deterministic_sampler(),
-        };
+        // Without a temperature the model's own generation defaults apply. (mistral.rs 0.8.1's
+        // deterministic sampler never finished a stream here, so it is not used.)
+        if let Some(t) = options.temperature {
+            request = request.set_sampler_temperature(t);
+        }
         let started = Instant::now();
         let mut stream =
             self.model.stream_chat_request(request).await.map_err(|e| generation_error(&format!("{e:#}")))?;

@@ -238,3 +238,27 @@ async fn forced_recursion_stays_within_its_depth_and_step_caps() {
         assert!(refused > 0 || reasons.contains(&StepErrorKind::Conductor), "{reasons:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_local_worker_streams_an_answer_and_stops_at_its_token_limit() {
+    use baton_providers::{ChatEvent, ChatModel, ChatRequest, Message};
+    use futures::StreamExt;
+    let worker = baton_conductor::local::LocalWorker { model: model().await, max_tokens: 12, temperature: Some(1.0) };
+    let request = ChatRequest { system: None, messages: vec![Message::user("Say something.")], max_tokens: None };
+    let run = async {
+        let mut stream = worker.stream(request).await.expect("stream");
+        let mut pieces = 0;
+        let mut done = None;
+        while let Some(item) = stream.next().await {
+            match item.expect("no error") {
+                ChatEvent::Text(_) => pieces += 1,
+                ChatEvent::Done { usage, .. } => done = Some(usage),
+            }
+        }
+        (pieces, done)
+    };
+    let (pieces, done) = tokio::time::timeout(std::time::Duration::from_secs(30), run).await.expect("finishes");
+    let usage = done.expect("a Done event");
+    assert!(usage.output_tokens <= 12, "{usage:?}");
+    assert!(pieces >= 1);
+}

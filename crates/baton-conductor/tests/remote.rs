@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use baton_conductor::{ConductorOptions, RemoteConductor};
-use baton_engine::{PlanningContext, Planner, WorkerInfo};
+use baton_engine::{Planner, PlanningContext, WorkerInfo};
 use baton_providers::{HttpModel, ModelSettings, ProviderKind};
 use baton_testserver::{TestServer, Wire};
 
@@ -17,7 +17,13 @@ fn conductor(server: &TestServer, model: &str) -> RemoteConductor {
         HttpModel::http_client(),
     );
     let workers = (0..2)
-        .map(|i| WorkerInfo { index: i, name: format!("w{i}"), provider: ProviderKind::OpenAi, model: "m".into(), description: None })
+        .map(|i| WorkerInfo {
+            index: i,
+            name: format!("w{i}"),
+            provider: ProviderKind::OpenAi,
+            model: "m".into(),
+            description: None,
+        })
         .collect();
     RemoteConductor::new(Arc::new(http), "big-conductor".into(), workers, &ConductorOptions::default())
 }
@@ -43,11 +49,15 @@ async fn a_good_plan_is_parsed_and_streamed() {
     let server = TestServer::start().await.expect("server");
     server.queue_replies("big", [GOOD]);
     let mut streamed = String::new();
-    let planned = conductor(&server, "big").plan(context(), Box::new(|t: &str| streamed.push_str(t))).await.expect("plan");
+    let planned =
+        conductor(&server, "big").plan(context(), Box::new(|t: &str| streamed.push_str(t))).await.expect("plan");
     assert_eq!(planned.plan.to_json(), r#"{"model_id":[1],"subtasks":["Compute 2+2."],"access_list":[[]]}"#);
     assert_eq!(streamed, GOOD);
     let request = &server.requests()[0];
-    assert!(request.body["messages"][0]["content"].as_str().unwrap_or_default().contains("- Model 1:"), "the system prompt lists the workers");
+    assert!(
+        request.body["messages"][0]["content"].as_str().unwrap_or_default().contains("- Model 1:"),
+        "the system prompt lists the workers"
+    );
     assert_eq!(request.body["messages"][1]["content"], "Question: What is 2+2?");
 }
 

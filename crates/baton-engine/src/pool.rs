@@ -130,6 +130,9 @@ impl WorkerSpec {
 
     /// $/1M-token prices: the pool's, else the built-in table's; `None` when unknown.
     pub fn price(&self) -> Option<Price> {
+        if self.provider == ProviderKind::Local && self.price_in.is_none() && self.price_out.is_none() {
+            return Some(Price { input: 0.0, output: 0.0 });
+        }
         let table = pricing::lookup(self.provider, &self.model);
         let input = self.price_in.or(table.map(|p| p.input))?;
         let output = self.price_out.or(table.map(|p| p.output))?;
@@ -519,6 +522,22 @@ fn worker(t: &toml::Table) -> Result<WorkerSpec, FieldError> {
         }
         None => None,
     };
+    if provider == ProviderKind::Local {
+        if base_url.is_some() {
+            return Err(FieldError {
+                field: "base_url".into(),
+                message: "a local worker runs in process; give its model file or directory as `model`".into(),
+            });
+        }
+        if !std::path::Path::new(&model).exists() {
+            return Err(FieldError {
+                field: "model".into(),
+                message: format!(
+                    "\"{model}\" does not exist; a local worker's model is a .gguf file or a safetensors directory"
+                ),
+            });
+        }
+    }
     let api_key_env = f.string("api_key_env")?;
     if let Some(var) = &api_key_env
         && !is_env_var_name(var)
@@ -676,7 +695,7 @@ base_url = "http://localhost:11434/v1"
         let bad_provider = GOOD.replace("provider = \"anthropic\"", "provider = \"antropic\"");
         assert_eq!(
             error(&bad_provider),
-            "pool.toml:19: worker 1 (\"claude\"): field `provider`: unknown provider \"antropic\"; expected one of openai, anthropic, gemini, openai-compatible"
+            "pool.toml:19: worker 1 (\"claude\"): field `provider`: unknown provider \"antropic\"; expected one of openai, anthropic, gemini, openai-compatible, local"
         );
         let unknown = GOOD.replace("thinking_budget = 2048", "thinking_budgt = 2048");
         assert!(

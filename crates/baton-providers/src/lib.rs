@@ -107,11 +107,18 @@ pub enum ProviderKind {
     Gemini,
     #[serde(rename = "openai-compatible")]
     OpenAiCompatible,
+    /// A model run in process (mistral.rs); not an HTTP wire format.
+    Local,
 }
 
 impl ProviderKind {
-    pub const ALL: [ProviderKind; 4] =
-        [ProviderKind::OpenAi, ProviderKind::Anthropic, ProviderKind::Gemini, ProviderKind::OpenAiCompatible];
+    pub const ALL: [ProviderKind; 5] = [
+        ProviderKind::OpenAi,
+        ProviderKind::Anthropic,
+        ProviderKind::Gemini,
+        ProviderKind::OpenAiCompatible,
+        ProviderKind::Local,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -119,6 +126,7 @@ impl ProviderKind {
             ProviderKind::Anthropic => "anthropic",
             ProviderKind::Gemini => "gemini",
             ProviderKind::OpenAiCompatible => "openai-compatible",
+            ProviderKind::Local => "local",
         }
     }
 
@@ -128,13 +136,13 @@ impl ProviderKind {
             ProviderKind::OpenAi => Some(openai::DEFAULT_BASE_URL),
             ProviderKind::Anthropic => Some(anthropic::DEFAULT_BASE_URL),
             ProviderKind::Gemini => Some(gemini::DEFAULT_BASE_URL),
-            ProviderKind::OpenAiCompatible => None,
+            ProviderKind::OpenAiCompatible | ProviderKind::Local => None,
         }
     }
 
     /// Whether calls without a key make sense (local OpenAI-compatible servers often take none).
     pub fn key_optional(self) -> bool {
-        self == ProviderKind::OpenAiCompatible
+        matches!(self, ProviderKind::OpenAiCompatible | ProviderKind::Local)
     }
 }
 
@@ -266,6 +274,10 @@ impl ChatModel for HttpModel {
             let result = match inner.kind {
                 ProviderKind::OpenAi => openai::stream(call, &request, true).await,
                 ProviderKind::OpenAiCompatible => openai::stream(call, &request, false).await,
+                ProviderKind::Local => Err(ProviderError::new(
+                    ErrorKind::BadRequest,
+                    "a local worker runs in process; this build of baton did not load it (it needs the `local` feature)",
+                )),
                 ProviderKind::Anthropic => anthropic::stream(call, &request).await,
                 ProviderKind::Gemini => gemini::stream(call, &request).await,
             };
