@@ -262,3 +262,22 @@ async fn a_local_worker_streams_an_answer_and_stops_at_its_token_limit() {
     assert!(usage.output_tokens <= 12, "{usage:?}");
     assert!(pieces >= 1);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gguf_conductor_writes_valid_plans_too() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("tiny.gguf");
+    baton_tinymodel::write_gguf_model(&file, &baton_tinymodel::TinySpec::default()).expect("write gguf");
+    let config = LocalModelConfig { path: file.clone(), force_cpu: true, ..Default::default() };
+    let model = Arc::new(LocalModel::load(&config).await.unwrap_or_else(|e| panic!("the tiny GGUF loads: {e}")));
+    let options = ConductorOptions { no_examples: true, ..quick() };
+    for (i, pool_size) in [1usize, 3, 5].into_iter().enumerate() {
+        let conductor = LocalConductor::new(model.clone(), workers(pool_size), options.clone());
+        let planned = conductor
+            .plan(context(&format!("GGUF question {i}"), pool_size, 4), Box::new(|_: &str| {}))
+            .await
+            .unwrap_or_else(|e| panic!("GGUF plan {i}: {e}"));
+        assert!(planned.plan.steps.iter().all(|s| s.model_id < pool_size));
+        assert!((1..=4).contains(&planned.plan.steps.len()));
+    }
+}

@@ -206,3 +206,145 @@ mod tests {
         dir
     }
 }
+
+/// Writes the same tiny model as one GGUF file (F32 tensors, the tokenizer and chat template in
+/// the metadata), the other format a conductor can come in.
+pub fn write_gguf_model(path: &Path, spec: &TinySpec) -> io::Result<()> {
+    let mut kv: Vec<(String, GgufValue)> = vec![
+        ("general.architecture".into(), GgufValue::Str("qwen2".into())),
+        ("general.name".into(), GgufValue::Str("baton-tiny".into())),
+        ("general.alignment".into(), GgufValue::U32(ALIGN as u32)),
+        ("qwen2.context_length".into(), GgufValue::U64(32768)),
+        ("qwen2.embedding_length".into(), GgufValue::U32(spec.hidden as u32)),
+        ("qwen2.block_count".into(), GgufValue::U32(spec.layers as u32)),
+        ("qwen2.feed_forward_length".into(), GgufValue::U32(spec.intermediate as u32)),
+        ("qwen2.attention.head_count".into(), GgufValue::U32(spec.heads as u32)),
+        ("qwen2.attention.head_count_kv".into(), GgufValue::U32(spec.kv_heads as u32)),
+        ("qwen2.attention.layer_norm_rms_epsilon".into(), GgufValue::F32(1e-6)),
+        ("qwen2.rope.freq_base".into(), GgufValue::F32(10000.0)),
+        ("tokenizer.ggml.model".into(), GgufValue::Str("gpt2".into())),
+    ];
+    let mut tokens: Vec<String> = (0..=255u8).map(|b| byte_to_char(b).to_string()).collect();
+    tokens.extend(["<|endoftext|>", "<|im_start|>", "<|im_end|>"].map(String::from));
+    let types: Vec<i32> = (0..VOCAB).map(|i| if i < 256 { 1 } else { 3 }).collect();
+    kv.push(("tokenizer.ggml.tokens".into(), GgufValue::StrArray(tokens)));
+    kv.push(("tokenizer.ggml.token_type".into(), GgufValue::I32Array(types)));
+    kv.push(("tokenizer.ggml.merges".into(), GgufValue::StrArray(Vec::new())));
+    kv.push(("tokenizer.ggml.bos_token_id".into(), GgufValue::U32(ENDOFTEXT)));
+    kv.push(("tokenizer.ggml.eos_token_id".into(), GgufValue::U32(IM_END)));
+    kv.push(("tokenizer.ggml.padding_token_id".into(), GgufValue::U32(ENDOFTEXT)));
+    kv.push(("tokenizer.chat_template".into(), GgufValue::Str(CHATML_TEMPLATE.into())));
+
+    // Hugging Face names and shapes → GGUF names, with dimensions innermost first.
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = weights(spec)
+        .into_iter()
+        .map(|(name, (shape, bytes))| (gguf_name(&name), shape.into_iter().rev().collect(), bytes))
+        .collect();
+
+    let mut out = Vec::new();
+    out.extend_from_slice(b"GGUF");
+    out.extend_from_slice(&3u32.to_le_bytes());
+    out.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+    out.extend_from_slice(&(kv.len() as u64).to_le_bytes());
+    for (key, value) in &kv {
+        put_str(&mut out, key);
+        value.write(&mut out);
+    }
+    let mut offset = 0u64;
+    for (name, dims, bytes) in &tensors {
+        put_str(&mut out, name);
+        out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
+        for d in dims {
+            out.extend_from_slice(&(*d as u64).to_le_bytes());
+        }
+        out.extend_from_slice(&0u32.to_le_bytes()); // GGML_TYPE_F32
+        out.extend_from_slice(&offset.to_le_bytes());
+        offset += (bytes.len() as u64).next_multiple_of(ALIGN as u64);
+    }
+    out.resize(out.len().next_multiple_of(ALIGN), 0);
+    for (_, _, bytes) in &tensors {
+        out.extend_from_slice(bytes);
+        out.resize(out.len().next_multiple_of(ALIGN), 0);
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(path, out)
+}
+
+const ALIGN: usize = 32;
+
+enum GgufValue {
+    U32(u32),
+    U64(u64),
+    F32(f32),
+    Str(String),
+    StrArray(Vec<String>),
+    I32Array(Vec<i32>),
+}
+
+impl GgufValue {
+    fn write(&self, out: &mut Vec<u8>) {
+        match self {
+            GgufValue::U32(v) => {
+                out.extend_from_slice(&4u32.to_le_bytes());
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            GgufValue::U64(v) => {
+                out.extend_from_slice(&10u32.to_le_bytes());
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            GgufValue::F32(v) => {
+                out.extend_from_slice(&6u32.to_le_bytes());
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            GgufValue::Str(s) => {
+                out.extend_from_slice(&8u32.to_le_bytes());
+                put_str(out, s);
+            }
+            GgufValue::StrArray(items) => {
+                out.extend_from_slice(&9u32.to_le_bytes());
+                out.extend_from_slice(&8u32.to_le_bytes());
+                out.extend_from_slice(&(items.len() as u64).to_le_bytes());
+                for s in items {
+                    put_str(out, s);
+                }
+            }
+            GgufValue::I32Array(items) => {
+                out.extend_from_slice(&9u32.to_le_bytes());
+                out.extend_from_slice(&5u32.to_le_bytes());
+                out.extend_from_slice(&(items.len() as u64).to_le_bytes());
+                for v in items {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+    }
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn gguf_name(hf: &str) -> String {
+    match hf {
+        "model.embed_tokens.weight" => return "token_embd.weight".into(),
+        "model.norm.weight" => return "output_norm.weight".into(),
+        "lm_head.weight" => return "output.weight".into(),
+        _ => {}
+    }
+    let rest = hf.strip_prefix("model.layers.").unwrap_or(hf);
+    let (layer, tail) = rest.split_once('.').unwrap_or(("0", rest));
+    let tail = tail
+        .replace("self_attn.q_proj", "attn_q")
+        .replace("self_attn.k_proj", "attn_k")
+        .replace("self_attn.v_proj", "attn_v")
+        .replace("self_attn.o_proj", "attn_output")
+        .replace("mlp.gate_proj", "ffn_gate")
+        .replace("mlp.up_proj", "ffn_up")
+        .replace("mlp.down_proj", "ffn_down")
+        .replace("input_layernorm", "attn_norm")
+        .replace("post_attention_layernorm", "ffn_norm");
+    format!("blk.{layer}.{tail}")
+}
