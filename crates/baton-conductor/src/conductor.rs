@@ -98,8 +98,10 @@ impl LocalConductor {
         on_text: &mut (dyn FnMut(&str) + Send),
     ) -> Result<(Planned, crate::local::Generated), PlannerError> {
         let grammar = grammar_for(ctx, &self.options);
-        // Byte-level worst case: one token per character, plus the fixed text around the lists.
-        let max_tokens = self.options.max_reasoning_chars + ctx.max_steps * (self.options.max_subtask_chars + 40) + 200;
+        // The grammar bounds characters; a token is at least one byte and a character at most
+        // four, so this cap is never what ends a plan (ending early would leave it unparsable).
+        let max_chars = self.options.max_reasoning_chars + ctx.max_steps * (self.options.max_subtask_chars + 60) + 200;
+        let max_tokens = 4 * max_chars;
         let options = crate::local::GenerateOptions {
             grammar: Some(grammar.to_lark()),
             max_tokens,
