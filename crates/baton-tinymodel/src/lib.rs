@@ -174,39 +174,6 @@ fn weights(spec: &TinySpec) -> BTreeMap<String, (Vec<usize>, Vec<u8>)> {
     out
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn byte_map_is_a_bijection_onto_printable_chars() {
-        let chars: std::collections::HashSet<char> = (0..=255u8).map(byte_to_char).collect();
-        assert_eq!(chars.len(), 256);
-        assert_eq!(byte_to_char(b' '), 'Ġ');
-        assert_eq!(byte_to_char(b'\n'), 'Ċ');
-        assert_eq!(byte_to_char(b'a'), 'a');
-    }
-
-    #[test]
-    fn same_seed_same_files() {
-        let a = tempdir();
-        let b = tempdir();
-        write_safetensors_model(&a, &TinySpec::default()).expect("write");
-        write_safetensors_model(&b, &TinySpec::default()).expect("write");
-        for f in ["config.json", "tokenizer.json", "model.safetensors", "generation_config.json"] {
-            assert_eq!(std::fs::read(a.join(f)).expect("read"), std::fs::read(b.join(f)).expect("read"), "{f}");
-        }
-        let _ = std::fs::remove_dir_all(&a);
-        let _ = std::fs::remove_dir_all(&b);
-    }
-
-    fn tempdir() -> std::path::PathBuf {
-        let dir = std::env::temp_dir().join(format!("baton-tiny-{}-{}", std::process::id(), fastrand::u64(..)));
-        std::fs::create_dir_all(&dir).expect("mkdir");
-        dir
-    }
-}
-
 /// Writes the same tiny model as one GGUF file (F32 tensors, the tokenizer and chat template in
 /// the metadata), the other format a conductor can come in.
 pub fn write_gguf_model(path: &Path, spec: &TinySpec) -> io::Result<()> {
@@ -347,4 +314,37 @@ fn gguf_name(hf: &str) -> String {
         .replace("input_layernorm", "attn_norm")
         .replace("post_attention_layernorm", "ffn_norm");
     format!("blk.{layer}.{tail}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_map_is_a_bijection_onto_printable_chars() {
+        let chars: std::collections::HashSet<char> = (0..=255u8).map(byte_to_char).collect();
+        assert_eq!(chars.len(), 256);
+        assert_eq!(byte_to_char(b' '), 'Ġ');
+        assert_eq!(byte_to_char(b'\n'), 'Ċ');
+        assert_eq!(byte_to_char(b'a'), 'a');
+    }
+
+    #[test]
+    fn same_seed_same_files() {
+        let a = tempdir();
+        let b = tempdir();
+        write_safetensors_model(&a, &TinySpec::default()).expect("write");
+        write_safetensors_model(&b, &TinySpec::default()).expect("write");
+        for f in ["config.json", "tokenizer.json", "model.safetensors", "generation_config.json"] {
+            assert_eq!(std::fs::read(a.join(f)).expect("read"), std::fs::read(b.join(f)).expect("read"), "{f}");
+        }
+        let _ = std::fs::remove_dir_all(&a);
+        let _ = std::fs::remove_dir_all(&b);
+    }
+
+    fn tempdir() -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("baton-tiny-{}-{}", std::process::id(), fastrand::u64(..)));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        dir
+    }
 }
