@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use baton_conductor::ConductorOptions;
 use baton_engine::{Planner, Pool};
-use baton_providers::{ApiKey, ErrorKind, HttpModel, ModelSettings, ProviderError, ProviderKind};
+use baton_providers::{HttpModel, ModelSettings, ProviderKind};
 
 use crate::Failure;
 
@@ -154,17 +154,11 @@ pub async fn planner(
             .clone()
             .or_else(|| spec.url.as_ref().and(spec.model.clone()))
             .unwrap_or_else(|| "default".to_owned());
-        let var = spec.api_key_env.clone();
-        let key: baton_providers::KeySource = Arc::new(move || match &var {
-            Some(v) => match std::env::var(v) {
-                Ok(k) if !k.trim().is_empty() => Ok(Some(ApiKey::new(k.trim()))),
-                _ => Err(ProviderError::new(
-                    ErrorKind::Auth,
-                    format!("the environment variable {v} (the conductor's api_key_env) is not set"),
-                )),
-            },
-            None => Ok(None),
-        });
+        let key = baton_engine::keys::env_key_source(
+            spec.api_key_env.clone(),
+            "the conductor".to_owned(),
+            ProviderKind::OpenAiCompatible,
+        );
         let settings = ModelSettings {
             max_tokens: 4096,
             temperature: options.temperature.map(|t| t as f32),

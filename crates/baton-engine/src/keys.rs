@@ -5,22 +5,25 @@
 
 use std::sync::Arc;
 
-use baton_providers::{ApiKey, ErrorKind, KeySource, ProviderError};
+use baton_providers::{ApiKey, ErrorKind, KeySource, ProviderError, ProviderKind};
 
 use crate::pool::WorkerSpec;
 
 /// A key source for `spec`, read anew for every request.
 pub fn key_source(spec: &WorkerSpec) -> KeySource {
-    let var = spec.api_key_env.clone();
-    let name = spec.name.clone();
-    let provider = spec.provider;
+    env_key_source(spec.api_key_env.clone(), format!("worker \"{}\"", spec.name), spec.provider)
+}
+
+/// A key read from the environment variable `var` for every request; `owner` names who needs
+/// it in error messages. Without a variable, providers whose key is optional send none.
+pub fn env_key_source(var: Option<String>, owner: String, provider: ProviderKind) -> KeySource {
     Arc::new(move || match &var {
         Some(var) => match std::env::var(var) {
             Ok(key) if !key.trim().is_empty() => Ok(Some(ApiKey::new(key.trim()))),
             _ => Err(ProviderError::new(
                 ErrorKind::Auth,
                 format!(
-                    "the environment variable {var} (api_key_env of worker \"{name}\") is not set; export it with the {provider} key"
+                    "the environment variable {var} (api_key_env of {owner}) is not set; export it with the {provider} key"
                 ),
             )),
         },
@@ -28,7 +31,7 @@ pub fn key_source(spec: &WorkerSpec) -> KeySource {
         None => Err(ProviderError::new(
             ErrorKind::Auth,
             format!(
-                "worker \"{name}\" has no key: set api_key_env in the pool to the name of an environment variable holding the {provider} key"
+                "{owner} has no key: set api_key_env in the pool to the name of an environment variable holding the {provider} key"
             ),
         )),
     })

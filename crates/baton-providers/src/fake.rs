@@ -15,19 +15,13 @@ use crate::{ChatEvent, ChatModel, ChatRequest, ChatStream, ProviderError, Role, 
 pub struct FakeModel {
     pub name: String,
     pub latency: Duration,
-    /// Fail every call with this error instead of answering.
-    pub error: Option<ProviderError>,
     /// Sum of the time spent inside calls, in microseconds (for benchmarks).
     busy_micros: Arc<AtomicU64>,
 }
 
 impl FakeModel {
     pub fn new(name: impl Into<String>, latency: Duration) -> Self {
-        FakeModel { name: name.into(), latency, error: None, busy_micros: Arc::default() }
-    }
-
-    pub fn failing(name: impl Into<String>, error: ProviderError) -> Self {
-        FakeModel { error: Some(error), ..FakeModel::new(name, Duration::ZERO) }
+        FakeModel { name: name.into(), latency, busy_micros: Arc::default() }
     }
 
     /// Total time spent inside calls so far.
@@ -51,9 +45,6 @@ impl ChatModel for FakeModel {
             let start = Instant::now();
             tokio::time::sleep(me.latency).await;
             me.busy_micros.fetch_add(start.elapsed().as_micros() as u64, Ordering::Relaxed);
-            if let Some(error) = me.error {
-                return Err(error);
-            }
             let text = FakeModel::answer_for(&me.name, &request);
             let input: u64 = request.messages.iter().map(|m| m.content.len() as u64 / 4 + 1).sum();
             let usage = Usage { input_tokens: input, output_tokens: text.len() as u64 / 4 + 1 };
