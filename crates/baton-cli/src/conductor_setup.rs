@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use baton_conductor::ConductorOptions;
 use baton_engine::{Planner, Pool};
-use baton_providers::{HttpModel, ModelSettings, ProviderKind};
+use baton_providers::{HttpModel, ModelSettings, ProviderKind, ServerGrammar};
 
 use crate::Failure;
 
@@ -19,6 +19,10 @@ pub struct ConductorArgs {
     /// The model name a remote conductor's server serves.
     #[arg(long, value_name = "NAME")]
     pub conductor_model: Option<String>,
+    /// The remote conductor server's grammar support: vllm, sglang, llama.cpp or none
+    /// (default: the pool's conductor.grammar, else none: answers are parsed, retried once).
+    #[arg(long, value_name = "SERVER", value_parser = parse_server_grammar)]
+    pub conductor_grammar: Option<GrammarArg>,
     /// A LoRA adapter for the local conductor (a fine-tuned conductor).
     #[arg(long, value_name = "DIR")]
     pub lora: Option<PathBuf>,
@@ -28,6 +32,19 @@ pub struct ConductorArgs {
     /// Run the local conductor on the CPU even when a GPU is available.
     #[arg(long)]
     pub cpu: bool,
+}
+
+/// `--conductor-grammar`: a server, or `none` to override the pool's choice.
+#[derive(Debug, Clone, Copy)]
+pub struct GrammarArg(Option<ServerGrammar>);
+
+fn parse_server_grammar(s: &str) -> Result<GrammarArg, String> {
+    match s {
+        "none" => Ok(GrammarArg(None)),
+        s => ServerGrammar::parse(s)
+            .map(|g| GrammarArg(Some(g)))
+            .ok_or_else(|| format!("expected one of {} or none", ServerGrammar::NAMES.join(", "))),
+    }
 }
 
 const NONE_CONFIGURED: &str = "no conductor is configured: add a [conductor] table with model = \"/path/to/model.gguf\" to the pool file, pass --conductor PATH|URL, or run a written plan with --plan FILE";
@@ -166,7 +183,10 @@ pub async fn planner(
         };
         let http = HttpModel::new(ProviderKind::OpenAiCompatible, &source, settings, key, HttpModel::http_client());
         let name = format!("{model_name} at {source}");
-        return Ok(Arc::new(baton_conductor::RemoteConductor::new(Arc::new(http), name, pool.infos(), &options)));
+        let grammar = args.conductor_grammar.map_or(spec.grammar, |GrammarArg(g)| g);
+        let conductor =
+            baton_conductor::RemoteConductor::new(Arc::new(http), name, pool.infos(), &options).with_grammar(grammar);
+        return Ok(Arc::new(conductor));
     }
     local(pool, spec, args, &source, options, models, quiet).await
 }

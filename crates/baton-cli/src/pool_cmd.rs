@@ -70,6 +70,7 @@ async fn check(pool: &Pool, json: bool, timeout: Duration) -> Outcome {
             system: None,
             messages: vec![Message::user("Reply with the single word OK.")],
             max_tokens: Some(16),
+            constraint: None,
         };
         let call = async {
             let mut stream = worker.model.stream(request).await?;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use baton_engine::{PlanDeltas, Planned, Planner, PlannerError, PlanningContext, WorkerInfo};
 use baton_plan::Limits;
-use baton_providers::{ChatEvent, ChatModel, ChatRequest, Message, Usage};
+use baton_providers::{ChatEvent, ChatModel, ChatRequest, Constraint, Message, ServerGrammar, Usage};
 use futures::StreamExt;
 use futures::future::BoxFuture;
 
@@ -147,6 +147,9 @@ pub struct RemoteConductor {
     model: Arc<dyn ChatModel>,
     name: String,
     prompts: PromptBuilder,
+    options: ConductorOptions,
+    /// The server's structured-output extension, when it has one the user named.
+    grammar: Option<ServerGrammar>,
 }
 
 impl std::fmt::Debug for RemoteConductor {
@@ -158,16 +161,33 @@ impl std::fmt::Debug for RemoteConductor {
 impl RemoteConductor {
     /// `name` describes the endpoint for people, e.g. `"qwen2.5-72b at http://gpu:8000/v1"`.
     pub fn new(model: Arc<dyn ChatModel>, name: String, workers: Vec<WorkerInfo>, options: &ConductorOptions) -> Self {
-        RemoteConductor { model, name, prompts: options.prompts(workers) }
+        RemoteConductor { model, name, prompts: options.prompts(workers), options: options.clone(), grammar: None }
+    }
+
+    /// Has the server hold every answer to the plan grammar, so a plan always parses (the
+    /// parse-and-retry path stays as a safety net for servers that ignore the field).
+    pub fn with_grammar(mut self, grammar: Option<ServerGrammar>) -> Self {
+        self.grammar = grammar;
+        self
+    }
+
+    fn constraint(&self, ctx: &PlanningContext) -> Option<Constraint> {
+        let g = grammar_for(ctx, &self.options);
+        Some(match self.grammar? {
+            ServerGrammar::Vllm => Constraint::VllmRegex(g.to_regex()),
+            ServerGrammar::Sglang => Constraint::SglangRegex(g.to_regex()),
+            ServerGrammar::LlamaCpp => Constraint::LlamaCppGbnf(g.to_gbnf()),
+        })
     }
 
     async fn ask(
         &self,
         system: &str,
         messages: Vec<Message>,
+        constraint: Option<Constraint>,
         deltas: &mut PlanDeltas<'_>,
     ) -> Result<(String, Usage), PlannerError> {
-        let request = ChatRequest { system: Some(system.to_owned()), messages, max_tokens: None };
+        let request = ChatRequest { system: Some(system.to_owned()), messages, max_tokens: None, constraint };
         let mut stream = self.model.stream(request).await.map_err(|e| PlannerError::new(e.to_string()))?;
         let mut text = String::new();
         while let Some(item) = stream.next().await {
@@ -185,7 +205,10 @@ impl RemoteConductor {
 
 impl Planner for RemoteConductor {
     fn describe(&self) -> String {
-        format!("{} (remote)", self.name)
+        match self.grammar {
+            Some(g) => format!("{} (remote, {} grammar)", self.name, g.as_str()),
+            None => format!("{} (remote)", self.name),
+        }
     }
 
     fn plan<'a>(
@@ -196,7 +219,8 @@ impl Planner for RemoteConductor {
         Box::pin(async move {
             let system = self.prompts.system(&ctx);
             let mut messages = self.prompts.messages(&ctx);
-            let (text, usage) = self.ask(&system, messages.clone(), &mut deltas).await?;
+            let constraint = self.constraint(&ctx);
+            let (text, usage) = self.ask(&system, messages.clone(), constraint.clone(), &mut deltas).await?;
             let error = match baton_plan::parse(&text, &limits(&ctx)) {
                 Ok(plan) => return Ok(Planned { raw: text, plan, usage }),
                 Err(e) => e,
@@ -208,7 +232,7 @@ impl Planner for RemoteConductor {
             messages.push(Message::user(format!(
                 "That plan could not be used: {error}. Write your reasoning and the three lists again, exactly in the required format."
             )));
-            let (second, usage2) = self.ask(&system, messages, &mut deltas).await?;
+            let (second, usage2) = self.ask(&system, messages, constraint, &mut deltas).await?;
             let mut total = usage;
             total += usage2;
             match baton_plan::parse(&second, &limits(&ctx)) {

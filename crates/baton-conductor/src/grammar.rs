@@ -1,9 +1,12 @@
-//! The Lark grammar (llguidance dialect) that makes a conductor's output always a valid plan
-//! for the current pool: bounded free reasoning, then the three lists in a ```python block with
-//! model ids from the allowed set, 1 to `max_steps` entries (0 only for a stop), and access
-//! entries that name earlier steps only.
+//! The grammar that makes a conductor's output always a valid plan for the current pool:
+//! bounded free reasoning, then the three lists in a ```python block with model ids from the
+//! allowed set, 1 to `max_steps` entries (0 only for a stop), and access entries that name
+//! earlier steps only.
 //!
-//! Every repetition is bounded: an unbounded one lets a weak model ramble to the length cap.
+//! The language is finite, so one description renders to three dialects: Lark for llguidance
+//! (the local conductor), a regular expression (vLLM's and SGLang's structured outputs) and GBNF
+//! (llama.cpp's server). Every repetition is bounded: an unbounded one lets a weak model ramble
+//! to the length cap.
 
 use std::fmt::Write;
 
@@ -21,74 +24,265 @@ pub struct PlanGrammar {
     pub max_subtask_chars: usize,
 }
 
+// The fixed text around the pieces. The reasoning may not contain a backtick, so the code fence
+// is unambiguous; a subtask is double-quoted with no quote, backslash or line break inside, so it
+// needs no escapes.
+const FENCE_OPEN: &str = "\n```python\n";
+const FENCE_CLOSE: &str = "\n```";
+const MODEL_ID: &str = "model_id = [";
+const SUBTASKS: &str = "]\nsubtasks = [";
+const ACCESS: &str = "]\naccess_list = [";
+const CLOSE: &str = "]";
+const SEP: &str = ", ";
+const NO_ACCESS: &str = "[]";
+const ALL: &str = "\"all\"";
+/// A subtask's first character: not blank, since the plan validator rejects a subtask that is
+/// only whitespace (Unicode White_Space, as Rust's `str::trim` sees it). The escapes are ones
+/// that Rust's and Python's regex syntax, llguidance and GBNF all read the same way.
+const SUBTASK_FIRST: &str = r#"[^"\\\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"#;
+/// Any later character of a subtask.
+const SUBTASK_REST: &str = r#"[^"\\\n\r]"#;
+
 impl PlanGrammar {
+    /// The plan lengths allowed, shortest first.
+    fn step_counts(&self) -> std::ops::RangeInclusive<usize> {
+        (if self.allow_stop { 0 } else { 1 })..=self.max_steps
+    }
+
+    /// How many steps the longest plan has: access rules are needed for each of them.
+    fn longest(&self) -> usize {
+        self.step_counts().max().unwrap_or(0)
+    }
+
+    /// Characters a subtask may have after its first.
+    fn rest_chars(&self) -> usize {
+        self.max_subtask_chars.saturating_sub(1)
+    }
+
+    /// Lark in llguidance's dialect, for the local conductor.
     pub fn to_lark(&self) -> String {
         let mut g = String::new();
-        let step_counts: Vec<usize> = (if self.allow_stop { 0 } else { 1 }..=self.max_steps).collect();
-        // The reasoning may not contain a backtick, so the code fence is unambiguous.
-        let _ = writeln!(g, "start: REASONING \"\\n```python\\n\" plan \"\\n```\"");
+        let _ = writeln!(g, "start: REASONING {} plan {}", lark_str(FENCE_OPEN), lark_str(FENCE_CLOSE));
         let _ = writeln!(g, "REASONING: /[^`]{{0,{}}}/", self.max_reasoning_chars);
-        let plans: Vec<String> = step_counts.iter().map(|n| format!("plan_{n}")).collect();
+        let plans: Vec<String> = self.step_counts().map(|n| format!("plan_{n}")).collect();
         let _ = writeln!(g, "plan: {}", plans.join(" | "));
-        for &n in &step_counts {
-            let ids = vec!["id"; n].join(" \", \" ");
-            let subtasks = vec!["SUBTASK"; n].join(" \", \" ");
-            let access: Vec<String> = (0..n).map(|i| format!("access_{i}")).collect();
-            let access = access.join(" \", \" ");
-            let _ = writeln!(
-                g,
-                "plan_{n}: \"model_id = [\" {ids} \"]\\nsubtasks = [\" {subtasks} \"]\\naccess_list = [\" {access} \"]\""
-            );
+        for n in self.step_counts() {
+            let pieces = plan_pieces(n, "id", "SUBTASK", |i| format!("access_{i}"));
+            let line: Vec<String> = pieces
+                .into_iter()
+                .map(|p| match p {
+                    Piece::Lit(s) => lark_str(&s),
+                    Piece::Ref(r) => r,
+                })
+                .collect();
+            let _ = writeln!(g, "plan_{n}: {}", line.join(" "));
         }
-        let ids: Vec<String> = self.model_ids.iter().map(|i| format!("\"{i}\"")).collect();
+        let ids: Vec<String> = self.model_ids.iter().map(|i| lark_str(&i.to_string())).collect();
         let _ = writeln!(g, "id: {}", ids.join(" | "));
-        // Double-quoted, no escapes needed: no quote, backslash or line break inside.
-        let _ = writeln!(g, "SUBTASK: /\"[^\"\\\\\\n\\r]{{1,{}}}\"/", self.max_subtask_chars);
-        let needed = step_counts.iter().copied().max().unwrap_or(0);
-        for i in 0..needed {
+        let _ = writeln!(g, "SUBTASK: /\"{SUBTASK_FIRST}{SUBTASK_REST}{{0,{}}}\"/", self.rest_chars());
+        for i in 0..self.longest() {
+            let fixed = format!("{} | {}", lark_str(NO_ACCESS), lark_str(ALL));
             if i == 0 {
-                let _ = writeln!(g, "access_0: \"[]\" | \"\\\"all\\\"\"");
+                let _ = writeln!(g, "access_0: {fixed}");
                 continue;
             }
-            let earlier: Vec<String> = (0..i).map(|j| format!("\"{j}\"")).collect();
+            let earlier: Vec<String> = (0..i).map(|j| lark_str(&j.to_string())).collect();
             let _ = writeln!(g, "earlier_{i}: {}", earlier.join(" | "));
             // llguidance rejects a {0,0} repetition, so step 1's list is written out.
-            let more = if i > 1 { format!(" (\", \" earlier_{i}){{0,{}}}", i - 1) } else { String::new() };
-            let _ = writeln!(g, "access_{i}: \"[]\" | \"\\\"all\\\"\" | \"[\" earlier_{i}{more} \"]\"");
+            let more = if i > 1 { format!(" ({} earlier_{i}){{0,{}}}", lark_str(SEP), i - 1) } else { String::new() };
+            let _ = writeln!(g, "access_{i}: {fixed} | \"[\" earlier_{i}{more} \"]\"");
         }
         g
     }
+
+    /// GBNF for llama.cpp's server (`"grammar"` in the request).
+    pub fn to_gbnf(&self) -> String {
+        let mut g = String::new();
+        let _ = writeln!(g, "root ::= reasoning {} plan {}", gbnf_str(FENCE_OPEN), gbnf_str(FENCE_CLOSE));
+        let _ = writeln!(g, "reasoning ::= [^`]{{0,{}}}", self.max_reasoning_chars);
+        let plans: Vec<String> = self.step_counts().map(|n| format!("plan-{n}")).collect();
+        let _ = writeln!(g, "plan ::= {}", plans.join(" | "));
+        for n in self.step_counts() {
+            let pieces = plan_pieces(n, "id", "subtask", |i| format!("access-{i}"));
+            let line: Vec<String> = pieces
+                .into_iter()
+                .map(|p| match p {
+                    Piece::Lit(s) => gbnf_str(&s),
+                    Piece::Ref(r) => r,
+                })
+                .collect();
+            let _ = writeln!(g, "plan-{n} ::= {}", line.join(" "));
+        }
+        let ids: Vec<String> = self.model_ids.iter().map(|i| gbnf_str(&i.to_string())).collect();
+        let _ = writeln!(g, "id ::= {}", ids.join(" | "));
+        let _ = writeln!(g, "subtask ::= \"\\\"\" {SUBTASK_FIRST} {SUBTASK_REST}{{0,{}}} \"\\\"\"", self.rest_chars());
+        for i in 0..self.longest() {
+            let fixed = format!("{} | {}", gbnf_str(NO_ACCESS), gbnf_str(ALL));
+            if i == 0 {
+                let _ = writeln!(g, "access-0 ::= {fixed}");
+                continue;
+            }
+            let earlier: Vec<String> = (0..i).map(|j| gbnf_str(&j.to_string())).collect();
+            let _ = writeln!(g, "earlier-{i} ::= {}", earlier.join(" | "));
+            let more = if i > 1 { format!(" ({} earlier-{i}){{0,{}}}", gbnf_str(SEP), i - 1) } else { String::new() };
+            let _ = writeln!(g, "access-{i} ::= {fixed} | \"[\" earlier-{i}{more} \"]\"");
+        }
+        g
+    }
+
+    /// One regular expression matching a whole answer (servers match it in full, so it has no
+    /// anchors), for vLLM's and SGLang's structured outputs. Uses only syntax that Python's
+    /// `re`, Rust's `regex` and the servers' regex-to-automaton compilers share.
+    pub fn to_regex(&self) -> String {
+        let id = group(self.model_ids.iter().map(|i| i.to_string()));
+        let subtask = format!("\"{SUBTASK_FIRST}{SUBTASK_REST}{{0,{}}}\"", self.rest_chars());
+        let fixed = [regex_escape(NO_ACCESS), regex_escape(ALL)];
+        let access: Vec<String> = (0..self.longest())
+            .map(|i| {
+                if i == 0 {
+                    return group(fixed.iter().cloned());
+                }
+                let earlier = group((0..i).map(|j| j.to_string()));
+                let more =
+                    if i > 1 { format!("(?:{}{earlier}){{0,{}}}", regex_escape(SEP), i - 1) } else { String::new() };
+                group(fixed.iter().cloned().chain([format!("\\[{earlier}{more}\\]")]))
+            })
+            .collect();
+        let plans = self.step_counts().map(|n| {
+            plan_pieces(n, &id, &subtask, |i| access[i].clone())
+                .into_iter()
+                .map(|p| match p {
+                    Piece::Lit(s) => regex_escape(&s),
+                    Piece::Ref(r) => r,
+                })
+                .collect::<String>()
+        });
+        format!(
+            "[^`]{{0,{}}}{}{}{}",
+            self.max_reasoning_chars,
+            regex_escape(FENCE_OPEN),
+            group(plans),
+            regex_escape(FENCE_CLOSE)
+        )
+    }
+}
+
+/// A piece of one plan alternative: fixed text, or a reference to a rule or sub-expression.
+enum Piece {
+    Lit(String),
+    Ref(String),
+}
+
+/// The sequence of an `n`-step plan, shared by all three dialects:
+/// `model_id = [ID, …]\nsubtasks = [S, …]\naccess_list = [A0, …]`.
+fn plan_pieces(n: usize, id: &str, subtask: &str, access: impl Fn(usize) -> String) -> Vec<Piece> {
+    let mut pieces = vec![Piece::Lit(MODEL_ID.into())];
+    let list = |pieces: &mut Vec<Piece>, item: &dyn Fn(usize) -> String| {
+        for i in 0..n {
+            if i > 0 {
+                pieces.push(Piece::Lit(SEP.into()));
+            }
+            pieces.push(Piece::Ref(item(i)));
+        }
+    };
+    list(&mut pieces, &|_| id.to_owned());
+    pieces.push(Piece::Lit(SUBTASKS.into()));
+    list(&mut pieces, &|_| subtask.to_owned());
+    pieces.push(Piece::Lit(ACCESS.into()));
+    list(&mut pieces, &access);
+    pieces.push(Piece::Lit(CLOSE.into()));
+    // Adjacent literals read better merged: `"]\nsubtasks = ["` rather than two strings.
+    let mut merged: Vec<Piece> = Vec::with_capacity(pieces.len());
+    for p in pieces {
+        match (merged.last_mut(), p) {
+            (Some(Piece::Lit(prev)), Piece::Lit(s)) => prev.push_str(&s),
+            (_, p) => merged.push(p),
+        }
+    }
+    merged
+}
+
+fn group(alternatives: impl IntoIterator<Item = String>) -> String {
+    format!("(?:{})", alternatives.into_iter().collect::<Vec<_>>().join("|"))
+}
+
+/// A double-quoted string literal as Lark and GBNF both write it.
+fn lark_str(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+fn gbnf_str(s: &str) -> String {
+    lark_str(s)
+}
+
+fn regex_escape(s: &str) -> String {
+    let mut out = String::new();
+    for c in s.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\\' | '.' | '+' | '*' | '?' | '(' | ')' | '|' | '[' | ']' | '{' | '}' | '^' | '$' => {
+                out.push('\\');
+                out.push(c);
+            }
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn grammar(ids: &[usize], max_steps: usize, allow_stop: bool) -> PlanGrammar {
+        PlanGrammar { model_ids: ids.to_vec(), max_steps, allow_stop, max_reasoning_chars: 100, max_subtask_chars: 50 }
+    }
+
     #[test]
-    fn grammar_names_every_allowed_piece() {
-        let g = PlanGrammar {
-            model_ids: vec![0, 1, 2],
-            max_steps: 3,
-            allow_stop: false,
-            max_reasoning_chars: 100,
-            max_subtask_chars: 50,
-        }
-        .to_lark();
+    fn lark_names_every_allowed_piece() {
+        let g = grammar(&[0, 1, 2], 3, false).to_lark();
         assert!(g.contains("plan: plan_1 | plan_2 | plan_3\n"), "{g}");
         assert!(g.contains("id: \"0\" | \"1\" | \"2\"\n"), "{g}");
         assert!(g.contains("earlier_2: \"0\" | \"1\"\n"), "{g}");
         assert!(g.contains("REASONING: /[^`]{0,100}/"), "{g}");
+        assert!(
+            g.contains(
+                "plan_1: \"model_id = [\" id \"]\\nsubtasks = [\" SUBTASK \"]\\naccess_list = [\" access_0 \"]\"\n"
+            ),
+            "{g}"
+        );
         assert!(!g.contains("plan_0"), "no stop outside recursion");
-        let stop = PlanGrammar {
-            allow_stop: true,
-            ..PlanGrammar {
-                model_ids: vec![0],
-                max_steps: 1,
-                allow_stop: false,
-                max_reasoning_chars: 1,
-                max_subtask_chars: 1,
-            }
-        };
-        assert!(stop.to_lark().contains("plan: plan_0 | plan_1"));
+        assert!(grammar(&[0], 1, true).to_lark().contains("plan: plan_0 | plan_1"));
+    }
+
+    #[test]
+    fn gbnf_mirrors_the_lark_rules() {
+        let g = grammar(&[0, 3], 3, true).to_gbnf();
+        assert!(g.starts_with("root ::= reasoning \"\\n```python\\n\" plan \"\\n```\"\n"), "{g}");
+        assert!(g.contains("plan ::= plan-0 | plan-1 | plan-2 | plan-3\n"), "{g}");
+        assert!(g.contains("plan-0 ::= \"model_id = []\\nsubtasks = []\\naccess_list = []\"\n"), "{g}");
+        assert!(g.contains("id ::= \"0\" | \"3\"\n"), "{g}");
+        assert!(g.contains(&format!("subtask ::= \"\\\"\" {SUBTASK_FIRST} {SUBTASK_REST}{{0,49}} \"\\\"\"\n")), "{g}");
+        assert!(
+            g.contains("access-2 ::= \"[]\" | \"\\\"all\\\"\" | \"[\" earlier-2 (\", \" earlier-2){0,1} \"]\"\n"),
+            "{g}"
+        );
+        // GBNF rule names allow letters, digits and dashes only.
+        for line in g.lines() {
+            let name = line.split(" ::= ").next().unwrap();
+            assert!(name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'), "{name}");
+        }
     }
 }

@@ -10,11 +10,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use baton_providers::{ChatEvent, ChatModel, ChatRequest, ChatStream, ErrorKind, Message, ProviderError, Role, Usage};
+use either::Either;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use mistralrs::{
     Constraint, GgufModelBuilder, LoraModelBuilder, ModelDType, RequestBuilder, Response, TextMessageRole,
-    TextModelBuilder, TokenSource,
+    TextMessages, TextModelBuilder, TokenSource,
 };
 
 /// Where and how to load a local model.
@@ -198,15 +199,19 @@ impl LocalModel {
         on_text: &mut (dyn FnMut(&str) + Send),
     ) -> Result<Generated, ProviderError> {
         let mut request = RequestBuilder::new();
+        // The same turns again, to count the prompt's tokens if mistral.rs reports no usage.
+        let mut turns = TextMessages::new();
         if let Some(system) = system {
             request = request.add_message(TextMessageRole::System, system);
+            turns = turns.add_message(TextMessageRole::System, system);
         }
         for m in messages {
             let role = match m.role {
                 Role::User => TextMessageRole::User,
                 Role::Assistant => TextMessageRole::Assistant,
             };
-            request = request.add_message(role, &m.content);
+            request = request.add_message(role.clone(), &m.content);
+            turns = turns.add_message(role, &m.content);
         }
         if let Some(grammar) = &options.grammar {
             request = request.set_constraint(Constraint::Lark(grammar.clone()));
@@ -267,7 +272,26 @@ impl LocalModel {
                 _ => {}
             }
         }
+        if out.finish_reason.is_none() && out.usage == Usage::default() {
+            // mistral.rs 0.8.1 sends no last chunk (so no finish reason and no usage) when the
+            // model ends on an end-of-text token that decodes to nothing: the stream just ends.
+            // Count the tokens here instead, so token caps and the history see real numbers.
+            out.usage = self.count_tokens(turns, &out.text).await;
+            let reason = if out.usage.output_tokens >= options.max_tokens as u64 { "length" } else { "stop" };
+            out.finish_reason = Some(reason.to_owned());
+        }
         Ok(out)
+    }
+
+    /// The prompt's tokens as the chat template renders it, and the answer's plus its
+    /// end-of-text token.
+    async fn count_tokens(&self, turns: TextMessages, answer: &str) -> Usage {
+        let prompt = self.model.tokenize(Either::Left(turns), None, true, true, None).await;
+        let answer = self.model.tokenize(Either::Right(answer.to_owned()), None, false, false, None).await;
+        Usage {
+            input_tokens: prompt.map_or(0, |t| t.len() as u64),
+            output_tokens: answer.map_or(0, |t| t.len() as u64 + 1),
+        }
     }
 }
 

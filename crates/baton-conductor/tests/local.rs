@@ -244,7 +244,7 @@ async fn a_local_worker_streams_an_answer_and_stops_at_its_token_limit() {
     use baton_providers::{ChatEvent, ChatModel, ChatRequest, Message};
     use futures::StreamExt;
     let worker = baton_conductor::local::LocalWorker { model: model().await, max_tokens: 12, temperature: Some(1.0) };
-    let request = ChatRequest { system: None, messages: vec![Message::user("Say something.")], max_tokens: None };
+    let request = ChatRequest { messages: vec![Message::user("Say something.")], ..ChatRequest::default() };
     let run = async {
         let mut stream = worker.stream(request).await.expect("stream");
         let mut pieces = 0;
@@ -259,7 +259,8 @@ async fn a_local_worker_streams_an_answer_and_stops_at_its_token_limit() {
     };
     let (pieces, done) = tokio::time::timeout(std::time::Duration::from_secs(30), run).await.expect("finishes");
     let usage = done.expect("a Done event");
-    assert!(usage.output_tokens <= 12, "{usage:?}");
+    assert!((1..=12).contains(&usage.output_tokens), "the usage counts what was generated: {usage:?}");
+    assert!(usage.input_tokens > 0, "{usage:?}");
     assert!(pieces >= 1);
 }
 
@@ -279,5 +280,26 @@ async fn a_gguf_conductor_writes_valid_plans_too() {
             .unwrap_or_else(|e| panic!("GGUF plan {i}: {e}"));
         assert!(planned.plan.steps.iter().all(|s| s.model_id < pool_size));
         assert!((1..=4).contains(&planned.plan.steps.len()));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_local_worker_reports_usage_when_the_model_ends_its_answer() {
+    use baton_providers::{ChatEvent, ChatModel, ChatRequest, Message};
+    use futures::StreamExt;
+    // A random model ends its answer with an end-of-text token after ~100 tokens on average, well
+    // before this cap, so these runs finish by end of text rather than by length.
+    let worker = baton_conductor::local::LocalWorker { model: model().await, max_tokens: 1000, temperature: Some(1.0) };
+    for i in 0..3 {
+        let request = ChatRequest { messages: vec![Message::user(format!("Answer {i}."))], ..ChatRequest::default() };
+        let mut stream = worker.stream(request).await.expect("stream");
+        let mut done = None;
+        while let Some(item) = stream.next().await {
+            if let ChatEvent::Done { usage, stop_reason } = item.expect("no error") {
+                done = Some((usage, stop_reason));
+            }
+        }
+        let (usage, stop_reason) = done.expect("a Done event");
+        assert!(usage.output_tokens >= 1 && usage.input_tokens > 0, "run {i}: {usage:?} ({stop_reason:?})");
     }
 }

@@ -83,3 +83,45 @@ async fn two_unusable_plans_fail_clearly() {
     assert!(e.message.contains("model 7 is not in the pool") && e.message.contains("no plan found"), "{e}");
     assert_eq!(server.requests().len(), 2, "exactly one retry");
 }
+
+#[tokio::test]
+async fn each_server_gets_the_plan_grammar_in_its_own_field() {
+    use baton_providers::ServerGrammar;
+    let server = TestServer::start().await.expect("server");
+    for (grammar, field) in [
+        (ServerGrammar::Vllm, "/structured_outputs/regex"),
+        (ServerGrammar::Sglang, "/regex"),
+        (ServerGrammar::LlamaCpp, "/grammar"),
+    ] {
+        let model = format!("big-{}", grammar.as_str());
+        server.queue_replies(&model, [GOOD]);
+        let conductor = conductor(&server, &model).with_grammar(Some(grammar));
+        assert!(conductor.describe().contains(&format!("{} grammar", grammar.as_str())), "{}", conductor.describe());
+        conductor.plan(context(), Box::new(|_: &str| {})).await.expect("plan");
+        let request = server.requests().into_iter().find(|r| r.body["model"] == model.as_str()).expect("sent");
+        let sent = request.body.pointer(field).and_then(|v| v.as_str()).unwrap_or_else(|| panic!("{field} missing"));
+        let others = ["/structured_outputs", "/regex", "/grammar"].into_iter().filter(|f| !field.starts_with(f));
+        for other in others {
+            assert!(request.body.pointer(other).is_none(), "{other} sent to {}", grammar.as_str());
+        }
+        if grammar == ServerGrammar::LlamaCpp {
+            assert!(sent.starts_with("root ::= reasoning"), "{sent}");
+            assert!(sent.contains("id ::= \"0\" | \"1\"\n"), "the pool's two workers: {sent}");
+        } else {
+            let re = regex::RegexBuilder::new(&format!("^(?:{sent})$")).size_limit(1 << 28).build().expect("regex");
+            assert!(re.is_match(GOOD), "the regex takes a good plan");
+            assert!(!re.is_match(BAD), "the regex refuses a worker outside the pool");
+        }
+    }
+}
+
+#[tokio::test]
+async fn without_a_grammar_no_extension_field_is_sent() {
+    let server = TestServer::start().await.expect("server");
+    server.queue_replies("big", [GOOD]);
+    conductor(&server, "big").plan(context(), Box::new(|_: &str| {})).await.expect("plan");
+    let body = &server.requests()[0].body;
+    for field in ["structured_outputs", "regex", "grammar"] {
+        assert!(body.get(field).is_none(), "{field} sent to a server that may reject unknown fields");
+    }
+}

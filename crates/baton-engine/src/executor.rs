@@ -442,7 +442,7 @@ impl Executor {
             messages: messages.clone(),
         });
         let started = Instant::now();
-        let request = ChatRequest { system, messages, max_tokens: None };
+        let request = ChatRequest { system, messages, ..ChatRequest::default() };
         let mut retries = 0;
         loop {
             if let Err(message) = ctx.ledger.begin_call() {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use baton_plan::DEFAULT_MAX_STEPS;
-use baton_providers::{ModelSettings, ProviderKind, RetryPolicy};
+use baton_providers::{ModelSettings, ProviderKind, RetryPolicy, ServerGrammar};
 use serde::Serialize;
 
 use crate::pricing::{self, Price};
@@ -44,6 +44,9 @@ pub struct ConductorSpec {
     pub url: Option<String>,
     /// Environment variable holding the remote endpoint's key.
     pub api_key_env: Option<String>,
+    /// The remote server's structured-output extension (`grammar = "vllm"` …); without one,
+    /// the remote conductor's answers are parsed and retried once on an error.
+    pub grammar: Option<ServerGrammar>,
     pub lora: Option<String>,
     pub chat_template: Option<String>,
     /// `auto` (GPU when there is one) or `cpu`.
@@ -199,6 +202,7 @@ const CONDUCTOR_KEYS: &[&str] = &[
     "model",
     "url",
     "api_key_env",
+    "grammar",
     "lora",
     "chat_template",
     "device",
@@ -347,6 +351,27 @@ impl Pool {
                 return Err(field_err(FieldError {
                     field: "api_key_env".into(),
                     message: "must be the NAME of an environment variable, not the key itself".into(),
+                }));
+            }
+            spec.grammar = match c.string("grammar").map_err(field_err)? {
+                None => None,
+                Some(name) if name == "none" => None,
+                Some(name) => Some(ServerGrammar::parse(&name).ok_or_else(|| {
+                    field_err(FieldError {
+                        field: "grammar".into(),
+                        message: format!(
+                            "\"{name}\"; expected one of {}, or none (plans are then parsed and retried once)",
+                            ServerGrammar::NAMES.join(", ")
+                        ),
+                    })
+                })?),
+            };
+            if spec.grammar.is_some() && spec.url.is_none() {
+                return Err(field_err(FieldError {
+                    field: "grammar".into(),
+                    message:
+                        "only applies to a remote conductor (url); a local conductor is always held to the plan grammar"
+                            .into(),
                 }));
             }
             spec.lora = c.string("lora").map_err(field_err)?;
@@ -725,5 +750,27 @@ base_url = "http://localhost:11434/v1"
         assert!(error(&low).contains("field `thinking_budget`: 512 is below Anthropic's minimum"), "{}", error(&low));
         let no_url = GOOD.replace("base_url = \"http://localhost:11434/v1\"\n", "");
         assert!(error(&no_url).contains("field `base_url`: missing"));
+    }
+
+    #[test]
+    fn the_conductor_table_names_a_local_model_or_a_server() {
+        let remote =
+            format!("{GOOD}\n[conductor]\nurl = \"http://gpu:8000/v1\"\nmodel = \"qwen\"\ngrammar = \"llama.cpp\"\n");
+        let spec = Pool::parse(&remote, "pool.toml").expect("valid").options.conductor;
+        assert_eq!(spec.url.as_deref(), Some("http://gpu:8000/v1"));
+        assert_eq!(spec.grammar, Some(ServerGrammar::LlamaCpp));
+        let none = remote.replace("\"llama.cpp\"", "\"none\"");
+        assert_eq!(Pool::parse(&none, "pool.toml").expect("valid").options.conductor.grammar, None);
+        let unknown = remote.replace("\"llama.cpp\"", "\"ollama\"");
+        assert!(
+            error(&unknown)
+                .contains("field `conductor.grammar`: \"ollama\"; expected one of vllm, sglang, llama.cpp, or none"),
+            "{}",
+            error(&unknown)
+        );
+        let local = format!("{GOOD}\n[conductor]\nmodel = \"/m/q.gguf\"\ngrammar = \"vllm\"\n");
+        assert!(error(&local).contains("only applies to a remote conductor"), "{}", error(&local));
+        let nameless = format!("{GOOD}\n[conductor]\nurl = \"http://gpu:8000/v1\"\n");
+        assert!(error(&nameless).contains("field `conductor.model`: missing"), "{}", error(&nameless));
     }
 }

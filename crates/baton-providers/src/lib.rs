@@ -56,6 +56,49 @@ pub struct ChatRequest {
     pub messages: Vec<Message>,
     /// Overrides the worker's `max_tokens` (used by connection checks to keep calls cheap).
     pub max_tokens: Option<u32>,
+    /// A grammar the server must hold the answer to; only OpenAI-compatible servers take one.
+    pub constraint: Option<Constraint>,
+}
+
+/// Which structured-output extension an OpenAI-compatible server speaks. None of them is part of
+/// OpenAI's API, so the user names the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServerGrammar {
+    Vllm,
+    Sglang,
+    LlamaCpp,
+}
+
+impl ServerGrammar {
+    pub const NAMES: &[&str] = &["vllm", "sglang", "llama.cpp"];
+
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "vllm" => Some(ServerGrammar::Vllm),
+            "sglang" => Some(ServerGrammar::Sglang),
+            "llama.cpp" => Some(ServerGrammar::LlamaCpp),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ServerGrammar::Vllm => "vllm",
+            ServerGrammar::Sglang => "sglang",
+            ServerGrammar::LlamaCpp => "llama.cpp",
+        }
+    }
+}
+
+/// A grammar in the dialect and request field one server reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Constraint {
+    /// vLLM 0.10.2 and later: `"structured_outputs": {"regex": …}`, matched in full.
+    VllmRegex(String),
+    /// SGLang: `"regex": …`, matched in full.
+    SglangRegex(String),
+    /// llama.cpp's server: `"grammar": …` in GBNF.
+    LlamaCppGbnf(String),
 }
 
 /// Token counts as the provider reports them.
@@ -272,6 +315,15 @@ impl ChatModel for HttpModel {
                 key: key.as_ref(),
             };
             let result = match inner.kind {
+                kind if request.constraint.is_some() && kind != ProviderKind::OpenAiCompatible => {
+                    Err(ProviderError::new(
+                        ErrorKind::BadRequest,
+                        format!(
+                            "{} does not take a grammar; constrained output needs an OpenAI-compatible server (vLLM, SGLang or llama.cpp)",
+                            kind.as_str()
+                        ),
+                    ))
+                }
                 ProviderKind::OpenAi => openai::stream(call, &request, true).await,
                 ProviderKind::OpenAiCompatible => openai::stream(call, &request, false).await,
                 ProviderKind::Local => Err(ProviderError::new(

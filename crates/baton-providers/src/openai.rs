@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::http::{self, Call, StreamParser};
 use crate::sse::SseEvent;
-use crate::{ChatEvent, ChatRequest, ChatStream, ErrorKind, ProviderError, Role, Usage};
+use crate::{ChatEvent, ChatRequest, ChatStream, Constraint, ErrorKind, ProviderError, Role, Usage};
 
 pub const DEFAULT_BASE_URL: &str = "https://api.openai.com/v1";
 
@@ -27,6 +27,20 @@ pub struct Request<'a> {
     pub top_p: Option<f32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning_effort: Option<&'a str>,
+    /// vLLM's structured outputs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub structured_outputs: Option<StructuredOutputs<'a>>,
+    /// SGLang's regular-expression constraint.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub regex: Option<&'a str>,
+    /// llama.cpp's GBNF grammar.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grammar: Option<&'a str>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct StructuredOutputs<'a> {
+    pub regex: &'a str,
 }
 
 #[derive(Debug, Serialize)]
@@ -181,6 +195,18 @@ pub(crate) fn request_body<'a>(call: &Call<'a>, req: &'a ChatRequest, official: 
         temperature: s.temperature,
         top_p: s.top_p,
         reasoning_effort: s.reasoning_effort.as_deref(),
+        structured_outputs: match &req.constraint {
+            Some(Constraint::VllmRegex(regex)) => Some(StructuredOutputs { regex }),
+            _ => None,
+        },
+        regex: match &req.constraint {
+            Some(Constraint::SglangRegex(regex)) => Some(regex),
+            _ => None,
+        },
+        grammar: match &req.constraint {
+            Some(Constraint::LlamaCppGbnf(gbnf)) => Some(gbnf),
+            _ => None,
+        },
     }
 }
 

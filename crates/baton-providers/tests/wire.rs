@@ -30,6 +30,7 @@ fn request() -> ChatRequest {
             Message::user("Check the solution above."),
         ],
         max_tokens: None,
+        constraint: None,
     }
 }
 
