@@ -273,16 +273,7 @@ mod conductor {
             (vec![], vec![], vec![], vec![], vec![]);
         for i in 0..a.runs {
             let question = QUESTIONS[i % QUESTIONS.len()];
-            let ctx = PlanningContext {
-                question: question.into(),
-                history: vec![],
-                work: vec![],
-                depth: 0,
-                allow_self: false,
-                allow_stop: false,
-                max_steps: 5,
-                pool_size: a.workers,
-            };
+            let ctx = PlanningContext::question(question, a.workers, 5);
             let started = Instant::now();
             let mut ignore = |_: &str| {};
             let (planned, stats) =

@@ -60,14 +60,8 @@ async fn write(
     let mut models = crate::conductor_setup::LocalModels::default();
     let planner = crate::conductor_setup::planner(&pool, conductor, &mut models, json).await?;
     let context = baton_engine::PlanningContext {
-        question: question.to_owned(),
-        history: Vec::new(),
-        work: Vec::new(),
-        depth: 0,
         allow_self: pool.options.recursion.enabled,
-        allow_stop: false,
-        max_steps: pool.options.max_steps,
-        pool_size: pool.workers.len(),
+        ..baton_engine::PlanningContext::question(question, pool.workers.len(), pool.options.max_steps)
     };
     let stream_text = !json;
     let planned = planner

@@ -371,3 +371,36 @@ async fn a_fully_offline_pool_of_local_workers() {
     assert!(finished >= 1, "local workers answered");
     assert_eq!(events.last().map(|e| e["totals"]["cost_complete"].clone()), Some(Value::Bool(true)), "local is free");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_remote_conductor_gets_the_plan_grammar_its_server_reads() {
+    let s = server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let conductor = format!(
+        "[conductor]\nurl = \"{}\"\nmodel = \"big-conductor\"\napi_key_env = \"BATON_E2E_KEY\"\ngrammar = \"vllm\"\n",
+        s.base_url(baton_testserver::Wire::OpenAi)
+    );
+    let pool = write_pool(dir.path(), &s, &conductor, &[W("gpt", "openai", "gpt-5"), W("claude", "anthropic", "c")]);
+    let plan = "Two views, then a judge.\n```python\nmodel_id = [0, 1]\nsubtasks = [\"Answer.\", \"Check.\"]\naccess_list = [[], \"all\"]\n```";
+    s.queue_replies("big-conductor", [plan, plan]);
+    let out = baton(&["ask", "--pool", path(&pool), "What is 2+2?"], None, TEST_KEY).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert_eq!(out.stdout, "c (saw 1 earlier answers) answers: Check.\n");
+    let first = &s.requests()[0];
+    assert_eq!(first.body["model"], "big-conductor");
+    let regex = first.body["structured_outputs"]["regex"].as_str().expect("vLLM's field");
+    assert!(regex.contains("model_id = \\[(?:0|1)"), "the pool's worker ids: {regex}");
+
+    // The flag overrides the pool: llama.cpp takes GBNF in "grammar".
+    let args = ["plan", "--pool", path(&pool), "--conductor-grammar", "llama.cpp", "--json", "What is 2+2?"];
+    let out = baton(&args, None, TEST_KEY).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert_eq!(out.stdout.trim(), r#"{"model_id":[0,1],"subtasks":["Answer.","Check."],"access_list":[[],"all"]}"#);
+    let last = s.requests().into_iter().last().expect("a request");
+    assert!(last.body["grammar"].as_str().is_some_and(|g| g.starts_with("root ::= ")), "{}", last.body);
+    assert!(last.body.get("structured_outputs").is_none());
+
+    let bad = baton(&["plan", "--pool", path(&pool), "--conductor-grammar", "ollama", "Q"], None, TEST_KEY).await;
+    assert_eq!(bad.code, Some(2));
+    assert!(bad.stderr.contains("expected one of vllm, sglang, llama.cpp or none"), "{}", bad.stderr);
+}

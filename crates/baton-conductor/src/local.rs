@@ -90,6 +90,25 @@ pub struct GenerateOptions {
     pub temperature: Option<f64>,
 }
 
+/// Applies the options both of mistral.rs's builders take (device and chat template); the GGUF
+/// and safetensors builders share no trait, hence a macro.
+macro_rules! with_common_options {
+    ($builder:expr, $config:expr, $template:expr) => {{
+        let mut b = $builder;
+        if $config.force_cpu {
+            b = b.with_force_cpu();
+        }
+        if let Some(t) = &$template {
+            b = if is_jinja(t) {
+                b.with_jinja_explicit(t.display().to_string())
+            } else {
+                b.with_chat_template(t.display().to_string())
+            };
+        }
+        b
+    }};
+}
+
 impl LocalModel {
     pub async fn load(config: &LocalModelConfig) -> Result<LocalModel, LoadError> {
         let path = config.path.clone();
@@ -114,25 +133,20 @@ impl LocalModel {
         let built = if is_gguf {
             let dir = path.parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf);
             let file = path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
-            let mut b =
-                GgufModelBuilder::new(dir.display().to_string(), vec![file]).with_token_source(TokenSource::None);
-            if config.force_cpu {
-                b = b.with_force_cpu();
-            }
-            if let Some(t) = &template {
-                b = if is_jinja(t) {
-                    b.with_jinja_explicit(t.display().to_string())
-                } else {
-                    b.with_chat_template(t.display().to_string())
-                };
-            }
             if config.lora.is_some() {
                 return Err(LoadError::Invalid {
                     path: shown,
                     message: "LoRA adapters are supported with safetensors models; merge the adapter or use the safetensors base model".into(),
                 });
             }
-            b.build().await
+            if config.isq.is_some() || config.dtype.is_some() {
+                return Err(LoadError::Invalid {
+                    path: shown,
+                    message: "isq and dtype apply to safetensors models; a GGUF file is already quantized (pick another GGUF file for another size)".into(),
+                });
+            }
+            let b = GgufModelBuilder::new(dir.display().to_string(), vec![file]).with_token_source(TokenSource::None);
+            with_common_options!(b, config, template).build().await
         } else if path.is_dir() {
             if !path.join("config.json").exists() {
                 return Err(LoadError::NotFound {
@@ -140,17 +154,8 @@ impl LocalModel {
                     hint: "a model directory needs config.json, tokenizer.json and *.safetensors".into(),
                 });
             }
-            let mut b = TextModelBuilder::new(path.display().to_string()).with_token_source(TokenSource::None);
-            if config.force_cpu {
-                b = b.with_force_cpu();
-            }
-            if let Some(t) = &template {
-                b = if is_jinja(t) {
-                    b.with_jinja_explicit(t.display().to_string())
-                } else {
-                    b.with_chat_template(t.display().to_string())
-                };
-            }
+            let b = TextModelBuilder::new(path.display().to_string()).with_token_source(TokenSource::None);
+            let mut b = with_common_options!(b, config, template);
             if let Some(isq) = &config.isq {
                 let parsed = mistralrs::core::parse_isq_value(isq, None)
                     .map_err(|e| LoadError::Invalid { path: shown.clone(), message: format!("isq \"{isq}\": {e}") })?;

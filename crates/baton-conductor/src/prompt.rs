@@ -135,16 +135,7 @@ mod tests {
     }
 
     fn ctx() -> PlanningContext {
-        PlanningContext {
-            question: "Why is the sky blue?".into(),
-            history: vec![],
-            work: vec![],
-            depth: 0,
-            allow_self: false,
-            allow_stop: false,
-            max_steps: 5,
-            pool_size: 3,
-        }
+        PlanningContext::question("Why is the sky blue?", 3, 5)
     }
 
     #[test]

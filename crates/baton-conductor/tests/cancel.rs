@@ -31,16 +31,7 @@ fn workers(n: usize) -> Vec<WorkerInfo> {
 }
 
 fn context(question: &str, pool_size: usize, max_steps: usize) -> PlanningContext {
-    PlanningContext {
-        question: question.to_owned(),
-        history: vec![],
-        work: vec![],
-        depth: 0,
-        allow_self: false,
-        allow_stop: false,
-        max_steps,
-        pool_size,
-    }
+    PlanningContext::question(question, pool_size, max_steps)
 }
 
 /// Process CPU time, from /proc (user + system, in clock ticks of 10 ms).

@@ -52,16 +52,7 @@ fn workers(n: usize) -> Vec<WorkerInfo> {
 }
 
 fn context(question: &str, pool_size: usize, max_steps: usize) -> PlanningContext {
-    PlanningContext {
-        question: question.to_owned(),
-        history: vec![],
-        work: vec![],
-        depth: 0,
-        allow_self: false,
-        allow_stop: false,
-        max_steps,
-        pool_size,
-    }
+    PlanningContext::question(question, pool_size, max_steps)
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -302,4 +293,33 @@ async fn a_local_worker_reports_usage_when_the_model_ends_its_answer() {
         let (usage, stop_reason) = done.expect("a Done event");
         assert!(usage.output_tokens >= 1 && usage.input_tokens > 0, "run {i}: {usage:?} ({stop_reason:?})");
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quantized_and_typed_loads_still_write_valid_plans() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    baton_tinymodel::write_safetensors_model(dir.path(), &baton_tinymodel::TinySpec::default()).expect("write");
+    let base = LocalModelConfig { path: dir.path().to_path_buf(), force_cpu: true, ..Default::default() };
+    for (isq, dtype) in [(Some("Q8_0"), None), (None, Some("f32"))] {
+        let config = LocalModelConfig { isq: isq.map(Into::into), dtype: dtype.map(Into::into), ..base.clone() };
+        let model = LocalModel::load(&config).await.unwrap_or_else(|e| panic!("{isq:?} {dtype:?} loads: {e}"));
+        let conductor = LocalConductor::new(Arc::new(model), workers(2), quick());
+        let planned = conductor
+            .plan(context("Quantized?", 2, 3), Box::new(|_: &str| {}))
+            .await
+            .unwrap_or_else(|e| panic!("{isq:?} {dtype:?} plans: {e}"));
+        assert!(planned.plan.steps.iter().all(|s| s.model_id < 2));
+    }
+    let bad_isq = LocalModel::load(&LocalModelConfig { isq: Some("Q9_Z".into()), ..base.clone() }).await;
+    let e = bad_isq.expect_err("unknown isq");
+    assert!(e.to_string().contains("isq \"Q9_Z\""), "{e}");
+    let bad_dtype = LocalModel::load(&LocalModelConfig { dtype: Some("f7".into()), ..base.clone() }).await;
+    assert!(bad_dtype.expect_err("unknown dtype").to_string().contains("dtype \"f7\""));
+
+    let gguf = dir.path().join("tiny.gguf");
+    baton_tinymodel::write_gguf_model(&gguf, &baton_tinymodel::TinySpec::default()).expect("write gguf");
+    let e = LocalModel::load(&LocalModelConfig { path: gguf, isq: Some("Q4K".into()), ..base })
+        .await
+        .expect_err("GGUF is already quantized");
+    assert!(e.to_string().contains("a GGUF file is already quantized"), "{e}");
 }

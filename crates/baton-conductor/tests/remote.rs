@@ -29,16 +29,7 @@ fn conductor(server: &TestServer, model: &str) -> RemoteConductor {
 }
 
 fn context() -> PlanningContext {
-    PlanningContext {
-        question: "What is 2+2?".into(),
-        history: vec![],
-        work: vec![],
-        depth: 0,
-        allow_self: false,
-        allow_stop: false,
-        max_steps: 5,
-        pool_size: 2,
-    }
+    PlanningContext::question("What is 2+2?", 2, 5)
 }
 
 const GOOD: &str = "Simple arithmetic; one worker suffices.\n```python\nmodel_id = [1]\nsubtasks = [\"Compute 2+2.\"]\naccess_list = [[]]\n```";

@@ -24,6 +24,23 @@ pub struct PlanningContext {
     pub pool_size: usize,
 }
 
+impl PlanningContext {
+    /// The first plan for a question with no conversation before it: depth 0, no stop, and
+    /// the conductor not among the workers (set `allow_self` for a recursive pool).
+    pub fn question(question: impl Into<String>, pool_size: usize, max_steps: usize) -> Self {
+        PlanningContext {
+            question: question.into(),
+            history: Vec::new(),
+            work: Vec::new(),
+            depth: 0,
+            allow_self: false,
+            allow_stop: false,
+            max_steps,
+            pool_size,
+        }
+    }
+}
+
 /// A plan and the text it came from.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Planned {
