@@ -275,9 +275,11 @@ mod conductor {
             let question = QUESTIONS[i % QUESTIONS.len()];
             let ctx = PlanningContext::question(question, a.workers, 5);
             let started = Instant::now();
-            let mut ignore = |_: &str| {};
+            let mut progress = LiveLine::new(format!("[{}/{}]", i + 1, a.runs));
+            let mut on_text = |t: &str| progress.add(t);
             let (planned, stats) =
-                conductor.plan_with_stats(&ctx, &mut ignore).await.map_err(|e| Failure::Failed(e.to_string()))?;
+                conductor.plan_with_stats(&ctx, &mut on_text).await.map_err(|e| Failure::Failed(e.to_string()))?;
+            progress.clear();
             let secs = started.elapsed().as_secs_f64();
             eprintln!(
                 "[{}/{}] {} steps, {} prompt + {} generated tokens in {secs:.2} s",
@@ -316,5 +318,38 @@ mod conductor {
             println!("plan         {t:.2} s median, {tmax:.2} s worst, {n:.0} tokens median");
         }
         Ok(())
+    }
+
+    /// A progress line on a terminal's stderr, redrawn at most ten times a second while the plan
+    /// is written: characters so far and their rate. Nothing when stderr is not a terminal.
+    struct LiveLine {
+        label: String,
+        tty: bool,
+        started: Instant,
+        drawn: Option<Instant>,
+        chars: usize,
+    }
+
+    impl LiveLine {
+        fn new(label: String) -> Self {
+            use std::io::IsTerminal;
+            LiveLine { label, tty: std::io::stderr().is_terminal(), started: Instant::now(), drawn: None, chars: 0 }
+        }
+
+        fn add(&mut self, text: &str) {
+            self.chars += text.chars().count();
+            if !self.tty || self.drawn.is_some_and(|d| d.elapsed().as_millis() < 100) {
+                return;
+            }
+            self.drawn = Some(Instant::now());
+            let secs = self.started.elapsed().as_secs_f64();
+            eprint!("\r{} writing the plan: {} chars, {:.1} s\x1b[K", self.label, self.chars, secs);
+        }
+
+        fn clear(&self) {
+            if self.tty && self.drawn.is_some() {
+                eprint!("\r\x1b[K");
+            }
+        }
     }
 }
