@@ -1,0 +1,619 @@
+//! Run history in one SQLite file: conversations and their messages, runs, the plan of every
+//! round, and every step with exactly what its worker was sent and answered.
+//!
+//! A [`Recorder`] turns the executor's `RunEvent` stream into rows as it happens, one
+//! transaction per event, so a crash loses at most the step in flight. [`Store::open`] applies
+//! the embedded migrations and marks runs whose process died as `interrupted`. Queries list
+//! (newest first, paged by id), search (FTS5, with snippets), load a run's whole tree, delete
+//! (cascading), and export to Markdown or JSON (see [`export`]).
+//!
+//! Keys never reach this crate: runs hold questions, plans, messages and answers only.
+
+pub mod export;
+mod recorder;
+mod time;
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use baton_engine::{StepRef, WorkerInfo};
+use baton_plan::{Access, Plan};
+use baton_providers::Message;
+use serde::Serialize;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{FromRow, Row};
+
+pub use recorder::Recorder;
+
+/// The schema, embedded from the top-level `migrations/` directory.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("{path}: cannot open the history database: {message}")]
+    Open { path: String, message: String },
+    #[error(
+        "{path}: is not a Baton history database, or it is damaged ({message}); move it aside and Baton starts a new one"
+    )]
+    Corrupt { path: String, message: String },
+    #[error(
+        "{path}: the history database could not be brought up to date: {message}; it was written by another version of Baton"
+    )]
+    Migrate { path: String, message: String },
+    #[error("history database: {0}")]
+    Sql(#[from] sqlx::Error),
+}
+
+/// How a run ended, or that it has not (yet).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunStatus {
+    Running,
+    Finished,
+    Failed,
+    Cancelled,
+    /// The process recording it died before the run ended.
+    Interrupted,
+}
+
+impl RunStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunStatus::Running => "running",
+            RunStatus::Finished => "finished",
+            RunStatus::Failed => "failed",
+            RunStatus::Cancelled => "cancelled",
+            RunStatus::Interrupted => "interrupted",
+        }
+    }
+}
+
+impl FromStr for RunStatus {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "running" => RunStatus::Running,
+            "finished" => RunStatus::Finished,
+            "failed" => RunStatus::Failed,
+            "cancelled" => RunStatus::Cancelled,
+            "interrupted" => RunStatus::Interrupted,
+            other => return Err(format!("unknown run status {other:?}")),
+        })
+    }
+}
+
+/// One run in a list.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunSummary {
+    pub id: i64,
+    pub conversation_id: i64,
+    pub question: String,
+    pub status: RunStatus,
+    /// Unix milliseconds.
+    pub started_at: i64,
+    pub wall_ms: Option<i64>,
+    pub calls: i64,
+    pub input_tokens: i64,
+    pub output_tokens: i64,
+    pub cost_usd: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ConversationSummary {
+    pub id: i64,
+    pub title: String,
+    pub created_at: i64,
+    pub updated_at: i64,
+    pub runs: i64,
+}
+
+/// A search result: the run, and where the words matched with the matches in `[` `]`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SearchHit {
+    pub id: i64,
+    pub conversation_id: i64,
+    pub question: String,
+    pub status: RunStatus,
+    pub started_at: i64,
+    /// `question`, `answer` or `subtask`.
+    pub matched: String,
+    pub snippet: String,
+}
+
+/// A whole run: the row, every round's plan, every step, and its events (without text deltas).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunTree {
+    pub run: RunRecord,
+    pub plans: Vec<PlanRecord>,
+    pub steps: Vec<StepRecord>,
+    pub events: Vec<serde_json::Value>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunRecord {
+    pub id: i64,
+    pub uid: String,
+    pub conversation_id: i64,
+    pub question: String,
+    pub conductor: Option<String>,
+    pub workers: Vec<WorkerInfo>,
+    pub status: RunStatus,
+    pub answer: Option<String>,
+    pub error_kind: Option<String>,
+    pub error: Option<String>,
+    pub started_at: i64,
+    pub finished_at: Option<i64>,
+    pub rounds: i64,
+    pub calls: i64,
+    pub input_tokens: i64,
+    pub output_tokens: i64,
+    pub cost_usd: f64,
+    /// False when a worker had no price, so `cost_usd` is a lower bound.
+    pub cost_complete: bool,
+    pub wall_ms: Option<i64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PlanRecord {
+    pub round: u32,
+    pub depth: u32,
+    pub parent: Option<StepRef>,
+    /// The conductor's whole text; `None` for a written plan.
+    pub raw: Option<String>,
+    pub plan: Plan,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepRecord {
+    pub round: u32,
+    pub step: u32,
+    pub worker_index: u32,
+    pub worker: String,
+    pub subtask: String,
+    pub access: Access,
+    /// Exactly what the worker was sent; `None` when the step never ran.
+    pub request: Option<SentRequest>,
+    /// `running`, `finished`, `failed` or `interrupted`.
+    pub status: String,
+    pub output: Option<String>,
+    pub error_kind: Option<String>,
+    pub error: Option<String>,
+    pub input_tokens: Option<i64>,
+    pub output_tokens: Option<i64>,
+    pub cost_usd: Option<f64>,
+    pub latency_ms: Option<i64>,
+    pub retries: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub struct SentRequest {
+    pub system: Option<String>,
+    pub messages: Vec<Message>,
+}
+
+/// The history database.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: SqlitePool,
+    path: PathBuf,
+}
+
+/// `<data dir>/baton/history.sqlite`.
+pub fn default_path(data_dir: &Path) -> PathBuf {
+    data_dir.join("baton").join("history.sqlite")
+}
+
+impl Store {
+    /// Opens (creating it and its directory if needed) and migrates the database at `path`,
+    /// then marks runs whose recording process is gone as interrupted.
+    pub async fn open(path: &Path) -> Result<Store, StoreError> {
+        let shown = path.display().to_string();
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| StoreError::Open {
+                path: shown.clone(),
+                message: format!("cannot create {}: {e}", dir.display()),
+            })?;
+        }
+        let options = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .foreign_keys(true)
+            .busy_timeout(Duration::from_secs(10));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(options)
+            .await
+            .map_err(|e| classify_open_error(&shown, &e))?;
+        MIGRATOR.run(&pool).await.map_err(|e| {
+            let message = e.to_string();
+            if message.contains("not a database") || message.contains("malformed") {
+                StoreError::Corrupt { path: shown.clone(), message }
+            } else {
+                StoreError::Migrate { path: shown.clone(), message }
+            }
+        })?;
+        let store = Store { pool, path: path.to_path_buf() };
+        store.mark_interrupted().await?;
+        Ok(store)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Closes the connections (and checkpoints the WAL).
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    /// A recorder for the next run, in `conversation` or (with `None`) in a new conversation
+    /// titled after the question.
+    pub fn recorder(&self, conversation: Option<i64>) -> Recorder {
+        Recorder::new(self.clone(), conversation)
+    }
+
+    /// Runs still `running` whose recorder no longer holds their lock file died with their
+    /// process: they become `interrupted`, with their finished steps intact.
+    async fn mark_interrupted(&self) -> Result<(), StoreError> {
+        let running: Vec<(i64, String)> =
+            sqlx::query_as("SELECT id, uid FROM runs WHERE status = 'running'").fetch_all(&self.pool).await?;
+        for (id, uid) in running {
+            if recorder::is_live(&self.path, &uid) {
+                continue;
+            }
+            let mut tx = self.pool.begin().await?;
+            sqlx::query("UPDATE runs SET status = 'interrupted' WHERE id = ?1 AND status = 'running'")
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query("UPDATE steps SET status = 'interrupted' WHERE run_id = ?1 AND status = 'running'")
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            recorder::remove_lock(&self.path, &uid);
+        }
+        Ok(())
+    }
+
+    /// Runs, newest first: `limit` of them with ids below `before` (the last id of the previous
+    /// page), or the newest.
+    pub async fn list_runs(&self, limit: u32, before: Option<i64>) -> Result<Vec<RunSummary>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT id, conversation_id, question, status, started_at, wall_ms, calls, input_tokens, output_tokens, cost_usd
+             FROM runs WHERE id < ?1 ORDER BY id DESC LIMIT ?2",
+        )
+        .bind(before.unwrap_or(i64::MAX))
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(run_summary).collect()
+    }
+
+    /// The runs of one conversation, oldest first.
+    pub async fn conversation_runs(&self, conversation: i64) -> Result<Vec<RunSummary>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT id, conversation_id, question, status, started_at, wall_ms, calls, input_tokens, output_tokens, cost_usd
+             FROM runs WHERE conversation_id = ?1 ORDER BY id",
+        )
+        .bind(conversation)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(run_summary).collect()
+    }
+
+    /// Conversations, most recently active first, paged by `updated_at` like [`Self::list_runs`].
+    pub async fn list_conversations(
+        &self,
+        limit: u32,
+        before: Option<i64>,
+    ) -> Result<Vec<ConversationSummary>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT c.id, c.title, c.created_at, c.updated_at,
+                    (SELECT count(*) FROM runs r WHERE r.conversation_id = c.id) AS runs
+             FROM conversations c WHERE c.updated_at < ?1 ORDER BY c.updated_at DESC, c.id DESC LIMIT ?2",
+        )
+        .bind(before.unwrap_or(i64::MAX))
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|r| ConversationSummary {
+                id: r.get("id"),
+                title: r.get("title"),
+                created_at: r.get("created_at"),
+                updated_at: r.get("updated_at"),
+                runs: r.get("runs"),
+            })
+            .collect())
+    }
+
+    /// The conversation's messages, oldest first (the history a follow-up question is asked with).
+    pub async fn messages(&self, conversation: i64) -> Result<Vec<Message>, StoreError> {
+        let rows: Vec<(String, String)> =
+            sqlx::query_as("SELECT role, content FROM messages WHERE conversation_id = ?1 ORDER BY id")
+                .bind(conversation)
+                .fetch_all(&self.pool)
+                .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(role, content)| if role == "user" { Message::user(content) } else { Message::assistant(content) })
+            .collect())
+    }
+
+    pub async fn conversation_title(&self, conversation: i64) -> Result<Option<String>, StoreError> {
+        Ok(sqlx::query_scalar("SELECT title FROM conversations WHERE id = ?1")
+            .bind(conversation)
+            .fetch_optional(&self.pool)
+            .await?)
+    }
+
+    /// Runs whose question, answer or step subtasks contain every word of `query` (the last
+    /// word also as a prefix), best match first, one hit per run.
+    pub async fn search(&self, query: &str, limit: u32) -> Result<Vec<SearchHit>, StoreError> {
+        let Some(fts) = fts_query(query) else { return Ok(Vec::new()) };
+        // Each source is ranked and cut on its own first, so a common word costs one ordered
+        // pass per index rather than a sort of every match of both.
+        // Matches are marked with \x02 and \x03 (which text never holds) to tell which column
+        // matched; they become [ and ] for display.
+        let rows = sqlx::query(
+            "SELECT * FROM (
+                 SELECT r.id, r.conversation_id, r.question, r.status, r.started_at, bm25(run_text) AS score,
+                        snippet(run_text, 0, char(2), char(3), '…', 12) AS s0,
+                        snippet(run_text, 1, char(2), char(3), '…', 12) AS s1
+                 FROM run_text JOIN runs r ON r.id = run_text.rowid
+                 WHERE run_text MATCH ?1 ORDER BY score LIMIT ?2)
+             UNION ALL
+             SELECT * FROM (
+                 SELECT r.id, r.conversation_id, r.question, r.status, r.started_at, bm25(step_text) AS score,
+                        NULL AS s0, snippet(step_text, 0, char(2), char(3), '…', 12) AS s1
+                 FROM step_text JOIN steps s ON s.id = step_text.rowid JOIN runs r ON r.id = s.run_id
+                 WHERE step_text MATCH ?1 ORDER BY score LIMIT ?2)
+             ORDER BY score",
+        )
+        .bind(&fts)
+        .bind(limit.saturating_mul(4))
+        .fetch_all(&self.pool)
+        .await?;
+        let mut seen = std::collections::HashSet::new();
+        let mut hits = Vec::new();
+        for r in &rows {
+            let id: i64 = r.get("id");
+            if !seen.insert(id) {
+                continue;
+            }
+            let s0: Option<String> = r.get("s0");
+            let s1: String = r.get("s1");
+            let (matched, snippet) = match s0 {
+                Some(q) if q.contains('\u{2}') => ("question", q),
+                Some(_) => ("answer", s1),
+                None => ("subtask", s1),
+            };
+            hits.push(SearchHit {
+                id,
+                conversation_id: r.get("conversation_id"),
+                question: r.get("question"),
+                status: status(r.get("status"))?,
+                started_at: r.get("started_at"),
+                matched: matched.to_owned(),
+                snippet: snippet.replace('\u{2}', "[").replace('\u{3}', "]"),
+            });
+            if hits.len() == limit as usize {
+                break;
+            }
+        }
+        Ok(hits)
+    }
+
+    /// A run's whole tree, or `None` when there is no such run.
+    pub async fn run(&self, id: i64) -> Result<Option<RunTree>, StoreError> {
+        let Some(r) = sqlx::query("SELECT * FROM runs WHERE id = ?1").bind(id).fetch_optional(&self.pool).await? else {
+            return Ok(None);
+        };
+        let workers: String = r.get("workers");
+        let run = RunRecord {
+            id: r.get("id"),
+            uid: r.get("uid"),
+            conversation_id: r.get("conversation_id"),
+            question: r.get("question"),
+            conductor: r.get("conductor"),
+            workers: serde_json::from_str(&workers).map_err(|e| decode("runs.workers", e))?,
+            status: status(r.get("status"))?,
+            answer: r.get("answer"),
+            error_kind: r.get("error_kind"),
+            error: r.get("error"),
+            started_at: r.get("started_at"),
+            finished_at: r.get("finished_at"),
+            rounds: r.get("rounds"),
+            calls: r.get("calls"),
+            input_tokens: r.get("input_tokens"),
+            output_tokens: r.get("output_tokens"),
+            cost_usd: r.get("cost_usd"),
+            cost_complete: r.get("cost_complete"),
+            wall_ms: r.get("wall_ms"),
+        };
+        let plans = sqlx::query_as::<_, PlanRow>("SELECT * FROM plans WHERE run_id = ?1 ORDER BY round")
+            .bind(id)
+            .fetch_all(&self.pool)
+            .await?
+            .into_iter()
+            .map(PlanRow::into_record)
+            .collect::<Result<_, _>>()?;
+        let steps = sqlx::query_as::<_, StepRow>("SELECT * FROM steps WHERE run_id = ?1 ORDER BY round, step")
+            .bind(id)
+            .fetch_all(&self.pool)
+            .await?
+            .into_iter()
+            .map(StepRow::into_record)
+            .collect::<Result<_, _>>()?;
+        let events: Vec<String> = sqlx::query_scalar("SELECT event FROM events WHERE run_id = ?1 ORDER BY seq")
+            .bind(id)
+            .fetch_all(&self.pool)
+            .await?;
+        let events = events
+            .iter()
+            .map(|e| serde_json::from_str(e).map_err(|e| decode("events", e)))
+            .collect::<Result<_, _>>()?;
+        Ok(Some(RunTree { run, plans, steps, events }))
+    }
+
+    /// Deletes a run with its plans, steps and events; its messages stay in the conversation.
+    /// False when there was no such run.
+    pub async fn delete_run(&self, id: i64) -> Result<bool, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let done = sqlx::query("DELETE FROM runs WHERE id = ?1").bind(id).execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    /// Deletes a conversation with all its runs and messages.
+    pub async fn delete_conversation(&self, id: i64) -> Result<bool, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let done = sqlx::query("DELETE FROM conversations WHERE id = ?1").bind(id).execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    pub(crate) fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+}
+
+fn classify_open_error(path: &str, e: &sqlx::Error) -> StoreError {
+    let message = e.to_string();
+    if message.contains("not a database") || message.contains("malformed") {
+        StoreError::Corrupt { path: path.to_owned(), message }
+    } else {
+        StoreError::Open { path: path.to_owned(), message }
+    }
+}
+
+fn decode(what: &str, e: serde_json::Error) -> StoreError {
+    StoreError::Sql(sqlx::Error::Decode(format!("{what}: {e}").into()))
+}
+
+fn status(s: String) -> Result<RunStatus, StoreError> {
+    s.parse().map_err(|e: String| StoreError::Sql(sqlx::Error::Decode(e.into())))
+}
+
+fn run_summary(r: &sqlx::sqlite::SqliteRow) -> Result<RunSummary, StoreError> {
+    Ok(RunSummary {
+        id: r.get("id"),
+        conversation_id: r.get("conversation_id"),
+        question: r.get("question"),
+        status: status(r.get("status"))?,
+        started_at: r.get("started_at"),
+        wall_ms: r.get("wall_ms"),
+        calls: r.get("calls"),
+        input_tokens: r.get("input_tokens"),
+        output_tokens: r.get("output_tokens"),
+        cost_usd: r.get("cost_usd"),
+    })
+}
+
+/// A user's words as an FTS5 query: each word quoted (so punctuation is never syntax), all of
+/// them required, the last one also as a prefix so results come while typing.
+fn fts_query(query: &str) -> Option<String> {
+    let words: Vec<String> = query
+        .split(|c: char| !c.is_alphanumeric() && c != '\'' && c != '_')
+        .filter(|w| !w.is_empty())
+        .map(|w| format!("\"{}\"", w.replace('"', "\"\"")))
+        .collect();
+    let (last, rest) = words.split_last()?;
+    let mut q = rest.join(" ");
+    if !q.is_empty() {
+        q.push(' ');
+    }
+    q.push_str(last);
+    q.push('*');
+    Some(q)
+}
+
+#[derive(FromRow)]
+struct PlanRow {
+    round: i64,
+    depth: i64,
+    parent_round: Option<i64>,
+    parent_step: Option<i64>,
+    raw: Option<String>,
+    plan: String,
+}
+
+impl PlanRow {
+    fn into_record(self) -> Result<PlanRecord, StoreError> {
+        Ok(PlanRecord {
+            round: self.round as u32,
+            depth: self.depth as u32,
+            parent: match (self.parent_round, self.parent_step) {
+                (Some(round), Some(step)) => Some(StepRef { round: round as u32, step: step as usize }),
+                _ => None,
+            },
+            raw: self.raw,
+            plan: serde_json::from_str(&self.plan).map_err(|e| decode("plans.plan", e))?,
+        })
+    }
+}
+
+#[derive(FromRow)]
+struct StepRow {
+    round: i64,
+    step: i64,
+    worker_index: i64,
+    worker: String,
+    subtask: String,
+    access: String,
+    request: Option<String>,
+    status: String,
+    output: Option<String>,
+    error_kind: Option<String>,
+    error: Option<String>,
+    input_tokens: Option<i64>,
+    output_tokens: Option<i64>,
+    cost_usd: Option<f64>,
+    latency_ms: Option<i64>,
+    retries: i64,
+}
+
+impl StepRow {
+    fn into_record(self) -> Result<StepRecord, StoreError> {
+        Ok(StepRecord {
+            round: self.round as u32,
+            step: self.step as u32,
+            worker_index: self.worker_index as u32,
+            worker: self.worker,
+            subtask: self.subtask,
+            access: recorder::access_from_json(&self.access).map_err(|e| decode("steps.access", e))?,
+            request: self
+                .request
+                .map(|r| serde_json::from_str(&r))
+                .transpose()
+                .map_err(|e| decode("steps.request", e))?,
+            status: self.status,
+            output: self.output,
+            error_kind: self.error_kind,
+            error: self.error,
+            input_tokens: self.input_tokens,
+            output_tokens: self.output_tokens,
+            cost_usd: self.cost_usd,
+            latency_ms: self.latency_ms,
+            retries: self.retries,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fts_query;
+
+    #[test]
+    fn search_words_are_quoted_and_the_last_is_a_prefix() {
+        assert_eq!(fts_query("sky blue").as_deref(), Some("\"sky\" \"blue\"*"));
+        assert_eq!(fts_query("  \"quote\" AND -x: ").as_deref(), Some("\"quote\" \"AND\" \"x\"*"));
+        assert_eq!(fts_query(" -- "), None);
+    }
+}

@@ -1,0 +1,387 @@
+//! From `RunEvent`s to rows, as they happen.
+//!
+//! Each event is one transaction (its row changes and its line in `events`), so a crash loses
+//! at most what was in flight. While a run records, its recorder holds an OS lock on a file
+//! beside the database (`<db>.locks/<run uid>.lock`); the lock dies with the process, which is
+//! how [`crate::Store::open`] tells a run that is still going in another process from one whose
+//! process was killed.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use baton_engine::{RunEvent, WorkerInfo};
+use baton_plan::{Access, Plan};
+
+use crate::time::now_ms;
+use crate::{SentRequest, Store, StoreError};
+
+/// Records one run. Feed it every event of the run in order with [`Recorder::record`].
+#[derive(Debug)]
+pub struct Recorder {
+    store: Store,
+    conversation: Option<i64>,
+    run: Option<i64>,
+    seq: i64,
+    workers: Vec<WorkerInfo>,
+    plans: HashMap<u32, Plan>,
+    lock: Option<(File, PathBuf)>,
+}
+
+impl Recorder {
+    pub(crate) fn new(store: Store, conversation: Option<i64>) -> Self {
+        Recorder { store, conversation, run: None, seq: 0, workers: Vec::new(), plans: HashMap::new(), lock: None }
+    }
+
+    /// The run's id in the history, once `RunStarted` was recorded.
+    pub fn run_id(&self) -> Option<i64> {
+        self.run
+    }
+
+    /// The conversation the run belongs to, once `RunStarted` was recorded.
+    pub fn conversation_id(&self) -> Option<i64> {
+        self.conversation
+    }
+
+    pub async fn record(&mut self, event: &RunEvent) -> Result<(), StoreError> {
+        if let RunEvent::RunStarted { run_id, question, workers, conductor } = event {
+            return self.start(event, run_id, question, workers, conductor.as_deref()).await;
+        }
+        // Text deltas are not stored: the finished texts arrive with PlanReady and StepFinished.
+        if matches!(event, RunEvent::PlanDelta { .. } | RunEvent::StepDelta { .. }) {
+            return Ok(());
+        }
+        let Some(run) = self.run else {
+            return Err(StoreError::Sql(sqlx::Error::Protocol("an event arrived before run_started".into())));
+        };
+        let mut tx = self.store.pool().begin().await?;
+        match event {
+            RunEvent::PlanReady { round, depth, parent, plan, raw } => {
+                sqlx::query(
+                    "INSERT INTO plans (run_id, round, depth, parent_round, parent_step, raw, plan)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                )
+                .bind(run)
+                .bind(round)
+                .bind(depth)
+                .bind(parent.map(|p| p.round))
+                .bind(parent.map(|p| p.step as i64))
+                .bind(raw)
+                .bind(plan.to_json())
+                .execute(&mut *tx)
+                .await?;
+                sqlx::query("UPDATE runs SET rounds = max(rounds, ?2) WHERE id = ?1")
+                    .bind(run)
+                    .bind(round + 1)
+                    .execute(&mut *tx)
+                    .await?;
+                self.plans.insert(*round, plan.clone());
+            }
+            RunEvent::StepStarted { round, step, worker, system, messages } => {
+                let (subtask, access) = self.planned(*round, *step);
+                let request = SentRequest { system: system.clone(), messages: messages.clone() };
+                sqlx::query(
+                    "INSERT INTO steps (run_id, round, step, worker_index, worker, subtask, access, request, status)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 'running')",
+                )
+                .bind(run)
+                .bind(round)
+                .bind(*step as i64)
+                .bind(*worker as i64)
+                .bind(self.worker_name(*worker))
+                .bind(subtask)
+                .bind(access)
+                .bind(serde_json::to_string(&request).unwrap_or_default())
+                .execute(&mut *tx)
+                .await?;
+            }
+            RunEvent::StepRetrying { round, step, attempt, .. } => {
+                sqlx::query("UPDATE steps SET retries = ?4 WHERE run_id = ?1 AND round = ?2 AND step = ?3")
+                    .bind(run)
+                    .bind(round)
+                    .bind(*step as i64)
+                    .bind(attempt)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            RunEvent::StepFinished { round, step, output, usage, cost_usd, latency_ms, retries } => {
+                sqlx::query(
+                    "UPDATE steps SET status = 'finished', output = ?4, input_tokens = ?5, output_tokens = ?6,
+                            cost_usd = ?7, latency_ms = ?8, retries = ?9
+                     WHERE run_id = ?1 AND round = ?2 AND step = ?3",
+                )
+                .bind(run)
+                .bind(round)
+                .bind(*step as i64)
+                .bind(output)
+                .bind(usage.input_tokens as i64)
+                .bind(usage.output_tokens as i64)
+                .bind(cost_usd)
+                .bind(*latency_ms as i64)
+                .bind(retries)
+                .execute(&mut *tx)
+                .await?;
+            }
+            RunEvent::StepFailed { round, step, error } => {
+                // A step can fail without having started (a dependency failed): then its row is
+                // made here, from the plan.
+                let planned = self.plans.get(round).and_then(|p| p.steps.get(*step));
+                let worker = planned.map_or(0, |s| s.model_id);
+                let (subtask, access) = self.planned(*round, *step);
+                let kind = serde_json::to_value(error.kind).ok().and_then(|v| v.as_str().map(str::to_owned));
+                sqlx::query(
+                    "INSERT INTO steps (run_id, round, step, worker_index, worker, subtask, access, status, error_kind, error)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'failed', ?8, ?9)
+                     ON CONFLICT (run_id, round, step) DO UPDATE SET status = 'failed', error_kind = ?8, error = ?9",
+                )
+                .bind(run)
+                .bind(round)
+                .bind(*step as i64)
+                .bind(worker as i64)
+                .bind(self.worker_name(worker))
+                .bind(subtask)
+                .bind(access)
+                .bind(kind)
+                .bind(&error.message)
+                .execute(&mut *tx)
+                .await?;
+            }
+            RunEvent::RunFinished { answer, totals } => {
+                self.finish(&mut tx, run, "finished", Some(answer), None, totals).await?;
+                if let Some(conversation) = self.conversation {
+                    add_message(&mut tx, conversation, run, "assistant", answer).await?;
+                }
+            }
+            RunEvent::RunFailed { error, totals } => {
+                let kind = serde_json::to_value(error.kind).ok().and_then(|v| v.as_str().map(str::to_owned));
+                self.finish(&mut tx, run, "failed", None, Some((kind, &error.message)), totals).await?;
+            }
+            RunEvent::RunCancelled { totals } => {
+                self.finish(&mut tx, run, "cancelled", None, None, totals).await?;
+            }
+            RunEvent::RunStarted { .. } | RunEvent::PlanDelta { .. } | RunEvent::StepDelta { .. } => {}
+            RunEvent::PlanStarted { .. } => {}
+        }
+        self.append_event(&mut tx, run, event).await?;
+        tx.commit().await?;
+        if event.is_terminal()
+            && let Some((file, path)) = self.lock.take()
+        {
+            drop(file);
+            let _ = std::fs::remove_file(path);
+        }
+        Ok(())
+    }
+
+    async fn start(
+        &mut self,
+        event: &RunEvent,
+        uid: &str,
+        question: &str,
+        workers: &[WorkerInfo],
+        conductor: Option<&str>,
+    ) -> Result<(), StoreError> {
+        self.lock = Some(take_lock(self.store.path(), uid)?);
+        self.workers = workers.to_vec();
+        let now = now_ms();
+        let mut tx = self.store.pool().begin().await?;
+        let conversation = match self.conversation {
+            Some(id) => {
+                let touched = sqlx::query("UPDATE conversations SET updated_at = ?2 WHERE id = ?1")
+                    .bind(id)
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await?;
+                if touched.rows_affected() == 0 {
+                    return Err(StoreError::Sql(sqlx::Error::RowNotFound));
+                }
+                id
+            }
+            None => {
+                sqlx::query_scalar(
+                    "INSERT INTO conversations (title, created_at, updated_at) VALUES (?1, ?2, ?2) RETURNING id",
+                )
+                .bind(title(question))
+                .bind(now)
+                .fetch_one(&mut *tx)
+                .await?
+            }
+        };
+        let run: i64 = sqlx::query_scalar(
+            "INSERT INTO runs (uid, conversation_id, question, conductor, workers, status, started_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, 'running', ?6) RETURNING id",
+        )
+        .bind(uid)
+        .bind(conversation)
+        .bind(question)
+        .bind(conductor)
+        .bind(serde_json::to_string(workers).unwrap_or_else(|_| "[]".into()))
+        .bind(now)
+        .fetch_one(&mut *tx)
+        .await?;
+        add_message(&mut tx, conversation, run, "user", question).await?;
+        self.append_event(&mut tx, run, event).await?;
+        tx.commit().await?;
+        self.conversation = Some(conversation);
+        self.run = Some(run);
+        Ok(())
+    }
+
+    async fn finish(
+        &self,
+        tx: &mut sqlx::SqliteConnection,
+        run: i64,
+        status: &str,
+        answer: Option<&String>,
+        error: Option<(Option<String>, &String)>,
+        totals: &baton_engine::Totals,
+    ) -> Result<(), StoreError> {
+        let (error_kind, error) = error.map_or((None, None), |(k, m)| (k, Some(m)));
+        sqlx::query(
+            "UPDATE runs SET status = ?2, answer = ?3, error_kind = ?4, error = ?5, finished_at = ?6,
+                    calls = ?7, input_tokens = ?8, output_tokens = ?9, cost_usd = ?10, cost_complete = ?11,
+                    wall_ms = ?12, rounds = max(rounds, ?13)
+             WHERE id = ?1",
+        )
+        .bind(run)
+        .bind(status)
+        .bind(answer)
+        .bind(error_kind)
+        .bind(error)
+        .bind(now_ms())
+        .bind(totals.calls)
+        .bind(totals.usage.input_tokens as i64)
+        .bind(totals.usage.output_tokens as i64)
+        .bind(totals.cost_usd)
+        .bind(totals.cost_complete)
+        .bind(totals.wall_ms as i64)
+        .bind(totals.rounds)
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
+    }
+
+    async fn append_event(
+        &mut self,
+        tx: &mut sqlx::SqliteConnection,
+        run: i64,
+        event: &RunEvent,
+    ) -> Result<(), StoreError> {
+        let json = serde_json::to_string(event).unwrap_or_default();
+        sqlx::query("INSERT INTO events (run_id, seq, event) VALUES (?1, ?2, ?3)")
+            .bind(run)
+            .bind(self.seq)
+            .bind(json)
+            .execute(&mut *tx)
+            .await?;
+        self.seq += 1;
+        Ok(())
+    }
+
+    /// The subtask and access (as stored) of a planned step.
+    fn planned(&self, round: u32, step: usize) -> (String, String) {
+        match self.plans.get(&round).and_then(|p| p.steps.get(step)) {
+            Some(s) => (s.subtask.clone(), access_to_json(&s.access)),
+            None => (String::new(), "[]".to_owned()),
+        }
+    }
+
+    fn worker_name(&self, index: usize) -> String {
+        match self.workers.get(index) {
+            Some(w) => w.name.clone(),
+            // The pool's size means the conductor itself (recursion).
+            None if index == self.workers.len() => "conductor".to_owned(),
+            None => format!("worker {index}"),
+        }
+    }
+}
+
+async fn add_message(
+    tx: &mut sqlx::SqliteConnection,
+    conversation: i64,
+    run: i64,
+    role: &str,
+    content: &str,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO messages (conversation_id, run_id, role, content, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
+    )
+    .bind(conversation)
+    .bind(run)
+    .bind(role)
+    .bind(content)
+    .bind(now_ms())
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// A conversation's title: the first line of its first question, cut at 80 characters.
+fn title(question: &str) -> String {
+    let line = question.lines().find(|l| !l.trim().is_empty()).unwrap_or("").trim();
+    match line.char_indices().nth(80) {
+        Some((cut, _)) => format!("{}…", &line[..cut]),
+        None => line.to_owned(),
+    }
+}
+
+fn access_to_json(access: &Access) -> String {
+    serde_json::to_string(access).unwrap_or_else(|_| "[]".into())
+}
+
+pub(crate) fn access_from_json(s: &str) -> Result<Access, serde_json::Error> {
+    serde_json::from_str(s)
+}
+
+fn lock_path(db: &Path, uid: &str) -> PathBuf {
+    let mut dir = db.as_os_str().to_owned();
+    dir.push(".locks");
+    // The uid comes from the executor (hex digits); anything else is kept out of the path.
+    let safe: String = uid.chars().filter(char::is_ascii_alphanumeric).collect();
+    PathBuf::from(dir).join(format!("{safe}.lock"))
+}
+
+fn take_lock(db: &Path, uid: &str) -> Result<(File, PathBuf), StoreError> {
+    let path = lock_path(db, uid);
+    let open = || -> std::io::Result<File> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let file = File::create(&path)?;
+        file.lock()?;
+        Ok(file)
+    };
+    let file = open().map_err(|e| StoreError::Open {
+        path: path.display().to_string(),
+        message: format!("cannot take the run's lock file: {e}"),
+    })?;
+    Ok((file, path))
+}
+
+/// Whether some process still records run `uid` (holds its lock).
+pub(crate) fn is_live(db: &Path, uid: &str) -> bool {
+    let Ok(file) = File::open(lock_path(db, uid)) else { return false };
+    match file.try_lock() {
+        Ok(()) => false,
+        Err(std::fs::TryLockError::WouldBlock) => true,
+        // A lock that cannot even be tried says nothing; treat the run as still going rather
+        // than mark a live run interrupted.
+        Err(std::fs::TryLockError::Error(_)) => true,
+    }
+}
+
+pub(crate) fn remove_lock(db: &Path, uid: &str) {
+    let _ = std::fs::remove_file(lock_path(db, uid));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::title;
+
+    #[test]
+    fn titles_are_the_first_line_cut_short() {
+        assert_eq!(title("\n  Why is the sky blue?\nDetails"), "Why is the sky blue?");
+        let long = "x".repeat(100);
+        assert_eq!(title(&long).chars().count(), 81);
+    }
+}

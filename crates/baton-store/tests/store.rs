@@ -1,0 +1,258 @@
+//! The history on real SQLite files: migrations from empty, runs recorded from the real
+//! executor's events over loopback HTTP, search, whole trees, deletes, exports, interrupted
+//! runs, and a damaged file.
+
+use std::sync::Arc;
+
+use baton_engine::{Executor, Pool, RunEvent, RunRequest};
+use baton_plan::Limits;
+use baton_providers::ApiKey;
+use baton_store::{RunStatus, Store, StoreError};
+use baton_testserver::{TestServer, Wire};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+fn pool(server: &TestServer, workers: &[(&str, &str)]) -> Pool {
+    let mut text = "[retry]\nmax_retries = 0\n".to_owned();
+    for (name, model) in workers {
+        text.push_str(&format!(
+            "\n[[worker]]\nname = \"{name}\"\nprovider = \"openai\"\nmodel = \"{model}\"\nbase_url = \"{}\"\n",
+            server.base_url(Wire::OpenAi)
+        ));
+    }
+    Pool::parse(&text, "pool.toml").expect("valid pool")
+}
+
+/// Runs `plan` for `question` through the real executor, recording every event.
+async fn run_recorded(store: &Store, pool: &Pool, conversation: Option<i64>, question: &str, plan: &str) -> i64 {
+    let executor = Executor::from_pool_with_keys(pool, |_| Arc::new(|| Ok(Some(ApiKey::new("test-key")))));
+    let plan = baton_plan::parse(plan, &Limits::default()).expect("plan parses");
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let mut recorder = store.recorder(conversation);
+    let request = RunRequest {
+        run_id: baton_engine::new_run_id(),
+        question: question.into(),
+        plan: Some(plan),
+        ..RunRequest::default()
+    };
+    let record = async {
+        while let Some(event) = rx.recv().await {
+            recorder.record(&event).await.expect("recorded");
+        }
+    };
+    let run = async {
+        executor.run(request, &tx, &CancellationToken::new()).await;
+        drop(tx);
+    };
+    tokio::join!(run, record);
+    recorder.run_id().expect("a run id")
+}
+
+const FANOUT: &str = "model_id = [0, 1, 2]\nsubtasks = [\"Explain Rayleigh scattering.\", \"Explain it for a child.\", \"Judge both explanations.\"]\naccess_list = [[], [], \"all\"]";
+
+#[tokio::test]
+async fn migrations_apply_to_an_empty_file_and_released_ones_never_change() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("nested").join("history.sqlite");
+    let store = Store::open(&path).await.expect("opens");
+    assert!(path.exists());
+    assert!(store.list_runs(10, None).await.expect("list").is_empty());
+    store.close().await;
+    // Opening again applies nothing new and keeps working.
+    Store::open(&path).await.expect("reopens");
+
+    // Editing a released migration breaks every existing database: sqlx refuses to run on a
+    // checksum mismatch. Add a new migration file instead, and its checksum here.
+    const RELEASED: &[(i64, &str)] =
+        &[(1, "89a08f03767746845efb4936d1fface9315bbe04d0b54e459e4f1858711270934aadb624aa603f9b2f0f201bf5dec62a")];
+    let actual: Vec<(i64, String)> = baton_store::MIGRATOR
+        .iter()
+        .map(|m| (m.version, m.checksum.iter().map(|b| format!("{b:02x}")).collect()))
+        .collect();
+    for (version, checksum) in RELEASED {
+        let found = actual.iter().find(|(v, _)| v == version).unwrap_or_else(|| panic!("migration {version} removed"));
+        assert_eq!(&found.1, checksum, "migration {version} was edited after release; add a new migration instead");
+    }
+}
+
+#[tokio::test]
+async fn a_run_is_recorded_with_its_whole_tree_and_found_again() {
+    let server = TestServer::start().await.expect("server");
+    let pool = pool(&server, &[("physicist", "phys"), ("teacher", "teach"), ("judge", "judge")]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&dir.path().join("h.sqlite")).await.expect("opens");
+    let id = run_recorded(&store, &pool, None, "Why is the sky blue?", FANOUT).await;
+
+    let tree = store.run(id).await.expect("query").expect("the run");
+    assert_eq!(tree.run.status, RunStatus::Finished);
+    assert_eq!(tree.run.question, "Why is the sky blue?");
+    assert_eq!(tree.run.answer.as_deref(), Some("judge (saw 2 earlier answers) answers: Judge both explanations."));
+    assert_eq!(tree.run.calls, 3);
+    assert!(tree.run.input_tokens > 0 && tree.run.output_tokens > 0);
+    assert_eq!(tree.run.workers.len(), 3);
+    assert_eq!(tree.plans.len(), 1);
+    assert_eq!(tree.plans[0].plan.to_python().trim_end(), FANOUT);
+    assert_eq!(tree.steps.len(), 3);
+    let judge = &tree.steps[2];
+    assert_eq!((judge.worker.as_str(), judge.status.as_str()), ("judge", "finished"));
+    assert_eq!(judge.access, baton_plan::Access::All);
+    let sent = judge.request.as_ref().expect("what the judge was sent");
+    let request = server.requests().into_iter().find(|r| r.body["model"] == "judge").expect("judge call");
+    let wire: Vec<&str> =
+        request.body["messages"].as_array().expect("messages").iter().filter_map(|m| m["content"].as_str()).collect();
+    let stored: Vec<&str> =
+        sent.system.iter().map(String::as_str).chain(sent.messages.iter().map(|m| m.content.as_str())).collect();
+    assert_eq!(stored, wire, "the stored request is exactly what went over the wire");
+    assert!(judge.input_tokens.is_some() && judge.latency_ms.is_some());
+    assert!(tree.events.iter().all(|e| e["type"] != "step_delta"), "no deltas stored");
+    let events: Vec<RunEvent> =
+        tree.events.iter().map(|e| serde_json::from_value(e.clone()).expect("a RunEvent")).collect();
+    baton_engine::event::check_sequence(&events).expect("the stored events keep the contract");
+
+    // The conversation holds the question and the answer.
+    let messages = store.messages(tree.run.conversation_id).await.expect("messages");
+    assert_eq!(messages.len(), 2);
+    assert_eq!(messages[1].content, tree.run.answer.clone().unwrap());
+
+    // Search: a question word, an answer word, a subtask word; prefixes; punctuation is safe.
+    let hits = store.search("sky", 10).await.expect("search");
+    assert_eq!((hits.len(), hits[0].id, hits[0].matched.as_str()), (1, id, "question"));
+    assert_eq!(hits[0].snippet, "Why is the [sky] blue?");
+    let hits = store.search("judge", 10).await.expect("search");
+    assert_eq!(hits.len(), 1, "one hit per run");
+    assert_eq!(store.search("raylei", 10).await.expect("prefix")[0].matched, "subtask");
+    assert!(store.search("\"unbalanced AND (", 10).await.expect("no syntax error").is_empty());
+    assert!(store.search("nothing-like-this", 10).await.expect("search").is_empty());
+
+    // Exports.
+    let md = baton_store::export::run_markdown(&tree);
+    assert!(md.starts_with("# Why is the sky blue?\n"), "{md}");
+    assert!(md.contains("## Answer\n\njudge (saw 2 earlier answers)"), "{md}");
+    assert!(md.contains("### Step 2 · judge (finished"), "{md}");
+    assert!(md.contains("```python\nmodel_id = [0, 1, 2]"), "{md}");
+    let json = baton_store::export::run_json(&tree);
+    assert_eq!(json["format"], "baton-run/1");
+    assert_eq!(json["run"]["status"], "finished");
+    assert_eq!(json["plans"][0]["plan"]["access_list"], serde_json::json!([[], [], "all"]));
+    assert_eq!(json["steps"][2]["request"]["messages"][0]["role"], "user");
+}
+
+#[tokio::test]
+async fn follow_ups_share_a_conversation_and_deletes_cascade() {
+    let server = TestServer::start().await.expect("server");
+    let pool = pool(&server, &[("a", "alpha"), ("b", "beta"), ("c", "gamma")]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&dir.path().join("h.sqlite")).await.expect("opens");
+    let first = run_recorded(&store, &pool, None, "First question about zebras", FANOUT).await;
+    let conversation = store.run(first).await.unwrap().unwrap().run.conversation_id;
+    let second = run_recorded(&store, &pool, Some(conversation), "And about okapis?", FANOUT).await;
+    let other = run_recorded(&store, &pool, None, "Unrelated lemurs", FANOUT).await;
+    assert_eq!(store.messages(conversation).await.unwrap().len(), 4);
+    let conversations = store.list_conversations(10, None).await.unwrap();
+    assert_eq!(conversations.len(), 2);
+    assert_eq!(conversations[1].title, "First question about zebras");
+    assert_eq!(conversations[1].runs, 2);
+    let runs = store.list_runs(2, None).await.unwrap();
+    assert_eq!(runs.iter().map(|r| r.id).collect::<Vec<_>>(), vec![other, second], "newest first");
+    let page2 = store.list_runs(2, Some(second)).await.unwrap();
+    assert_eq!(page2.iter().map(|r| r.id).collect::<Vec<_>>(), vec![first]);
+
+    assert!(store.delete_run(second).await.unwrap());
+    assert!(!store.delete_run(second).await.unwrap(), "already gone");
+    assert!(store.run(second).await.unwrap().is_none());
+    assert!(store.search("okapis", 10).await.unwrap().is_empty(), "the index forgets a deleted run");
+    assert!(store.delete_conversation(conversation).await.unwrap());
+    assert!(store.run(first).await.unwrap().is_none());
+    assert!(store.search("zebras", 10).await.unwrap().is_empty());
+    assert!(store.search("rayleigh", 10).await.unwrap().iter().all(|h| h.id == other), "subtasks of deleted runs");
+    assert_eq!(store.list_runs(10, None).await.unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn failed_steps_and_their_dependents_are_recorded() {
+    let server = TestServer::start().await.expect("server");
+    let pool = pool(&server, &[("ok", "fine"), ("broken", "broken;fail=401"), ("judge", "judge")]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&dir.path().join("h.sqlite")).await.expect("opens");
+    let plan = "model_id = [0, 1, 2]\nsubtasks = [\"A.\", \"B.\", \"Judge.\"]\naccess_list = [[], [], [1]]";
+    let id = run_recorded(&store, &pool, None, "Will it fail?", plan).await;
+    let tree = store.run(id).await.unwrap().unwrap();
+    assert_eq!(tree.run.status, RunStatus::Failed);
+    assert_eq!(tree.run.error_kind.as_deref(), Some("step_failed"));
+    let kinds: Vec<(&str, Option<&str>)> =
+        tree.steps.iter().map(|s| (s.status.as_str(), s.error_kind.as_deref())).collect();
+    assert_eq!(kinds, vec![("finished", None), ("failed", Some("auth")), ("failed", Some("dependency_failed"))]);
+    assert!(tree.steps[2].request.is_none(), "the judge never ran");
+    assert_eq!(tree.steps[2].subtask, "Judge.");
+    assert_eq!(store.messages(tree.run.conversation_id).await.unwrap().len(), 1, "no answer message");
+}
+
+#[tokio::test]
+async fn a_run_whose_process_died_is_interrupted_with_its_finished_steps() {
+    let server = TestServer::start().await.expect("server");
+    let pool = pool(&server, &[("a", "alpha")]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("h.sqlite");
+    let store = Store::open(&path).await.expect("opens");
+    // A finished run to take real events from, replayed without their end.
+    let done = run_recorded(
+        &store,
+        &pool,
+        None,
+        "Complete run",
+        "model_id=[0, 0]\nsubtasks=['x', 'y']\naccess_list=[[], [0]]",
+    )
+    .await;
+    let events: Vec<RunEvent> = store
+        .run(done)
+        .await
+        .unwrap()
+        .unwrap()
+        .events
+        .into_iter()
+        .map(|e| serde_json::from_value(e).unwrap())
+        .collect();
+    let cut = events.iter().position(|e| matches!(e, RunEvent::StepStarted { step: 1, .. })).expect("step 1 starts");
+    let replay = |uid: &str| {
+        let mut events = events[..=cut].to_vec();
+        if let RunEvent::RunStarted { run_id, question, .. } = &mut events[0] {
+            *run_id = uid.to_owned();
+            *question = format!("Replayed {uid}");
+        }
+        events
+    };
+
+    // Still recording in a live "process" (its recorder holds the lock): left running.
+    let mut live = store.recorder(None);
+    for e in replay("live0001") {
+        live.record(&e).await.unwrap();
+    }
+    // A recorder that is gone (as after kill -9: its lock is released by the OS).
+    let mut dead = store.recorder(None);
+    for e in replay("dead0001") {
+        dead.record(&e).await.unwrap();
+    }
+    let dead_id = dead.run_id().unwrap();
+    drop(dead);
+
+    let reopened = Store::open(&path).await.expect("reopens");
+    let tree = reopened.run(dead_id).await.unwrap().unwrap();
+    assert_eq!(tree.run.status, RunStatus::Interrupted);
+    assert_eq!(tree.steps[0].status, "finished");
+    assert_eq!(tree.steps[0].output.as_deref(), Some("alpha (saw 0 earlier answers) answers: x"));
+    assert_eq!(tree.steps[1].status, "interrupted");
+    let live_tree = reopened.run(live.run_id().unwrap()).await.unwrap().unwrap();
+    assert_eq!(live_tree.run.status, RunStatus::Running, "a run another process still records is left alone");
+}
+
+#[tokio::test]
+async fn a_damaged_file_is_reported_and_kept() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("h.sqlite");
+    let garbage = "this is not SQLite at all, but somebody's notes. ".repeat(200);
+    std::fs::write(&path, &garbage).unwrap();
+    let e = Store::open(&path).await.expect_err("damaged");
+    assert!(matches!(e, StoreError::Corrupt { .. }), "{e}");
+    assert!(e.to_string().contains("move it aside"), "{e}");
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), garbage, "nothing is lost");
+}
