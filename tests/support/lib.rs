@@ -38,6 +38,13 @@ pub fn write_pool(dir: &Path, server: &TestServer, extra: &str, workers: &[W<'_>
     path
 }
 
+/// A history database shared by the tests of one test binary, in a temporary directory of its
+/// own (a static is never dropped, so the directory outlives the binary in the system temp dir).
+fn test_history() -> PathBuf {
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| tempfile::tempdir().expect("tempdir")).path().join("history.sqlite")
+}
+
 /// What a finished `baton` process left behind.
 #[derive(Debug)]
 pub struct Output {
@@ -51,6 +58,9 @@ pub async fn run(bin: &Path, args: &[&str], stdin: Option<&str>, key: &str) -> O
     let mut child = tokio::process::Command::new(bin)
         .args(args)
         .env("BATON_E2E_KEY", key)
+        // Runs are recorded by default: into a history of the test process's own, never the
+        // user's (a test's explicit --db wins over this).
+        .env("BATON_DB", test_history())
         .env("NO_COLOR", "1")
         .env_remove("BATON_POOL")
         .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })

@@ -27,6 +27,15 @@ pub struct Args {
     /// Write every run event to stdout as JSON lines instead of the answer.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    db: crate::history_cmd::DbArg,
+    /// Do not record this run in the history.
+    #[arg(long, conflicts_with = "conversation")]
+    no_history: bool,
+    /// Ask a follow-up in this conversation of the history: the conductor sees the earlier
+    /// questions and answers.
+    #[arg(long, value_name = "ID")]
+    conversation: Option<i64>,
 }
 
 pub async fn run(args: Args) -> Outcome {
@@ -63,6 +72,19 @@ pub async fn run(args: Args) -> Outcome {
             );
         }
     }
+    // The history opens before anything runs, so a database problem costs no provider calls.
+    let store = if args.no_history { None } else { Some(args.db.open().await?) };
+    let history = match (&store, args.conversation) {
+        (Some(store), Some(id)) => {
+            if store.conversation_title(id).await.map_err(|e| Failure::Failed(e.to_string()))?.is_none() {
+                return Err(Failure::BadInput(format!("there is no conversation {id} in the history")));
+            }
+            store.messages(id).await.map_err(|e| Failure::Failed(e.to_string()))?
+        }
+        _ => Vec::new(),
+    };
+    let mut recorder = store.as_ref().map(|s| s.recorder(args.conversation));
+
     let mut executor = Executor::from_pool(&pool);
     let mut models = crate::conductor_setup::LocalModels::default();
     if plan.is_none() {
@@ -88,6 +110,13 @@ pub async fn run(args: Args) -> Outcome {
         let mut progress = Progress::new(names);
         let stdout = std::io::stdout();
         while let Some(event) = rx.recv().await {
+            // A history that fails mid-run must not cost the answer: warn once, go on.
+            if let Some(r) = &mut recorder
+                && let Err(e) = r.record(&event).await
+            {
+                eprintln!("warning: this run is not fully recorded in the history: {e}");
+                recorder = None;
+            }
             if json {
                 let mut out = stdout.lock();
                 // A closed stdout (e.g. `| head`) must not abort the run.
@@ -97,13 +126,20 @@ pub async fn run(args: Args) -> Outcome {
                 progress.show(&event);
             }
         }
+        recorder.and_then(|r| Some((r.run_id()?, r.conversation_id()?)))
     });
 
-    let request = RunRequest { run_id: new_run_id(), question, plan, ..RunRequest::default() };
+    let request = RunRequest { run_id: new_run_id(), question, plan, history };
     let outcome = executor.run(request, &tx, &cancel).await;
     drop(tx);
-    let _ = consumer.await;
+    let recorded = consumer.await.ok().flatten();
     ctrl_c.abort();
+    if let Some(store) = &store {
+        store.close().await;
+    }
+    if let (Some((run, conversation)), false) = (recorded, json) {
+        eprintln!("recorded as run {run} in conversation {conversation} (baton history show {run})");
+    }
 
     match outcome.status {
         RunStatus::Finished => {

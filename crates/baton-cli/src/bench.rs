@@ -1,7 +1,10 @@
-//! `baton bench executor`: the executor's own overhead. Workers are in-process fakes with a fixed
+//! `baton bench`: measurements a user can repeat.
+//!
+//! `bench executor`: the executor's own overhead. Workers are in-process fakes with a fixed
 //! latency, one per step, so each step's real duration is known exactly; the critical path is
 //! the longest chain of those durations through the plan's DAG, and anything above it is the
-//! executor's (scheduling, message building, events).
+//! executor's (scheduling, message building, events). `bench history`: the history database at
+//! scale. `bench conductor`: a local conductor model's speed.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,6 +29,25 @@ pub enum Command {
         #[arg(long, default_value_t = 20)]
         runs: usize,
         /// One JSON object per plan on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The history at scale: fills a database with generated runs, then times listing the latest
+    /// 50, searching (a common and a rare word), and loading one run's whole tree.
+    History {
+        /// The database to fill (created; an existing one gets more runs).
+        #[arg(long, value_name = "FILE")]
+        db: std::path::PathBuf,
+        /// Runs to add before measuring.
+        #[arg(long, default_value_t = 100_000)]
+        runs: u32,
+        /// Steps per generated run.
+        #[arg(long, default_value_t = 3)]
+        steps: u32,
+        /// Repetitions of each query.
+        #[arg(long, default_value_t = 50)]
+        repeat: usize,
+        /// One JSON object on stdout.
         #[arg(long)]
         json: bool,
     },
@@ -78,6 +100,7 @@ const PLANS: &[(&str, &str)] = &[
 pub async fn run(cmd: Command) -> Outcome {
     match cmd {
         Command::Executor { latency_ms, runs, json } => executor(latency_ms, runs, json).await,
+        Command::History { db, runs, steps, repeat, json } => history(&db, runs, steps, repeat, json).await,
         #[cfg(feature = "local")]
         Command::Conductor { model, runs, workers, max_reasoning_chars, cpu, isq, chat_template, json } => {
             conductor::run(conductor::Args { model, runs, workers, max_reasoning_chars, cpu, isq, chat_template, json })
@@ -202,6 +225,65 @@ async fn measure(plan: &Plan, latency: Duration) -> Result<Sample, Failure> {
     }
     let critical = finish.iter().copied().fold(0.0, f64::max);
     Ok(Sample { wall, critical })
+}
+
+async fn history(db: &std::path::Path, runs: u32, steps: u32, repeat: usize, json: bool) -> Outcome {
+    let failed = |e: baton_store::StoreError| Failure::Failed(e.to_string());
+    if repeat == 0 {
+        return Err(Failure::BadInput("--repeat must be at least 1".into()));
+    }
+    let store = baton_store::Store::open(db).await.map_err(|e| Failure::BadInput(e.to_string()))?;
+    let started = Instant::now();
+    let last = baton_store::synthetic::populate(&store, runs, steps, 7).await.map_err(failed)?;
+    let fill_s = started.elapsed().as_secs_f64();
+    eprintln!("added {runs} runs of {steps} steps in {fill_s:.1} s");
+    let total: Vec<baton_store::RunSummary> = store.list_runs(1, None).await.map_err(failed)?;
+    let newest = total.first().map_or(last, |r| r.id);
+    let time = async |label: &str, f: &mut dyn FnMut() -> futures::future::BoxFuture<'static, usize>| {
+        let mut ms = Vec::with_capacity(repeat);
+        let mut n = 0;
+        for _ in 0..repeat {
+            let t = Instant::now();
+            n = f().await;
+            ms.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+        let (median, max) = median_max(&mut ms);
+        eprintln!("{label:<28} {median:>8.2} ms median  {max:>8.2} ms worst  ({n} results)");
+        (label.to_owned(), median, max, n)
+    };
+    let s = store.clone();
+    let list = time("list latest 50", &mut || {
+        let s = s.clone();
+        Box::pin(async move { s.list_runs(50, None).await.map_or(0, |r| r.len()) })
+    })
+    .await;
+    let s = store.clone();
+    let common = time("search a common word", &mut || {
+        let s = s.clone();
+        Box::pin(async move { s.search("energy", 50).await.map_or(0, |r| r.len()) })
+    })
+    .await;
+    let s = store.clone();
+    let rare = time("search a rare phrase", &mut || {
+        let s = s.clone();
+        Box::pin(async move { s.search(&format!("case {}", newest / 2), 50).await.map_or(0, |r| r.len()) })
+    })
+    .await;
+    let s = store.clone();
+    let open = time("open one run", &mut || {
+        let s = s.clone();
+        Box::pin(async move { s.run(newest / 2).await.ok().flatten().map_or(0, |t| t.steps.len()) })
+    })
+    .await;
+    store.close().await;
+    if json {
+        let figures: Vec<serde_json::Value> = [list, common, rare, open]
+            .into_iter()
+            .map(|(label, median, max, n)| serde_json::json!({"query": label, "median_ms": median, "max_ms": max, "results": n}))
+            .collect();
+        println!("{}", serde_json::json!({"runs_in_db": newest, "fill_s": fill_s, "queries": figures}));
+    }
+    Ok(())
 }
 
 fn median_max(values: &mut [f64]) -> (f64, f64) {

@@ -171,11 +171,18 @@ pub async fn planner(
             .clone()
             .or_else(|| spec.url.as_ref().and(spec.model.clone()))
             .unwrap_or_else(|| "default".to_owned());
-        let key = baton_engine::keys::env_key_source(
-            spec.api_key_env.clone(),
-            "the conductor".to_owned(),
-            ProviderKind::OpenAiCompatible,
-        );
+        // Like a worker's: the pool's variable wins, else the keychain entry for this server.
+        let key = match &spec.api_key_env {
+            Some(var) => baton_engine::keys::env_key_source(
+                Some(var.clone()),
+                "the conductor".to_owned(),
+                ProviderKind::OpenAiCompatible,
+            ),
+            None => baton_engine::keys::keychain_key_source(
+                baton_secrets::account(ProviderKind::OpenAiCompatible, Some(&source)),
+                ProviderKind::OpenAiCompatible,
+            ),
+        };
         let settings = ModelSettings {
             max_tokens: 4096,
             temperature: options.temperature.map(|t| t as f32),

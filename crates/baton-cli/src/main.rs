@@ -6,6 +6,8 @@
 mod ask;
 mod bench;
 mod conductor_setup;
+mod history_cmd;
+mod keys_cmd;
 mod plan_cmd;
 mod pool_cmd;
 mod progress;
@@ -34,6 +36,11 @@ enum Command {
     /// Measure the engine.
     #[command(subcommand)]
     Bench(bench::Command),
+    /// Recorded runs: list, search, show, export, delete.
+    History(history_cmd::Args),
+    /// Store, list and delete provider API keys in the OS keychain.
+    #[command(subcommand)]
+    Keys(keys_cmd::Command),
 }
 
 /// mistral.rs creates a Hugging Face cache directory even for local models; point it at Baton's
@@ -99,6 +106,8 @@ fn main() -> ExitCode {
             Command::Plan(args) => plan_cmd::run(args).await,
             Command::Pool(cmd) => pool_cmd::run(cmd).await,
             Command::Bench(cmd) => bench::run(cmd).await,
+            Command::History(args) => history_cmd::run(args).await,
+            Command::Keys(cmd) => keys_cmd::run(cmd).await,
         }
     });
     match result {

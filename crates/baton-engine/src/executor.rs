@@ -109,7 +109,7 @@ impl Executor {
     }
 
     /// Workers over HTTP for every pool entry, with keys from the environment variables the
-    /// pool names.
+    /// pool names, else from the OS keychain (see [`keys::key_source`]).
     pub fn from_pool(pool: &Pool) -> Self {
         Self::from_pool_with_keys(pool, keys::key_source)
     }

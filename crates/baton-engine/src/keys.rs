@@ -1,17 +1,42 @@
 //! Where a worker's API key comes from when a request is built.
 //!
-//! Today: the environment variable the pool names (`api_key_env`). The OS keychain plugs in
-//! here too; either way the key is read per request and handed only to the request builder.
+//! The environment variable the pool names (`api_key_env`) wins; without one the key comes from
+//! the OS keychain entry for the worker's provider (see [`baton_secrets::account`]). Either way
+//! the key is read per request and handed only to the request builder, so a key changed or
+//! removed between two requests takes effect at once and none outlives the request.
 
 use std::sync::Arc;
 
 use baton_providers::{ApiKey, ErrorKind, KeySource, ProviderError, ProviderKind};
+use baton_secrets::{KeyStore, SecretsError};
 
 use crate::pool::WorkerSpec;
 
 /// A key source for `spec`, read anew for every request.
 pub fn key_source(spec: &WorkerSpec) -> KeySource {
-    env_key_source(spec.api_key_env.clone(), format!("worker \"{}\"", spec.name), spec.provider)
+    // A local model takes no key; asking the keychain for one would only fail on machines
+    // without a keychain.
+    if spec.api_key_env.is_some() || spec.provider == ProviderKind::Local {
+        return env_key_source(spec.api_key_env.clone(), format!("worker \"{}\"", spec.name), spec.provider);
+    }
+    keychain_key_source(baton_secrets::account(spec.provider, spec.base_url.as_deref()), spec.provider)
+}
+
+/// A key read from the keychain entry `account` for every request.
+///
+/// Without an entry, providers whose key is optional send none. A machine without any keychain
+/// cannot have a key stored for a keyless local server either, so that is not an error for
+/// them; a locked or failing keychain is, since the key may well be in it.
+pub fn keychain_key_source(account: String, provider: ProviderKind) -> KeySource {
+    Arc::new(move || match KeyStore::open().and_then(|store| store.get(&account)) {
+        Ok(Some(key)) => Ok(Some(key)),
+        Ok(None) | Err(SecretsError::NoKeychain { .. }) if provider.key_optional() => Ok(None),
+        Ok(None) => Err(ProviderError::new(
+            ErrorKind::Auth,
+            format!("no {provider} key: run `baton keys set {account}` or set api_key_env in the pool"),
+        )),
+        Err(e) => Err(ProviderError::new(ErrorKind::Auth, e.to_string())),
+    })
 }
 
 /// A key read from the environment variable `var` for every request; `owner` names who needs
@@ -54,9 +79,24 @@ mod tests {
         let e = key_source(&pool.workers[0])().expect_err("unset");
         assert_eq!(e.kind, ErrorKind::Auth);
         assert!(e.message.contains("BATON_SURELY_UNSET_VAR"), "{}", e.message);
-        let e = key_source(&pool.workers[1])().expect_err("no key configured");
-        assert!(e.message.contains("api_key_env"), "{}", e.message);
         assert_eq!(key_source(&pool.workers[2])(), Ok(None), "local servers may need no key");
+    }
+
+    #[test]
+    fn without_api_key_env_a_missing_keychain_key_says_how_to_store_one() {
+        // An account nobody has a key under, so that a developer's own keychain (when these
+        // tests run outside scripts/test) neither changes the outcome nor gets read for a key.
+        let account = format!("baton-unit-test-absent-{}", std::process::id());
+        let e = keychain_key_source(account.clone(), ProviderKind::Anthropic)().expect_err("no key stored");
+        assert_eq!(e.kind, ErrorKind::Auth);
+        // With a keychain: no entry. Without one: the keychain's own explanation. Both point at
+        // the environment variable alternative.
+        assert!(e.message.contains("api_key_env"), "{}", e.message);
+        if e.message.starts_with("no anthropic key") {
+            assert!(e.message.contains(&format!("`baton keys set {account}`")), "{}", e.message);
+        }
+        let keyless = keychain_key_source(account, ProviderKind::OpenAiCompatible)();
+        assert!(matches!(keyless, Ok(None)) || keyless.as_ref().is_err_and(|e| e.message.contains("locked")));
     }
 
     #[test]

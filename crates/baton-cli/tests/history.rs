@@ -1,0 +1,179 @@
+//! `baton ask` records every run; `baton history` finds, shows, exports and deletes them. Real
+//! SQLite files, the real binary, loopback provider servers.
+
+use std::time::Duration;
+
+use baton_tests::{Output, TEST_KEY, W, fixture, write_pool};
+use baton_testserver::{Options, TestServer};
+use serde_json::Value;
+
+async fn server(key: &str) -> TestServer {
+    TestServer::start_with(Options { key: Some(key.into()), ..Options::default() }).await.expect("server")
+}
+
+async fn baton(args: &[&str], key: &str) -> Output {
+    baton_tests::run(std::path::Path::new(env!("CARGO_BIN_EXE_baton")), args, None, key).await
+}
+
+fn path(p: &std::path::Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+fn json_lines(out: &Output) -> Vec<Value> {
+    out.stdout.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}"))).collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_ask_is_recorded_and_found_again() {
+    let s = server(TEST_KEY).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("history.sqlite");
+    let pool = write_pool(
+        dir.path(),
+        &s,
+        "",
+        &[W("solver", "openai", "s"), W("checker", "anthropic", "c"), W("writer", "gemini", "w")],
+    );
+    let plan = fixture("chain-plan.txt");
+    let ask = |q: &'static str, extra: &'static [&'static str]| {
+        let (pool, plan, db) = (pool.clone(), plan.clone(), db.clone());
+        async move {
+            let mut args = vec!["ask", "--pool", path(&pool), "--plan", path(&plan), "--db", path(&db)];
+            args.extend_from_slice(extra);
+            args.push(q);
+            baton(&args, TEST_KEY).await
+        }
+    };
+    let first = ask("Why do zebras have stripes?", &[]).await;
+    assert_eq!(first.code, Some(0), "{}", first.stderr);
+    assert!(first.stderr.contains("recorded as run 1 in conversation 1 (baton history show 1)"), "{}", first.stderr);
+    let followup = ask("And okapis?", &["--conversation", "1"]).await;
+    assert_eq!(followup.code, Some(0), "{}", followup.stderr);
+    let unrecorded = ask("Not kept", &["--no-history"]).await;
+    assert_eq!(unrecorded.code, Some(0), "{}", unrecorded.stderr);
+    assert!(!unrecorded.stderr.contains("recorded as"));
+
+    let list = baton(&["history", "list", "--db", path(&db), "--json"], "").await;
+    assert_eq!(list.code, Some(0), "{}", list.stderr);
+    let runs = json_lines(&list);
+    assert_eq!(runs.len(), 2, "--no-history left no run");
+    assert_eq!((runs[0]["id"].as_i64(), runs[0]["status"].as_str()), (Some(2), Some("finished")));
+    assert_eq!(runs[0]["question"], "And okapis?");
+    assert_eq!(runs[1]["conversation_id"], runs[0]["conversation_id"], "the follow-up joined the conversation");
+    let conversations = baton(&["history", "list", "--conversations", "--db", path(&db), "--json"], "").await;
+    assert_eq!(json_lines(&conversations)[0]["runs"], 2);
+
+    let text = baton(&["history", "list", "--db", path(&db)], "").await;
+    assert!(
+        text.stdout.lines().next().is_some_and(|l| l.contains("finished") && l.ends_with("And okapis?")),
+        "{}",
+        text.stdout
+    );
+
+    let search = baton(&["history", "search", "zebra", "--db", path(&db), "--json"], "").await;
+    let hits = json_lines(&search);
+    assert_eq!(hits.len(), 1, "{}", search.stdout);
+    assert_eq!((hits[0]["id"].as_i64(), hits[0]["status"].as_str()), (Some(1), Some("finished")));
+    assert_eq!(hits[0]["snippet"], "Why do [zebras] have stripes?");
+    let by_subtask = baton(&["history", "search", "final answer", "--db", path(&db), "--json"], "").await;
+    assert_eq!(json_lines(&by_subtask).len(), 2);
+
+    let show = baton(&["history", "show", "1", "--db", path(&db)], "").await;
+    assert_eq!(show.code, Some(0), "{}", show.stderr);
+    assert!(show.stdout.starts_with("# Why do zebras have stripes?"), "{}", show.stdout);
+    assert!(show.stdout.contains("### Step 1 · checker (finished"), "{}", show.stdout);
+    let json = baton(&["history", "show", "1", "--db", path(&db), "--json"], "").await;
+    let tree: Value = serde_json::from_str(json.stdout.trim()).expect("one JSON object");
+    assert_eq!(tree["format"], "baton-run/1");
+    assert_eq!(tree["steps"].as_array().map(Vec::len), Some(3));
+    assert_eq!(
+        tree["steps"][2]["request"]["messages"].as_array().map(Vec::len),
+        Some(5),
+        "two earlier turns + subtask"
+    );
+
+    let export = dir.path().join("conversation.md");
+    let out = baton(
+        &["history", "export", "--conversation", "1", "--format", "md", "-o", path(&export), "--db", path(&db)],
+        "",
+    )
+    .await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let md = std::fs::read_to_string(&export).expect("written");
+    assert!(md.starts_with("# Why do zebras have stripes?\n") && md.contains("## And okapis?"), "{md}");
+    let out = baton(&["history", "export", "2", "--format", "json", "--db", path(&db)], "").await;
+    assert_eq!(serde_json::from_str::<Value>(&out.stdout).expect("pretty JSON")["run"]["question"], "And okapis?");
+
+    let missing = baton(&["history", "show", "99", "--db", path(&db)], "").await;
+    assert_eq!(missing.code, Some(2));
+    assert!(missing.stderr.contains("there is no run 99"), "{}", missing.stderr);
+    let deleted = baton(&["history", "delete", "2", "--db", path(&db), "--json"], "").await;
+    assert_eq!(json_lines(&deleted)[0]["deleted"], true);
+    let list = baton(&["history", "list", "--db", path(&db), "--json"], "").await;
+    assert_eq!(json_lines(&list).len(), 1);
+    let gone = baton(&["history", "delete", "--conversation", "1", "--db", path(&db)], "").await;
+    assert_eq!(gone.code, Some(0), "{}", gone.stderr);
+    assert!(baton(&["history", "list", "--db", path(&db)], "").await.stdout.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_ask_leaves_an_interrupted_run_with_its_finished_step() {
+    let s = server(TEST_KEY).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("history.sqlite");
+    let pool = write_pool(dir.path(), &s, "", &[W("quick", "openai", "quick"), W("slow", "openai", "slow;ttfb=30000")]);
+    let plan = dir.path().join("plan.txt");
+    std::fs::write(&plan, "model_id = [0, 1]\nsubtasks = [\"First.\", \"Second.\"]\naccess_list = [[], [0]]").unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["ask", "--pool", path(&pool), "--plan", path(&plan), "--db", path(&db), "Crash me"])
+        .env("BATON_E2E_KEY", TEST_KEY)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn");
+    // Wait until the history shows the first step finished (reading it while the run goes on
+    // must leave the live run alone).
+    let started = std::time::Instant::now();
+    loop {
+        assert!(started.elapsed() < Duration::from_secs(30), "the first step never finished");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let show = baton(&["history", "show", "1", "--db", path(&db), "--json"], "").await;
+        let Ok(tree) = serde_json::from_str::<Value>(show.stdout.trim()) else { continue };
+        assert_eq!(tree["run"]["status"], "running", "a live run is not marked interrupted");
+        if tree["steps"][0]["status"] == "finished" {
+            break;
+        }
+    }
+    // SIGKILL: no chance to clean up.
+    child.start_kill().expect("kill -9");
+    child.wait().await.expect("reaped");
+
+    let show = baton(&["history", "show", "1", "--db", path(&db), "--json"], "").await;
+    let tree: Value = serde_json::from_str(show.stdout.trim()).expect("the run");
+    assert_eq!(tree["run"]["status"], "interrupted");
+    assert_eq!(tree["steps"][0]["status"], "finished");
+    assert_eq!(tree["steps"][0]["output"], "quick (saw 0 earlier answers) answers: First.");
+    assert_eq!(tree["steps"][1]["status"], "interrupted");
+    let list = baton(&["history", "list", "--db", path(&db), "--json"], "").await;
+    assert_eq!(json_lines(&list)[0]["status"], "interrupted");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_damaged_history_stops_ask_before_any_call() {
+    let s = server(TEST_KEY).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("history.sqlite");
+    std::fs::write(&db, "not a database ".repeat(300)).unwrap();
+    let pool = write_pool(dir.path(), &s, "", &[W("a", "openai", "a"), W("b", "openai", "b"), W("c", "openai", "c")]);
+    let plan = fixture("chain-plan.txt");
+    let out = baton(&["ask", "--pool", path(&pool), "--plan", path(&plan), "--db", path(&db), "Q"], TEST_KEY).await;
+    assert_eq!(out.code, Some(2));
+    assert!(out.stderr.contains("move it aside"), "{}", out.stderr);
+    assert!(s.requests().is_empty(), "no provider was called");
+    let out =
+        baton(&["ask", "--pool", path(&pool), "--plan", path(&plan), "--db", path(&db), "--no-history", "Q"], TEST_KEY)
+            .await;
+    assert_eq!(out.code, Some(0), "--no-history still answers: {}", out.stderr);
+}

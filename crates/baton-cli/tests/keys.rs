@@ -1,0 +1,248 @@
+//! `baton keys` and keychain-held keys end to end: the binary against the real Secret Service
+//! (the private gnome-keyring scripts/test starts) and against a machine with no keychain at all.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use baton_tests::{TEST_KEY, fixture};
+use baton_testserver::{Options, TestServer, Wire};
+use serde_json::Value;
+
+#[derive(Debug)]
+struct Output {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+/// Runs the `baton` binary with `args`, `stdin` piped in and `env` on top of this process's
+/// environment (which carries the test session's D-Bus address); `None` removes a variable.
+async fn baton(args: &[&str], stdin: Option<&str>, env: &[(&str, Option<&str>)]) -> Output {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_baton"));
+    for (name, value) in env {
+        match value {
+            Some(value) => command.env(name, value),
+            None => command.env_remove(name),
+        };
+    }
+    let mut child = command
+        .args(args)
+        .env("NO_COLOR", "1")
+        .env_remove("BATON_POOL")
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn");
+    if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        use tokio::io::AsyncWriteExt;
+        // A command that fails before reading its input closes the pipe; that is its answer.
+        let _ = pipe.write_all(text.as_bytes()).await;
+    }
+    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+        .await
+        .expect("finished within 60 s")
+        .expect("ran");
+    Output {
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// Whether the tests that store keys may run: only in the throwaway keyring scripts/test starts,
+/// never against one that may be the user's own. Anything else fails unless explicitly skipped.
+fn private_keychain() -> bool {
+    if std::env::var("BATON_SKIP_KEYCHAIN_TESTS").is_ok_and(|v| v == "1") {
+        eprintln!("keychain tests skipped (BATON_SKIP_KEYCHAIN_TESTS=1)");
+        return false;
+    }
+    assert!(
+        std::env::var_os("DBUS_SESSION_BUS_ADDRESS").is_some(),
+        "no D-Bus session bus (DBUS_SESSION_BUS_ADDRESS is unset): run these tests through scripts/test, \
+         which starts a private bus with a throwaway gnome-keyring, or set BATON_SKIP_KEYCHAIN_TESTS=1"
+    );
+    assert!(
+        std::env::var("BATON_TEST_KEYRING").is_ok_and(|v| v == "private"),
+        "refusing to write to what may be your own keyring: run these tests through scripts/test, which \
+         starts a private bus with a throwaway gnome-keyring (and sets BATON_TEST_KEYRING=private), \
+         or set BATON_SKIP_KEYCHAIN_TESTS=1"
+    );
+    true
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+fn json_lines(stdout: &str) -> Vec<Value> {
+    stdout.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect()
+}
+
+fn entry<'a>(lines: &'a [Value], account: &str) -> &'a Value {
+    lines.iter().find(|l| l["account"] == account).unwrap_or_else(|| panic!("no {account} in {lines:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn without_a_keychain_keys_fail_with_exit_1_and_say_what_is_missing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let missing_pool = dir.path().join("none.toml");
+    let no_bus = [("DBUS_SESSION_BUS_ADDRESS", Some("unix:path=/nonexistent"))];
+
+    let out = baton(&["keys", "list", "--pool", path(&missing_pool)], None, &no_bus).await;
+    assert_eq!(out.code, Some(1), "{}", out.stderr);
+    assert!(out.stdout.is_empty(), "{}", out.stdout);
+    for needle in [
+        "no OS keychain is available: no Secret Service could be reached over the D-Bus session bus",
+        "/nonexistent",
+        "apt install gnome-keyring",
+        "KeePassXC",
+        "api_key_env",
+    ] {
+        assert!(out.stderr.contains(needle), "{needle}: {}", out.stderr);
+    }
+
+    let set = baton(&["keys", "set", "openai"], Some("sk-never-stored-0123456789\n"), &no_bus).await;
+    assert_eq!(set.code, Some(1), "{}", set.stderr);
+    assert!(set.stderr.contains("api_key_env") && !set.stderr.contains("sk-never-stored"), "{}", set.stderr);
+
+    // Outside any desktop session there is no bus address at all; zbus then tries a socket in
+    // XDG_RUNTIME_DIR, here an empty directory so that no real session bus can answer.
+    let unset = [("DBUS_SESSION_BUS_ADDRESS", None), ("XDG_RUNTIME_DIR", Some(path(dir.path())))];
+    let out = baton(&["keys", "delete", "gemini"], None, &unset).await;
+    assert_eq!(out.code, Some(1), "{}", out.stderr);
+    assert!(out.stderr.contains("DBUS_SESSION_BUS_ADDRESS is unset, so there is no D-Bus session"), "{}", out.stderr);
+    assert!(out.stderr.contains("api_key_env"), "{}", out.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_targets_are_bad_input_with_the_valid_names() {
+    let unknown = baton(&["keys", "set", "openia"], Some("sk-0123456789abcdef\n"), &[]).await;
+    assert_eq!(unknown.code, Some(2), "{}", unknown.stderr);
+    assert!(
+        unknown
+            .stderr
+            .contains("unknown provider \"openia\"; valid providers: openai, anthropic, gemini, openai-compatible"),
+        "{}",
+        unknown.stderr
+    );
+    let no_url = baton(&["keys", "delete", "openai-compatible"], None, &[]).await;
+    assert_eq!(no_url.code, Some(2), "{}", no_url.stderr);
+    assert!(no_url.stderr.contains("--base-url"), "{}", no_url.stderr);
+    let local = baton(&["keys", "set", "local"], Some("x\n"), &[]).await;
+    assert_eq!(local.code, Some(2), "{}", local.stderr);
+    // There is no way to pass the key as an argument.
+    let as_arg = baton(&["keys", "set", "openai", "sk-on-the-command-line"], None, &[]).await;
+    assert_eq!(as_arg.code, Some(2), "{}", as_arg.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_piped_key_is_stored_listed_by_its_last_four_characters_and_deleted() {
+    if !private_keychain() {
+        return;
+    }
+    let key = "sk-cli-roundtrip-0123456789-abcd";
+    let dir = tempfile::tempdir().expect("tempdir");
+    let missing_pool = dir.path().join("none.toml");
+    let pool = dir.path().join("pool.toml");
+    std::fs::write(
+        &pool,
+        "[[worker]]\nname = \"gpt\"\nprovider = \"openai\"\nmodel = \"gpt-5\"\napi_key_env = \"BATON_KEYS_TEST_UNSET\"\n\
+         [[worker]]\nname = \"vllm\"\nprovider = \"openai-compatible\"\nmodel = \"m\"\nbase_url = \"http://127.0.0.1:9/v1/\"\n",
+    )
+    .expect("write pool");
+
+    let empty = baton(&["keys", "set", "openai"], Some("\n"), &[]).await;
+    assert_eq!(empty.code, Some(2), "{}", empty.stderr);
+    assert!(empty.stderr.contains("no key given"), "{}", empty.stderr);
+
+    let set = baton(&["keys", "set", "openai"], Some(&format!("{key}\n")), &[]).await;
+    assert_eq!(set.code, Some(0), "{}", set.stderr);
+    assert_eq!(set.stdout, "stored the openai key (…abcd)\n");
+
+    let list = baton(&["keys", "list", "--json", "--pool", path(&missing_pool)], None, &[]).await;
+    assert_eq!(list.code, Some(0), "{}", list.stderr);
+    let lines = json_lines(&list.stdout);
+    assert_eq!(
+        lines.iter().map(|l| l["account"].as_str().expect("account")).collect::<Vec<_>>(),
+        ["openai", "anthropic", "gemini"]
+    );
+    assert_eq!(entry(&lines, "openai")["stored"], true);
+    assert_eq!(entry(&lines, "openai")["last4"], "abcd");
+
+    // With a pool: its OpenAI-compatible servers are listed, and api_key_env overrides shown.
+    let with_pool = baton(&["keys", "list", "--json", "--pool", path(&pool)], None, &[]).await;
+    assert_eq!(with_pool.code, Some(0), "{}", with_pool.stderr);
+    let lines = json_lines(&with_pool.stdout);
+    assert_eq!(lines.len(), 4, "{lines:?}");
+    assert_eq!(
+        entry(&lines, "openai")["overridden_by"],
+        serde_json::json!([{"worker": "gpt", "env": "BATON_KEYS_TEST_UNSET", "env_set": false}])
+    );
+    assert_eq!(entry(&lines, "openai-compatible:http://127.0.0.1:9/v1")["stored"], false);
+    let text = baton(&["keys", "list", "--pool", path(&pool)], None, &[]).await;
+    assert_eq!(text.code, Some(0), "{}", text.stderr);
+    assert!(text.stdout.contains("stored (…abcd)"), "{}", text.stdout);
+    assert!(text.stdout.contains("worker \"gpt\" uses $BATON_KEYS_TEST_UNSET instead"), "{}", text.stdout);
+
+    for out in [&set, &list, &with_pool, &text] {
+        assert!(!out.stdout.contains(key) && !out.stderr.contains(key), "the key leaked: {out:?}");
+        assert!(!out.stdout.contains("0123456789"), "more than the last four shown: {out:?}");
+    }
+
+    let delete = baton(&["keys", "delete", "openai"], None, &[]).await;
+    assert_eq!(delete.code, Some(0), "{}", delete.stderr);
+    assert_eq!(delete.stdout, "deleted the openai key\n");
+    let again = baton(&["keys", "delete", "openai"], None, &[]).await;
+    assert_eq!(again.stdout, "no openai key was stored\n");
+
+    let list = baton(&["keys", "list", "--json", "--pool", path(&missing_pool)], None, &[]).await;
+    assert_eq!(list.code, Some(0), "{}", list.stderr);
+    let lines = json_lines(&list.stdout);
+    assert_eq!(entry(&lines, "openai")["stored"], false);
+    assert_eq!(entry(&lines, "openai")["last4"], Value::Null);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_worker_without_api_key_env_gets_its_key_from_the_keychain() {
+    if !private_keychain() {
+        return;
+    }
+    let s = TestServer::start_with(Options { key: Some(TEST_KEY.into()), ..Options::default() }).await.expect("server");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = dir.path().join("pool.toml");
+    let mut text = "[retry]\ninitial_delay_ms = 10\nmax_delay_ms = 100\n".to_owned();
+    for name in ["first", "second", "third"] {
+        text.push_str(&format!(
+            "\n[[worker]]\nname = \"{name}\"\nprovider = \"anthropic\"\nmodel = \"{name}\"\nbase_url = \"{}\"\n",
+            s.base_url(Wire::Anthropic)
+        ));
+    }
+    std::fs::write(&pool, text).expect("write pool");
+    let plan = fixture("chain-plan.txt");
+    let ask = ["ask", "--pool", path(&pool), "--plan", path(&plan), "What is 2+2?"];
+
+    let set = baton(&["keys", "set", "anthropic"], Some(&format!("{TEST_KEY}\n")), &[]).await;
+    assert_eq!(set.code, Some(0), "{}", set.stderr);
+
+    let out = baton(&ask, None, &[]).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert_eq!(out.stdout, "third (saw 2 earlier answers) answers: Write the final answer.\n");
+    assert_eq!(s.requests().len(), 3, "every step reached the server with the stored key");
+    assert!(!out.stdout.contains(TEST_KEY) && !out.stderr.contains(TEST_KEY));
+
+    // The key is read per request: once it is deleted, the next run has none and says how to
+    // store one.
+    let delete = baton(&["keys", "delete", "anthropic"], None, &[]).await;
+    assert_eq!(delete.code, Some(0), "{}", delete.stderr);
+    let out = baton(&ask, None, &[]).await;
+    assert_ne!(out.code, Some(0), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("no anthropic key: run `baton keys set anthropic` or set api_key_env in the pool"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(s.requests().len(), 3, "no request went out without a key");
+}

@@ -1,0 +1,243 @@
+//! Provider API keys in the OS keychain: the Secret Service on Linux (gnome-keyring, KeePassXC),
+//! the Keychain on macOS, the Credential Manager on Windows.
+//!
+//! Every key is one entry under the service `baton`; the entry's account says whose key it is
+//! (see [`account`]). Keys are read when a request needs them and are never copied anywhere
+//! else: there is deliberately no fallback to a file or to memory, because a key the user
+//! believes is in the keychain must not quietly end up on disk. Without a usable keychain every
+//! operation fails with a [`SecretsError`] that says what is missing and points at the
+//! alternative, an environment variable named by `api_key_env` in the pool.
+
+use baton_providers::{ApiKey, ProviderKind};
+use keyring::Entry;
+use keyring::Error as KeyringError;
+
+/// The keychain service every Baton entry is filed under.
+pub const SERVICE: &str = "baton";
+
+/// The providers that have one key each, whatever their base URL.
+pub const KEYED_PROVIDERS: [ProviderKind; 3] = [ProviderKind::OpenAi, ProviderKind::Anthropic, ProviderKind::Gemini];
+
+/// The keychain account holding `provider`'s key.
+///
+/// OpenAI, Anthropic and Gemini have one key per provider, even when a pool points them at
+/// another base URL (a proxy still wants the user's provider key). OpenAI-compatible servers are
+/// unrelated to each other, so each base URL gets its own entry; the URL is normalised so that
+/// `http://host/v1/` and `http://host/v1` share one.
+pub fn account(provider: ProviderKind, base_url: Option<&str>) -> String {
+    match (provider, base_url) {
+        (ProviderKind::OpenAiCompatible, Some(url)) => {
+            format!("{}:{}", provider.as_str(), url.trim().trim_end_matches('/'))
+        }
+        _ => provider.as_str().to_owned(),
+    }
+}
+
+/// What went wrong with the keychain. Messages never contain a key.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretsError {
+    /// There is no keychain to talk to (no Secret Service, no D-Bus session bus).
+    #[error("no OS keychain is available: {missing} ({cause}). {hint}", missing = MISSING, hint = NO_KEYCHAIN_HINT)]
+    NoKeychain { cause: String },
+    /// The keychain is there but refused access, typically because its collection is locked.
+    #[error(
+        "the OS keychain is locked, has no default keyring or refused access ({cause}); unlock it (log in \
+         to the desktop session, or unlock or create the login keyring in your keyring manager) and try \
+         again, or export the key in the environment variable named by api_key_env in the pool"
+    )]
+    Locked { cause: String },
+    /// Any other failure of the platform's keychain.
+    #[error("the OS keychain failed: {cause}")]
+    Platform { cause: String },
+    /// An empty key would only turn into confusing authentication errors later.
+    #[error("refusing to store an empty key")]
+    EmptyKey,
+}
+
+#[cfg(all(unix, not(any(target_os = "macos", target_os = "ios", target_os = "android"))))]
+const MISSING: &str = "no Secret Service could be reached over the D-Bus session bus";
+
+#[cfg(all(unix, not(any(target_os = "macos", target_os = "ios", target_os = "android"))))]
+const NO_KEYCHAIN_HINT: &str = "Install and start gnome-keyring (`apt install gnome-keyring`) or enable \
+     KeePassXC's Secret Service integration; either needs a D-Bus session (DBUS_SESSION_BUS_ADDRESS). Or \
+     export the key in the environment variable named by api_key_env in the pool instead";
+
+#[cfg(not(all(unix, not(any(target_os = "macos", target_os = "ios", target_os = "android")))))]
+const MISSING: &str = "the platform's credential store could not be opened";
+
+#[cfg(not(all(unix, not(any(target_os = "macos", target_os = "ios", target_os = "android")))))]
+const NO_KEYCHAIN_HINT: &str = "Export the key in the environment variable named by api_key_env in the pool instead";
+
+/// Whether a key is stored for an account, and enough of it to recognise which one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyStatus {
+    pub account: String,
+    pub stored: bool,
+    /// The key's last four characters; `None` when nothing is stored or the key is too short
+    /// for four characters to be harmless (see [`last4`]).
+    pub last4: Option<String>,
+}
+
+/// The last four characters of `key`, but only for keys of 12 characters or more: on a short
+/// key four characters are too large a share of the secret to print.
+pub fn last4(key: &str) -> Option<String> {
+    let count = key.chars().count();
+    (count >= 12).then(|| key.chars().skip(count - 4).collect())
+}
+
+/// The keychain, opened. Holds nothing itself: every call reaches the platform store, so a key
+/// is never kept in this process longer than the caller keeps the returned [`ApiKey`].
+#[derive(Debug, Clone, Copy)]
+pub struct KeyStore {
+    _opened: (),
+}
+
+impl KeyStore {
+    /// Connects to the platform's keychain, or says why there is none.
+    ///
+    /// keyring sets its store up once per process, on first use, and does not retry; the cause
+    /// of a failure is kept and reported on every later call.
+    pub fn open() -> Result<KeyStore, SecretsError> {
+        match Entry::store_status() {
+            Ok(()) => Ok(KeyStore { _opened: () }),
+            Err(e) => Err(SecretsError::NoKeychain { cause: setup_cause(e) }),
+        }
+    }
+
+    /// Stores `key` for `account`, replacing any key stored before.
+    pub fn set(&self, account: &str, key: &str) -> Result<(), SecretsError> {
+        if key.is_empty() {
+            return Err(SecretsError::EmptyKey);
+        }
+        entry(account)?.set_password(key).map_err(|e| classify(e, account))
+    }
+
+    /// The key stored for `account`, if any.
+    pub fn get(&self, account: &str) -> Result<Option<ApiKey>, SecretsError> {
+        match entry(account)?.get_password() {
+            Ok(key) => Ok(Some(ApiKey::new(key))),
+            Err(KeyringError::NoEntry) => Ok(None),
+            Err(e) => Err(classify(e, account)),
+        }
+    }
+
+    /// Removes the key stored for `account`; `false` when there was none.
+    pub fn delete(&self, account: &str) -> Result<bool, SecretsError> {
+        match entry(account)?.delete_credential() {
+            Ok(()) => Ok(true),
+            Err(KeyringError::NoEntry) => Ok(false),
+            Err(e) => Err(classify(e, account)),
+        }
+    }
+
+    /// Whether each of `accounts` has a key, with its last four characters; never the key.
+    pub fn list(&self, accounts: &[String]) -> Result<Vec<KeyStatus>, SecretsError> {
+        accounts
+            .iter()
+            .map(|account| {
+                let key = self.get(account)?;
+                Ok(KeyStatus {
+                    account: account.clone(),
+                    stored: key.is_some(),
+                    last4: key.and_then(|k| last4(k.expose())),
+                })
+            })
+            .collect()
+    }
+}
+
+fn entry(account: &str) -> Result<Entry, SecretsError> {
+    Entry::new(SERVICE, account).map_err(|e| match e {
+        // Only reachable if the store vanished after `open`; report the setup's own cause.
+        KeyringError::NoDefaultStore => SecretsError::NoKeychain {
+            cause: Entry::store_status().as_ref().err().map_or_else(|| describe(&e), setup_cause),
+        },
+        e => classify(e, account),
+    })
+}
+
+/// Maps keyring's errors onto ours. Variants that carry secret bytes are described without them.
+fn classify(e: KeyringError, account: &str) -> SecretsError {
+    match e {
+        KeyringError::NoStorageAccess(cause) => SecretsError::Locked { cause: cause.to_string() },
+        KeyringError::NoDefaultStore => SecretsError::NoKeychain { cause: describe(&e) },
+        KeyringError::BadEncoding(_) | KeyringError::BadDataFormat(..) => SecretsError::Platform {
+            cause: format!("the stored {account} key is not valid UTF-8 text; store it again with `baton keys set`"),
+        },
+        KeyringError::Ambiguous(items) => SecretsError::Platform {
+            cause: format!(
+                "{} keychain items match service {SERVICE}, account {account}; delete them all and store the key again",
+                items.len()
+            ),
+        },
+        e => SecretsError::Platform { cause: describe(&e) },
+    }
+}
+
+/// Why the store could not be set up. The commonest cause, a process started outside any
+/// desktop session (ssh, cron, containers), is named outright: zbus's own words for it are a
+/// failed connection to a socket path the user never chose.
+fn setup_cause(e: &KeyringError) -> String {
+    let cause = describe(e);
+    if cfg!(all(unix, not(any(target_os = "macos", target_os = "ios", target_os = "android"))))
+        && std::env::var_os("DBUS_SESSION_BUS_ADDRESS").is_none()
+    {
+        return format!("DBUS_SESSION_BUS_ADDRESS is unset, so there is no D-Bus session: {cause}");
+    }
+    cause
+}
+
+fn describe(e: &KeyringError) -> String {
+    match e {
+        // keyring's own words for these name its internals ("default store", "platform
+        // failure"); the platform's cause is what helps the user.
+        KeyringError::PlatformFailure(cause) | KeyringError::NoStorageAccess(cause) => cause.to_string(),
+        KeyringError::NoDefaultStore => "no credential store could be set up".to_owned(),
+        e => e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accounts_are_provider_names_and_compatible_servers_are_told_apart_by_url() {
+        assert_eq!(account(ProviderKind::OpenAi, None), "openai");
+        assert_eq!(account(ProviderKind::OpenAi, Some("http://proxy/v1")), "openai", "one key per provider");
+        assert_eq!(account(ProviderKind::Anthropic, None), "anthropic");
+        assert_eq!(account(ProviderKind::Gemini, None), "gemini");
+        assert_eq!(
+            account(ProviderKind::OpenAiCompatible, Some("http://127.0.0.1:8000/v1/")),
+            "openai-compatible:http://127.0.0.1:8000/v1"
+        );
+        assert_eq!(
+            account(ProviderKind::OpenAiCompatible, Some("http://127.0.0.1:8000/v1//")),
+            account(ProviderKind::OpenAiCompatible, Some("http://127.0.0.1:8000/v1"))
+        );
+        assert_ne!(
+            account(ProviderKind::OpenAiCompatible, Some("http://a/v1")),
+            account(ProviderKind::OpenAiCompatible, Some("http://b/v1"))
+        );
+    }
+
+    #[test]
+    fn only_long_keys_show_their_last_four_characters() {
+        assert_eq!(last4("sk-0123456789"), Some("6789".to_owned()));
+        assert_eq!(last4("123456789012"), Some("9012".to_owned()), "12 is long enough");
+        assert_eq!(last4("12345678901"), None, "11 is not");
+        assert_eq!(last4(""), None);
+        assert_eq!(last4("ключ-ключ-ключ"), Some("ключ".to_owned()), "characters, not bytes");
+    }
+
+    #[test]
+    fn no_keychain_says_what_to_install_and_mentions_api_key_env() {
+        let message = SecretsError::NoKeychain { cause: "no dbus session found".into() }.to_string();
+        assert!(message.contains("no dbus session found"), "{message}");
+        assert!(message.contains("api_key_env"), "{message}");
+        #[cfg(target_os = "linux")]
+        assert!(message.contains("apt install gnome-keyring") && message.contains("D-Bus"), "{message}");
+        let locked = SecretsError::Locked { cause: "object locked".into() }.to_string();
+        assert!(locked.contains("unlock") && locked.contains("api_key_env"), "{locked}");
+    }
+}
