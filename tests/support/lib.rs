@@ -55,12 +55,24 @@ pub struct Output {
 
 /// Runs the binary `bin` with `args`, `stdin` and the test key in the environment.
 pub async fn run(bin: &Path, args: &[&str], stdin: Option<&str>, key: &str) -> Output {
-    let mut child = tokio::process::Command::new(bin)
+    run_with(bin, args, stdin, &[("BATON_E2E_KEY", Some(key))]).await
+}
+
+/// Runs the binary `bin` with `args`, `stdin`, and `env` on top of this process's environment
+/// (`None` removes a variable).
+pub async fn run_with(bin: &Path, args: &[&str], stdin: Option<&str>, env: &[(&str, Option<&str>)]) -> Output {
+    let mut command = tokio::process::Command::new(bin);
+    // Runs are recorded by default: into a history of the test process's own, never the
+    // user's (a test's explicit --db or env entry wins over this).
+    command.env("BATON_DB", test_history());
+    for (name, value) in env {
+        match value {
+            Some(value) => command.env(name, value),
+            None => command.env_remove(name),
+        };
+    }
+    let mut child = command
         .args(args)
-        .env("BATON_E2E_KEY", key)
-        // Runs are recorded by default: into a history of the test process's own, never the
-        // user's (a test's explicit --db wins over this).
-        .env("BATON_DB", test_history())
         .env("NO_COLOR", "1")
         .env_remove("BATON_POOL")
         .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
@@ -71,7 +83,8 @@ pub async fn run(bin: &Path, args: &[&str], stdin: Option<&str>, key: &str) -> O
         .expect("spawn");
     if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
         use tokio::io::AsyncWriteExt;
-        pipe.write_all(text.as_bytes()).await.expect("write stdin");
+        // A command that fails before reading its input closes the pipe; that is its answer.
+        let _ = pipe.write_all(text.as_bytes()).await;
     }
     let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
         .await
@@ -82,4 +95,27 @@ pub async fn run(bin: &Path, args: &[&str], stdin: Option<&str>, key: &str) -> O
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
     }
+}
+
+/// Whether the tests that store keys may run: only in the throwaway keyring `scripts/test`
+/// starts (marked by `BATON_TEST_KEYRING=private`), never against one that may be the user's
+/// own. Anything else fails, so a missing keychain cannot pass for a working one, unless the
+/// user skips them with `BATON_SKIP_KEYCHAIN_TESTS=1`.
+pub fn private_keychain() -> bool {
+    if std::env::var("BATON_SKIP_KEYCHAIN_TESTS").is_ok_and(|v| v == "1") {
+        eprintln!("keychain tests skipped (BATON_SKIP_KEYCHAIN_TESTS=1)");
+        return false;
+    }
+    assert!(
+        std::env::var_os("DBUS_SESSION_BUS_ADDRESS").is_some(),
+        "no D-Bus session bus (DBUS_SESSION_BUS_ADDRESS is unset): run these tests through scripts/test, \
+         which starts a private bus with a throwaway gnome-keyring, or set BATON_SKIP_KEYCHAIN_TESTS=1"
+    );
+    assert!(
+        std::env::var("BATON_TEST_KEYRING").is_ok_and(|v| v == "private"),
+        "refusing to write to what may be your own keyring: run these tests through scripts/test, which \
+         starts a private bus with a throwaway gnome-keyring (and sets BATON_TEST_KEYRING=private), \
+         or set BATON_SKIP_KEYCHAIN_TESTS=1"
+    );
+    true
 }

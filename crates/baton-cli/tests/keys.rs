@@ -2,75 +2,15 @@
 //! (the private gnome-keyring scripts/test starts) and against a machine with no keychain at all.
 
 use std::path::Path;
-use std::process::Stdio;
-use std::time::Duration;
 
-use baton_tests::{TEST_KEY, fixture};
+use baton_tests::{Output, TEST_KEY, fixture, private_keychain};
 use baton_testserver::{Options, TestServer, Wire};
 use serde_json::Value;
 
-#[derive(Debug)]
-struct Output {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
-/// Runs the `baton` binary with `args`, `stdin` piped in and `env` on top of this process's
-/// environment (which carries the test session's D-Bus address); `None` removes a variable.
+/// Runs the `baton` binary with `stdin` piped in and `env` on top of this process's environment
+/// (which carries the test session's D-Bus address); `None` removes a variable.
 async fn baton(args: &[&str], stdin: Option<&str>, env: &[(&str, Option<&str>)]) -> Output {
-    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_baton"));
-    for (name, value) in env {
-        match value {
-            Some(value) => command.env(name, value),
-            None => command.env_remove(name),
-        };
-    }
-    let mut child = command
-        .args(args)
-        .env("NO_COLOR", "1")
-        .env_remove("BATON_POOL")
-        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn");
-    if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        use tokio::io::AsyncWriteExt;
-        // A command that fails before reading its input closes the pipe; that is its answer.
-        let _ = pipe.write_all(text.as_bytes()).await;
-    }
-    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
-        .await
-        .expect("finished within 60 s")
-        .expect("ran");
-    Output {
-        code: out.status.code(),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
-}
-
-/// Whether the tests that store keys may run: only in the throwaway keyring scripts/test starts,
-/// never against one that may be the user's own. Anything else fails unless explicitly skipped.
-fn private_keychain() -> bool {
-    if std::env::var("BATON_SKIP_KEYCHAIN_TESTS").is_ok_and(|v| v == "1") {
-        eprintln!("keychain tests skipped (BATON_SKIP_KEYCHAIN_TESTS=1)");
-        return false;
-    }
-    assert!(
-        std::env::var_os("DBUS_SESSION_BUS_ADDRESS").is_some(),
-        "no D-Bus session bus (DBUS_SESSION_BUS_ADDRESS is unset): run these tests through scripts/test, \
-         which starts a private bus with a throwaway gnome-keyring, or set BATON_SKIP_KEYCHAIN_TESTS=1"
-    );
-    assert!(
-        std::env::var("BATON_TEST_KEYRING").is_ok_and(|v| v == "private"),
-        "refusing to write to what may be your own keyring: run these tests through scripts/test, which \
-         starts a private bus with a throwaway gnome-keyring (and sets BATON_TEST_KEYRING=private), \
-         or set BATON_SKIP_KEYCHAIN_TESTS=1"
-    );
-    true
+    baton_tests::run_with(Path::new(env!("CARGO_BIN_EXE_baton")), args, stdin, env).await
 }
 
 fn path(p: &Path) -> &str {
@@ -222,7 +162,8 @@ async fn a_worker_without_api_key_env_gets_its_key_from_the_keychain() {
     }
     std::fs::write(&pool, text).expect("write pool");
     let plan = fixture("chain-plan.txt");
-    let ask = ["ask", "--pool", path(&pool), "--plan", path(&plan), "What is 2+2?"];
+    let db = dir.path().join("history.sqlite");
+    let ask = ["ask", "--pool", path(&pool), "--plan", path(&plan), "--db", path(&db), "What is 2+2?"];
 
     let set = baton(&["keys", "set", "anthropic"], Some(&format!("{TEST_KEY}\n")), &[]).await;
     assert_eq!(set.code, Some(0), "{}", set.stderr);
@@ -232,6 +173,11 @@ async fn a_worker_without_api_key_env_gets_its_key_from_the_keychain() {
     assert_eq!(out.stdout, "third (saw 2 earlier answers) answers: Write the final answer.\n");
     assert_eq!(s.requests().len(), 3, "every step reached the server with the stored key");
     assert!(!out.stdout.contains(TEST_KEY) && !out.stderr.contains(TEST_KEY));
+    // Nor did the key go into the history: the database, its WAL, its lock files.
+    for entry in std::fs::read_dir(dir.path()).expect("dir").flatten().filter(|e| e.path().is_file()) {
+        let bytes = std::fs::read(entry.path()).expect("read");
+        assert!(!bytes.windows(TEST_KEY.len()).any(|w| w == TEST_KEY.as_bytes()), "{:?} holds the key", entry.path());
+    }
 
     // The key is read per request: once it is deleted, the next run has none and says how to
     // store one.

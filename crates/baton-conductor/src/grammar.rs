@@ -61,71 +61,55 @@ impl PlanGrammar {
 
     /// Lark in llguidance's dialect, for the local conductor.
     pub fn to_lark(&self) -> String {
-        let mut g = String::new();
-        let _ = writeln!(g, "start: REASONING {} plan {}", lark_str(FENCE_OPEN), lark_str(FENCE_CLOSE));
-        let _ = writeln!(g, "REASONING: /[^`]{{0,{}}}/", self.max_reasoning_chars);
-        let plans: Vec<String> = self.step_counts().map(|n| format!("plan_{n}")).collect();
-        let _ = writeln!(g, "plan: {}", plans.join(" | "));
-        for n in self.step_counts() {
-            let pieces = plan_pieces(n, "id", "SUBTASK", |i| format!("access_{i}"));
-            let line: Vec<String> = pieces
-                .into_iter()
-                .map(|p| match p {
-                    Piece::Lit(s) => lark_str(&s),
-                    Piece::Ref(r) => r,
-                })
-                .collect();
-            let _ = writeln!(g, "plan_{n}: {}", line.join(" "));
-        }
-        let ids: Vec<String> = self.model_ids.iter().map(|i| lark_str(&i.to_string())).collect();
-        let _ = writeln!(g, "id: {}", ids.join(" | "));
-        let _ = writeln!(g, "SUBTASK: /\"{SUBTASK_FIRST}{SUBTASK_REST}{{0,{}}}\"/", self.rest_chars());
-        for i in 0..self.longest() {
-            let fixed = format!("{} | {}", lark_str(NO_ACCESS), lark_str(ALL));
-            if i == 0 {
-                let _ = writeln!(g, "access_0: {fixed}");
-                continue;
-            }
-            let earlier: Vec<String> = (0..i).map(|j| lark_str(&j.to_string())).collect();
-            let _ = writeln!(g, "earlier_{i}: {}", earlier.join(" | "));
-            // llguidance rejects a {0,0} repetition, so step 1's list is written out.
-            let more = if i > 1 { format!(" ({} earlier_{i}){{0,{}}}", lark_str(SEP), i - 1) } else { String::new() };
-            let _ = writeln!(g, "access_{i}: {fixed} | \"[\" earlier_{i}{more} \"]\"");
-        }
-        g
+        let reasoning = format!("/[^`]{{0,{}}}/", self.max_reasoning_chars);
+        let subtask = format!("/\"{SUBTASK_FIRST}{SUBTASK_REST}{{0,{}}}\"/", self.rest_chars());
+        self.to_bnf(&LARK, &reasoning, &subtask)
     }
 
     /// GBNF for llama.cpp's server (`"grammar"` in the request).
     pub fn to_gbnf(&self) -> String {
+        let reasoning = format!("[^`]{{0,{}}}", self.max_reasoning_chars);
+        let subtask = format!("\"\\\"\" {SUBTASK_FIRST} {SUBTASK_REST}{{0,{}}} \"\\\"\"", self.rest_chars());
+        self.to_bnf(&GBNF, &reasoning, &subtask)
+    }
+
+    /// The rules, in the spelling of `syntax`; `reasoning` and `subtask` are the bodies of the
+    /// two rules whose notation differs most between the dialects.
+    fn to_bnf(&self, syntax: &Syntax, reasoning: &str, subtask: &str) -> String {
+        let Syntax { start, define, sep, reasoning: reasoning_rule, subtask: subtask_rule } = *syntax;
         let mut g = String::new();
-        let _ = writeln!(g, "root ::= reasoning {} plan {}", gbnf_str(FENCE_OPEN), gbnf_str(FENCE_CLOSE));
-        let _ = writeln!(g, "reasoning ::= [^`]{{0,{}}}", self.max_reasoning_chars);
-        let plans: Vec<String> = self.step_counts().map(|n| format!("plan-{n}")).collect();
-        let _ = writeln!(g, "plan ::= {}", plans.join(" | "));
+        let mut rule = |name: &str, body: &str| {
+            let _ = writeln!(g, "{name}{define} {body}");
+        };
+        rule(start, &format!("{reasoning_rule} {} plan {}", quote(FENCE_OPEN), quote(FENCE_CLOSE)));
+        rule(reasoning_rule, reasoning);
+        let plans: Vec<String> = self.step_counts().map(|n| format!("plan{sep}{n}")).collect();
+        rule("plan", &plans.join(" | "));
         for n in self.step_counts() {
-            let pieces = plan_pieces(n, "id", "subtask", |i| format!("access-{i}"));
+            let pieces = plan_pieces(n, "id", subtask_rule, |i| format!("access{sep}{i}"));
             let line: Vec<String> = pieces
                 .into_iter()
                 .map(|p| match p {
-                    Piece::Lit(s) => gbnf_str(&s),
+                    Piece::Lit(s) => quote(&s),
                     Piece::Ref(r) => r,
                 })
                 .collect();
-            let _ = writeln!(g, "plan-{n} ::= {}", line.join(" "));
+            rule(&format!("plan{sep}{n}"), &line.join(" "));
         }
-        let ids: Vec<String> = self.model_ids.iter().map(|i| gbnf_str(&i.to_string())).collect();
-        let _ = writeln!(g, "id ::= {}", ids.join(" | "));
-        let _ = writeln!(g, "subtask ::= \"\\\"\" {SUBTASK_FIRST} {SUBTASK_REST}{{0,{}}} \"\\\"\"", self.rest_chars());
+        let ids: Vec<String> = self.model_ids.iter().map(|i| quote(&i.to_string())).collect();
+        rule("id", &ids.join(" | "));
+        rule(subtask_rule, subtask);
         for i in 0..self.longest() {
-            let fixed = format!("{} | {}", gbnf_str(NO_ACCESS), gbnf_str(ALL));
+            let fixed = format!("{} | {}", quote(NO_ACCESS), quote(ALL));
             if i == 0 {
-                let _ = writeln!(g, "access-0 ::= {fixed}");
+                rule(&format!("access{sep}0"), &fixed);
                 continue;
             }
-            let earlier: Vec<String> = (0..i).map(|j| gbnf_str(&j.to_string())).collect();
-            let _ = writeln!(g, "earlier-{i} ::= {}", earlier.join(" | "));
-            let more = if i > 1 { format!(" ({} earlier-{i}){{0,{}}}", gbnf_str(SEP), i - 1) } else { String::new() };
-            let _ = writeln!(g, "access-{i} ::= {fixed} | \"[\" earlier-{i}{more} \"]\"");
+            let earlier: Vec<String> = (0..i).map(|j| quote(&j.to_string())).collect();
+            rule(&format!("earlier{sep}{i}"), &earlier.join(" | "));
+            // llguidance rejects a {0,0} repetition, so step 1's list is written out.
+            let more = if i > 1 { format!(" ({} earlier{sep}{i}){{0,{}}}", quote(SEP), i - 1) } else { String::new() };
+            rule(&format!("access{sep}{i}"), &format!("{fixed} | \"[\" earlier{sep}{i}{more} \"]\""));
         }
         g
     }
@@ -167,6 +151,21 @@ impl PlanGrammar {
     }
 }
 
+/// How Lark and GBNF spell the same rules.
+struct Syntax {
+    start: &'static str,
+    define: &'static str,
+    /// Joins a rule's name and number: Lark allows `_`, GBNF only letters, digits and `-`.
+    sep: &'static str,
+    reasoning: &'static str,
+    subtask: &'static str,
+}
+
+/// llguidance reads upper-case rules as terminals (lexemes): the reasoning and a subtask are one
+/// regular expression each, as they were written.
+const LARK: Syntax = Syntax { start: "start", define: ":", sep: "_", reasoning: "REASONING", subtask: "SUBTASK" };
+const GBNF: Syntax = Syntax { start: "root", define: " ::=", sep: "-", reasoning: "reasoning", subtask: "subtask" };
+
 /// A piece of one plan alternative: fixed text, or a reference to a rule or sub-expression.
 enum Piece {
     Lit(String),
@@ -207,7 +206,7 @@ fn group(alternatives: impl IntoIterator<Item = String>) -> String {
 }
 
 /// A double-quoted string literal as Lark and GBNF both write it.
-fn lark_str(s: &str) -> String {
+fn quote(s: &str) -> String {
     let mut out = String::from("\"");
     for c in s.chars() {
         match c {
@@ -220,10 +219,6 @@ fn lark_str(s: &str) -> String {
     }
     out.push('"');
     out
-}
-
-fn gbnf_str(s: &str) -> String {
-    lark_str(s)
 }
 
 fn regex_escape(s: &str) -> String {

@@ -12,22 +12,8 @@ use baton_secrets::{KeyStatus, KeyStore, SERVICE, SecretsError, account};
 /// The store, or `None` when the user chose to skip these tests; anything else that keeps them
 /// from running is a failure, so that a missing keychain cannot pass for a working one.
 fn keychain() -> Option<KeyStore> {
-    if std::env::var("BATON_SKIP_KEYCHAIN_TESTS").is_ok_and(|v| v == "1") {
-        eprintln!("keychain tests skipped (BATON_SKIP_KEYCHAIN_TESTS=1)");
-        return None;
-    }
-    assert!(
-        std::env::var_os("DBUS_SESSION_BUS_ADDRESS").is_some(),
-        "no D-Bus session bus (DBUS_SESSION_BUS_ADDRESS is unset): run these tests through scripts/test, \
-         which starts a private bus with a throwaway gnome-keyring, or set BATON_SKIP_KEYCHAIN_TESTS=1"
-    );
-    assert!(
-        std::env::var("BATON_TEST_KEYRING").is_ok_and(|v| v == "private"),
-        "refusing to write to what may be your own keyring: run these tests through scripts/test, which \
-         starts a private bus with a throwaway gnome-keyring (and sets BATON_TEST_KEYRING=private), \
-         or set BATON_SKIP_KEYCHAIN_TESTS=1"
-    );
-    Some(KeyStore::open().unwrap_or_else(|e| panic!("the keychain should be usable here: {e}")))
+    baton_tests::private_keychain()
+        .then(|| KeyStore::open().unwrap_or_else(|e| panic!("the keychain should be usable here: {e}")))
 }
 
 /// What `secret-tool` finds under the attributes keyring's Secret Service store writes.
