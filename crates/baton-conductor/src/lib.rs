@@ -7,12 +7,15 @@
 //! - [`conductor`]: the [`Planner`](baton_engine::Planner)s: [`LocalConductor`] on mistral.rs
 //!   and [`RemoteConductor`] on any OpenAI-compatible endpoint.
 //! - [`local`]: loading GGUF/safetensors models in process, for the conductor and `local` workers.
+//! - [`setup`]: from a pool (and overrides) to a planner and in-process workers, shared by the
+//!   command line and the desktop app.
 
 pub mod conductor;
 pub mod grammar;
 #[cfg(feature = "local")]
 pub mod local;
 pub mod prompt;
+pub mod setup;
 
 #[cfg(feature = "local")]
 pub use conductor::LocalConductor;

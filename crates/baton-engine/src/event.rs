@@ -22,7 +22,7 @@ use crate::pool::WorkerInfo;
 /// (`dependency_failed`), or when the run stops while it waits for a free slot at its provider
 /// (`cancelled`). Steps that never became ready get no event. The run ends with exactly one of
 /// `RunFinished`, `RunFailed` or `RunCancelled`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ts_rs::TS)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum RunEvent {
     RunStarted {
@@ -110,7 +110,7 @@ pub enum RunEvent {
 }
 
 /// A step of a particular round.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ts_rs::TS)]
 pub struct StepRef {
     pub round: u32,
     pub step: usize,
@@ -124,7 +124,7 @@ impl RunEvent {
 }
 
 /// Why a step failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ts_rs::TS)]
 #[serde(rename_all = "snake_case")]
 pub enum StepErrorKind {
     Auth,
@@ -163,7 +163,7 @@ impl From<ErrorKind> for StepErrorKind {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ts_rs::TS)]
 pub struct StepError {
     pub kind: StepErrorKind,
     pub message: String,
@@ -173,7 +173,7 @@ pub struct StepError {
 }
 
 /// Why a run ended without an answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ts_rs::TS)]
 #[serde(rename_all = "snake_case")]
 pub enum RunErrorKind {
     /// The plan does not fit the pool or the limits.
@@ -186,14 +186,14 @@ pub enum RunErrorKind {
     Conductor,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ts_rs::TS)]
 pub struct RunError {
     pub kind: RunErrorKind,
     pub message: String,
 }
 
 /// Running totals of a run.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ts_rs::TS)]
 pub struct Totals {
     /// Provider calls, retries included.
     pub calls: u32,

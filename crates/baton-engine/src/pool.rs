@@ -632,7 +632,7 @@ fn check_url(raw: &str) -> Result<String, String> {
 }
 
 /// What the conductor and the UI may know of a pool: no URLs, no key names.
-#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize, ts_rs::TS)]
 pub struct WorkerInfo {
     pub index: usize,
     pub name: String,

@@ -13,7 +13,8 @@ pub const DEFAULT_MAX_STEPS: usize = 5;
 ///
 /// Serializes as the three lists (`{"model_id":[…],"subtasks":[…],"access_list":[…]}`), the
 /// stable JSON shape of `baton plan parse`.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, ts_rs::TS)]
+#[ts(type = "{ model_id: Array<number>, subtasks: Array<string>, access_list: Array<Access> }")]
 pub struct Plan {
     pub steps: Vec<Step>,
 }
@@ -29,7 +30,8 @@ pub struct Step {
 }
 
 /// Which earlier steps a step sees.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, ts_rs::TS)]
+#[ts(type = "\"all\" | Array<number>")]
 pub enum Access {
     /// Every earlier step (`"all"`).
     All,

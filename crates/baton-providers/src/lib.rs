@@ -26,14 +26,14 @@ use serde::{Deserialize, Serialize};
 pub use error::{ErrorKind, ProviderError, RetryPolicy};
 
 /// Who speaks a turn of the conversation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ts_rs::TS)]
 #[serde(rename_all = "snake_case")]
 pub enum Role {
     User,
     Assistant,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ts_rs::TS)]
 pub struct Message {
     pub role: Role,
     pub content: String,
@@ -102,7 +102,7 @@ pub enum Constraint {
 }
 
 /// Token counts as the provider reports them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ts_rs::TS)]
 pub struct Usage {
     pub input_tokens: u64,
     /// Includes reasoning ("thinking") tokens, which providers bill as output.
@@ -141,7 +141,7 @@ pub trait ChatModel: Send + Sync {
 }
 
 /// The wire formats Baton speaks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ts_rs::TS)]
 #[serde(rename_all = "kebab-case")]
 pub enum ProviderKind {
     #[serde(rename = "openai")]

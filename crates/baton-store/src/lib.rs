@@ -47,7 +47,7 @@ pub enum StoreError {
 }
 
 /// How a run ended, or that it has not (yet).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ts_rs::TS)]
 #[serde(rename_all = "snake_case")]
 pub enum RunStatus {
     Running,
@@ -86,7 +86,7 @@ impl FromStr for RunStatus {
 }
 
 /// One run in a list.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
 pub struct RunSummary {
     pub id: i64,
     pub conversation_id: i64,
@@ -101,7 +101,7 @@ pub struct RunSummary {
     pub cost_usd: f64,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
 pub struct ConversationSummary {
     pub id: i64,
     pub title: String,
@@ -111,7 +111,7 @@ pub struct ConversationSummary {
 }
 
 /// A search result: the run, and where the words matched with the matches in `[` `]`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
 pub struct SearchHit {
     pub id: i64,
     pub conversation_id: i64,
@@ -124,7 +124,7 @@ pub struct SearchHit {
 }
 
 /// A whole run: the row, every round's plan, every step, and its events (without text deltas).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
 pub struct RunTree {
     pub run: RunRecord,
     pub plans: Vec<PlanRecord>,
@@ -132,7 +132,7 @@ pub struct RunTree {
     pub events: Vec<serde_json::Value>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
 pub struct RunRecord {
     pub id: i64,
     pub uid: String,
@@ -156,7 +156,7 @@ pub struct RunRecord {
     pub wall_ms: Option<i64>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
 pub struct PlanRecord {
     pub round: u32,
     pub depth: u32,
@@ -166,7 +166,7 @@ pub struct PlanRecord {
     pub plan: Plan,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
 pub struct StepRecord {
     pub round: u32,
     pub step: u32,
@@ -188,7 +188,7 @@ pub struct StepRecord {
     pub retries: i64,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize, ts_rs::TS)]
 pub struct SentRequest {
     pub system: Option<String>,
     pub messages: Vec<Message>,

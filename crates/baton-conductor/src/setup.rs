@@ -1,0 +1,250 @@
+//! From a pool's `[conductor]` table (or a choice that overrides it) to a running planner, and
+//! the pool's `local` workers to in-process models. The command line and the desktop app both
+//! start runs through here, so they load, name and refuse models the same way.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use baton_engine::{Executor, Planner, Pool};
+use baton_providers::{HttpModel, ModelSettings, ProviderKind, ServerGrammar};
+
+use crate::ConductorOptions;
+
+/// What the pool file says unless overridden (the CLI's `--conductor…` flags, the app's settings).
+#[derive(Debug, Clone, Default)]
+pub struct ConductorChoice {
+    /// A `.gguf` file, a safetensors directory, or an `http(s)://` URL of an OpenAI-compatible server.
+    pub source: Option<String>,
+    /// The model name a remote server serves.
+    pub model_name: Option<String>,
+    /// `Some(None)` turns off the pool's grammar; `None` keeps it.
+    pub grammar: Option<Option<ServerGrammar>>,
+    pub lora: Option<PathBuf>,
+    pub chat_template: Option<PathBuf>,
+    pub force_cpu: bool,
+}
+
+/// Why no planner or local worker could be set up.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SetupError {
+    #[error(
+        "no conductor is configured: add a [conductor] table with model = \"/path/to/model.gguf\" to the pool file, pass --conductor PATH|URL, or run a written plan with --plan FILE"
+    )]
+    NotConfigured,
+    /// A model could not be loaded; the message names the file and the reason.
+    #[error("{0}")]
+    Load(String),
+    #[error(
+        "{0}: this build of Baton runs no local models (built without the `local` feature); use a remote conductor URL"
+    )]
+    NoLocalSupport(String),
+}
+
+/// Progress of a model load, for whoever shows it.
+#[derive(Debug, Clone, Copy)]
+pub enum LoadNotice<'a> {
+    Loading { what: &'a str, path: &'a Path },
+    Loaded { what: &'a str, path: &'a Path, seconds: f64, device: &'a str },
+    Failed { what: &'a str, path: &'a Path },
+}
+
+/// Receives [`LoadNotice`]s; `&|_| {}` for none.
+pub type Notify<'a> = &'a (dyn Fn(LoadNotice<'_>) + Send + Sync);
+
+/// Local models loaded so far, by path: a model used as conductor and worker (or by several
+/// workers, or by many runs of the app) is loaded once.
+#[derive(Default)]
+pub struct LocalModels {
+    #[cfg(feature = "local")]
+    loaded: std::collections::HashMap<PathBuf, Arc<crate::local::LocalModel>>,
+}
+
+impl std::fmt::Debug for LocalModels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("LocalModels");
+        #[cfg(feature = "local")]
+        d.field("loaded", &self.loaded.keys().collect::<Vec<_>>());
+        d.finish()
+    }
+}
+
+impl LocalModels {
+    /// Whether the model at `path` is loaded.
+    pub fn is_loaded(&self, path: &Path) -> bool {
+        #[cfg(feature = "local")]
+        return self.loaded.contains_key(path);
+        #[cfg(not(feature = "local"))]
+        {
+            let _ = path;
+            false
+        }
+    }
+
+    /// Forgets every loaded model (they are freed once no run uses them).
+    pub fn clear(&mut self) {
+        #[cfg(feature = "local")]
+        self.loaded.clear();
+    }
+
+    #[cfg(feature = "local")]
+    pub async fn load(
+        &mut self,
+        config: crate::local::LocalModelConfig,
+        what: &str,
+        notify: Notify<'_>,
+    ) -> Result<Arc<crate::local::LocalModel>, SetupError> {
+        if let Some(m) = self.loaded.get(&config.path) {
+            return Ok(m.clone());
+        }
+        notify(LoadNotice::Loading { what, path: &config.path });
+        let model = crate::local::LocalModel::load(&config).await.map_err(|e| {
+            notify(LoadNotice::Failed { what, path: &config.path });
+            SetupError::Load(e.to_string())
+        })?;
+        let device = model.device.to_string();
+        notify(LoadNotice::Loaded {
+            what,
+            path: &config.path,
+            seconds: model.load_time.as_secs_f64(),
+            device: &device,
+        });
+        let model = Arc::new(model);
+        self.loaded.insert(config.path.clone(), model.clone());
+        Ok(model)
+    }
+}
+
+/// Runs the pool's `local` workers in process.
+pub async fn attach_local_workers(
+    executor: &mut Executor,
+    pool: &Pool,
+    models: &mut LocalModels,
+    force_cpu: bool,
+    notify: Notify<'_>,
+) -> Result<(), SetupError> {
+    for (index, spec) in pool.workers.iter().enumerate() {
+        if spec.provider != ProviderKind::Local {
+            continue;
+        }
+        #[cfg(not(feature = "local"))]
+        {
+            let _ = (executor, models, force_cpu, notify);
+            return Err(SetupError::NoLocalSupport(format!("worker \"{}\" ({})", spec.name, spec.model)));
+        }
+        #[cfg(feature = "local")]
+        {
+            let config =
+                crate::local::LocalModelConfig { path: PathBuf::from(&spec.model), force_cpu, ..Default::default() };
+            let model = models.load(config, &format!("worker \"{}\"", spec.name), notify).await?;
+            let local = crate::local::LocalWorker {
+                model,
+                max_tokens: spec.max_tokens as usize,
+                temperature: spec.temperature.map(f64::from),
+            };
+            executor.replace_worker(
+                index,
+                baton_engine::Worker {
+                    info: pool.infos()[index].clone(),
+                    model: Arc::new(local),
+                    price: spec.price(),
+                    timeout: spec.timeout,
+                    // One local engine runs its sequences itself; share one limit per model file.
+                    endpoint: format!("local {}", spec.model),
+                },
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Whether a conductor source names a server rather than a local model.
+pub fn is_remote(source: &str) -> bool {
+    source.starts_with("http://") || source.starts_with("https://")
+}
+
+/// Builds the planner `choice` and the pool describe, loading a local conductor if needed.
+pub async fn planner(
+    pool: &Pool,
+    choice: &ConductorChoice,
+    models: &mut LocalModels,
+    notify: Notify<'_>,
+) -> Result<Arc<dyn Planner>, SetupError> {
+    let spec = &pool.options.conductor;
+    let defaults = ConductorOptions::default();
+    let options = ConductorOptions {
+        max_reasoning_chars: spec.max_reasoning_chars.unwrap_or(defaults.max_reasoning_chars),
+        max_subtask_chars: spec.max_subtask_chars.unwrap_or(defaults.max_subtask_chars),
+        temperature: spec.temperature.or(defaults.temperature),
+        ..ConductorOptions::default()
+    };
+    let source = match (&choice.source, &spec.url, &spec.model) {
+        (Some(c), _, _) => c.clone(),
+        (None, Some(url), _) => url.clone(),
+        (None, None, Some(model)) => model.clone(),
+        (None, None, None) => return Err(SetupError::NotConfigured),
+    };
+    if is_remote(&source) {
+        let model_name = choice
+            .model_name
+            .clone()
+            .or_else(|| spec.url.as_ref().and(spec.model.clone()))
+            .unwrap_or_else(|| "default".to_owned());
+        // Like a worker's: the pool's variable wins, else the keychain entry for this server.
+        let key = match &spec.api_key_env {
+            Some(var) => baton_engine::keys::env_key_source(
+                Some(var.clone()),
+                "the conductor".to_owned(),
+                ProviderKind::OpenAiCompatible,
+            ),
+            None => baton_engine::keys::keychain_key_source(
+                baton_secrets::account(ProviderKind::OpenAiCompatible, Some(&source)),
+                ProviderKind::OpenAiCompatible,
+            ),
+        };
+        let settings = ModelSettings {
+            max_tokens: 4096,
+            temperature: options.temperature.map(|t| t as f32),
+            ..ModelSettings::new(&model_name)
+        };
+        let http = HttpModel::new(ProviderKind::OpenAiCompatible, &source, settings, key, HttpModel::http_client());
+        let name = format!("{model_name} at {source}");
+        let grammar = choice.grammar.unwrap_or(spec.grammar);
+        let conductor = crate::RemoteConductor::new(Arc::new(http), name, pool.infos(), &options).with_grammar(grammar);
+        return Ok(Arc::new(conductor));
+    }
+    local(pool, choice, &source, options, models, notify).await
+}
+
+#[cfg(feature = "local")]
+async fn local(
+    pool: &Pool,
+    choice: &ConductorChoice,
+    path: &str,
+    options: ConductorOptions,
+    models: &mut LocalModels,
+    notify: Notify<'_>,
+) -> Result<Arc<dyn Planner>, SetupError> {
+    let spec = &pool.options.conductor;
+    let config = crate::local::LocalModelConfig {
+        path: PathBuf::from(path),
+        lora: choice.lora.clone().or_else(|| spec.lora.as_ref().map(PathBuf::from)),
+        chat_template: choice.chat_template.clone().or_else(|| spec.chat_template.as_ref().map(PathBuf::from)),
+        force_cpu: choice.force_cpu || spec.device.as_deref() == Some("cpu"),
+        isq: spec.isq.clone(),
+        dtype: spec.dtype.clone(),
+    };
+    let model = models.load(config, "the conductor", notify).await?;
+    Ok(Arc::new(crate::LocalConductor::new(model, pool.infos(), options)))
+}
+
+#[cfg(not(feature = "local"))]
+async fn local(
+    _pool: &Pool,
+    _choice: &ConductorChoice,
+    path: &str,
+    _options: ConductorOptions,
+    _models: &mut LocalModels,
+    _notify: Notify<'_>,
+) -> Result<Arc<dyn Planner>, SetupError> {
+    Err(SetupError::NoLocalSupport(path.to_owned()))
+}

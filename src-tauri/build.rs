@@ -1,0 +1,32 @@
+// Baton's commands are permissioned like plugin commands: the main window gets exactly the set
+// in `permissions/app.toml`, so a command added here but not granted there is refused.
+fn main() {
+    tauri_build::try_build(
+        tauri_build::Attributes::new().app_manifest(tauri_build::AppManifest::new().commands(COMMANDS)),
+    )
+    .expect("tauri build script failed");
+}
+
+/// Every `#[tauri::command]` the shell registers (see `src/lib.rs`).
+const COMMANDS: &[&str] = &[
+    "get_settings",
+    "save_settings",
+    "load_conductor",
+    "list_keys",
+    "set_key",
+    "delete_key",
+    "test_worker",
+    "draft_plan",
+    "ask",
+    "cancel_run",
+    "list_conversations",
+    "conversation_runs",
+    "list_runs",
+    "search_history",
+    "get_run",
+    "delete_run",
+    "delete_conversation",
+    "export_history",
+    "validate_plan",
+    "app_info",
+];

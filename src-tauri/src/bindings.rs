@@ -1,0 +1,81 @@
+//! The TypeScript side of every type that crosses the IPC boundary, generated from the Rust
+//! types (ts-rs) into `ui/src/bindings.ts`. The test below fails when the committed file is
+//! stale; `UPDATE_BINDINGS=1 cargo test -p baton-desktop bindings` rewrites it.
+
+use ts_rs::{Config, TS};
+
+/// The whole bindings file.
+pub fn typescript() -> String {
+    // serde writes 64-bit integers as JSON numbers; ids and token counts stay far below 2^53.
+    let cfg = Config::new().with_large_int("number");
+    let decls = [
+        baton_providers::ProviderKind::decl(&cfg),
+        baton_providers::Role::decl(&cfg),
+        baton_providers::Message::decl(&cfg),
+        baton_providers::Usage::decl(&cfg),
+        baton_plan::Plan::decl(&cfg),
+        baton_plan::Access::decl(&cfg),
+        baton_engine::WorkerInfo::decl(&cfg),
+        baton_engine::StepRef::decl(&cfg),
+        baton_engine::StepErrorKind::decl(&cfg),
+        baton_engine::StepError::decl(&cfg),
+        baton_engine::RunErrorKind::decl(&cfg),
+        baton_engine::RunError::decl(&cfg),
+        baton_engine::Totals::decl(&cfg),
+        baton_engine::RunEvent::decl(&cfg),
+        baton_store::RunStatus::decl(&cfg),
+        baton_store::RunSummary::decl(&cfg),
+        baton_store::ConversationSummary::decl(&cfg),
+        baton_store::SearchHit::decl(&cfg),
+        baton_store::RunTree::decl(&cfg),
+        baton_store::RunRecord::decl(&cfg),
+        baton_store::PlanRecord::decl(&cfg),
+        baton_store::StepRecord::decl(&cfg),
+        baton_store::SentRequest::decl(&cfg),
+        crate::error::ErrorKind::decl(&cfg),
+        crate::error::AppError::decl(&cfg),
+        crate::settings::WorkerForm::decl(&cfg),
+        crate::settings::ConductorForm::decl(&cfg),
+        crate::settings::PoolForm::decl(&cfg),
+        crate::settings::Settings::decl(&cfg),
+        crate::keys::KeyRow::decl(&cfg),
+        crate::keys::KeysView::decl(&cfg),
+        crate::chat::ModelLoad::decl(&cfg),
+        crate::chat::AskRequest::decl(&cfg),
+        crate::chat::AskResult::decl(&cfg),
+        crate::chat::Draft::decl(&cfg),
+        crate::chat::ConnectionCheck::decl(&cfg),
+        crate::history::ExportFormat::decl(&cfg),
+        crate::history::ExportTarget::decl(&cfg),
+        crate::AppInfo::decl(&cfg),
+    ];
+    let mut out = String::from(
+        "// Generated from Baton's Rust types by `src-tauri/src/bindings.rs`; do not edit.\n\
+         // Regenerate: UPDATE_BINDINGS=1 cargo test -p baton-desktop bindings\n\n\
+         export type JsonValue = number | string | boolean | Array<JsonValue> | { [key in string]?: JsonValue } | null;\n",
+    );
+    for decl in decls {
+        out.push_str("\nexport ");
+        out.push_str(&decl);
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn bindings_match_the_rust_types() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../ui/src/bindings.ts");
+        let fresh = super::typescript();
+        if std::env::var_os("UPDATE_BINDINGS").is_some() {
+            std::fs::write(&path, &fresh).unwrap();
+            return;
+        }
+        let committed = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            committed == fresh,
+            "ui/src/bindings.ts is stale: run `UPDATE_BINDINGS=1 cargo test -p baton-desktop bindings` and commit it"
+        );
+    }
+}

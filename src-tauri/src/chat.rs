@@ -1,0 +1,278 @@
+//! Runs: a question (or a reviewed plan) goes to the engine, and every `RunEvent` comes back on
+//! the run's own IPC channel in order, after the history has recorded it.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use baton_conductor::setup::{self, ConductorChoice, LoadNotice};
+use baton_engine::{Executor, Pool, RunEvent, RunRequest, RunStatus, new_run_id};
+use baton_plan::{Limits, Plan};
+use baton_providers::{ChatEvent, ChatRequest, Message};
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use tauri::ipc::Channel;
+use tauri::{AppHandle, Emitter, Runtime, State};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{AppError, AppResult, ErrorKind};
+use crate::state::AppState;
+
+/// Broadcast to every window while a local model loads (mistral.rs reports no finer progress).
+pub const CONDUCTOR_EVENT: &str = "conductor-status";
+/// Broadcast when a run could not be (fully) recorded; the run itself goes on.
+pub const HISTORY_WARNING_EVENT: &str = "history-warning";
+
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum ModelLoad {
+    Loading { what: String, path: String },
+    Loaded { what: String, path: String, seconds: f64, device: String },
+    Failed { what: String, path: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, ts_rs::TS)]
+pub struct AskRequest {
+    pub question: String,
+    /// Continue this conversation (the conductor sees its earlier turns); `null` starts one.
+    pub conversation_id: Option<i64>,
+    /// The pool workers this conversation may use, by index; `null` for all of them.
+    pub workers: Option<Vec<u32>>,
+    /// A reviewed plan to run instead of asking the conductor; its worker numbers refer to
+    /// `workers` in order.
+    pub plan: Option<Plan>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
+pub struct AskResult {
+    /// The run's id in the history (`null` if it could not be recorded).
+    pub run_id: Option<i64>,
+    pub conversation_id: Option<i64>,
+    pub status: String,
+}
+
+/// A plan for review, before anything runs.
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
+pub struct Draft {
+    pub plan: Plan,
+    /// The conductor's whole text.
+    pub raw: String,
+    pub workers: Vec<baton_engine::WorkerInfo>,
+    pub max_steps: u32,
+}
+
+/// The pool cut down to the workers a conversation may use, renumbered from 0 as the conductor
+/// will see them.
+pub fn subset(mut pool: Pool, workers: Option<&[u32]>) -> AppResult<Pool> {
+    let Some(chosen) = workers else { return Ok(pool) };
+    if chosen.is_empty() {
+        return Err(AppError::bad_input("choose at least one worker for this conversation"));
+    }
+    let mut kept = Vec::with_capacity(chosen.len());
+    for &i in chosen {
+        let w = pool.workers.get(i as usize).ok_or_else(|| {
+            AppError::bad_input(format!("worker {i} is not in the pool any more; choose the workers again"))
+        })?;
+        kept.push(w.clone());
+    }
+    pool.workers = kept;
+    Ok(pool)
+}
+
+fn notifier<R: Runtime>(app: &AppHandle<R>) -> impl Fn(LoadNotice<'_>) + Send + Sync + use<R> {
+    let app = app.clone();
+    move |notice| {
+        let status = match notice {
+            LoadNotice::Loading { what, path } => {
+                ModelLoad::Loading { what: what.to_owned(), path: path.display().to_string() }
+            }
+            LoadNotice::Loaded { what, path, seconds, device } => ModelLoad::Loaded {
+                what: what.to_owned(),
+                path: path.display().to_string(),
+                seconds,
+                device: device.to_owned(),
+            },
+            LoadNotice::Failed { what, path } => {
+                ModelLoad::Failed { what: what.to_owned(), path: path.display().to_string() }
+            }
+        };
+        let _ = app.emit(CONDUCTOR_EVENT, status);
+    }
+}
+
+/// An executor for `pool` with its local workers loaded and, when `planner`, the conductor.
+async fn executor<R: Runtime>(app: &AppHandle<R>, state: &AppState, pool: &Pool, planner: bool) -> AppResult<Executor> {
+    let notify = notifier(app);
+    let mut executor = Executor::from_pool(pool);
+    let mut models = state.models.lock().await;
+    if planner {
+        let planner = setup::planner(pool, &ConductorChoice::default(), &mut models, &notify).await?;
+        executor = executor.with_planner(planner);
+    }
+    let force_cpu = pool.options.conductor.device.as_deref() == Some("cpu");
+    setup::attach_local_workers(&mut executor, pool, &mut models, force_cpu, &notify).await?;
+    Ok(executor)
+}
+
+/// Loads the configured local conductor now, so the first question does not wait for it.
+#[tauri::command]
+pub async fn load_conductor<R: Runtime>(app: AppHandle<R>, state: State<'_, AppState>) -> AppResult<String> {
+    let pool = state.pool()?;
+    let mut models = state.models.lock().await;
+    let planner = setup::planner(&pool, &ConductorChoice::default(), &mut models, &notifier(&app)).await?;
+    Ok(planner.describe())
+}
+
+/// Runs a question (or `request.plan`) and streams its events on `on_event`. Returns when the
+/// run has ended and is recorded.
+#[tauri::command]
+pub async fn ask<R: Runtime>(
+    app: AppHandle<R>,
+    state: State<'_, AppState>,
+    request: AskRequest,
+    on_event: Channel<RunEvent>,
+) -> AppResult<AskResult> {
+    let question = request.question.trim().to_owned();
+    if question.is_empty() {
+        return Err(AppError::bad_input("the question is empty"));
+    }
+    let pool = subset(state.pool()?, request.workers.as_deref())?;
+    if let Some(plan) = &request.plan {
+        check_plan(plan, &pool)?;
+    }
+    // The history opens first, so a damaged database costs no provider calls.
+    let store = state.store().await?;
+    let history = match request.conversation_id {
+        Some(id) => {
+            if store.conversation_title(id).await?.is_none() {
+                return Err(AppError::not_found(format!("there is no conversation {id} in the history")));
+            }
+            store.messages(id).await?
+        }
+        None => Vec::new(),
+    };
+    let executor = executor(&app, &state, &pool, request.plan.is_none()).await?;
+
+    let run_id = new_run_id();
+    let cancel = CancellationToken::new();
+    state.runs.lock().expect("runs lock").insert(run_id.clone(), cancel.clone());
+    let (tx, mut rx) = mpsc::unbounded_channel::<RunEvent>();
+    let mut recorder = Some(store.recorder(request.conversation_id));
+    let warn = app.clone();
+    let consumer = tokio::spawn(async move {
+        while let Some(event) = rx.recv().await {
+            // Recorded before it is shown: what the window saw is in the history.
+            if let Some(r) = &mut recorder
+                && let Err(e) = r.record(&event).await
+            {
+                let _ = warn.emit(HISTORY_WARNING_EVENT, format!("this run is not fully recorded in the history: {e}"));
+                recorder = None;
+            }
+            // A closed window only stops the display, never the run or its record.
+            let _ = on_event.send(event);
+        }
+        recorder.map(|r| (r.run_id(), r.conversation_id()))
+    });
+    let outcome =
+        executor.run(RunRequest { run_id: run_id.clone(), question, history, plan: request.plan }, &tx, &cancel).await;
+    drop(tx);
+    let recorded = consumer.await.ok().flatten();
+    state.runs.lock().expect("runs lock").remove(&run_id);
+    let status = match outcome.status {
+        RunStatus::Finished => "finished",
+        RunStatus::Failed => "failed",
+        RunStatus::Cancelled => "cancelled",
+    };
+    Ok(AskResult {
+        run_id: recorded.and_then(|r| r.0),
+        conversation_id: recorded.and_then(|r| r.1).or(request.conversation_id),
+        status: status.to_owned(),
+    })
+}
+
+/// Stops a run: calls in flight are dropped and it ends as cancelled. `false` if it had ended.
+#[tauri::command]
+pub fn cancel_run(state: State<'_, AppState>, run_id: String) -> bool {
+    match state.runs.lock().expect("runs lock").get(&run_id) {
+        Some(token) => {
+            token.cancel();
+            true
+        }
+        None => false,
+    }
+}
+
+fn check_plan(plan: &Plan, pool: &Pool) -> AppResult<()> {
+    let limits = Limits { max_steps: pool.options.max_steps, pool_size: Some(pool.workers.len()), allow_stop: false };
+    plan.validate(&limits).map_err(|e| AppError::bad_input(e.to_string()))
+}
+
+/// Checks a plan edited in review against the pool (the same rules a run applies).
+#[tauri::command]
+pub fn validate_plan(state: State<'_, AppState>, plan: Plan, workers: Option<Vec<u32>>) -> AppResult<()> {
+    check_plan(&plan, &subset(state.pool()?, workers.as_deref())?)
+}
+
+/// The conductor's plan for a question, for review; nothing runs.
+#[tauri::command]
+pub async fn draft_plan<R: Runtime>(
+    app: AppHandle<R>,
+    state: State<'_, AppState>,
+    question: String,
+    conversation_id: Option<i64>,
+    workers: Option<Vec<u32>>,
+) -> AppResult<Draft> {
+    let pool = subset(state.pool()?, workers.as_deref())?;
+    let history = match conversation_id {
+        Some(id) => state.store().await?.messages(id).await?,
+        None => Vec::new(),
+    };
+    let planner = {
+        let mut models = state.models.lock().await;
+        setup::planner(&pool, &ConductorChoice::default(), &mut models, &notifier(&app)).await?
+    };
+    let mut ctx = baton_engine::PlanningContext::question(question.trim(), pool.workers.len(), pool.options.max_steps);
+    ctx.history = history;
+    let planned =
+        planner.plan(ctx, Box::new(|_| {})).await.map_err(|e| AppError::new(ErrorKind::Conductor, e.to_string()))?;
+    Ok(Draft { plan: planned.plan, raw: planned.raw, workers: pool.infos(), max_steps: pool.options.max_steps as u32 })
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
+pub struct ConnectionCheck {
+    /// The first words of the answer.
+    pub reply: String,
+    pub latency_ms: u64,
+}
+
+/// Sends worker `index` a tiny request with its real settings and key.
+#[tauri::command]
+pub async fn test_worker<R: Runtime>(
+    app: AppHandle<R>,
+    state: State<'_, AppState>,
+    index: u32,
+) -> AppResult<ConnectionCheck> {
+    let pool = state.pool()?;
+    if index as usize >= pool.workers.len() {
+        return Err(AppError::not_found(format!("there is no worker {index} in the pool")));
+    }
+    let pool = subset(pool, Some(&[index]))?;
+    let executor = executor(&app, &state, &pool, false).await?;
+    let started = Instant::now();
+    let provider = |e: baton_providers::ProviderError| AppError::new(ErrorKind::Provider, e.to_string());
+    let request = ChatRequest {
+        messages: vec![Message::user("Reply with the single word OK.")],
+        max_tokens: Some(16),
+        ..ChatRequest::default()
+    };
+    let model = Arc::clone(&executor.workers()[0].model);
+    let mut stream = model.stream(request).await.map_err(provider)?;
+    let mut reply = String::new();
+    while let Some(item) = stream.next().await {
+        match item.map_err(provider)? {
+            ChatEvent::Text(t) => reply.push_str(&t),
+            ChatEvent::Done { .. } => break,
+        }
+    }
+    Ok(ConnectionCheck { reply: reply.chars().take(80).collect(), latency_ms: started.elapsed().as_millis() as u64 })
+}

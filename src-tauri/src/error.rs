@@ -1,0 +1,72 @@
+//! The one error type commands return. It crosses the IPC boundary as `{kind, message}`: the UI
+//! branches on `kind` and shows `message`, which says what happened and what to do.
+
+use serde::Serialize;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ts_rs::TS)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// Something the user typed or chose is not acceptable (a pool field, a plan, a question).
+    BadInput,
+    /// The pool file cannot be read or parsed; settings can rewrite it.
+    Pool,
+    /// No conductor is configured, or it could not be loaded.
+    Conductor,
+    /// The OS keychain is missing or locked.
+    Keychain,
+    /// The history database cannot be opened or written.
+    History,
+    /// A provider refused or failed a call (test connection).
+    Provider,
+    /// The run, conversation or file asked for does not exist.
+    NotFound,
+    /// Reading or writing a file failed.
+    Io,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ts_rs::TS, thiserror::Error)]
+#[error("{message}")]
+pub struct AppError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl AppError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        AppError { kind, message: message.into() }
+    }
+
+    pub fn bad_input(message: impl Into<String>) -> Self {
+        AppError::new(ErrorKind::BadInput, message)
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        AppError::new(ErrorKind::NotFound, message)
+    }
+}
+
+impl From<baton_store::StoreError> for AppError {
+    fn from(e: baton_store::StoreError) -> Self {
+        AppError::new(ErrorKind::History, e.to_string())
+    }
+}
+
+impl From<baton_secrets::SecretsError> for AppError {
+    fn from(e: baton_secrets::SecretsError) -> Self {
+        AppError::new(ErrorKind::Keychain, e.to_string())
+    }
+}
+
+impl From<baton_engine::PoolError> for AppError {
+    fn from(e: baton_engine::PoolError) -> Self {
+        AppError::new(ErrorKind::Pool, e.to_string())
+    }
+}
+
+impl From<baton_conductor::setup::SetupError> for AppError {
+    fn from(e: baton_conductor::setup::SetupError) -> Self {
+        AppError::new(ErrorKind::Conductor, e.to_string())
+    }
+}
+
+pub type AppResult<T> = Result<T, AppError>;

@@ -1,0 +1,129 @@
+//! History commands: every run the app (or the `baton` command line) recorded, read-only.
+
+use baton_store::{ConversationSummary, RunSummary, RunTree, SearchHit, export};
+use serde::{Deserialize, Serialize};
+use tauri::State;
+
+use crate::error::{AppError, AppResult, ErrorKind};
+use crate::state::AppState;
+
+const PAGE: u32 = 100;
+
+/// Conversations, most recently active first; `before` is the last `updated_at` of the previous page.
+#[tauri::command]
+pub async fn list_conversations(
+    state: State<'_, AppState>,
+    before: Option<i64>,
+) -> AppResult<Vec<ConversationSummary>> {
+    Ok(state.store().await?.list_conversations(PAGE, before).await?)
+}
+
+/// A conversation's runs, oldest first, each whole (plans, steps, events).
+#[tauri::command]
+pub async fn conversation_runs(state: State<'_, AppState>, id: i64) -> AppResult<Vec<RunTree>> {
+    let store = state.store().await?;
+    let mut trees = Vec::new();
+    for run in store.conversation_runs(id).await? {
+        if let Some(tree) = store.run(run.id).await? {
+            trees.push(tree);
+        }
+    }
+    Ok(trees)
+}
+
+/// Runs, newest first; `before` is the last id of the previous page.
+#[tauri::command]
+pub async fn list_runs(state: State<'_, AppState>, before: Option<i64>) -> AppResult<Vec<RunSummary>> {
+    Ok(state.store().await?.list_runs(PAGE, before).await?)
+}
+
+#[tauri::command]
+pub async fn search_history(state: State<'_, AppState>, query: String) -> AppResult<Vec<SearchHit>> {
+    Ok(state.store().await?.search(&query, PAGE).await?)
+}
+
+#[tauri::command]
+pub async fn get_run(state: State<'_, AppState>, id: i64) -> AppResult<RunTree> {
+    state
+        .store()
+        .await?
+        .run(id)
+        .await?
+        .ok_or_else(|| AppError::not_found(format!("there is no run {id} in the history")))
+}
+
+#[tauri::command]
+pub async fn delete_run(state: State<'_, AppState>, id: i64) -> AppResult<()> {
+    match state.store().await?.delete_run(id).await? {
+        true => Ok(()),
+        false => Err(AppError::not_found(format!("there is no run {id} in the history"))),
+    }
+}
+
+#[tauri::command]
+pub async fn delete_conversation(state: State<'_, AppState>, id: i64) -> AppResult<()> {
+    match state.store().await?.delete_conversation(id).await? {
+        true => Ok(()),
+        false => Err(AppError::not_found(format!("there is no conversation {id} in the history"))),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ts_rs::TS)]
+#[serde(rename_all = "snake_case")]
+pub enum ExportFormat {
+    Markdown,
+    Json,
+}
+
+/// What to export: one run or a whole conversation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ts_rs::TS)]
+#[serde(tag = "kind", content = "id", rename_all = "snake_case")]
+pub enum ExportTarget {
+    Run(i64),
+    Conversation(i64),
+}
+
+/// Writes an export to `path` (chosen in the native save dialog).
+#[tauri::command]
+pub async fn export_history(
+    state: State<'_, AppState>,
+    target: ExportTarget,
+    format: ExportFormat,
+    path: String,
+) -> AppResult<()> {
+    let text = export_text(state.store().await?, target, format).await?;
+    std::fs::write(&path, text)
+        .map_err(|e| AppError::new(ErrorKind::Io, format!("{path}: cannot write the export: {e}")))
+}
+
+pub async fn export_text(store: &baton_store::Store, target: ExportTarget, format: ExportFormat) -> AppResult<String> {
+    let pretty = |v: &serde_json::Value| serde_json::to_string_pretty(v).unwrap_or_default();
+    match target {
+        ExportTarget::Run(id) => {
+            let tree = store
+                .run(id)
+                .await?
+                .ok_or_else(|| AppError::not_found(format!("there is no run {id} in the history")))?;
+            Ok(match format {
+                ExportFormat::Markdown => export::run_markdown(&tree),
+                ExportFormat::Json => pretty(&export::run_json(&tree)),
+            })
+        }
+        ExportTarget::Conversation(id) => {
+            let title = store
+                .conversation_title(id)
+                .await?
+                .ok_or_else(|| AppError::not_found(format!("there is no conversation {id} in the history")))?;
+            let mut trees = Vec::new();
+            for run in store.conversation_runs(id).await? {
+                trees.extend(store.run(run.id).await?);
+            }
+            Ok(match format {
+                ExportFormat::Markdown => export::conversation_markdown(&title, &trees),
+                ExportFormat::Json => {
+                    pretty(&export::conversation_json(id, &title, &store.messages(id).await?, &trees))
+                }
+            })
+        }
+    }
+}

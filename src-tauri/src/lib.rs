@@ -1,0 +1,75 @@
+//! Baton's desktop app: a thin Tauri shell over the engine crates. Commands live next to the
+//! engine piece they expose (`chat`, `settings`, `keys`, `history`); each returns
+//! [`error::AppError`] (`{kind, message}`) on failure. A run's `RunEvent`s travel on a `Channel`
+//! of its own; app-wide news (model loading, history warnings) are events.
+
+pub mod bindings;
+pub mod chat;
+pub mod error;
+pub mod history;
+pub mod keys;
+pub mod settings;
+pub mod state;
+
+use serde::Serialize;
+use tauri::Runtime;
+
+pub use state::{AppState, Paths};
+
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
+pub struct AppInfo {
+    pub version: String,
+    /// Whether this build runs local models (the conductor needs one, or a server).
+    pub local_models: bool,
+    /// Whether local models can use a GPU in this build.
+    pub gpu: bool,
+}
+
+#[tauri::command]
+fn app_info() -> AppInfo {
+    AppInfo {
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        local_models: cfg!(feature = "local"),
+        gpu: cfg!(any(feature = "cuda", feature = "metal")),
+    }
+}
+
+/// The app on top of `base`: `run` starts from the real webview's builder, the command tests
+/// from Tauri's mock runtime.
+pub fn builder<R: Runtime>(base: tauri::Builder<R>, state: AppState) -> tauri::Builder<R> {
+    base.plugin(tauri_plugin_dialog::init()).manage(state).invoke_handler(tauri::generate_handler![
+        app_info,
+        settings::get_settings,
+        settings::save_settings,
+        chat::load_conductor,
+        chat::ask,
+        chat::cancel_run,
+        chat::draft_plan,
+        chat::validate_plan,
+        chat::test_worker,
+        keys::list_keys,
+        keys::set_key,
+        keys::delete_key,
+        history::list_conversations,
+        history::conversation_runs,
+        history::list_runs,
+        history::search_history,
+        history::get_run,
+        history::delete_run,
+        history::delete_conversation,
+        history::export_history,
+    ])
+}
+
+/// The app's configuration, capabilities and (in release builds) embedded UI, from
+/// `tauri.conf.json`. Generic so the command tests run it on the mock runtime.
+pub fn context<R: Runtime>() -> tauri::Context<R> {
+    tauri::generate_context!()
+}
+
+/// Opens the main window; returns when the app quits.
+pub fn run() {
+    builder(tauri::Builder::default(), AppState::new(Paths::from_env()))
+        .run(context())
+        .expect("Baton could not start its window (is a display available?)");
+}

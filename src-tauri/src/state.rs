@@ -1,0 +1,65 @@
+//! What the shell keeps between commands: where files live, the open history, the local models
+//! loaded so far, and a cancel switch per run in flight.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use baton_conductor::setup::LocalModels;
+use baton_engine::Pool;
+use baton_store::Store;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::AppResult;
+
+/// The files the app reads and writes. `BATON_POOL` and `BATON_DB` override the defaults, as for
+/// the `baton` command line (the end-to-end tests use them to stay out of the user's files).
+#[derive(Debug, Clone)]
+pub struct Paths {
+    pub pool: PathBuf,
+    pub db: PathBuf,
+}
+
+impl Paths {
+    pub fn from_env() -> Paths {
+        let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+        Paths {
+            pool: var("BATON_POOL").unwrap_or_else(|| {
+                baton_engine::pool::default_pool_path(&dirs::config_dir().unwrap_or_else(|| PathBuf::from(".")))
+            }),
+            db: var("BATON_DB")
+                .unwrap_or_else(|| baton_store::default_path(&dirs::data_dir().unwrap_or_else(|| PathBuf::from(".")))),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct AppState {
+    pub paths: Paths,
+    store: tokio::sync::OnceCell<Store>,
+    /// Held while a model loads, so two runs never load the same model twice.
+    pub models: tokio::sync::Mutex<LocalModels>,
+    /// Cancel switches of the runs in flight, by the run id their events carry.
+    pub runs: Mutex<HashMap<String, CancellationToken>>,
+}
+
+impl AppState {
+    pub fn new(paths: Paths) -> AppState {
+        AppState {
+            paths,
+            store: tokio::sync::OnceCell::new(),
+            models: tokio::sync::Mutex::new(LocalModels::default()),
+            runs: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The history, opened on first use; an error (damaged file, …) is retried on the next call.
+    pub async fn store(&self) -> AppResult<&Store> {
+        Ok(self.store.get_or_try_init(|| Store::open(&self.paths.db)).await?)
+    }
+
+    /// The pool as the file says now: settings saved a moment ago apply to the next run.
+    pub fn pool(&self) -> AppResult<Pool> {
+        Ok(Pool::load(&self.paths.pool)?)
+    }
+}

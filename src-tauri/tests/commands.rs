@@ -1,0 +1,172 @@
+//! The shell's commands through Tauri's IPC on the mock runtime (no window): the real
+//! capabilities, real files, a real SQLite history and a loopback provider server.
+
+use std::path::Path;
+
+use baton_desktop::{AppState, Paths};
+use serde_json::{Value, json};
+use tauri::ipc::{CallbackFn, InvokeBody};
+use tauri::test::{INVOKE_KEY, MockRuntime, get_ipc_response, mock_builder};
+use tauri::{App, WebviewWindow, WebviewWindowBuilder};
+
+struct Harness {
+    _app: App<MockRuntime>,
+    window: WebviewWindow<MockRuntime>,
+}
+
+fn app(dir: &Path, label: &str) -> Harness {
+    let paths = Paths { pool: dir.join("pool.toml"), db: dir.join("history.sqlite") };
+    let app = baton_desktop::builder(mock_builder(), AppState::new(paths)).build(baton_desktop::context()).unwrap();
+    let window = WebviewWindowBuilder::new(&app, label, Default::default()).build().unwrap();
+    Harness { _app: app, window }
+}
+
+fn invoke(h: &Harness, cmd: &str, args: Value) -> Result<Value, Value> {
+    get_ipc_response(
+        &h.window,
+        tauri::webview::InvokeRequest {
+            cmd: cmd.into(),
+            callback: CallbackFn(0),
+            error: CallbackFn(1),
+            url: "tauri://localhost".parse().unwrap(),
+            body: InvokeBody::Json(args),
+            headers: Default::default(),
+            invoke_key: INVOKE_KEY.to_string(),
+        },
+    )
+    .map(|body| body.deserialize::<Value>().unwrap())
+}
+
+fn worker(name: &str, model: &str, base_url: &str) -> Value {
+    json!({
+        "original": null, "name": name, "provider": "openai-compatible", "model": model,
+        "base_url": base_url, "api_key_env": null, "max_tokens": null, "temperature": null,
+        "reasoning_effort": null, "thinking_budget": null, "price_in": 0.0, "price_out": 0.0,
+        "description": format!("{name} worker"),
+    })
+}
+
+fn conductor() -> Value {
+    json!({
+        "model": null, "url": null, "device": "auto", "max_steps": 5, "recursion": false,
+        "max_depth": 2, "max_calls": null, "max_tokens": null, "max_cost_usd": null,
+    })
+}
+
+#[test]
+fn a_new_user_has_no_pool_and_no_conductor() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = app(dir.path(), "main");
+    let s = invoke(&h, "get_settings", json!({})).unwrap();
+    assert_eq!(s["pool_exists"], false);
+    assert_eq!(s["conductor_configured"], false);
+    assert_eq!(s["form"]["workers"], json!([]));
+    assert_eq!(s["workers"], json!([]));
+}
+
+#[test]
+fn settings_are_saved_to_the_pool_file_and_bad_fields_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = app(dir.path(), "main");
+    let form = json!({ "workers": [worker("w", "m", "http://127.0.0.1:9/v1")], "conductor": conductor() });
+    let s = invoke(&h, "save_settings", json!({ "form": form })).unwrap();
+    assert_eq!(s["pool_error"], Value::Null, "{s}");
+    assert_eq!(s["workers"][0]["name"], "w");
+    let text = std::fs::read_to_string(dir.path().join("pool.toml")).unwrap();
+    assert!(text.contains("base_url = \"http://127.0.0.1:9/v1\""), "{text}");
+
+    let mut bad = worker("w", "m", "");
+    bad["base_url"] = Value::Null;
+    let err =
+        invoke(&h, "save_settings", json!({ "form": { "workers": [bad], "conductor": conductor() } })).unwrap_err();
+    assert_eq!(err["kind"], "bad_input", "{err}");
+    assert!(err["message"].as_str().unwrap().contains("base_url"), "{err}");
+    // Nothing was written: the good pool is still there.
+    assert_eq!(std::fs::read_to_string(dir.path().join("pool.toml")).unwrap(), text);
+}
+
+#[test]
+fn errors_cross_as_kind_and_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = app(dir.path(), "main");
+    let err = invoke(&h, "get_run", json!({ "id": 42 })).unwrap_err();
+    assert_eq!(err, json!({ "kind": "not_found", "message": "there is no run 42 in the history" }));
+    let err = invoke(
+        &h,
+        "ask",
+        json!({
+            "request": { "question": "hi", "conversation_id": null, "workers": null, "plan": null },
+            "onEvent": "__CHANNEL__:1",
+        }),
+    )
+    .unwrap_err();
+    assert_eq!(err["kind"], "pool", "{err}");
+    assert!(err["message"].as_str().unwrap().contains("no such file"), "{err}");
+    let err =
+        invoke(&h, "set_key", json!({ "provider": "openai-compatible", "baseUrl": null, "key": "k" })).unwrap_err();
+    assert_eq!(err["kind"], "bad_input");
+}
+
+#[test]
+fn a_window_without_the_capability_cannot_call_commands() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = app(dir.path(), "intruder");
+    let err = invoke(&h, "get_settings", json!({})).unwrap_err();
+    assert!(err.to_string().contains("not allowed"), "{err}");
+}
+
+#[test]
+fn a_reviewed_plan_runs_over_loopback_and_is_recorded() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let server = rt.block_on(baton_testserver::TestServer::start()).unwrap();
+    let base = server.base_url(baton_testserver::Wire::OpenAi);
+    let dir = tempfile::tempdir().unwrap();
+    let h = app(dir.path(), "main");
+    let form = json!({
+        "workers": [worker("a", "a;reply=first", &base), worker("b", "b;reply=second", &base)],
+        "conductor": conductor(),
+    });
+    invoke(&h, "save_settings", json!({ "form": form })).unwrap();
+    let plan = json!({ "model_id": [0, 1], "subtasks": ["draft", "finish"], "access_list": [[], "all"] });
+    invoke(&h, "validate_plan", json!({ "plan": plan, "workers": null })).unwrap();
+    let bad = json!({ "model_id": [0, 5], "subtasks": ["x", "y"], "access_list": [[], []] });
+    let err = invoke(&h, "validate_plan", json!({ "plan": bad, "workers": null })).unwrap_err();
+    assert_eq!(err["kind"], "bad_input");
+
+    let result = invoke(
+        &h,
+        "ask",
+        json!({
+            "request": { "question": "q?", "conversation_id": null, "workers": null, "plan": plan },
+            "onEvent": "__CHANNEL__:7",
+        }),
+    )
+    .unwrap();
+    assert_eq!(result["status"], "finished", "{result}");
+    let run = invoke(&h, "get_run", json!({ "id": result["run_id"] })).unwrap();
+    assert_eq!(run["run"]["answer"], "second");
+    assert_eq!(run["steps"][1]["worker"], "b");
+    let events: Vec<baton_engine::RunEvent> = serde_json::from_value(run["events"].clone()).unwrap();
+    baton_engine::event::check_sequence(&events).unwrap();
+
+    // Only the second worker for this conversation: the plan's "Model 0" is now b.
+    let one = json!({ "model_id": [0], "subtasks": ["only"], "access_list": [[]] });
+    let follow = invoke(&h, "ask", json!({
+        "request": { "question": "again", "conversation_id": result["conversation_id"], "workers": [1], "plan": one },
+        "onEvent": "__CHANNEL__:8",
+    }))
+    .unwrap();
+    let runs = invoke(&h, "conversation_runs", json!({ "id": result["conversation_id"] })).unwrap();
+    assert_eq!(runs.as_array().unwrap().len(), 2);
+    assert_eq!(runs[1]["run"]["answer"], "second");
+    assert_eq!(runs[1]["run"]["id"], follow["run_id"]);
+    let hits = invoke(&h, "search_history", json!({ "query": "again" })).unwrap();
+    assert_eq!(hits[0]["id"], follow["run_id"]);
+
+    let out = dir.path().join("export.md");
+    let target = json!({ "kind": "run", "id": result["run_id"] });
+    invoke(&h, "export_history", json!({ "target": target, "format": "markdown", "path": out })).unwrap();
+    assert!(std::fs::read_to_string(&out).unwrap().contains("q?"));
+    invoke(&h, "delete_conversation", json!({ "id": result["conversation_id"] })).unwrap();
+    assert_eq!(invoke(&h, "list_runs", json!({ "before": null })).unwrap(), json!([]));
+}

@@ -1,0 +1,306 @@
+// End-to-end tests of the real release binary in the real webview (WebKitWebDriver through
+// tauri-driver), with the tiny random conductor model and a loopback provider server that
+// requires a key. Run by `scripts/e2e` (which builds everything, starts Xvfb, D-Bus and a
+// throwaway gnome-keyring); it passes the paths below in the environment.
+//
+// One session walks through what a new user does, in order, saving a screenshot of each screen
+// under target/e2e/: set a key, ask, watch the answer stream, inspect the topology, review and
+// edit a plan, check that untrusted HTML stays text, then reopen the app and find it all again.
+
+import { execFileSync, spawn } from "node:child_process";
+import { readFileSync, writeFileSync, mkdirSync, existsSync, readdirSync } from "node:fs";
+import { join } from "node:path";
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import { Builder, By, until } from "selenium-webdriver";
+
+const env = (name) => {
+  const v = process.env[name];
+  if (!v) throw new Error(`${name} is not set; run the end-to-end tests through scripts/e2e`);
+  return v;
+};
+const APP = env("BATON_E2E_APP");
+const WORK = env("BATON_E2E_WORK");
+const SHOTS = env("BATON_E2E_SHOTS");
+const BATON = env("BATON_E2E_CLI");
+const TESTSERVER = env("BATON_E2E_TESTSERVER");
+const TINYMODEL = env("BATON_E2E_TINYMODEL");
+
+const KEY = "sk-e2e-" + Math.random().toString(36).slice(2) + "-canary";
+const DB = join(WORK, "history.sqlite");
+const POOL = join(WORK, "pool.toml");
+const REPLIES = {
+  alpha: "Alpha says the answer is 42, after careful thought about the question",
+  beta: "Beta agrees: the answer is **42**",
+  xss: "<img src=x onerror=window.__pwned=1> and <script>window.__pwned=2</script> done",
+};
+const figures = {};
+
+let server;
+let serverLog;
+let driverProcess;
+let driver;
+
+function wireName(name) {
+  // The test server reads its script from the model name; `_` stands for a space there.
+  return `${name};reply=${REPLIES[name].replaceAll(" ", "_")};latency=1200`;
+}
+
+before(async () => {
+  mkdirSync(SHOTS, { recursive: true });
+  const model = join(WORK, "tiny-model");
+  execFileSync(TINYMODEL, [model]);
+  serverLog = join(WORK, "requests.jsonl");
+  server = spawn(TESTSERVER, ["--key", KEY, "--log", serverLog], { stdio: ["ignore", "pipe", "inherit"] });
+  const address = await new Promise((resolve, reject) => {
+    server.stdout.once("data", (d) => resolve(String(d).trim().replace("listening on ", "")));
+    server.once("exit", (code) => reject(new Error(`the test server exited with ${code}`)));
+  });
+  const workers = Object.keys(REPLIES)
+    .map(
+      (name) => `[[worker]]
+name = "${name}"
+provider = "openai"
+model = "${wireName(name)}"
+base_url = "${address}/v1"
+description = "${name} worker"
+`,
+    )
+    .join("\n");
+  writeFileSync(
+    POOL,
+    `max_steps = 3
+
+[conductor]
+model = "${model}"
+device = "cpu"
+max_reasoning_chars = 40
+max_subtask_chars = 60
+
+${workers}`,
+  );
+  driverProcess = spawn("tauri-driver", ["--port", "4444"], {
+    stdio: "inherit",
+    env: { ...process.env, BATON_POOL: POOL, BATON_DB: DB },
+  });
+  for (let i = 0; i < 100; i++) {
+    try {
+      if ((await fetch("http://127.0.0.1:4444/status")).ok) return;
+    } catch {
+      /* not up yet */
+    }
+    await new Promise((r) => setTimeout(r, 100));
+  }
+  throw new Error("tauri-driver did not start");
+});
+
+after(async () => {
+  await driver?.quit().catch(() => {});
+  driverProcess?.kill();
+  server?.kill();
+  writeFileSync(join(SHOTS, "figures.json"), JSON.stringify(figures, null, 2));
+});
+
+async function openApp() {
+  const started = performance.now();
+  driver = await new Builder()
+    .usingServer("http://127.0.0.1:4444/")
+    .withCapabilities({ browserName: "wry", "tauri:options": { application: APP } })
+    .build();
+  await driver.wait(async () => (await driver.executeScript("return document.body.dataset.ready")) === "true", 30000);
+  return performance.now() - started;
+}
+
+async function shot(name) {
+  writeFileSync(join(SHOTS, `${name}.png`), await driver.takeScreenshot(), "base64");
+}
+
+const byTest = (id) => By.css(`[data-testid="${id}"]`);
+const find = (id, timeout = 20000) => driver.wait(until.elementLocated(byTest(id)), timeout);
+const click = (el) => driver.executeScript("arguments[0].dispatchEvent(new MouseEvent('click', {bubbles: true}))", el);
+
+/** Waits for the last turn to end and returns its status. */
+async function lastTurnEnds(timeout = 120000) {
+  await driver.wait(async () => {
+    const turns = await driver.findElements(byTest("turn"));
+    const status = turns.length && (await turns[turns.length - 1].getAttribute("data-status"));
+    return status === "finished" || status === "failed" || status === "cancelled";
+  }, timeout);
+  const turns = await driver.findElements(byTest("turn"));
+  return turns[turns.length - 1];
+}
+
+/** `baton history … --json`: one JSON object per line. */
+function history(...args) {
+  const out = execFileSync(BATON, ["history", ...args, "--json", "--db", DB], { encoding: "utf8" });
+  return out.trim().split("\n").filter(Boolean).map((l) => JSON.parse(l));
+}
+
+function requests() {
+  return readFileSync(serverLog, "utf8").trim().split("\n").filter(Boolean).map((l) => JSON.parse(l));
+}
+
+test("a new user sets a key, asks, inspects, reviews a plan, and finds it all again", async (t) => {
+  figures.cold_start_ms = Math.round(await openApp());
+  const pid = execFileSync("pgrep", ["-f", "-n", APP], { encoding: "utf8" }).trim();
+  // Idle: the window is up, no model loaded, no run.
+  await new Promise((r) => setTimeout(r, 1000));
+  figures.idle_rss_mib = Math.round(Number(/VmRSS:\s+(\d+)/.exec(readFileSync(`/proc/${pid}/status`, "utf8"))[1]) / 1024);
+  await find("composer");
+  await shot("01-chat-empty");
+
+  await t.test("a key typed into the app goes to the keychain only", async () => {
+    await click(await find("nav-workers"));
+    const input = await find("key-input-openai");
+    await input.sendKeys(KEY);
+    await click(await find("key-save-openai"));
+    const status = await find("key-status-openai");
+    await driver.wait(async () => (await status.getText()).includes(KEY.slice(-4)), 10000);
+    assert.equal(await input.getAttribute("value"), "", "the field is cleared once the key is stored");
+    const stored = execFileSync("secret-tool", ["lookup", "service", "baton", "username", "openai"], { encoding: "utf8" });
+    assert.equal(stored, KEY);
+    await shot("02-workers-and-keys");
+  });
+
+  await t.test("conductor settings show the configured model", async () => {
+    await click(await find("nav-conductor"));
+    assert.match(await (await find("conductor-model")).getAttribute("value"), /tiny-model/);
+    await shot("03-conductor");
+  });
+
+  let firstRun;
+  await t.test("a question's answer streams in, and the run is recorded", async () => {
+    await click(await find("new-chat"));
+    const composer = await find("composer");
+    await composer.sendKeys("What is six times seven?");
+    await composer.sendKeys("\uE007"); // Enter sends
+    // Streaming: the answer shows part of a reply before the run has finished.
+    let partial = null;
+    await driver.wait(async () => {
+      const turns = await driver.findElements(byTest("turn"));
+      if (!turns.length) return false;
+      const status = await turns[0].getAttribute("data-status");
+      const text = await (await turns[0].findElement(byTest("answer"))).getText();
+      if (status === "running" && text && !Object.values(REPLIES).some((r) => text === r.replace(/\*\*/g, ""))) {
+        partial = text;
+      }
+      return status !== "running" && status !== "idle";
+    }, 180000);
+    const turn = await lastTurnEnds();
+    assert.equal(await turn.getAttribute("data-status"), "finished", await turn.getText());
+    assert.ok(partial, "the answer was never seen part-way through");
+    const answer = await (await turn.findElement(byTest("answer"))).getText();
+    assert.ok(
+      Object.values(REPLIES).some((r) => answer.includes(r.replace(/\*\*/g, "").slice(0, 20))),
+      `the answer is one worker's reply: ${answer}`,
+    );
+    figures.partial_answer_seen = partial.length;
+    const runs = history("list");
+    assert.equal(runs.length, 1);
+    firstRun = history("show", String(runs[0].id))[0];
+    await shot("04-chat-answer");
+  });
+
+  await t.test("the topology matches the plan, and a node shows its exact output", async () => {
+    const turn = await lastTurnEnds();
+    await click(await turn.findElement(byTest("open-topology")));
+    await find("topology");
+    const plan = firstRun.plans[0].plan;
+    const workers = firstRun.run.workers;
+    const nodes = await driver.executeScript(
+      `return [...document.querySelectorAll('[data-testid="topology"] [data-node-id]')].map(n => [n.dataset.nodeId, n.dataset.worker || ""])`,
+    );
+    const edges = await driver.executeScript(
+      `return [...document.querySelectorAll('[data-testid="topology"] [data-from]')].map(e => [e.dataset.from, e.dataset.to, e.dataset.kind])`,
+    );
+    const steps = nodes.filter(([id]) => /^r0s\d+$/.test(id));
+    assert.equal(steps.length, plan.model_id.length, JSON.stringify(nodes));
+    plan.model_id.forEach((worker, i) => {
+      assert.deepEqual(steps.find(([id]) => id === `r0s${i}`), [`r0s${i}`, workers[worker].name]);
+    });
+    const expected = plan.access_list.flatMap((access, i) =>
+      (access === "all" ? [...Array(i).keys()] : access).map((j) => `r0s${j}>r0s${i}`),
+    );
+    const drawn = edges.filter(([, , kind]) => kind === "access").map(([a, b]) => `${a}>${b}`);
+    assert.deepEqual(drawn.sort(), expected.sort());
+
+    const last = plan.model_id.length - 1;
+    const node = await driver.findElement(By.css(`[data-node-id="r0s${last}"]`));
+    await click(node);
+    const rendered = await driver.findElement(By.css('[data-testid="inspector"] input[type="checkbox"]'));
+    await click(rendered);
+    const raw = await find("inspector-output-raw");
+    assert.equal(await raw.getText(), REPLIES[workers[plan.model_id[last]].name]);
+    assert.equal(firstRun.steps.find((s) => s.step === last).output, REPLIES[workers[plan.model_id[last]].name]);
+    await shot("05-topology");
+    await click(await find("close-topology"));
+  });
+
+  await t.test("an edited plan runs as edited, and HTML in an answer stays text", async () => {
+    await click(await find("review-toggle"));
+    const composer = await find("composer");
+    await composer.sendKeys("Now plan it for review");
+    await click(await find("send"));
+    await find("plan-review", 120000);
+    await shot("06-plan-review");
+    const rows = await driver.findElements(By.css('[data-testid^="plan-step-"]'));
+    const last = rows.length - 1;
+    const subtask = await find("plan-subtask-0");
+    await subtask.clear();
+    await subtask.sendKeys("EDITED: greet the user");
+    await driver.executeScript(
+      "const s = arguments[0]; s.value = '2'; s.dispatchEvent(new Event('change', {bubbles: true}))",
+      await find(`plan-worker-${last}`),
+    );
+    await click(await find("plan-run"));
+    const turn = await lastTurnEnds();
+    assert.equal(await turn.getAttribute("data-status"), "finished", await turn.getText());
+    const answer = await turn.findElement(byTest("answer"));
+    assert.ok((await answer.getText()).includes("<img src=x onerror=window.__pwned=1>"), await answer.getText());
+    assert.ok((await answer.getText()).includes("<script>window.__pwned=2</script>"));
+    const live = await driver.executeScript(
+      `return document.querySelectorAll('[data-testid="answer"] img, [data-testid="answer"] script, [onerror]').length`,
+    );
+    assert.equal(live, 0);
+    assert.equal(await driver.executeScript("return window.__pwned === undefined"), true);
+    const runs = history("list");
+    const edited = history("show", String(runs[0].id))[0];
+    assert.equal(edited.plans[0].plan.subtasks[0], "EDITED: greet the user");
+    assert.equal(edited.plans[0].plan.model_id[last], 2);
+    assert.equal(edited.plans[0].raw, null, "a reviewed plan runs as given");
+    assert.ok(
+      requests().some((r) => JSON.stringify(r.body).includes("EDITED: greet the user")),
+      "the edited subtask went over the wire",
+    );
+    await shot("07-untrusted-html-as-text");
+  });
+
+  await t.test("the key is in no file Baton wrote", async () => {
+    for (const file of readdirSync(WORK)) {
+      if (file.startsWith("history.sqlite") || file.endsWith(".lock")) {
+        assert.ok(!readFileSync(join(WORK, file)).includes(KEY), `${file} contains the key`);
+      }
+    }
+    const locks = join(WORK, "history.sqlite.locks");
+    if (existsSync(locks)) for (const f of readdirSync(locks)) assert.ok(!readFileSync(join(locks, f)).includes(KEY));
+    assert.ok(requests().every((r) => r.headers.authorization === `Bearer ${KEY}`), "every call carried the key");
+  });
+
+  await t.test("after a restart the conversation and its runs are in the history", async () => {
+    await driver.quit();
+    figures.warm_start_ms = Math.round(await openApp());
+    const conversation = await find("conversation");
+    assert.equal(await conversation.getText(), "What is six times seven?");
+    await click(conversation);
+    await driver.wait(async () => (await driver.findElements(byTest("turn"))).length === 2, 10000);
+    await shot("08-conversation-reopened");
+    await click(await find("nav-history"));
+    await driver.wait(async () => (await driver.findElements(byTest("history-run"))).length === 2, 10000);
+    const search = await find("history-search");
+    await search.sendKeys("EDITED");
+    await driver.wait(async () => (await driver.findElements(byTest("history-run"))).length === 1, 10000);
+    await click(await find("history-run"));
+    await find("history-detail");
+    await shot("09-history");
+  });
+});

@@ -1,0 +1,70 @@
+// Typed wrappers over Baton's Tauri commands. Argument and result types come from the Rust
+// types (bindings.ts); every command rejects with an AppError `{kind, message}`.
+import { Channel, invoke } from "@tauri-apps/api/core";
+import { listen, type UnlistenFn } from "@tauri-apps/api/event";
+import type {
+  AppError,
+  AppInfo,
+  AskRequest,
+  AskResult,
+  ConnectionCheck,
+  ConversationSummary,
+  Draft,
+  ExportFormat,
+  ExportTarget,
+  KeysView,
+  ModelLoad,
+  Plan,
+  PoolForm,
+  ProviderKind,
+  RunEvent,
+  RunSummary,
+  RunTree,
+  SearchHit,
+  Settings,
+} from "./bindings";
+
+/** Turns anything a command throws into an AppError the UI can branch on. */
+export function asAppError(e: unknown): AppError {
+  if (e && typeof e === "object" && "kind" in e && "message" in e) return e as AppError;
+  return { kind: "io", message: String(e) };
+}
+
+export const api = {
+  appInfo: () => invoke<AppInfo>("app_info"),
+  getSettings: () => invoke<Settings>("get_settings"),
+  saveSettings: (form: PoolForm) => invoke<Settings>("save_settings", { form }),
+  loadConductor: () => invoke<string>("load_conductor"),
+  listKeys: () => invoke<KeysView>("list_keys"),
+  setKey: (provider: ProviderKind, baseUrl: string | null, key: string) =>
+    invoke<null>("set_key", { provider, baseUrl, key }),
+  deleteKey: (provider: ProviderKind, baseUrl: string | null) => invoke<null>("delete_key", { provider, baseUrl }),
+  testWorker: (index: number) => invoke<ConnectionCheck>("test_worker", { index }),
+  draftPlan: (question: string, conversationId: number | null, workers: number[] | null) =>
+    invoke<Draft>("draft_plan", { question, conversationId, workers }),
+  validatePlan: (plan: Plan, workers: number[] | null) => invoke<null>("validate_plan", { plan, workers }),
+  /** Runs a question; `onEvent` sees every RunEvent in order; resolves when the run is recorded. */
+  ask: (request: AskRequest, onEvent: (e: RunEvent) => void) => {
+    const channel = new Channel<RunEvent>();
+    channel.onmessage = onEvent;
+    return invoke<AskResult>("ask", { request, onEvent: channel });
+  },
+  cancelRun: (runId: string) => invoke<boolean>("cancel_run", { runId }),
+  listConversations: (before: number | null = null) => invoke<ConversationSummary[]>("list_conversations", { before }),
+  conversationRuns: (id: number) => invoke<RunTree[]>("conversation_runs", { id }),
+  listRuns: (before: number | null = null) => invoke<RunSummary[]>("list_runs", { before }),
+  searchHistory: (query: string) => invoke<SearchHit[]>("search_history", { query }),
+  getRun: (id: number) => invoke<RunTree>("get_run", { id }),
+  deleteRun: (id: number) => invoke<null>("delete_run", { id }),
+  deleteConversation: (id: number) => invoke<null>("delete_conversation", { id }),
+  exportHistory: (target: ExportTarget, format: ExportFormat, path: string) =>
+    invoke<null>("export_history", { target, format, path }),
+};
+
+export function onModelLoad(handler: (status: ModelLoad) => void): Promise<UnlistenFn> {
+  return listen<ModelLoad>("conductor-status", (e) => handler(e.payload));
+}
+
+export function onHistoryWarning(handler: (message: string) => void): Promise<UnlistenFn> {
+  return listen<string>("history-warning", (e) => handler(e.payload));
+}

@@ -1,0 +1,260 @@
+// Generated from Baton's Rust types by `src-tauri/src/bindings.rs`; do not edit.
+// Regenerate: UPDATE_BINDINGS=1 cargo test -p baton-desktop bindings
+
+export type JsonValue = number | string | boolean | Array<JsonValue> | { [key in string]?: JsonValue } | null;
+
+export type ProviderKind = "openai" | "anthropic" | "gemini" | "openai-compatible" | "local";
+
+export type Role = "user" | "assistant";
+
+export type Message = { role: Role, content: string, };
+
+export type Usage = { input_tokens: number, 
+/**
+ * Includes reasoning ("thinking") tokens, which providers bill as output.
+ */
+output_tokens: number, };
+
+export type Plan = { model_id: Array<number>, subtasks: Array<string>, access_list: Array<Access> };
+
+export type Access = "all" | Array<number>;
+
+export type WorkerInfo = { index: number, name: string, provider: ProviderKind, model: string, description: string | null, };
+
+export type StepRef = { round: number, step: number, };
+
+export type StepErrorKind = "auth" | "rate_limited" | "overloaded" | "bad_request" | "context_too_long" | "network" | "timeout" | "malformed_response" | "empty_answer" | "cancelled" | "dependency_failed" | "conductor" | "recursion_limit";
+
+export type StepError = { kind: StepErrorKind, message: string, 
+/**
+ * The HTTP status, when a provider answered with one.
+ */
+status?: number | null, };
+
+export type RunErrorKind = "invalid_plan" | "step_failed" | "budget_exceeded" | "conductor";
+
+export type RunError = { kind: RunErrorKind, message: string, };
+
+export type Totals = { 
+/**
+ * Provider calls, retries included.
+ */
+calls: number, usage: Usage, 
+/**
+ * Sum over steps with a known price.
+ */
+cost_usd: number, 
+/**
+ * False when some step's price is unknown, so `cost_usd` is a lower bound.
+ */
+cost_complete: boolean, wall_ms: number, 
+/**
+ * Steps of round 0 that finished or failed (nested rounds are in the events).
+ */
+steps_finished: Array<number>, steps_failed: Array<number>, 
+/**
+ * Plans written, recursive rounds included.
+ */
+rounds: number, };
+
+export type RunEvent = { "type": "run_started", run_id: string, question: string, workers: Array<WorkerInfo>, 
+/**
+ * The conductor that writes plans, when there is one.
+ */
+conductor?: string | null, } | { "type": "plan_started", round: number, depth: number, 
+/**
+ * The step that handed work back to the conductor (recursion), if any.
+ */
+parent?: StepRef | null, } | { "type": "plan_delta", round: number, text: string, } | { "type": "plan_ready", round: number, depth: number, parent?: StepRef | null, plan: Plan, 
+/**
+ * The conductor's whole answer; absent for a given plan.
+ */
+raw?: string | null, } | { "type": "step_started", round: number, step: number, 
+/**
+ * Index of the worker in the pool; the pool's size means the conductor itself.
+ */
+worker: number, 
+/**
+ * Exactly what the worker is sent.
+ */
+system: string | null, messages: Array<Message>, } | { "type": "step_delta", round: number, step: number, text: string, } | { "type": "step_retrying", round: number, step: number, 
+/**
+ * The attempt that failed (1 for the first).
+ */
+attempt: number, error: StepError, delay_ms: number, } | { "type": "step_finished", round: number, step: number, output: string, usage: Usage, 
+/**
+ * `None` when the worker's price is unknown.
+ */
+cost_usd: number | null, 
+/**
+ * From `StepStarted` to the last token, retries included.
+ */
+latency_ms: number, retries: number, } | { "type": "step_failed", round: number, step: number, error: StepError, } | { "type": "run_finished", answer: string, totals: Totals, } | { "type": "run_failed", error: RunError, totals: Totals, } | { "type": "run_cancelled", totals: Totals, };
+
+export type RunStatus = "running" | "finished" | "failed" | "cancelled" | "interrupted";
+
+export type RunSummary = { id: number, conversation_id: number, question: string, status: RunStatus, 
+/**
+ * Unix milliseconds.
+ */
+started_at: number, wall_ms: number | null, calls: number, input_tokens: number, output_tokens: number, cost_usd: number, };
+
+export type ConversationSummary = { id: number, title: string, created_at: number, updated_at: number, runs: number, };
+
+export type SearchHit = { id: number, conversation_id: number, question: string, status: RunStatus, started_at: number, 
+/**
+ * `question`, `answer` or `subtask`.
+ */
+matched: string, snippet: string, };
+
+export type RunTree = { run: RunRecord, plans: Array<PlanRecord>, steps: Array<StepRecord>, events: Array<JsonValue>, };
+
+export type RunRecord = { id: number, uid: string, conversation_id: number, question: string, conductor: string | null, workers: Array<WorkerInfo>, status: RunStatus, answer: string | null, error_kind: string | null, error: string | null, started_at: number, finished_at: number | null, rounds: number, calls: number, input_tokens: number, output_tokens: number, cost_usd: number, 
+/**
+ * False when a worker had no price, so `cost_usd` is a lower bound.
+ */
+cost_complete: boolean, wall_ms: number | null, };
+
+export type PlanRecord = { round: number, depth: number, parent: StepRef | null, 
+/**
+ * The conductor's whole text; `None` for a written plan.
+ */
+raw: string | null, plan: Plan, };
+
+export type StepRecord = { round: number, step: number, worker_index: number, worker: string, subtask: string, access: Access, 
+/**
+ * Exactly what the worker was sent; `None` when the step never ran.
+ */
+request: SentRequest | null, 
+/**
+ * `running`, `finished`, `failed` or `interrupted`.
+ */
+status: string, output: string | null, error_kind: string | null, error: string | null, input_tokens: number | null, output_tokens: number | null, cost_usd: number | null, latency_ms: number | null, retries: number, };
+
+export type SentRequest = { system: string | null, messages: Array<Message>, };
+
+export type ErrorKind = "bad_input" | "pool" | "conductor" | "keychain" | "history" | "provider" | "not_found" | "io";
+
+export type AppError = { kind: ErrorKind, message: string, };
+
+export type WorkerForm = { 
+/**
+ * Index of the table this form was read from, so a save keeps its other keys and comments;
+ * `null` for a new worker.
+ */
+original: number | null, name: string, provider: ProviderKind, model: string, base_url: string | null, api_key_env: string | null, max_tokens: number | null, temperature: number | null, reasoning_effort: string | null, thinking_budget: number | null, 
+/**
+ * $ per million input tokens.
+ */
+price_in: number | null, price_out: number | null, description: string | null, };
+
+export type ConductorForm = { 
+/**
+ * A local `.gguf` file or safetensors directory; with `url`, the model name the server serves.
+ */
+model: string | null, 
+/**
+ * An OpenAI-compatible server that runs the conductor.
+ */
+url: string | null, 
+/**
+ * `auto` (GPU when there is one) or `cpu`.
+ */
+device: string, max_steps: number, recursion: boolean, max_depth: number, max_calls: number | null, max_tokens: number | null, max_cost_usd: number | null, };
+
+export type PoolForm = { workers: Array<WorkerForm>, conductor: ConductorForm, };
+
+export type Settings = { pool_path: string, history_path: string, pool_exists: boolean, 
+/**
+ * `null` when the file is not valid TOML (see `pool_error`).
+ */
+form: PoolForm | null, 
+/**
+ * What is wrong with the pool as it stands, if anything; runs are refused until it is fixed.
+ */
+pool_error: string | null, 
+/**
+ * The workers the conductor sees, in order (empty while the pool has errors).
+ */
+workers: Array<WorkerInfo>, 
+/**
+ * Whether a conductor (local model or server) is set.
+ */
+conductor_configured: boolean, 
+/**
+ * Whether this build runs local models (mistral.rs).
+ */
+local_models: boolean, };
+
+export type KeyRow = { 
+/**
+ * The keychain account (`openai`, `openai-compatible:<url>`, …).
+ */
+account: string, provider: ProviderKind, 
+/**
+ * For `openai-compatible` keys: the server they are for.
+ */
+base_url: string | null, 
+/**
+ * The pool's workers (and the conductor) that use this key.
+ */
+used_by: Array<string>, stored: boolean, last4: string | null, 
+/**
+ * Set when the pool takes this key from an environment variable, which wins over the keychain.
+ */
+env_override: string | null, };
+
+export type KeysView = { 
+/**
+ * `null` when the keychain works; otherwise what is missing and how to fix it.
+ */
+keychain_error: string | null, keys: Array<KeyRow>, };
+
+export type ModelLoad = { "state": "loading", what: string, path: string, } | { "state": "loaded", what: string, path: string, seconds: number, device: string, } | { "state": "failed", what: string, path: string, };
+
+export type AskRequest = { question: string, 
+/**
+ * Continue this conversation (the conductor sees its earlier turns); `null` starts one.
+ */
+conversation_id: number | null, 
+/**
+ * The pool workers this conversation may use, by index; `null` for all of them.
+ */
+workers: Array<number> | null, 
+/**
+ * A reviewed plan to run instead of asking the conductor; its worker numbers refer to
+ * `workers` in order.
+ */
+plan: Plan | null, };
+
+export type AskResult = { 
+/**
+ * The run's id in the history (`null` if it could not be recorded).
+ */
+run_id: number | null, conversation_id: number | null, status: string, };
+
+export type Draft = { plan: Plan, 
+/**
+ * The conductor's whole text.
+ */
+raw: string, workers: Array<WorkerInfo>, max_steps: number, };
+
+export type ConnectionCheck = { 
+/**
+ * The first words of the answer.
+ */
+reply: string, latency_ms: number, };
+
+export type ExportFormat = "markdown" | "json";
+
+export type ExportTarget = { "kind": "run", "id": number } | { "kind": "conversation", "id": number };
+
+export type AppInfo = { version: string, 
+/**
+ * Whether this build runs local models (the conductor needs one, or a server).
+ */
+local_models: boolean, 
+/**
+ * Whether local models can use a GPU in this build.
+ */
+gpu: boolean, };

@@ -1,0 +1,70 @@
+// App-wide state shared by the views: settings, the conversation list, the current view, and
+// news from the backend (model loading, history warnings).
+import { api, asAppError } from "./api";
+import type { AppError, ConversationSummary, ModelLoad, Settings } from "./bindings";
+
+export type View = "chat" | "history" | "workers" | "conductor" | "welcome";
+
+export const app = $state({
+  view: "chat" as View,
+  settings: null as Settings | null,
+  settingsError: null as AppError | null,
+  conversations: [] as ConversationSummary[],
+  conversationsError: null as AppError | null,
+  /** The open conversation; null for a new one. */
+  conversationId: null as number | null,
+  modelLoad: null as ModelLoad | null,
+  warning: null as string | null,
+});
+
+export async function refreshSettings(): Promise<void> {
+  try {
+    app.settings = await api.getSettings();
+    app.settingsError = null;
+  } catch (e) {
+    app.settingsError = asAppError(e);
+  }
+}
+
+export async function refreshConversations(): Promise<void> {
+  try {
+    app.conversations = await api.listConversations();
+    app.conversationsError = null;
+  } catch (e) {
+    app.conversationsError = asAppError(e);
+  }
+}
+
+/** Whether the welcome screen should show: nothing set up yet. */
+export function needsSetup(s: Settings | null): boolean {
+  return s !== null && (!s.conductor_configured || (s.form?.workers.length ?? 0) === 0);
+}
+
+/** Per-conversation choices the user makes in the chat (kept on this machine, not in the pool). */
+export interface ConversationPrefs {
+  /** Pool indices this conversation may use; null for all. */
+  workers: number[] | null;
+  review: boolean;
+}
+
+const PREFS_KEY = "baton.conversation-prefs";
+
+export function loadPrefs(conversation: number | null): ConversationPrefs {
+  const all = JSON.parse(localStorage.getItem(PREFS_KEY) ?? "{}") as Record<string, ConversationPrefs>;
+  return all[String(conversation ?? "new")] ?? { workers: null, review: false };
+}
+
+export function savePrefs(conversation: number | null, prefs: ConversationPrefs): void {
+  const all = JSON.parse(localStorage.getItem(PREFS_KEY) ?? "{}") as Record<string, ConversationPrefs>;
+  all[String(conversation ?? "new")] = prefs;
+  localStorage.setItem(PREFS_KEY, JSON.stringify(all));
+}
+
+export function formatCost(usd: number, complete = true): string {
+  const s = usd === 0 ? "$0" : usd < 0.01 ? `$${usd.toFixed(4)}` : `$${usd.toFixed(2)}`;
+  return complete ? s : `≥ ${s}`;
+}
+
+export function formatMs(ms: number): string {
+  return ms < 1000 ? `${ms} ms` : `${(ms / 1000).toFixed(1)} s`;
+}
