@@ -32,7 +32,7 @@ const POOL = join(WORK, "pool.toml");
 const REPLIES = {
   alpha: "Alpha says the answer is 42, after careful thought about the question",
   beta: "Beta agrees: the answer is **42**",
-  xss: "<img src=x onerror=window.__pwned=1> and <script>window.__pwned=2</script> done",
+  xss: "<img src=x onerror=window.pwned=1> and <script>window.pwned=2</script> done",
 };
 const figures = {};
 
@@ -117,6 +117,7 @@ async function shot(name) {
 
 const byTest = (id) => By.css(`[data-testid="${id}"]`);
 const find = (id, timeout = 20000) => driver.wait(until.elementLocated(byTest(id)), timeout);
+const textOf = (el) => driver.executeScript("return arguments[0].textContent.trim()", el);
 const click = (el) => driver.executeScript("arguments[0].dispatchEvent(new MouseEvent('click', {bubbles: true}))", el);
 
 /** Waits for the last turn to end and returns its status. */
@@ -256,13 +257,13 @@ test("a new user sets a key, asks, inspects, reviews a plan, and finds it all ag
     const turn = await lastTurnEnds();
     assert.equal(await turn.getAttribute("data-status"), "finished", await turn.getText());
     const answer = await turn.findElement(byTest("answer"));
-    assert.ok((await answer.getText()).includes("<img src=x onerror=window.__pwned=1>"), await answer.getText());
-    assert.ok((await answer.getText()).includes("<script>window.__pwned=2</script>"));
+    assert.ok((await answer.getText()).includes("<img src=x onerror=window.pwned=1>"), await answer.getText());
+    assert.ok((await answer.getText()).includes("<script>window.pwned=2</script>"));
     const live = await driver.executeScript(
       `return document.querySelectorAll('[data-testid="answer"] img, [data-testid="answer"] script, [onerror]').length`,
     );
     assert.equal(live, 0);
-    assert.equal(await driver.executeScript("return window.__pwned === undefined"), true);
+    assert.equal(await driver.executeScript("return window.pwned === undefined"), true);
     const runs = history("list");
     const edited = history("show", String(runs[0].id))[0];
     assert.equal(edited.plans[0].plan.subtasks[0], "EDITED: greet the user");
@@ -276,10 +277,10 @@ test("a new user sets a key, asks, inspects, reviews a plan, and finds it all ag
   });
 
   await t.test("the key is in no file Baton wrote", async () => {
-    for (const file of readdirSync(WORK)) {
-      if (file.startsWith("history.sqlite") || file.endsWith(".lock")) {
-        assert.ok(!readFileSync(join(WORK, file)).includes(KEY), `${file} contains the key`);
-      }
+    const files = readdirSync(WORK).filter((f) => /^history\.sqlite(-wal|-shm)?$/.test(f));
+    assert.ok(files.includes("history.sqlite"));
+    for (const file of files) {
+      assert.ok(!readFileSync(join(WORK, file)).includes(KEY), `${file} contains the key`);
     }
     const locks = join(WORK, "history.sqlite.locks");
     if (existsSync(locks)) for (const f of readdirSync(locks)) assert.ok(!readFileSync(join(locks, f)).includes(KEY));
@@ -290,7 +291,7 @@ test("a new user sets a key, asks, inspects, reviews a plan, and finds it all ag
     await driver.quit();
     figures.warm_start_ms = Math.round(await openApp());
     const conversation = await find("conversation");
-    assert.equal(await conversation.getText(), "What is six times seven?");
+    await driver.wait(async () => (await textOf(conversation)) === "What is six times seven?", 10000);
     await click(conversation);
     await driver.wait(async () => (await driver.findElements(byTest("turn"))).length === 2, 10000);
     await shot("08-conversation-reopened");
