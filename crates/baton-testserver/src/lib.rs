@@ -198,8 +198,12 @@ async fn handle(
             "body": record.body, "model": record.model, "at_ms": at_ms,
         });
         use std::io::Write;
+        // One write per line, under a lock: `writeln!` issues several writes, and requests
+        // served at the same time would interleave their lines.
+        let line = format!("{line}\n");
+        let _serial = shared.requests.lock();
         if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(log) {
-            let _ = writeln!(f, "{line}");
+            let _ = f.write_all(line.as_bytes());
         }
     }
     if let Ok(mut r) = shared.requests.lock() {
