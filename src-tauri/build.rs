@@ -18,6 +18,7 @@ const COMMANDS: &[&str] = &[
     "test_worker",
     "draft_plan",
     "ask",
+    "rerun_step",
     "cancel_run",
     "list_conversations",
     "conversation_runs",

@@ -1,13 +1,16 @@
 //! Runs: a question (or a reviewed plan) goes to the engine, and every `RunEvent` comes back on
 //! the run's own IPC channel in order, after the history has recorded it.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use baton_conductor::setup::{self, ConductorChoice, LoadNotice};
+use baton_engine::rerun::{self, Source};
 use baton_engine::{Executor, Pool, RunEvent, RunRequest, RunStatus, new_run_id};
 use baton_plan::{Limits, Plan};
 use baton_providers::{ChatEvent, ChatRequest, Message};
+use baton_store::Store;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use tauri::ipc::Channel;
@@ -17,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::{AppError, AppResult, ErrorKind};
 use crate::state::AppState;
+use crate::timing::TimingLog;
 
 /// Broadcast to every window while a local model loads (mistral.rs reports no finer progress).
 pub const CONDUCTOR_EVENT: &str = "conductor-status";
@@ -49,6 +53,18 @@ pub struct AskResult {
     pub run_id: Option<i64>,
     pub conversation_id: Option<i64>,
     pub status: String,
+}
+
+/// Run one step of a finished run again with another worker; the steps that see it run again
+/// too, every other step keeps its output. The re-run is a new run in the same conversation.
+#[derive(Debug, Clone, PartialEq, Deserialize, ts_rs::TS)]
+pub struct RerunRequest {
+    /// The finished run, by its id in the history.
+    pub run_id: i64,
+    /// The step of the question's plan (round 0).
+    pub step: u32,
+    /// The worker to run it with: its index in the pool as it is now.
+    pub worker: u32,
 }
 
 /// A plan for review, before anything runs.
@@ -152,15 +168,86 @@ pub async fn ask<R: Runtime>(
         None => Vec::new(),
     };
     let executor = executor(&app, &state, &pool, request.plan.is_none()).await?;
+    let run = RunRequest { run_id: new_run_id(), question, history, plan: request.plan, ..RunRequest::default() };
+    run_recorded(&app, &state, store, &executor, request.conversation_id, run, on_event).await
+}
 
-    let run_id = new_run_id();
+/// Re-runs one step of a finished run with another worker (see [`RerunRequest`]) and streams
+/// the re-run's events on `on_event`, like [`ask`].
+#[tauri::command]
+pub async fn rerun_step<R: Runtime>(
+    app: AppHandle<R>,
+    state: State<'_, AppState>,
+    request: RerunRequest,
+    on_event: Channel<RunEvent>,
+) -> AppResult<AskResult> {
+    let store = state.store().await?;
+    let tree = store
+        .run(request.run_id)
+        .await?
+        .ok_or_else(|| AppError::not_found(format!("there is no run {} in the history", request.run_id)))?;
+    if tree.run.status == baton_store::RunStatus::Running {
+        return Err(AppError::bad_input("this run is still going; re-run a step once it has ended"));
+    }
+    let Some(top) = tree.plans.iter().find(|p| p.parent.is_none()) else {
+        return Err(AppError::bad_input(
+            "this run has no plan to re-run (the conductor wrote none); ask the question again instead",
+        ));
+    };
+    let outputs: BTreeMap<usize, String> = tree
+        .steps
+        .iter()
+        .filter(|s| s.round == top.round && s.status == "finished")
+        .filter_map(|s| Some((s.step as usize, s.output.clone()?)))
+        .collect();
+    let pool = state.pool()?;
+    let worker = pool
+        .workers
+        .get(request.worker as usize)
+        .ok_or_else(|| AppError::not_found(format!("there is no worker {} in the pool", request.worker)))?
+        .name
+        .clone();
+    let source = Source { run_id: &tree.run.uid, plan: &top.plan, workers: &tree.run.workers, outputs: &outputs };
+    let rerun = rerun::prepare(source, &pool, request.step as usize, &worker)
+        .map_err(|e| AppError::bad_input(e.to_string()))?;
+    // Steps the plan gives to the conductor itself need it, to write their rounds again.
+    let conductor_steps = rerun.plan.steps.iter().any(|s| s.model_id == rerun.pool.workers.len());
+    let conversation = tree.run.conversation_id;
+    let history = store.messages(conversation).await?;
+    let executor = executor(&app, &state, &rerun.pool, conductor_steps).await?;
+    let run = RunRequest {
+        run_id: new_run_id(),
+        question: tree.run.question.clone(),
+        history,
+        plan: Some(rerun.plan),
+        reuse: Some(rerun.reuse),
+    };
+    run_recorded(&app, &state, store, &executor, Some(conversation), run, on_event).await
+}
+
+/// Runs `run`, recording each event in the history before sending it on `on_event`; returns
+/// once the run has ended and is recorded. The run can be stopped with [`cancel_run`].
+async fn run_recorded<R: Runtime>(
+    app: &AppHandle<R>,
+    state: &AppState,
+    store: &Store,
+    executor: &Executor,
+    conversation_id: Option<i64>,
+    run: RunRequest,
+    on_event: Channel<RunEvent>,
+) -> AppResult<AskResult> {
+    let run_id = run.run_id.clone();
     let cancel = CancellationToken::new();
     state.runs.lock().expect("runs lock").insert(run_id.clone(), cancel.clone());
     let (tx, mut rx) = mpsc::unbounded_channel::<RunEvent>();
-    let mut recorder = Some(store.recorder(request.conversation_id));
+    let mut recorder = Some(store.recorder(conversation_id));
+    let mut timing = TimingLog::for_run(&run_id);
     let warn = app.clone();
     let consumer = tokio::spawn(async move {
         while let Some(event) = rx.recv().await {
+            if let Some(t) = &mut timing {
+                t.observe(&event);
+            }
             // Recorded before it is shown: what the window saw is in the history.
             if let Some(r) = &mut recorder
                 && let Err(e) = r.record(&event).await
@@ -173,8 +260,7 @@ pub async fn ask<R: Runtime>(
         }
         recorder.map(|r| (r.run_id(), r.conversation_id()))
     });
-    let outcome =
-        executor.run(RunRequest { run_id: run_id.clone(), question, history, plan: request.plan }, &tx, &cancel).await;
+    let outcome = executor.run(run, &tx, &cancel).await;
     drop(tx);
     let recorded = consumer.await.ok().flatten();
     state.runs.lock().expect("runs lock").remove(&run_id);
@@ -185,7 +271,7 @@ pub async fn ask<R: Runtime>(
     };
     Ok(AskResult {
         run_id: recorded.and_then(|r| r.0),
-        conversation_id: recorded.and_then(|r| r.1).or(request.conversation_id),
+        conversation_id: recorded.and_then(|r| r.1).or(conversation_id),
         status: status.to_owned(),
     })
 }

@@ -10,6 +10,7 @@ pub mod history;
 pub mod keys;
 pub mod settings;
 pub mod state;
+pub mod timing;
 
 use serde::Serialize;
 use tauri::Runtime;
@@ -43,6 +44,7 @@ pub fn builder<R: Runtime>(base: tauri::Builder<R>, state: AppState) -> tauri::B
         settings::save_settings,
         chat::load_conductor,
         chat::ask,
+        chat::rerun_step,
         chat::cancel_run,
         chat::draft_plan,
         chat::validate_plan,

@@ -128,7 +128,7 @@ pub async fn save_settings(state: State<'_, AppState>, form: PoolForm) -> AppRes
 pub fn read_form(text: &str) -> Result<PoolForm, String> {
     let doc: DocumentMut = text.parse().map_err(|e: toml_edit::TomlError| e.to_string())?;
     let workers = match doc.get("worker").and_then(Item::as_array_of_tables) {
-        Some(tables) => tables.iter().enumerate().map(|(i, t)| worker_form(i, t)).collect(),
+        Some(tables) => tables.iter().enumerate().map(|(i, t)| worker_form(i, t)).collect::<Result<_, _>>()?,
         None => Vec::new(),
     };
     let conductor = doc.get("conductor").and_then(Item::as_table_like);
@@ -155,15 +155,22 @@ fn float(item: &Item) -> Option<f64> {
     item.as_float().or_else(|| item.as_integer().map(|n| n as f64))
 }
 
-fn worker_form(index: usize, t: &Table) -> WorkerForm {
+/// One worker's form; an error when its provider is one the form cannot show (saving the form
+/// would replace what the file says).
+fn worker_form(index: usize, t: &Table) -> Result<WorkerForm, String> {
     let string = |k: &str| t.get(k).and_then(Item::as_str).map(str::to_owned);
     let int = |k: &str| t.get(k).and_then(Item::as_integer).map(|n| n as u32);
-    WorkerForm {
+    let name = string("name").unwrap_or_default();
+    let provider = string("provider").unwrap_or_default();
+    let provider: ProviderKind = serde_json::from_value(serde_json::Value::String(provider.clone())).map_err(|_| {
+        format!(
+            "worker {index} (\"{name}\"): provider \"{provider}\" is not one of openai, anthropic, gemini, openai-compatible, local; fix it in the pool file"
+        )
+    })?;
+    Ok(WorkerForm {
         original: Some(index as u32),
-        name: string("name").unwrap_or_default(),
-        provider: string("provider")
-            .and_then(|p| serde_json::from_value(serde_json::Value::String(p)).ok())
-            .unwrap_or(ProviderKind::OpenAiCompatible),
+        name,
+        provider,
         model: string("model").unwrap_or_default(),
         base_url: string("base_url"),
         api_key_env: string("api_key_env"),
@@ -174,7 +181,7 @@ fn worker_form(index: usize, t: &Table) -> WorkerForm {
         price_in: t.get("price_in").and_then(float),
         price_out: t.get("price_out").and_then(float),
         description: string("description"),
-    }
+    })
 }
 
 /// Applies `form` to the pool TOML `text` and checks the result; returns the new text.
@@ -353,6 +360,13 @@ timeout_secs = 90
         let err = apply_form(FILE, &form, "pool.toml").unwrap_err();
         assert_eq!(err.kind, ErrorKind::BadInput);
         assert!(err.message.contains("base_url"), "{}", err.message);
+    }
+
+    #[test]
+    fn a_provider_the_form_cannot_show_is_named_not_replaced() {
+        let text = FILE.replace("provider = \"openai\"", "provider = \"openia\"");
+        let err = read_form(&text).unwrap_err();
+        assert!(err.contains("worker 0 (\"gpt\"): provider \"openia\""), "{err}");
     }
 
     #[test]

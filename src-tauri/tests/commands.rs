@@ -170,3 +170,73 @@ fn a_reviewed_plan_runs_over_loopback_and_is_recorded() {
     invoke(&h, "delete_conversation", json!({ "id": result["conversation_id"] })).unwrap();
     assert_eq!(invoke(&h, "list_runs", json!({ "before": null })).unwrap(), json!([]));
 }
+
+#[test]
+fn one_step_of_a_finished_run_is_rerun_with_another_worker() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let server = rt.block_on(baton_testserver::TestServer::start()).unwrap();
+    let base = server.base_url(baton_testserver::Wire::OpenAi);
+    let dir = tempfile::tempdir().unwrap();
+    let h = app(dir.path(), "main");
+    let workers = [
+        worker("a", "a;reply=facts", &base),
+        worker("b", "b;reply=weak_draft", &base),
+        worker("c", "c;reply=strong_draft", &base),
+    ];
+    invoke(&h, "save_settings", json!({ "form": { "workers": workers, "conductor": conductor() } })).unwrap();
+    // The conversation uses workers a and b only; the plan's "Model 1" is b.
+    let plan =
+        json!({ "model_id": [0, 1, 0], "subtasks": ["gather", "draft", "polish"], "access_list": [[], [0], [1]] });
+    let first = invoke(
+        &h,
+        "ask",
+        json!({
+            "request": { "question": "q?", "conversation_id": null, "workers": [0, 1], "plan": plan },
+            "onEvent": "__CHANNEL__:1",
+        }),
+    )
+    .unwrap();
+    assert_eq!(first["status"], "finished", "{first}");
+    let before = server.requests().len();
+
+    // Step 1 again with c (pool index 2, which this run did not have): steps 1 and 2 are called.
+    let again = invoke(
+        &h,
+        "rerun_step",
+        json!({
+            "request": { "run_id": first["run_id"], "step": 1, "worker": 2 },
+            "onEvent": "__CHANNEL__:2",
+        }),
+    )
+    .unwrap();
+    assert_eq!(again["status"], "finished", "{again}");
+    assert_eq!(again["conversation_id"], first["conversation_id"]);
+    let calls: Vec<String> = server.requests()[before..].iter().map(|r| r.model.clone()).collect();
+    assert_eq!(calls, ["c;reply=strong_draft", "a;reply=facts"]);
+    let run = invoke(&h, "get_run", json!({ "id": again["run_id"] })).unwrap();
+    let old = invoke(&h, "get_run", json!({ "id": first["run_id"] })).unwrap();
+    assert_eq!(run["run"]["rerun_of"], json!({ "run_id": old["run"]["uid"], "step": 1 }));
+    assert_eq!(run["steps"][0]["reused_from"], old["run"]["uid"]);
+    assert_eq!(run["steps"][1]["worker"], "c");
+    assert_eq!(run["steps"][2]["request"]["messages"][1]["content"], "strong draft");
+    let names: Vec<&str> =
+        run["run"]["workers"].as_array().unwrap().iter().map(|w| w["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["a", "b", "c"]);
+
+    // Clear refusals: a step the plan lacks, a worker the pool lacks, a run that does not exist.
+    let rerun = |run: &Value, step: u32, worker: u32| {
+        invoke(
+            &h,
+            "rerun_step",
+            json!({
+                "request": { "run_id": run, "step": step, "worker": worker },
+                "onEvent": "__CHANNEL__:3",
+            }),
+        )
+        .unwrap_err()
+    };
+    let err = rerun(&first["run_id"], 7, 0);
+    assert_eq!(err, json!({ "kind": "bad_input", "message": "the run has no step 7; its plan has 3 steps" }));
+    assert_eq!(rerun(&first["run_id"], 0, 9)["kind"], "not_found");
+    assert_eq!(rerun(&json!(999), 0, 0)["kind"], "not_found");
+}

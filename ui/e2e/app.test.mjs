@@ -1,11 +1,14 @@
-// End-to-end tests of the real release binary in the real webview (WebKitWebDriver through
-// tauri-driver), with the tiny random conductor model and a loopback provider server that
-// requires a key. Run by `scripts/e2e` (which builds everything, starts Xvfb, D-Bus and a
-// throwaway gnome-keyring); it passes the paths below in the environment.
+// End-to-end tests of the built app (the debug-profile build by default, the release build
+// with `scripts/e2e --release`) in the real webview (WebKitWebDriver through tauri-driver),
+// with the tiny random conductor model and a loopback provider server that requires a key.
+// Run by `scripts/e2e` (which builds everything, starts Xvfb, D-Bus and a throwaway
+// gnome-keyring); it passes the paths below in the environment.
 //
 // One session walks through what a new user does, in order, saving a screenshot of each screen
 // under target/e2e/: set a key, ask, watch the answer stream, inspect the topology, review and
-// edit a plan, check that untrusted HTML stays text, then reopen the app and find it all again.
+// edit a plan, check that untrusted HTML stays text, re-run one step with another worker, then
+// reopen the app and find it all again. Figures (start times, memory, token to paint) go to
+// target/e2e/figures.json.
 
 import { execFileSync, spawn } from "node:child_process";
 import { readFileSync, writeFileSync, mkdirSync, existsSync, readdirSync } from "node:fs";
@@ -29,6 +32,8 @@ const TINYMODEL = env("BATON_E2E_TINYMODEL");
 const KEY = "sk-e2e-" + Math.random().toString(36).slice(2) + "-canary";
 const DB = join(WORK, "history.sqlite");
 const POOL = join(WORK, "pool.toml");
+// The app writes when each step's first text leaves the engine here (BATON_TIMING_LOG).
+const TIMING = join(WORK, "timing.jsonl");
 const REPLIES = {
   alpha: "Alpha says the answer is 42, after careful thought about the question",
   beta: "Beta agrees: the answer is **42**",
@@ -81,7 +86,7 @@ ${workers}`,
   );
   driverProcess = spawn("tauri-driver", ["--port", "4444"], {
     stdio: "inherit",
-    env: { ...process.env, BATON_POOL: POOL, BATON_DB: DB },
+    env: { ...process.env, BATON_POOL: POOL, BATON_DB: DB, BATON_TIMING_LOG: TIMING },
   });
   for (let i = 0; i < 100; i++) {
     try {
@@ -142,6 +147,7 @@ function requests() {
 }
 
 test("a new user sets a key, asks, inspects, reviews a plan, and finds it all again", async (t) => {
+  figures.app = APP;
   figures.cold_start_ms = Math.round(await openApp());
   const pid = execFileSync("pgrep", ["-f", "-n", APP], { encoding: "utf8" }).trim();
   // Idle: the window is up, no model loaded, no run.
@@ -174,6 +180,20 @@ test("a new user sets a key, asks, inspects, reviews a plan, and finds it all ag
     await click(await find("new-chat"));
     const composer = await find("composer");
     await composer.sendKeys("What is six times seven?");
+    // Token to paint: when the answer's first text has been painted (two animation frames
+    // after the DOM change: the first runs before that paint, the second after it).
+    await driver.executeScript(`
+      window.__painted = null;
+      const root = document.querySelector('[data-testid="turns"]');
+      const observer = new MutationObserver(() => {
+        const answers = root.querySelectorAll('[data-testid="answer"]');
+        const last = answers[answers.length - 1];
+        if (!last || !last.textContent.trim()) return;
+        observer.disconnect();
+        requestAnimationFrame(() => requestAnimationFrame(() => { window.__painted = Date.now(); }));
+      });
+      observer.observe(root, { subtree: true, childList: true, characterData: true });
+    `);
     await composer.sendKeys("\uE007"); // Enter sends
     // Streaming: the answer shows part of a reply before the run has finished.
     let partial = null;
@@ -199,6 +219,16 @@ test("a new user sets a key, asks, inspects, reviews a plan, and finds it all ag
     const runs = history("list");
     assert.equal(runs.length, 1);
     firstRun = history("show", String(runs[0].id))[0];
+    const lastStep = firstRun.plans[0].plan.model_id.length - 1;
+    const painted = await driver.executeScript("return window.__painted");
+    const emitted = readFileSync(TIMING, "utf8")
+      .trim()
+      .split("\n")
+      .map((l) => JSON.parse(l))
+      .find((t) => t.run === firstRun.run.uid && t.round === 0 && t.step === lastStep);
+    assert.ok(painted && emitted, `paint ${painted}, engine ${JSON.stringify(emitted)}`);
+    figures.token_to_paint_ms = painted - emitted.first_delta_unix_ms;
+    assert.ok(figures.token_to_paint_ms >= 0, `painted before it was sent: ${figures.token_to_paint_ms} ms`);
     await shot("04-chat-answer");
   });
 
@@ -276,6 +306,49 @@ test("a new user sets a key, asks, inspects, reviews a plan, and finds it all ag
     await shot("07-untrusted-html-as-text");
   });
 
+  await t.test("one step of a finished run runs again with another worker, and only what depends on it", async () => {
+    const turn = await lastTurnEnds();
+    const runs = history("list");
+    const original = history("show", String(runs[0].id))[0];
+    const plan = original.plans[0].plan;
+    // The last step of the edited plan, by a worker it did not have: no step sees the last
+    // one, so every other step keeps its output.
+    const target = plan.model_id.length - 1;
+    assert.ok(target > 0, "the edited plan has more than one step");
+    const worker = (plan.model_id[target] + 1) % original.run.workers.length;
+    const again = [target];
+    const calls = requests().length;
+
+    await click(await turn.findElement(byTest("open-topology")));
+    await click(await driver.wait(until.elementLocated(By.css(`[data-node-id="r0s${target}"]`)), 10000));
+    await driver.executeScript(
+      "const s = arguments[0]; s.value = arguments[1]; s.dispatchEvent(new Event('change', {bubbles: true}))",
+      await find("rerun-worker"),
+      String(worker),
+    );
+    await click(await find("rerun-button"));
+    await driver.wait(async () => (await driver.findElements(byTest("turn"))).length === 3, 10000);
+    const rerun = await lastTurnEnds();
+    assert.equal(await rerun.getAttribute("data-status"), "finished", await rerun.getText());
+    await find("rerun-label");
+
+    const recorded = history("show", String(history("list")[0].id))[0];
+    assert.deepEqual(recorded.run.rerun_of, { run_id: original.run.uid, step: target });
+    assert.equal(recorded.run.conversation_id, original.run.conversation_id);
+    assert.equal(recorded.steps.find((s) => s.step === target).worker, original.run.workers[worker].name);
+    const kept = recorded.steps.filter((s) => s.reused_from === original.run.uid).map((s) => s.step);
+    const expectedKept = plan.model_id.map((_, i) => i).filter((i) => !again.includes(i));
+    assert.deepEqual(kept.sort(), expectedKept);
+    assert.equal(requests().length - calls, again.length, "only the re-run step and the steps that see it were called");
+    // The open graph is the re-run's, with the kept steps marked.
+    const marked = await driver.executeScript(
+      `return [...document.querySelectorAll('[data-testid="topology"] [data-reused]')].map(n => n.dataset.nodeId)`,
+    );
+    assert.deepEqual(marked.sort(), expectedKept.map((i) => `r0s${i}`).sort());
+    await shot("08-rerun");
+    await click(await find("close-topology"));
+  });
+
   await t.test("the key is in no file Baton wrote", async () => {
     const files = readdirSync(WORK).filter((f) => /^history\.sqlite(-wal|-shm)?$/.test(f));
     assert.ok(files.includes("history.sqlite"));
@@ -293,15 +366,17 @@ test("a new user sets a key, asks, inspects, reviews a plan, and finds it all ag
     const conversation = await find("conversation");
     await driver.wait(async () => (await textOf(conversation)) === "What is six times seven?", 10000);
     await click(conversation);
-    await driver.wait(async () => (await driver.findElements(byTest("turn"))).length === 2, 10000);
-    await shot("08-conversation-reopened");
+    await driver.wait(async () => (await driver.findElements(byTest("turn"))).length === 3, 10000);
+    await find("rerun-label");
+    await shot("09-conversation-reopened");
     await click(await find("nav-history"));
-    await driver.wait(async () => (await driver.findElements(byTest("history-run"))).length === 2, 10000);
+    await driver.wait(async () => (await driver.findElements(byTest("history-run"))).length === 3, 10000);
     const search = await find("history-search");
     await search.sendKeys("EDITED");
-    await driver.wait(async () => (await driver.findElements(byTest("history-run"))).length === 1, 10000);
+    // The edited run and its re-run share the edited subtask.
+    await driver.wait(async () => (await driver.findElements(byTest("history-run"))).length === 2, 10000);
     await click(await find("history-run"));
     await find("history-detail");
-    await shot("09-history");
+    await shot("10-history");
   });
 });

@@ -17,6 +17,7 @@ import type {
   Plan,
   PoolForm,
   ProviderKind,
+  RerunRequest,
   RunEvent,
   RunSummary,
   RunTree,
@@ -48,6 +49,12 @@ export const api = {
     const channel = new Channel<RunEvent>();
     channel.onmessage = onEvent;
     return invoke<AskResult>("ask", { request, onEvent: channel });
+  },
+  /** Runs one step of a finished run again with another worker (and the steps that see it). */
+  rerunStep: (request: RerunRequest, onEvent: (e: RunEvent) => void) => {
+    const channel = new Channel<RunEvent>();
+    channel.onmessage = onEvent;
+    return invoke<AskResult>("rerun_step", { request, onEvent: channel });
   },
   cancelRun: (runId: string) => invoke<boolean>("cancel_run", { runId }),
   listConversations: (before: number | null = null) => invoke<ConversationSummary[]>("list_conversations", { before }),

@@ -23,6 +23,8 @@ export type WorkerInfo = { index: number, name: string, provider: ProviderKind, 
 
 export type StepRef = { round: number, step: number, };
 
+export type RerunOf = { run_id: string, step: number, };
+
 export type StepErrorKind = "auth" | "rate_limited" | "overloaded" | "bad_request" | "context_too_long" | "network" | "timeout" | "malformed_response" | "empty_answer" | "cancelled" | "dependency_failed" | "conductor" | "recursion_limit";
 
 export type StepError = { kind: StepErrorKind, message: string, 
@@ -61,7 +63,11 @@ export type RunEvent = { "type": "run_started", run_id: string, question: string
 /**
  * The conductor that writes plans, when there is one.
  */
-conductor?: string | null, } | { "type": "plan_started", round: number, depth: number, 
+conductor?: string | null, 
+/**
+ * Set when this run re-runs one step of an earlier run with another worker.
+ */
+rerun_of?: RerunOf | null, } | { "type": "plan_started", round: number, depth: number, 
 /**
  * The step that handed work back to the conductor (recursion), if any.
  */
@@ -89,7 +95,11 @@ cost_usd: number | null,
 /**
  * From `StepStarted` to the last token, retries included.
  */
-latency_ms: number, retries: number, } | { "type": "step_failed", round: number, step: number, error: StepError, } | { "type": "run_finished", answer: string, totals: Totals, } | { "type": "run_failed", error: RunError, totals: Totals, } | { "type": "run_cancelled", totals: Totals, };
+latency_ms: number, retries: number, } | { "type": "step_failed", round: number, step: number, error: StepError, } | { "type": "step_reused", round: number, step: number, worker: number, output: string, 
+/**
+ * The run the output comes from.
+ */
+from_run: string, } | { "type": "run_finished", answer: string, totals: Totals, } | { "type": "run_failed", error: RunError, totals: Totals, } | { "type": "run_cancelled", totals: Totals, };
 
 export type RunStatus = "running" | "finished" | "failed" | "cancelled" | "interrupted";
 
@@ -113,7 +123,11 @@ export type RunRecord = { id: number, uid: string, conversation_id: number, ques
 /**
  * False when a worker had no price, so `cost_usd` is a lower bound.
  */
-cost_complete: boolean, wall_ms: number | null, };
+cost_complete: boolean, wall_ms: number | null, 
+/**
+ * The run and step this run re-ran with another worker, if it is a re-run.
+ */
+rerun_of: RerunOf | null, };
 
 export type PlanRecord = { round: number, depth: number, parent: StepRef | null, 
 /**
@@ -129,7 +143,11 @@ request: SentRequest | null,
 /**
  * `running`, `finished`, `failed` or `interrupted`.
  */
-status: string, output: string | null, error_kind: string | null, error: string | null, input_tokens: number | null, output_tokens: number | null, cost_usd: number | null, latency_ms: number | null, retries: number, };
+status: string, output: string | null, error_kind: string | null, error: string | null, input_tokens: number | null, output_tokens: number | null, cost_usd: number | null, latency_ms: number | null, retries: number, 
+/**
+ * For a step a re-run kept rather than ran: the run its output comes from.
+ */
+reused_from: string | null, };
 
 export type SentRequest = { system: string | null, messages: Array<Message>, };
 
@@ -232,6 +250,20 @@ export type AskResult = {
  * The run's id in the history (`null` if it could not be recorded).
  */
 run_id: number | null, conversation_id: number | null, status: string, };
+
+export type RerunRequest = { 
+/**
+ * The finished run, by its id in the history.
+ */
+run_id: number, 
+/**
+ * The step of the question's plan (round 0).
+ */
+step: number, 
+/**
+ * The worker to run it with: its index in the pool as it is now.
+ */
+worker: number, };
 
 export type Draft = { plan: Plan, 
 /**

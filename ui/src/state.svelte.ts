@@ -15,7 +15,27 @@ export const app = $state({
   conversationId: null as number | null,
   modelLoad: null as ModelLoad | null,
   warning: null as string | null,
+  /** The screen with edits not saved yet ("Workers & keys", "Conductor"), if any. */
+  unsaved: null as string | null,
 });
+
+/** Whether the user may leave the current screen: yes, or they confirm dropping its edits. */
+export function mayLeave(): boolean {
+  if (!app.unsaved) return true;
+  if (!confirm(`${app.unsaved} has changes that are not saved. Leave and drop them?`)) return false;
+  app.unsaved = null;
+  return true;
+}
+
+/** Keeps `app.unsaved` in step with a screen's `dirty` state while the screen is shown. */
+export function trackUnsaved(screen: string, dirty: () => boolean): void {
+  $effect(() => {
+    app.unsaved = dirty() ? screen : null;
+    return () => {
+      if (app.unsaved === screen) app.unsaved = null;
+    };
+  });
+}
 
 export async function refreshSettings(): Promise<void> {
   try {
@@ -67,4 +87,17 @@ export function formatCost(usd: number, complete = true): string {
 
 export function formatMs(ms: number): string {
   return ms < 1000 ? `${ms} ms` : `${(ms / 1000).toFixed(1)} s`;
+}
+
+/** A run's cost figures as every view shows them: calls, tokens, cost, and time when known. */
+export function runFigures(r: {
+  calls: number;
+  tokens: number;
+  cost_usd: number;
+  cost_complete?: boolean;
+  wall_ms: number | null;
+}): string[] {
+  const figures = [`${r.calls} call${r.calls === 1 ? "" : "s"}`, `${r.tokens} tokens`, formatCost(r.cost_usd, r.cost_complete ?? true)];
+  if (r.wall_ms !== null) figures.push(formatMs(r.wall_ms));
+  return figures;
 }

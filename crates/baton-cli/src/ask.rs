@@ -129,7 +129,7 @@ pub async fn run(args: Args) -> Outcome {
         recorder.and_then(|r| Some((r.run_id()?, r.conversation_id()?)))
     });
 
-    let request = RunRequest { run_id: new_run_id(), question, plan, history };
+    let request = RunRequest { run_id: new_run_id(), question, plan, history, ..RunRequest::default() };
     let outcome = executor.run(request, &tx, &cancel).await;
     drop(tx);
     let recorded = consumer.await.ok().flatten();

@@ -43,19 +43,6 @@ enum Command {
     Keys(keys_cmd::Command),
 }
 
-/// mistral.rs creates a Hugging Face cache directory even for local models; point it at Baton's
-/// own data directory so nothing is written to the user's home cache, and never go online.
-fn keep_model_caches_in_baton_data_dir() {
-    let dir = dirs::data_dir().unwrap_or_else(std::env::temp_dir).join("baton").join("hf");
-    // SAFETY: called first thing in main, before the async runtime or any other thread
-    // exists, so nothing can read the environment concurrently.
-    #[allow(unsafe_code)]
-    unsafe {
-        std::env::set_var("HF_HOME", &dir);
-        std::env::set_var("HF_HUB_OFFLINE", "1");
-    }
-}
-
 /// How a command ended, mapped to the documented exit codes.
 #[derive(Debug)]
 pub enum Failure {
@@ -92,7 +79,11 @@ impl PoolArg {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    keep_model_caches_in_baton_data_dir();
+    // SAFETY: before the async runtime or any other thread exists.
+    #[allow(unsafe_code)]
+    unsafe {
+        baton_conductor::setup::keep_model_caches_in_baton_data_dir();
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

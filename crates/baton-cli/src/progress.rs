@@ -128,6 +128,10 @@ impl Progress {
                 );
                 self.line(self.paint("32", &msg));
             }
+            RunEvent::StepReused { round, step, from_run, .. } => {
+                let label = Self::label(*round, *step);
+                self.line(format!("{label} kept       {}  output of run {from_run}", self.worker(*round, *step)));
+            }
             RunEvent::StepFailed { round, step, error } => {
                 let msg = format!(
                     "{} failed     {}  {:?}: {}",

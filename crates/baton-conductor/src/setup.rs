@@ -248,3 +248,22 @@ async fn local(
 ) -> Result<Arc<dyn Planner>, SetupError> {
     Err(SetupError::NoLocalSupport(path.to_owned()))
 }
+
+/// Points mistral.rs's Hugging Face cache into Baton's own data directory and keeps it offline.
+/// mistral.rs creates that cache even for local models; nothing should land in the user's home
+/// cache, and a local model must never reach for the network.
+///
+/// # Safety
+///
+/// It sets environment variables, so it must run before any other thread exists (the async
+/// runtime, a webview): call it first thing in `main`.
+#[allow(unsafe_code)]
+pub unsafe fn keep_model_caches_in_baton_data_dir() {
+    let dir = dirs::data_dir().unwrap_or_else(std::env::temp_dir).join("baton").join("hf");
+    // SAFETY: the caller guarantees no other thread exists yet, so nothing reads the
+    // environment concurrently.
+    unsafe {
+        std::env::set_var("HF_HOME", &dir);
+        std::env::set_var("HF_HUB_OFFLINE", "1");
+    }
+}

@@ -18,7 +18,8 @@ use crate::pool::WorkerInfo;
 /// Per round: `PlanStarted` and `PlanDelta`s while a conductor writes it (absent for a given
 /// plan), then `PlanReady`. Per step: `StepStarted`, then `StepDelta`s (and `StepRetrying`,
 /// after which the step's text starts over), then exactly one of `StepFinished` or
-/// `StepFailed`. A step can also fail without ever starting: when a step it sees failed
+/// `StepFailed`; in a re-run, a step that keeps its earlier output has just `StepReused`
+/// instead. A step can also fail without ever starting: when a step it sees failed
 /// (`dependency_failed`), or when the run stops while it waits for a free slot at its provider
 /// (`cancelled`). Steps that never became ready get no event. The run ends with exactly one of
 /// `RunFinished`, `RunFailed` or `RunCancelled`.
@@ -32,6 +33,9 @@ pub enum RunEvent {
         /// The conductor that writes plans, when there is one.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         conductor: Option<String>,
+        /// Set when this run re-runs one step of an earlier run with another worker.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rerun_of: Option<RerunOf>,
     },
     /// A conductor starts writing the plan of `round`.
     PlanStarted {
@@ -96,6 +100,17 @@ pub enum RunEvent {
         step: usize,
         error: StepError,
     },
+    /// A step of a re-run that is not called again: it keeps its output from the run being
+    /// re-run, because neither it nor any step it sees changed. It ends the step on its own
+    /// (no `StepStarted` comes before it) and costs nothing.
+    StepReused {
+        round: u32,
+        step: usize,
+        worker: usize,
+        output: String,
+        /// The run the output comes from.
+        from_run: String,
+    },
     RunFinished {
         answer: String,
         totals: Totals,
@@ -107,6 +122,14 @@ pub enum RunEvent {
     RunCancelled {
         totals: Totals,
     },
+}
+
+/// What a re-run re-runs: `step` (of round 0) of the run `run_id`, with the worker its plan now
+/// names; the steps that see it run again too, the others keep their outputs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ts_rs::TS)]
+pub struct RerunOf {
+    pub run_id: String,
+    pub step: usize,
 }
 
 /// A step of a particular round.
@@ -238,6 +261,9 @@ pub fn check_sequence(events: &[RunEvent]) -> Result<(), String> {
                 if !started.insert((*round, *step)) {
                     return Err(format!("step {round}.{step} started twice"));
                 }
+                if ended.contains(&(*round, *step)) {
+                    return Err(format!("step {round}.{step} started after it ended"));
+                }
             }
             RunEvent::StepDelta { round, step, .. } | RunEvent::StepRetrying { round, step, .. }
                 if !started.contains(&(*round, *step)) || ended.contains(&(*round, *step)) =>
@@ -254,6 +280,17 @@ pub fn check_sequence(events: &[RunEvent]) -> Result<(), String> {
             }
             RunEvent::StepFailed { round, step, .. } if !ended.insert((*round, *step)) => {
                 return Err(format!("step {round}.{step} ended twice"));
+            }
+            RunEvent::StepReused { round, step, .. } => {
+                if !planned.contains(round) {
+                    return Err(format!("step {round}.{step} reused before its round's plan"));
+                }
+                if started.contains(&(*round, *step)) {
+                    return Err(format!("step {round}.{step} both started and reused"));
+                }
+                if !ended.insert((*round, *step)) {
+                    return Err(format!("step {round}.{step} ended twice"));
+                }
             }
             _ => {}
         }

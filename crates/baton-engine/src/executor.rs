@@ -12,7 +12,7 @@
 //! Stopping is cooperative: every future in flight watches the run's stop token and returns
 //! promptly, so each running step reports its own `StepFailed` before the run ends.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -27,7 +27,7 @@ use futures::stream::FuturesUnordered;
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
-use crate::event::{RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, StepRef, Totals};
+use crate::event::{RerunOf, RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, StepRef, Totals};
 use crate::keys;
 use crate::planner::{Planner, PlanningContext};
 use crate::pool::{Budget, Pool, PoolOptions, WorkerInfo, WorkerSpec};
@@ -79,6 +79,37 @@ pub struct RunRequest {
     pub history: Vec<Message>,
     /// The plan to run; `None` asks the conductor for one.
     pub plan: Option<Plan>,
+    /// Round-0 outputs to keep from an earlier run instead of calling again (a re-run; see
+    /// [`crate::rerun`]). Needs `plan`.
+    pub reuse: Option<Reuse>,
+}
+
+/// What a re-run keeps from the run it re-runs.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Reuse {
+    /// The run the outputs come from.
+    pub from_run: String,
+    /// The step that is re-run with another worker (recorded with the run).
+    pub step: usize,
+    /// Outputs of round-0 steps, by step number. Every step a kept step sees must be kept too.
+    pub outputs: BTreeMap<usize, String>,
+}
+
+impl Reuse {
+    /// Why this cannot be used with `plan`, if it cannot: outputs for steps the plan lacks, or
+    /// a kept step that sees a step which runs again (its output would be stale).
+    fn check(&self, plan: &Plan) -> Result<(), String> {
+        let deps = plan.dependencies();
+        for &i in self.outputs.keys() {
+            let Some(seen) = deps.get(i) else {
+                return Err(format!("the re-run keeps step {i}, which the plan does not have"));
+            };
+            if let Some(j) = seen.iter().find(|j| !self.outputs.contains_key(j)) {
+                return Err(format!("the re-run keeps step {i} but runs step {j}, which step {i} sees, again"));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -187,12 +218,20 @@ impl Executor {
             question: request.question.clone(),
             history: request.history.clone(),
         };
+        let reuse = request.reuse.unwrap_or_default();
         ctx.emit(RunEvent::RunStarted {
             run_id: request.run_id.clone(),
             question: request.question.clone(),
             workers: self.workers.iter().map(|w| w.info.clone()).collect(),
             conductor: self.planner.as_ref().map(|p| p.describe()),
+            rerun_of: (!reuse.from_run.is_empty())
+                .then(|| RerunOf { run_id: reuse.from_run.clone(), step: reuse.step }),
         });
+        if request.plan.is_none() && !reuse.outputs.is_empty() {
+            let message = "a re-run needs the plan it re-runs".to_owned();
+            let error = RunError { kind: RunErrorKind::InvalidPlan, message };
+            return ctx.finish(RunStatus::Failed, None, Some(error), started, &[], &[]);
+        }
 
         let (round, plan) = match request.plan {
             Some(plan) => {
@@ -201,8 +240,10 @@ impl Executor {
                     pool_size: Some(self.plan_pool_size()),
                     allow_stop: false,
                 };
-                if let Err(e) = plan.validate(&limits) {
-                    let error = RunError { kind: RunErrorKind::InvalidPlan, message: e.to_string() };
+                if let Err(message) =
+                    plan.validate(&limits).map_err(|e| e.to_string()).and_then(|()| reuse.check(&plan))
+                {
+                    let error = RunError { kind: RunErrorKind::InvalidPlan, message };
                     return ctx.finish(RunStatus::Failed, None, Some(error), started, &[], &[]);
                 }
                 let round = ctx.rounds.fetch_add(1, Ordering::SeqCst);
@@ -221,7 +262,7 @@ impl Executor {
         let cap = self.options.recursion.max_total_steps.unwrap_or(2 * plan.steps.len());
         ctx.step_cap.store(cap, Ordering::SeqCst);
 
-        let outcome = self.run_plan(&ctx, round, 0, plan, Vec::new()).await;
+        let outcome = self.run_plan(&ctx, round, 0, plan, Vec::new(), Some(&reuse)).await;
         match outcome.result {
             Ok(answer) => {
                 ctx.finish(RunStatus::Finished, Some(answer), None, started, &outcome.finished, &outcome.failed)
@@ -282,7 +323,7 @@ impl Executor {
     }
 
     /// Runs one round's plan. `prefix` is context every step of the round sees first (the work
-    /// handed to a recursive round).
+    /// handed to a recursive round); steps with an output in `reuse` keep it and are not run.
     fn run_plan<'a>(
         &'a self,
         ctx: &'a RunCtx<'a>,
@@ -290,6 +331,7 @@ impl Executor {
         depth: u32,
         plan: Plan,
         prefix: Vec<Message>,
+        reuse: Option<&'a Reuse>,
     ) -> BoxFuture<'a, RoundOutcome> {
         Box::pin(async move {
             let n = plan.steps.len();
@@ -319,6 +361,19 @@ impl Executor {
                             continue;
                         }
                         if !deps[i].iter().all(|&j| matches!(states[j], State::Done(_))) {
+                            continue;
+                        }
+                        if let Some(reuse) = reuse
+                            && let Some(output) = reuse.outputs.get(&i)
+                        {
+                            ctx.emit(RunEvent::StepReused {
+                                round,
+                                step: i,
+                                worker: plan.steps[i].model_id,
+                                output: output.clone(),
+                                from_run: reuse.from_run.clone(),
+                            });
+                            states[i] = State::Done(output.clone());
                             continue;
                         }
                         if ctx.steps_started.fetch_add(1, Ordering::SeqCst) >= ctx.step_cap.load(Ordering::SeqCst) {
@@ -532,7 +587,7 @@ impl Executor {
                 }
             }
         } else {
-            match self.run_plan(ctx, inner_round, depth + 1, plan, work).await.result {
+            match self.run_plan(ctx, inner_round, depth + 1, plan, work, None).await.result {
                 Ok(answer) => answer,
                 Err(RoundError::Stopped) => return (step, Err(StepFailure::Stopped)),
                 Err(RoundError::Failed(message)) => {

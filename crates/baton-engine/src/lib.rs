@@ -10,8 +10,9 @@ pub mod keys;
 pub mod planner;
 pub mod pool;
 pub mod pricing;
+pub mod rerun;
 
-pub use event::{RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, StepRef, Totals};
-pub use executor::{EventSink, Executor, RunOutcome, RunRequest, RunStatus, Worker, new_run_id};
+pub use event::{RerunOf, RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, StepRef, Totals};
+pub use executor::{EventSink, Executor, Reuse, RunOutcome, RunRequest, RunStatus, Worker, new_run_id};
 pub use planner::{PlanDeltas, Planned, Planner, PlannerError, PlanningContext};
 pub use pool::{Budget, ConductorSpec, Pool, PoolError, PoolOptions, RecursionOptions, WorkerInfo, WorkerSpec};

@@ -1,10 +1,14 @@
 //! The executor over real HTTP against loopback provider servers: DAG concurrency, the
 //! conversation each worker receives, retries, partial failure, caps and cancellation.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use baton_engine::{Executor, Pool, RunErrorKind, RunEvent, RunOutcome, RunRequest, RunStatus, StepErrorKind};
+use baton_engine::rerun::{self, Source};
+use baton_engine::{
+    Executor, Pool, RerunOf, Reuse, RunErrorKind, RunEvent, RunOutcome, RunRequest, RunStatus, StepErrorKind,
+};
 use baton_plan::Limits;
 use baton_providers::{ApiKey, Role};
 use baton_testserver::{TestServer, Wire};
@@ -42,6 +46,20 @@ async fn run(
     cancel: Option<(CancellationToken, Duration)>,
 ) -> (RunOutcome, Vec<RunEvent>) {
     let plan = baton_plan::parse(plan, &Limits::default()).expect("plan parses");
+    let request = RunRequest {
+        run_id: "test".into(),
+        question: "What is 2+2?".into(),
+        plan: Some(plan),
+        ..RunRequest::default()
+    };
+    run_request(executor, request, cancel).await
+}
+
+async fn run_request(
+    executor: &Executor,
+    request: RunRequest,
+    cancel: Option<(CancellationToken, Duration)>,
+) -> (RunOutcome, Vec<RunEvent>) {
     let (tx, mut rx) = mpsc::unbounded_channel();
     let token = CancellationToken::new();
     if let Some((t, after)) = &cancel {
@@ -54,12 +72,6 @@ async fn run(
             token.cancel();
         });
     }
-    let request = RunRequest {
-        run_id: "test".into(),
-        question: "What is 2+2?".into(),
-        plan: Some(plan),
-        ..RunRequest::default()
-    };
     let outcome = executor.run(request, &tx, &token).await;
     drop(tx);
     let mut events = Vec::new();
@@ -393,4 +405,99 @@ async fn every_wire_format_works_in_one_run() {
     assert_eq!(reqs[0].headers["authorization"], "Bearer test-key");
     assert_eq!(reqs[1].headers["x-api-key"], "test-key");
     assert_eq!(reqs[2].headers["x-goog-api-key"], "test-key");
+}
+
+/// The outputs of round 0's finished steps, as the history keeps them.
+fn outputs(events: &[RunEvent]) -> BTreeMap<usize, String> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            RunEvent::StepFinished { round: 0, step, output, .. } => Some((*step, output.clone())),
+            RunEvent::StepReused { round: 0, step, output, .. } => Some((*step, output.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_rerun_calls_only_the_changed_step_and_the_steps_that_see_it() {
+    let server = TestServer::start().await.expect("server");
+    let p = pool(
+        &server,
+        "",
+        &[
+            compat("solver", "solver;reply=x_=_4"),
+            compat("checker", "checker;reply=looks_right"),
+            compat("writer", "writer"),
+            compat("critic", "critic;reply=x_=_5?"),
+        ],
+    );
+    let text = "model_id = [0, 1, 2, 1]\nsubtasks = ['Solve.', 'Check.', 'Write.', 'Recheck.']\naccess_list = [[], [0], [1], [0]]";
+    let (first, events) = run(&executor(&p), text, None).await;
+    assert_eq!(first.status, RunStatus::Finished);
+    let before = server.requests().len();
+    assert_eq!(before, 4);
+
+    // Step 1 again with the critic: step 2 sees it and runs again; steps 0 and 3 do not.
+    let plan = baton_plan::parse(text, &Limits::default()).expect("plan");
+    let workers = p.infos();
+    let outs = outputs(&events);
+    let source = Source { run_id: "first", plan: &plan, workers: &workers, outputs: &outs };
+    let again = rerun::prepare(source, &p, 1, "critic").expect("prepare");
+    assert_eq!(again.reuse.outputs.keys().copied().collect::<Vec<_>>(), [0, 3]);
+    let request = RunRequest {
+        run_id: "second".into(),
+        question: "What is 2+2?".into(),
+        plan: Some(again.plan),
+        reuse: Some(again.reuse),
+        ..RunRequest::default()
+    };
+    let (second, events) = run_request(&executor(&again.pool), request, None).await;
+    assert_eq!(second.status, RunStatus::Finished, "{second:?}");
+
+    let calls = &server.requests()[before..];
+    let models: Vec<&str> = calls.iter().map(|r| r.model.split(';').next().unwrap_or("")).collect();
+    assert_eq!(models, ["critic", "writer"], "only the changed step and its dependent are called");
+    // The writer sees the critic's new answer, not the checker's old one.
+    assert_eq!(calls[1].body["messages"][1]["content"], "x = 5?");
+    assert_eq!(second.totals.calls, 2);
+    assert_eq!(second.totals.steps_finished, [0, 1, 2, 3]);
+
+    assert!(matches!(
+        &events[0],
+        RunEvent::RunStarted { rerun_of: Some(RerunOf { run_id, step: 1 }), .. } if run_id == "first"
+    ));
+    let reused: Vec<(usize, &str)> = events
+        .iter()
+        .filter_map(|e| match e {
+            RunEvent::StepReused { step, output, from_run, .. } => {
+                assert_eq!(from_run, "first");
+                Some((*step, output.as_str()))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reused, [(0, "x = 4"), (3, "looks right")]);
+}
+
+#[tokio::test]
+async fn a_reuse_that_would_keep_a_stale_output_is_refused() {
+    let server = TestServer::start().await.expect("server");
+    let p = pool(&server, "", &[compat("a", "a"), compat("b", "b")]);
+    let plan =
+        baton_plan::parse("model_id = [0, 1]\nsubtasks = ['x', 'y']\naccess_list = [[], [0]]", &Limits::default())
+            .expect("plan");
+    // Step 1 saw step 0's old output; keeping it while step 0 runs again would be wrong.
+    let reuse = Reuse { from_run: "old".into(), step: 0, outputs: BTreeMap::from([(1, "old y".to_owned())]) };
+    let request = RunRequest { plan: Some(plan), reuse: Some(reuse.clone()), ..RunRequest::default() };
+    let (outcome, _) = run_request(&executor(&p), request, None).await;
+    assert_eq!(outcome.status, RunStatus::Failed);
+    let error = outcome.error.expect("error");
+    assert_eq!(error.kind, RunErrorKind::InvalidPlan);
+    assert!(error.message.contains("keeps step 1 but runs step 0"), "{}", error.message);
+
+    let request = RunRequest { plan: None, reuse: Some(reuse), ..RunRequest::default() };
+    let (outcome, _) = run_request(&executor(&p), request, None).await;
+    assert!(outcome.error.expect("error").message.contains("needs the plan"));
+    assert!(server.requests().is_empty(), "nothing was called");
 }

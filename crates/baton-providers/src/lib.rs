@@ -307,7 +307,12 @@ impl ChatModel for HttpModel {
     fn stream(&self, request: ChatRequest) -> BoxFuture<'static, Result<ChatStream, ProviderError>> {
         let inner = self.inner.clone();
         Box::pin(async move {
-            let key = (inner.key)()?;
+            // A key source may block (the keychain is a D-Bus round trip, or a prompt to unlock
+            // it), so it runs on the blocking pool rather than stalling an async worker.
+            let source = Arc::clone(&inner.key);
+            let key = tokio::task::spawn_blocking(move || source()).await.map_err(|e| {
+                ProviderError::new(ErrorKind::Auth, format!("reading the key failed unexpectedly: {e}"))
+            })??;
             let call = http::Call {
                 http: &inner.http,
                 base_url: &inner.base_url,

@@ -7,13 +7,15 @@
 //!   `name`, `provider`, `model`, `description`), `status` (`running`, `finished`, `failed`,
 //!   `cancelled`, `interrupted`), `answer`, `error_kind`, `error`, `started_at`, `finished_at`
 //!   (Unix ms), `rounds`, `calls`, `input_tokens`, `output_tokens`, `cost_usd`,
-//!   `cost_complete`, `wall_ms`. Each plan: `round`, `depth`, `parent` (`{round, step}` or
+//!   `cost_complete`, `wall_ms`, `rerun_of` (`{run_id, step}` for a run that re-ran one step of
+//!   an earlier run with another worker, else null). Each plan: `round`, `depth`, `parent` (`{round, step}` or
 //!   null), `raw` (the conductor's text or null), `plan` (`model_id`, `subtasks`,
 //!   `access_list`, as `baton plan parse` prints). Each step: `round`, `step`, `worker_index`,
 //!   `worker`, `subtask`, `access` (`"all"` or step numbers), `request` (`system`, `messages`
 //!   with `role` and `content`: exactly what the worker was sent, or null), `status`,
 //!   `output`, `error_kind`, `error`, `input_tokens`, `output_tokens`, `cost_usd`,
-//!   `latency_ms`, `retries`. `events` are the run's `RunEvent`s without text deltas, as
+//!   `latency_ms`, `retries`, `reused_from` (for a step a re-run kept rather than ran: the run
+//!   id its output comes from; else null). `events` are the run's `RunEvent`s without text deltas, as
 //!   `baton ask --json` prints them.
 //! - `{"format": "baton-conversation/1", "id", "title", "messages": [{role, content}],
 //!   "runs": [<baton-run/1 objects>]}`.
@@ -80,6 +82,9 @@ fn write_run(md: &mut String, tree: &RunTree, h: &str) {
     if let Some(c) = &r.conductor {
         let _ = writeln!(md, "Conductor: {c}\n");
     }
+    if let Some(rerun) = &r.rerun_of {
+        let _ = writeln!(md, "Re-runs step {} of run {} with another worker.\n", rerun.step, rerun.run_id);
+    }
     if r.question.contains('\n') {
         let _ = writeln!(md, "{h}# Question\n\n{}\n", r.question.trim_end());
     }
@@ -118,6 +123,9 @@ fn write_step(md: &mut String, s: &StepRecord, h: &str) {
     }
     if s.retries > 0 {
         facts.push(format!("{} retries", s.retries));
+    }
+    if let Some(run) = &s.reused_from {
+        facts.push(format!("kept from run {run}, not run again"));
     }
     let access = match &s.access {
         Access::All => "all earlier steps".to_owned(),

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
-use baton_engine::{StepRef, WorkerInfo};
+use baton_engine::{RerunOf, StepRef, WorkerInfo};
 use baton_plan::{Access, Plan};
 use baton_providers::Message;
 use serde::Serialize;
@@ -154,6 +154,8 @@ pub struct RunRecord {
     /// False when a worker had no price, so `cost_usd` is a lower bound.
     pub cost_complete: bool,
     pub wall_ms: Option<i64>,
+    /// The run and step this run re-ran with another worker, if it is a re-run.
+    pub rerun_of: Option<RerunOf>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
@@ -186,6 +188,8 @@ pub struct StepRecord {
     pub cost_usd: Option<f64>,
     pub latency_ms: Option<i64>,
     pub retries: i64,
+    /// For a step a re-run kept rather than ran: the run its output comes from.
+    pub reused_from: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize, ts_rs::TS)]
@@ -438,6 +442,10 @@ impl Store {
             cost_usd: r.get("cost_usd"),
             cost_complete: r.get("cost_complete"),
             wall_ms: r.get("wall_ms"),
+            rerun_of: match (r.get::<Option<String>, _>("rerun_of"), r.get::<Option<i64>, _>("rerun_step")) {
+                (Some(run_id), Some(step)) => Some(RerunOf { run_id, step: step as usize }),
+                _ => None,
+            },
         };
         let plans = sqlx::query_as::<_, PlanRow>("SELECT * FROM plans WHERE run_id = ?1 ORDER BY round")
             .bind(id)
@@ -579,6 +587,7 @@ struct StepRow {
     cost_usd: Option<f64>,
     latency_ms: Option<i64>,
     retries: i64,
+    reused_from: Option<String>,
 }
 
 impl StepRow {
@@ -604,6 +613,7 @@ impl StepRow {
             cost_usd: self.cost_usd,
             latency_ms: self.latency_ms,
             retries: self.retries,
+            reused_from: self.reused_from,
         })
     }
 }

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use baton_engine::{RunEvent, WorkerInfo};
+use baton_engine::{RerunOf, RunEvent, WorkerInfo};
 use baton_plan::{Access, Plan};
 
 use crate::time::now_ms;
@@ -44,8 +44,8 @@ impl Recorder {
     }
 
     pub async fn record(&mut self, event: &RunEvent) -> Result<(), StoreError> {
-        if let RunEvent::RunStarted { run_id, question, workers, conductor } = event {
-            return self.start(event, run_id, question, workers, conductor.as_deref()).await;
+        if let RunEvent::RunStarted { run_id, question, workers, conductor, rerun_of } = event {
+            return self.start(event, run_id, question, workers, conductor.as_deref(), rerun_of.as_ref()).await;
         }
         // Text deltas are not stored: the finished texts arrive with PlanReady and StepFinished.
         if matches!(event, RunEvent::PlanDelta { .. } | RunEvent::StepDelta { .. }) {
@@ -146,6 +146,24 @@ impl Recorder {
                 .execute(&mut *tx)
                 .await?;
             }
+            RunEvent::StepReused { round, step, worker, output, from_run } => {
+                let (subtask, access) = self.planned(*round, *step);
+                sqlx::query(
+                    "INSERT INTO steps (run_id, round, step, worker_index, worker, subtask, access, status, output, reused_from)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'finished', ?8, ?9)",
+                )
+                .bind(run)
+                .bind(round)
+                .bind(*step as i64)
+                .bind(*worker as i64)
+                .bind(self.worker_name(*worker))
+                .bind(subtask)
+                .bind(access)
+                .bind(output)
+                .bind(from_run)
+                .execute(&mut *tx)
+                .await?;
+            }
             RunEvent::RunFinished { answer, totals } => {
                 self.finish(&mut tx, run, "finished", Some(answer), None, totals).await?;
                 if let Some(conversation) = self.conversation {
@@ -180,6 +198,7 @@ impl Recorder {
         question: &str,
         workers: &[WorkerInfo],
         conductor: Option<&str>,
+        rerun_of: Option<&RerunOf>,
     ) -> Result<(), StoreError> {
         self.lock = Some(take_lock(self.store.path(), uid)?);
         self.workers = workers.to_vec();
@@ -208,8 +227,8 @@ impl Recorder {
             }
         };
         let run: i64 = sqlx::query_scalar(
-            "INSERT INTO runs (uid, conversation_id, question, conductor, workers, status, started_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, 'running', ?6) RETURNING id",
+            "INSERT INTO runs (uid, conversation_id, question, conductor, workers, status, started_at, rerun_of, rerun_step)
+             VALUES (?1, ?2, ?3, ?4, ?5, 'running', ?6, ?7, ?8) RETURNING id",
         )
         .bind(uid)
         .bind(conversation)
@@ -217,6 +236,8 @@ impl Recorder {
         .bind(conductor)
         .bind(serde_json::to_string(workers).unwrap_or_else(|_| "[]".into()))
         .bind(now)
+        .bind(rerun_of.map(|r| r.run_id.as_str()))
+        .bind(rerun_of.map(|r| r.step as i64))
         .fetch_one(&mut *tx)
         .await?;
         add_message(&mut tx, conversation, run, "user", question).await?;
@@ -296,7 +317,7 @@ impl Recorder {
     }
 }
 
-async fn add_message(
+pub(crate) async fn add_message(
     tx: &mut sqlx::SqliteConnection,
     conversation: i64,
     run: i64,

@@ -4,7 +4,10 @@
 
 use std::sync::Arc;
 
-use baton_engine::{Executor, Pool, RunEvent, RunRequest};
+use std::collections::BTreeMap;
+
+use baton_engine::rerun::{self, Source};
+use baton_engine::{Executor, Pool, RerunOf, RunEvent, RunRequest};
 use baton_plan::Limits;
 use baton_providers::ApiKey;
 use baton_store::{RunStatus, Store, StoreError};
@@ -27,14 +30,18 @@ fn pool(server: &TestServer, workers: &[(&str, &str)]) -> Pool {
 async fn run_recorded(store: &Store, pool: &Pool, conversation: Option<i64>, question: &str, plan: &str) -> i64 {
     let executor = Executor::from_pool_with_keys(pool, |_| Arc::new(|| Ok(Some(ApiKey::new("test-key")))));
     let plan = baton_plan::parse(plan, &Limits::default()).expect("plan parses");
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let mut recorder = store.recorder(conversation);
     let request = RunRequest {
         run_id: baton_engine::new_run_id(),
         question: question.into(),
         plan: Some(plan),
         ..RunRequest::default()
     };
+    record_request(store, &executor, conversation, request).await
+}
+
+async fn record_request(store: &Store, executor: &Executor, conversation: Option<i64>, request: RunRequest) -> i64 {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let mut recorder = store.recorder(conversation);
     let record = async {
         while let Some(event) = rx.recv().await {
             recorder.record(&event).await.expect("recorded");
@@ -63,8 +70,10 @@ async fn migrations_apply_to_an_empty_file_and_released_ones_never_change() {
 
     // Editing a released migration breaks every existing database: sqlx refuses to run on a
     // checksum mismatch. Add a new migration file instead, and its checksum here.
-    const RELEASED: &[(i64, &str)] =
-        &[(1, "89a08f03767746845efb4936d1fface9315bbe04d0b54e459e4f1858711270934aadb624aa603f9b2f0f201bf5dec62a")];
+    const RELEASED: &[(i64, &str)] = &[
+        (1, "89a08f03767746845efb4936d1fface9315bbe04d0b54e459e4f1858711270934aadb624aa603f9b2f0f201bf5dec62a"),
+        (2, "e00e675e1ad28790cf195644f1bfdd560297ebf509a44698edbfe210d0e6d03480c07ae271b7d43420f84033064c35f6"),
+    ];
     let actual: Vec<(i64, String)> = baton_store::MIGRATOR
         .iter()
         .map(|m| (m.version, m.checksum.iter().map(|b| format!("{b:02x}")).collect()))
@@ -255,4 +264,81 @@ async fn a_damaged_file_is_reported_and_kept() {
     assert!(matches!(e, StoreError::Corrupt { .. }), "{e}");
     assert!(e.to_string().contains("move it aside"), "{e}");
     assert_eq!(std::fs::read_to_string(&path).unwrap(), garbage, "nothing is lost");
+}
+
+#[tokio::test]
+async fn a_database_from_before_reruns_is_upgraded_and_keeps_its_runs() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("old.sqlite");
+    {
+        // The schema as the first release left it, with a run in it.
+        let options = sqlx::sqlite::SqliteConnectOptions::new().filename(&path).create_if_missing(true);
+        let db = sqlx::SqlitePool::connect_with(options).await.expect("connect");
+        baton_store::MIGRATOR.run_to(1, &db).await.expect("migration 1");
+        sqlx::query("INSERT INTO conversations (id, title, created_at, updated_at) VALUES (1, 'old', 0, 0)")
+            .execute(&db)
+            .await
+            .expect("conversation");
+        sqlx::query(
+            "INSERT INTO runs (id, uid, conversation_id, question, workers, status, started_at, answer)
+             VALUES (1, 'u1', 1, 'Old question?', '[]', 'finished', 0, 'Old answer.')",
+        )
+        .execute(&db)
+        .await
+        .expect("run");
+        db.close().await;
+    }
+    let store = Store::open(&path).await.expect("opens and upgrades");
+    let tree = store.run(1).await.expect("query").expect("the old run");
+    assert_eq!(tree.run.answer.as_deref(), Some("Old answer."));
+    assert_eq!(tree.run.rerun_of, None);
+    assert_eq!(store.search("old", 10).await.expect("search").len(), 1);
+}
+
+#[tokio::test]
+async fn a_rerun_is_recorded_with_the_steps_it_kept() {
+    let server = TestServer::start().await.expect("server");
+    let pool = pool(&server, &[("physicist", "phys"), ("teacher", "teach"), ("judge", "judge"), ("poet", "poet")]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&dir.path().join("h.sqlite")).await.expect("opens");
+    let first = run_recorded(&store, &pool, None, "Why is the sky blue?", FANOUT).await;
+    let old = store.run(first).await.expect("query").expect("run");
+
+    // Step 1 (the teacher) again, by the poet: the judge sees it and runs again; step 0 is kept.
+    let outputs: BTreeMap<usize, String> =
+        old.steps.iter().filter_map(|s| Some((s.step as usize, s.output.clone()?))).collect();
+    let source =
+        Source { run_id: &old.run.uid, plan: &old.plans[0].plan, workers: &old.run.workers, outputs: &outputs };
+    let again = rerun::prepare(source, &pool, 1, "poet").expect("prepare");
+    let executor = Executor::from_pool_with_keys(&again.pool, |_| Arc::new(|| Ok(Some(ApiKey::new("test-key")))));
+    let request = RunRequest {
+        run_id: baton_engine::new_run_id(),
+        question: old.run.question.clone(),
+        plan: Some(again.plan),
+        reuse: Some(again.reuse),
+        ..RunRequest::default()
+    };
+    let second = record_request(&store, &executor, Some(old.run.conversation_id), request).await;
+
+    let tree = store.run(second).await.expect("query").expect("the re-run");
+    assert_eq!(tree.run.status, RunStatus::Finished);
+    assert_eq!(tree.run.conversation_id, old.run.conversation_id);
+    assert_eq!(tree.run.rerun_of, Some(RerunOf { run_id: old.run.uid.clone(), step: 1 }));
+    assert_eq!(tree.run.calls, 2);
+    let kept = &tree.steps[0];
+    assert_eq!(kept.reused_from.as_deref(), Some(old.run.uid.as_str()));
+    assert_eq!((kept.status.as_str(), kept.output.as_deref()), ("finished", old.steps[0].output.as_deref()));
+    assert!(kept.request.is_none(), "a kept step was sent nothing this time");
+    assert_eq!((tree.steps[1].worker.as_str(), tree.steps[1].reused_from.as_deref()), ("poet", None));
+    assert!(tree.steps[2].request.is_some());
+    let events: Vec<RunEvent> =
+        tree.events.iter().map(|e| serde_json::from_value(e.clone()).expect("a RunEvent")).collect();
+    baton_engine::event::check_sequence(&events).expect("the stored events keep the contract");
+
+    let md = baton_store::export::run_markdown(&tree);
+    assert!(md.contains(&format!("Re-runs step 1 of run {}", old.run.uid)), "{md}");
+    assert!(md.contains(&format!("kept from run {}, not run again", old.run.uid)), "{md}");
+    let json = baton_store::export::run_json(&tree);
+    assert_eq!(json["run"]["rerun_of"]["step"], 1);
+    assert_eq!(json["steps"][0]["reused_from"], old.run.uid.as_str());
 }

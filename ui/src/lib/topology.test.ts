@@ -12,6 +12,7 @@ import {
   nodeStatus,
   parseNodeId,
   planId,
+  rerunSteps,
   stepId,
   type GraphEdge,
   type Topology,
@@ -323,6 +324,7 @@ describe("fromRunTree", () => {
     cost_usd: 0.001,
     latency_ms: 100,
     retries: 0,
+    reused_from: null,
     ...extra,
   });
 
@@ -347,6 +349,7 @@ describe("fromRunTree", () => {
       cost_usd: 0.003,
       cost_complete: true,
       wall_ms: 900,
+      rerun_of: null,
     },
     plans: [
       { round: 1, depth: 1, parent, raw: "model_id = ...", plan: nested },
@@ -538,5 +541,113 @@ describe("layout", () => {
       const g = graphOf(randomRun(seed, 1 + (seed % 8)));
       expectSound(g, layout(g));
     }
+  });
+});
+
+describe("re-runs", () => {
+  it("re-runs a step with every step that sees it, directly or through others", () => {
+    // 0 ← 1 ← 3, 2 sees nothing, 4 sees everything.
+    const p = plan([[0, []], [0, [0]], [1, []], [1, [1]], [2, "all"]]);
+    expect(rerunSteps(p, 0)).toEqual([0, 1, 3, 4]);
+    expect(rerunSteps(p, 2)).toEqual([2, 4]);
+    expect(rerunSteps(p, 4)).toEqual([4]);
+  });
+
+  // Step 1 of run-0 again with gamma: step 0 is kept, step 2 (sees 1) runs again.
+  const p = plan([[0, []], [2, [0]], [1, [1]]]);
+  const rerunOf = { run_id: "run-0", step: 1 };
+  const finished = (step: number): RunEvent => ({
+    type: "step_finished",
+    round: 0,
+    step,
+    output: `new ${step}`,
+    usage: { input_tokens: 3, output_tokens: 2 },
+    cost_usd: 0,
+    latency_ms: 50,
+    retries: 0,
+  });
+  const events: RunEvent[] = [
+    { ...started(), rerun_of: rerunOf } as RunEvent,
+    { type: "plan_ready", round: 0, depth: 0, plan: p },
+    { type: "step_reused", round: 0, step: 0, worker: 0, output: "old 0", from_run: "run-0" },
+    { type: "step_started", round: 0, step: 1, worker: 2, system: null, messages: [] },
+    finished(1),
+    { type: "step_started", round: 0, step: 2, worker: 1, system: null, messages: [] },
+    finished(2),
+    { type: "run_finished", answer: "new 2", totals: { ...TOTALS, calls: 2 } },
+  ];
+
+  it("shows kept steps as done, with where their output came from", () => {
+    const t = fold(events);
+    expect(t.rerun_of).toEqual(rerunOf);
+    expect(findStep(t, 0, 0)).toMatchObject({ status: "done", output: "old 0", reused_from: "run-0", request: null });
+    expect(findStep(t, 0, 1)).toMatchObject({ status: "done", worker_name: "gamma", reused_from: null });
+  });
+
+  it("reads a stored re-run as the live events built it", () => {
+    const step = (i: number, worker: number, access: Access, extra: Partial<StepRecord>): StepRecord => ({
+      round: 0,
+      step: i,
+      worker_index: worker,
+      worker: WORKERS[worker].name,
+      subtask: `subtask ${i}`,
+      access,
+      request: { system: null, messages: [] },
+      status: "finished",
+      output: `new ${i}`,
+      error_kind: null,
+      error: null,
+      input_tokens: 3,
+      output_tokens: 2,
+      cost_usd: 0,
+      latency_ms: 50,
+      retries: 0,
+      reused_from: null,
+      ...extra,
+    });
+    const tree: RunTree = {
+      run: {
+        id: 2,
+        uid: "run-1",
+        conversation_id: 1,
+        question: "q?",
+        conductor: null,
+        workers: WORKERS,
+        status: "finished",
+        answer: "new 2",
+        error_kind: null,
+        error: null,
+        started_at: 0,
+        finished_at: 1,
+        rounds: 1,
+        calls: 2,
+        input_tokens: 6,
+        output_tokens: 4,
+        cost_usd: 0,
+        cost_complete: true,
+        wall_ms: 100,
+        rerun_of: rerunOf,
+      },
+      plans: [{ round: 0, depth: 0, parent: null, raw: null, plan: p }],
+      steps: [
+        step(0, 0, [], {
+          output: "old 0",
+          request: null,
+          input_tokens: null,
+          output_tokens: null,
+          cost_usd: null,
+          latency_ms: null,
+          reused_from: "run-0",
+        }),
+        step(1, 2, [0], {}),
+        step(2, 1, [1], {}),
+      ],
+      events: [],
+    };
+    const stored = fromRunTree(tree);
+    const live = fold(events);
+    expect(stored.rerun_of).toEqual(live.rerun_of);
+    expect(stored.rounds[0].steps).toEqual(live.rounds[0].steps);
+    expect(graphOf(stored)).toEqual(graphOf(live));
   });
 });

@@ -7,6 +7,7 @@ import dagre, { type EdgeLabel, type GraphLabel, type NodeLabel } from "@dagrejs
 import type {
   Access,
   Plan,
+  RerunOf,
   RunError,
   RunEvent,
   RunStatus,
@@ -44,6 +45,8 @@ export interface TopologyStep {
   error: { kind: string; message: string } | null;
   /** Exactly what the worker was sent (from step_started). */
   request: SentRequest | null;
+  /** In a re-run, for a step that kept its earlier output: the run it comes from. */
+  reused_from: string | null;
 }
 
 export interface TopologyRound {
@@ -65,6 +68,8 @@ export interface Topology {
   question: string;
   workers: WorkerInfo[];
   conductor: string | null;
+  /** Set when this run re-runs one step of an earlier run with another worker. */
+  rerun_of: RerunOf | null;
   /** Sorted by round number. */
   rounds: TopologyRound[];
   status: RunState;
@@ -79,6 +84,7 @@ export function emptyTopology(): Topology {
     question: "",
     workers: [],
     conductor: null,
+    rerun_of: null,
     rounds: [],
     status: "idle",
     answer: null,
@@ -137,6 +143,7 @@ function planSteps(t: Topology, round: number, plan: Plan): TopologyStep[] {
       retries: 0,
       error: null,
       request: null,
+      reused_from: null,
     };
   });
 }
@@ -154,6 +161,7 @@ export function applyEvent(t: Topology, e: RunEvent): Topology {
         question: e.question,
         workers: e.workers,
         conductor: e.conductor ?? null,
+        rerun_of: e.rerun_of ?? null,
         status: "running",
       });
       break;
@@ -209,6 +217,17 @@ export function applyEvent(t: Topology, e: RunEvent): Topology {
       s.latency_ms = e.latency_ms;
       s.retries = e.retries;
       s.error = null;
+      break;
+    }
+    case "step_reused": {
+      // A re-run keeps this step's earlier output; nothing was called.
+      const s = findStep(t, e.round, e.step);
+      if (!s) break;
+      s.status = "done";
+      s.worker = e.worker;
+      s.worker_name = workerName(t.workers, e.worker);
+      s.output = e.output;
+      s.reused_from = e.from_run;
       break;
     }
     case "step_failed": {
@@ -268,6 +287,7 @@ function overlayStoredStep(s: TopologyStep, rec: StepRecord, workers: WorkerInfo
   s.retries = rec.retries;
   s.error = rec.error_kind || rec.error ? { kind: rec.error_kind ?? "", message: rec.error ?? "" } : null;
   s.request = rec.request;
+  s.reused_from = rec.reused_from;
 }
 
 /** The same model as the live events would have built, from a run in the history. */
@@ -280,6 +300,7 @@ export function fromRunTree(tree: RunTree): Topology {
     question: run.question,
     workers: run.workers,
     conductor: run.conductor ?? undefined,
+    rerun_of: run.rerun_of ?? undefined,
   });
   for (const p of [...tree.plans].sort((a, b) => a.round - b.round)) {
     applyEvent(t, {
@@ -313,6 +334,20 @@ export function fromRunTree(tree: RunTree): Topology {
     rounds: run.rounds,
   };
   return t;
+}
+
+/**
+ * The steps that run again when `step` of `plan` is re-run: the step itself and every step that
+ * sees it, directly or through others. The rest keep their outputs. Mirrors the engine's
+ * `rerun::dependents`.
+ */
+export function rerunSteps(plan: Plan, step: number): number[] {
+  const again = new Set([step]);
+  // Steps only see earlier steps, so one pass in order reaches every dependent.
+  for (let i = step + 1; i < plan.subtasks.length; i++) {
+    if (resolveAccess(plan.access_list[i] ?? [], i).some((j) => again.has(j))) again.add(i);
+  }
+  return [...again];
 }
 
 /** The round the question was planned in (its last step's output is the answer). */
