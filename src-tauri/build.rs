@@ -21,6 +21,7 @@ const COMMANDS: &[&str] = &[
     "rerun_step",
     "cancel_run",
     "list_conversations",
+    "set_conversation_choices",
     "conversation_runs",
     "list_runs",
     "search_history",

@@ -276,7 +276,8 @@ async fn run_recorded<R: Runtime>(
     })
 }
 
-/// Stops a run: calls in flight are dropped and it ends as cancelled. `false` if it had ended.
+/// Stops a run (calls in flight are dropped and it ends as cancelled) or a plan being drafted.
+/// `false` if it had ended.
 #[tauri::command]
 pub fn cancel_run(state: State<'_, AppState>, run_id: String) -> bool {
     match state.runs.lock().expect("runs lock").get(&run_id) {
@@ -299,7 +300,9 @@ pub fn validate_plan(state: State<'_, AppState>, plan: Plan, workers: Option<Vec
     check_plan(&plan, &subset(state.pool()?, workers.as_deref())?)
 }
 
-/// The conductor's plan for a question, for review; nothing runs.
+/// The conductor's plan for a question, for review; nothing runs. The conductor's text streams
+/// on `on_delta` as it is written; `cancel_run(draft_id)` stops it (the error kind is then
+/// `cancelled`).
 #[tauri::command]
 pub async fn draft_plan<R: Runtime>(
     app: AppHandle<R>,
@@ -307,6 +310,8 @@ pub async fn draft_plan<R: Runtime>(
     question: String,
     conversation_id: Option<i64>,
     workers: Option<Vec<u32>>,
+    draft_id: String,
+    on_delta: Channel<String>,
 ) -> AppResult<Draft> {
     let pool = subset(state.pool()?, workers.as_deref())?;
     let history = match conversation_id {
@@ -319,8 +324,20 @@ pub async fn draft_plan<R: Runtime>(
     };
     let mut ctx = baton_engine::PlanningContext::question(question.trim(), pool.workers.len(), pool.options.max_steps);
     ctx.history = history;
-    let planned =
-        planner.plan(ctx, Box::new(|_| {})).await.map_err(|e| AppError::new(ErrorKind::Conductor, e.to_string()))?;
+    let cancel = CancellationToken::new();
+    state.runs.lock().expect("runs lock").insert(draft_id.clone(), cancel.clone());
+    let deltas = Box::new(move |text: &str| {
+        // A closed window only stops the display.
+        let _ = on_delta.send(text.to_owned());
+    });
+    // Dropping the planner's future stops generation (local and remote alike).
+    let planned = tokio::select! {
+        biased;
+        () = cancel.cancelled() => Err(AppError::new(ErrorKind::Cancelled, "the plan was not finished: stopped")),
+        planned = planner.plan(ctx, deltas) => planned.map_err(|e| AppError::new(ErrorKind::Conductor, e.to_string())),
+    };
+    state.runs.lock().expect("runs lock").remove(&draft_id);
+    let planned = planned?;
     Ok(Draft { plan: planned.plan, raw: planned.raw, workers: pool.infos(), max_steps: pool.options.max_steps as u32 })
 }
 

@@ -22,6 +22,8 @@ pub enum ErrorKind {
     NotFound,
     /// Reading or writing a file failed.
     Io,
+    /// The user stopped the work (a plan being drafted).
+    Cancelled,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, ts_rs::TS, thiserror::Error)]

@@ -18,6 +18,24 @@ pub async fn list_conversations(
     Ok(state.store().await?.list_conversations(PAGE, before).await?)
 }
 
+/// Keeps a conversation's choices: the workers it may use (by name; `null` for all) and
+/// whether its plans are reviewed before they run.
+#[tauri::command]
+pub async fn set_conversation_choices(
+    state: State<'_, AppState>,
+    id: i64,
+    workers: Option<Vec<String>>,
+    review: bool,
+) -> AppResult<()> {
+    if workers.as_ref().is_some_and(Vec::is_empty) {
+        return Err(AppError::bad_input("choose at least one worker for this conversation"));
+    }
+    if !state.store().await?.set_conversation_choices(id, workers.as_deref(), review).await? {
+        return Err(AppError::not_found(format!("there is no conversation {id} in the history")));
+    }
+    Ok(())
+}
+
 /// A conversation's runs, oldest first, each whole (plans, steps, events).
 #[tauri::command]
 pub async fn conversation_runs(state: State<'_, AppState>, id: i64) -> AppResult<Vec<RunTree>> {

@@ -53,6 +53,7 @@ pub fn builder<R: Runtime>(base: tauri::Builder<R>, state: AppState) -> tauri::B
         keys::set_key,
         keys::delete_key,
         history::list_conversations,
+        history::set_conversation_choices,
         history::conversation_runs,
         history::list_runs,
         history::search_history,

@@ -1,57 +1,11 @@
 //! The shell's commands through Tauri's IPC on the mock runtime (no window): the real
 //! capabilities, real files, a real SQLite history and a loopback provider server.
 
-use std::path::Path;
+#[path = "support/harness.rs"]
+mod harness;
 
-use baton_desktop::{AppState, Paths};
+use harness::{app, conductor, invoke, invoke_in, worker};
 use serde_json::{Value, json};
-use tauri::ipc::{CallbackFn, InvokeBody};
-use tauri::test::{INVOKE_KEY, MockRuntime, get_ipc_response, mock_builder};
-use tauri::{App, WebviewWindow, WebviewWindowBuilder};
-
-struct Harness {
-    _app: App<MockRuntime>,
-    window: WebviewWindow<MockRuntime>,
-}
-
-fn app(dir: &Path, label: &str) -> Harness {
-    let paths = Paths { pool: dir.join("pool.toml"), db: dir.join("history.sqlite") };
-    let app = baton_desktop::builder(mock_builder(), AppState::new(paths)).build(baton_desktop::context()).unwrap();
-    let window = WebviewWindowBuilder::new(&app, label, Default::default()).build().unwrap();
-    Harness { _app: app, window }
-}
-
-fn invoke(h: &Harness, cmd: &str, args: Value) -> Result<Value, Value> {
-    get_ipc_response(
-        &h.window,
-        tauri::webview::InvokeRequest {
-            cmd: cmd.into(),
-            callback: CallbackFn(0),
-            error: CallbackFn(1),
-            url: "tauri://localhost".parse().unwrap(),
-            body: InvokeBody::Json(args),
-            headers: Default::default(),
-            invoke_key: INVOKE_KEY.to_string(),
-        },
-    )
-    .map(|body| body.deserialize::<Value>().unwrap())
-}
-
-fn worker(name: &str, model: &str, base_url: &str) -> Value {
-    json!({
-        "original": null, "name": name, "provider": "openai-compatible", "model": model,
-        "base_url": base_url, "api_key_env": null, "max_tokens": null, "temperature": null,
-        "reasoning_effort": null, "thinking_budget": null, "price_in": 0.0, "price_out": 0.0,
-        "description": format!("{name} worker"),
-    })
-}
-
-fn conductor() -> Value {
-    json!({
-        "model": null, "url": null, "device": "auto", "max_steps": 5, "recursion": false,
-        "max_depth": 2, "max_calls": null, "max_tokens": null, "max_cost_usd": null,
-    })
-}
 
 #[test]
 fn a_new_user_has_no_pool_and_no_conductor() {
@@ -163,6 +117,16 @@ fn a_reviewed_plan_runs_over_loopback_and_is_recorded() {
     let hits = invoke(&h, "search_history", json!({ "query": "again" })).unwrap();
     assert_eq!(hits[0]["id"], follow["run_id"]);
 
+    // The conversation keeps its choices, by worker name.
+    let choices = json!({ "id": result["conversation_id"], "workers": ["b"], "review": true });
+    invoke(&h, "set_conversation_choices", choices).unwrap();
+    let conversations = invoke(&h, "list_conversations", json!({ "before": null })).unwrap();
+    assert_eq!((&conversations[0]["workers"], &conversations[0]["review"]), (&json!(["b"]), &json!(true)));
+    let none = invoke(&h, "set_conversation_choices", json!({ "id": 999, "workers": null, "review": false }));
+    assert_eq!(none.unwrap_err()["kind"], "not_found");
+    let empty = json!({ "id": result["conversation_id"], "workers": [], "review": false });
+    assert_eq!(invoke(&h, "set_conversation_choices", empty).unwrap_err()["kind"], "bad_input");
+
     let out = dir.path().join("export.md");
     let target = json!({ "kind": "run", "id": result["run_id"] });
     invoke(&h, "export_history", json!({ "target": target, "format": "markdown", "path": out })).unwrap();
@@ -239,4 +203,41 @@ fn one_step_of_a_finished_run_is_rerun_with_another_worker() {
     assert_eq!(err, json!({ "kind": "bad_input", "message": "the run has no step 7; its plan has 3 steps" }));
     assert_eq!(rerun(&first["run_id"], 0, 9)["kind"], "not_found");
     assert_eq!(rerun(&json!(999), 0, 0)["kind"], "not_found");
+}
+
+#[test]
+fn a_plan_being_drafted_stops_when_cancelled() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let server = rt.block_on(baton_testserver::TestServer::start()).unwrap();
+    let base = server.base_url(baton_testserver::Wire::OpenAi);
+    let dir = tempfile::tempdir().unwrap();
+    let h = app(dir.path(), "main");
+    // A conductor server that takes ten seconds to answer at all.
+    let mut conductor = conductor();
+    conductor["url"] = json!(base);
+    conductor["model"] = json!("planner;ttfb=10000");
+    invoke(&h, "save_settings", json!({ "form": { "workers": [worker("a", "a", &base)], "conductor": conductor } }))
+        .unwrap();
+
+    let started = std::time::Instant::now();
+    let window = h.window.clone();
+    let drafting = std::thread::spawn(move || {
+        invoke_in(
+            &window,
+            "draft_plan",
+            json!({
+                "question": "q?", "conversationId": null, "workers": null,
+                "draftId": "draft-1", "onDelta": "__CHANNEL__:4",
+            }),
+        )
+    });
+    while server.requests().is_empty() {
+        assert!(started.elapsed().as_secs() < 10, "the conductor was never asked");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(invoke(&h, "cancel_run", json!({ "runId": "draft-1" })).unwrap(), json!(true));
+    let err = drafting.join().unwrap().unwrap_err();
+    assert_eq!(err["kind"], "cancelled", "{err}");
+    assert!(started.elapsed().as_secs() < 5, "stopped long before the server answered: {:?}", started.elapsed());
+    assert_eq!(invoke(&h, "cancel_run", json!({ "runId": "draft-1" })).unwrap(), json!(false), "forgotten once over");
 }

@@ -271,8 +271,19 @@ test("a new user sets a key, asks, inspects, reviews a plan, and finds it all ag
     await click(await find("review-toggle"));
     const composer = await find("composer");
     await composer.sendKeys("Now plan it for review");
+    // The conductor's text shows while it writes the plan.
+    await driver.executeScript(`
+      window.__draftSeen = "";
+      const observer = new MutationObserver(() => {
+        const text = document.querySelector('[data-testid="draft-text"]')?.textContent ?? "";
+        if (text.length > window.__draftSeen.length) window.__draftSeen = text;
+      });
+      observer.observe(document.body, { subtree: true, childList: true, characterData: true });
+    `);
     await click(await find("send"));
     await find("plan-review", 120000);
+    const streamed = await driver.executeScript("return window.__draftSeen");
+    assert.ok(streamed.length > 0, "the conductor's text was never shown while it wrote the plan");
     await shot("06-plan-review");
     const rows = await driver.findElements(By.css('[data-testid^="plan-step-"]'));
     const last = rows.length - 1;
@@ -368,6 +379,8 @@ test("a new user sets a key, asks, inspects, reviews a plan, and finds it all ag
     await click(conversation);
     await driver.wait(async () => (await driver.findElements(byTest("turn"))).length === 3, 10000);
     await find("rerun-label");
+    // The conversation's choice to review plans is in the history, not in the webview.
+    assert.equal(await (await find("review-toggle")).isSelected(), true);
     await shot("09-conversation-reopened");
     await click(await find("nav-history"));
     await driver.wait(async () => (await driver.findElements(byTest("history-run"))).length === 3, 10000);

@@ -41,8 +41,18 @@ export const api = {
     invoke<null>("set_key", { provider, baseUrl, key }),
   deleteKey: (provider: ProviderKind, baseUrl: string | null) => invoke<null>("delete_key", { provider, baseUrl }),
   testWorker: (index: number) => invoke<ConnectionCheck>("test_worker", { index }),
-  draftPlan: (question: string, conversationId: number | null, workers: number[] | null) =>
-    invoke<Draft>("draft_plan", { question, conversationId, workers }),
+  /** The conductor's plan for review; its text streams to `onDelta`; `cancelRun(draftId)` stops it. */
+  draftPlan: (
+    question: string,
+    conversationId: number | null,
+    workers: number[] | null,
+    draftId: string,
+    onDelta: (text: string) => void,
+  ) => {
+    const channel = new Channel<string>();
+    channel.onmessage = onDelta;
+    return invoke<Draft>("draft_plan", { question, conversationId, workers, draftId, onDelta: channel });
+  },
   validatePlan: (plan: Plan, workers: number[] | null) => invoke<null>("validate_plan", { plan, workers }),
   /** Runs a question; `onEvent` sees every RunEvent in order; resolves when the run is recorded. */
   ask: (request: AskRequest, onEvent: (e: RunEvent) => void) => {
@@ -56,8 +66,11 @@ export const api = {
     channel.onmessage = onEvent;
     return invoke<AskResult>("rerun_step", { request, onEvent: channel });
   },
+  /** Stops a run, or a plan being drafted (by its draft id). */
   cancelRun: (runId: string) => invoke<boolean>("cancel_run", { runId }),
   listConversations: (before: number | null = null) => invoke<ConversationSummary[]>("list_conversations", { before }),
+  setConversationChoices: (id: number, workers: string[] | null, review: boolean) =>
+    invoke<null>("set_conversation_choices", { id, workers, review }),
   conversationRuns: (id: number) => invoke<RunTree[]>("conversation_runs", { id }),
   listRuns: (before: number | null = null) => invoke<RunSummary[]>("list_runs", { before }),
   searchHistory: (query: string) => invoke<SearchHit[]>("search_history", { query }),

@@ -109,7 +109,15 @@ export type RunSummary = { id: number, conversation_id: number, question: string
  */
 started_at: number, wall_ms: number | null, calls: number, input_tokens: number, output_tokens: number, cost_usd: number, };
 
-export type ConversationSummary = { id: number, title: string, created_at: number, updated_at: number, runs: number, };
+export type ConversationSummary = { id: number, title: string, created_at: number, updated_at: number, runs: number, 
+/**
+ * The workers (by name) this conversation may use; `None` for all of the pool.
+ */
+workers: Array<string> | null, 
+/**
+ * Whether its plans are shown for review before they run.
+ */
+review: boolean, };
 
 export type SearchHit = { id: number, conversation_id: number, question: string, status: RunStatus, started_at: number, 
 /**
@@ -151,7 +159,7 @@ reused_from: string | null, };
 
 export type SentRequest = { system: string | null, messages: Array<Message>, };
 
-export type ErrorKind = "bad_input" | "pool" | "conductor" | "keychain" | "history" | "provider" | "not_found" | "io";
+export type ErrorKind = "bad_input" | "pool" | "conductor" | "keychain" | "history" | "provider" | "not_found" | "io" | "cancelled";
 
 export type AppError = { kind: ErrorKind, message: string, };
 

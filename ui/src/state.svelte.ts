@@ -60,24 +60,71 @@ export function needsSetup(s: Settings | null): boolean {
   return s !== null && (!s.conductor_configured || (s.form?.workers.length ?? 0) === 0);
 }
 
-/** Per-conversation choices the user makes in the chat (kept on this machine, not in the pool). */
+/**
+ * A conversation's choices as the chat works with them. The history keeps them per
+ * conversation, by worker name (pool numbers change when the pool is edited); a chat not yet
+ * started keeps them on this machine, and they become its own when it starts.
+ */
 export interface ConversationPrefs {
   /** Pool indices this conversation may use; null for all. */
   workers: number[] | null;
   review: boolean;
 }
 
-const PREFS_KEY = "baton.conversation-prefs";
+const NEW_CHAT_KEY = "baton.new-chat-prefs";
+/** Where earlier versions kept every conversation's choices; read once and moved. */
+const LEGACY_KEY = "baton.conversation-prefs";
 
-export function loadPrefs(conversation: number | null): ConversationPrefs {
-  const all = JSON.parse(localStorage.getItem(PREFS_KEY) ?? "{}") as Record<string, ConversationPrefs>;
-  return all[String(conversation ?? "new")] ?? { workers: null, review: false };
+function stored<T>(key: string): T | null {
+  try {
+    return JSON.parse(localStorage.getItem(key) ?? "null") as T | null;
+  } catch {
+    return null;
+  }
 }
 
-export function savePrefs(conversation: number | null, prefs: ConversationPrefs): void {
-  const all = JSON.parse(localStorage.getItem(PREFS_KEY) ?? "{}") as Record<string, ConversationPrefs>;
-  all[String(conversation ?? "new")] = prefs;
-  localStorage.setItem(PREFS_KEY, JSON.stringify(all));
+/** Names to pool indices; workers no longer in the pool are dropped (none left: all). */
+function indicesOf(names: string[] | null): number[] | null {
+  if (names === null) return null;
+  const indices = (app.settings?.workers ?? []).filter((w) => names.includes(w.name)).map((w) => w.index);
+  return indices.length ? indices : null;
+}
+
+function namesOf(indices: number[] | null): string[] | null {
+  if (indices === null) return null;
+  return (app.settings?.workers ?? []).filter((w) => indices.includes(w.index)).map((w) => w.name);
+}
+
+export function loadPrefs(conversation: number | null): ConversationPrefs {
+  const none: ConversationPrefs = { workers: null, review: false };
+  if (conversation === null) return stored<ConversationPrefs>(NEW_CHAT_KEY) ?? none;
+  const c = app.conversations.find((c) => c.id === conversation);
+  if (!c) return none;
+  const legacy = stored<Record<string, ConversationPrefs>>(LEGACY_KEY)?.[String(conversation)];
+  if (legacy && c.workers === null && !c.review) {
+    void savePrefs(conversation, legacy).then(() => {
+      const rest = stored<Record<string, ConversationPrefs>>(LEGACY_KEY) ?? {};
+      delete rest[String(conversation)];
+      localStorage.setItem(LEGACY_KEY, JSON.stringify(rest));
+    });
+    return legacy;
+  }
+  return { workers: indicesOf(c.workers), review: c.review };
+}
+
+export async function savePrefs(conversation: number | null, prefs: ConversationPrefs): Promise<void> {
+  if (conversation === null) {
+    localStorage.setItem(NEW_CHAT_KEY, JSON.stringify(prefs));
+    return;
+  }
+  const workers = namesOf(prefs.workers);
+  try {
+    await api.setConversationChoices(conversation, workers, prefs.review);
+    const c = app.conversations.find((c) => c.id === conversation);
+    if (c) Object.assign(c, { workers, review: prefs.review });
+  } catch (e) {
+    app.warning = `This conversation's choice of workers and review was not saved: ${asAppError(e).message}`;
+  }
 }
 
 export function formatCost(usd: number, complete = true): string {

