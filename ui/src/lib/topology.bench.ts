@@ -31,11 +31,15 @@ function run(rounds: number): Topology {
 }
 
 const small = run(1); // 1 plan node, 5 steps, the answer: 7 nodes
+const deep = run(3); // the default recursion depth cap (2): 3 rounds, 19 nodes
 const large = run(8); // 8 rounds: 48 plan and step nodes, the answer
 
 describe("topology", () => {
   bench(`graph + layout, ${graphOf(small).nodes.length} nodes`, () => {
     layout(graphOf(small));
+  });
+  bench(`graph + layout, ${graphOf(deep).nodes.length} nodes`, () => {
+    layout(graphOf(deep));
   });
   bench(`graph + layout, ${graphOf(large).nodes.length} nodes`, () => {
     layout(graphOf(large));
