@@ -22,6 +22,7 @@ const COMMANDS: &[&str] = &[
     "cancel_run",
     "list_conversations",
     "set_conversation_choices",
+    "get_conversation",
     "conversation_runs",
     "list_runs",
     "search_history",

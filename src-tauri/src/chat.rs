@@ -16,7 +16,6 @@ use serde::{Deserialize, Serialize};
 use tauri::ipc::Channel;
 use tauri::{AppHandle, Emitter, Runtime, State};
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 
 use crate::error::{AppError, AppResult, ErrorKind};
 use crate::state::AppState;
@@ -63,8 +62,8 @@ pub struct RerunRequest {
     pub run_id: i64,
     /// The step of the question's plan (round 0).
     pub step: u32,
-    /// The worker to run it with: its index in the pool as it is now.
-    pub worker: u32,
+    /// The worker to run it with, by name (numbers change when the pool file is edited).
+    pub worker: String,
 }
 
 /// A plan for review, before anything runs.
@@ -201,19 +200,22 @@ pub async fn rerun_step<R: Runtime>(
         .filter_map(|s| Some((s.step as usize, s.output.clone()?)))
         .collect();
     let pool = state.pool()?;
-    let worker = pool
-        .workers
-        .get(request.worker as usize)
-        .ok_or_else(|| AppError::not_found(format!("there is no worker {} in the pool", request.worker)))?
-        .name
-        .clone();
     let source = Source { run_id: &tree.run.uid, plan: &top.plan, workers: &tree.run.workers, outputs: &outputs };
-    let rerun = rerun::prepare(source, &pool, request.step as usize, &worker)
-        .map_err(|e| AppError::bad_input(e.to_string()))?;
-    // Steps the plan gives to the conductor itself need it, to write their rounds again.
-    let conductor_steps = rerun.plan.steps.iter().any(|s| s.model_id == rerun.pool.workers.len());
+    let rerun = rerun::prepare(source, &pool, request.step as usize, &request.worker).map_err(|e| match e {
+        rerun::RerunError::NoSuchWorker(_) => AppError::not_found(e.to_string()),
+        e => AppError::bad_input(e.to_string()),
+    })?;
+    // Steps given to the conductor itself that run again need it, to write their rounds anew.
+    let conductor = rerun.pool.workers.len();
+    let conductor_steps = rerun
+        .plan
+        .steps
+        .iter()
+        .enumerate()
+        .any(|(i, s)| s.model_id == conductor && !rerun.reuse.outputs.contains_key(&i));
     let conversation = tree.run.conversation_id;
-    let history = store.messages(conversation).await?;
+    // The conductor sees the conversation as it was when the question was first asked.
+    let history = store.messages_before_run(conversation, tree.run.id).await?;
     let executor = executor(&app, &state, &rerun.pool, conductor_steps).await?;
     let run = RunRequest {
         run_id: new_run_id(),
@@ -237,8 +239,8 @@ async fn run_recorded<R: Runtime>(
     on_event: Channel<RunEvent>,
 ) -> AppResult<AskResult> {
     let run_id = run.run_id.clone();
-    let cancel = CancellationToken::new();
-    state.runs.lock().expect("runs lock").insert(run_id.clone(), cancel.clone());
+    let registration = state.register(&run_id)?;
+    let cancel = registration.token.clone();
     let (tx, mut rx) = mpsc::unbounded_channel::<RunEvent>();
     let mut recorder = Some(store.recorder(conversation_id));
     let mut timing = TimingLog::for_run(&run_id);
@@ -263,7 +265,7 @@ async fn run_recorded<R: Runtime>(
     let outcome = executor.run(run, &tx, &cancel).await;
     drop(tx);
     let recorded = consumer.await.ok().flatten();
-    state.runs.lock().expect("runs lock").remove(&run_id);
+    drop(registration);
     let status = match outcome.status {
         RunStatus::Finished => "finished",
         RunStatus::Failed => "failed",
@@ -280,7 +282,7 @@ async fn run_recorded<R: Runtime>(
 /// `false` if it had ended.
 #[tauri::command]
 pub fn cancel_run(state: State<'_, AppState>, run_id: String) -> bool {
-    match state.runs.lock().expect("runs lock").get(&run_id) {
+    match state.runs.lock().unwrap_or_else(|p| p.into_inner()).get(&run_id) {
         Some(token) => {
             token.cancel();
             true
@@ -313,6 +315,10 @@ pub async fn draft_plan<R: Runtime>(
     draft_id: String,
     on_delta: Channel<String>,
 ) -> AppResult<Draft> {
+    // Stoppable from the start; a model still loading finishes loading (mistral.rs cannot stop
+    // a load), and the draft stops right after.
+    let registration = state.register(&draft_id)?;
+    let cancelled = || AppError::new(ErrorKind::Cancelled, "the plan was not finished: stopped");
     let pool = subset(state.pool()?, workers.as_deref())?;
     let history = match conversation_id {
         Some(id) => state.store().await?.messages(id).await?,
@@ -322,10 +328,11 @@ pub async fn draft_plan<R: Runtime>(
         let mut models = state.models.lock().await;
         setup::planner(&pool, &ConductorChoice::default(), &mut models, &notifier(&app)).await?
     };
+    if registration.token.is_cancelled() {
+        return Err(cancelled());
+    }
     let mut ctx = baton_engine::PlanningContext::question(question.trim(), pool.workers.len(), pool.options.max_steps);
     ctx.history = history;
-    let cancel = CancellationToken::new();
-    state.runs.lock().expect("runs lock").insert(draft_id.clone(), cancel.clone());
     let deltas = Box::new(move |text: &str| {
         // A closed window only stops the display.
         let _ = on_delta.send(text.to_owned());
@@ -333,10 +340,9 @@ pub async fn draft_plan<R: Runtime>(
     // Dropping the planner's future stops generation (local and remote alike).
     let planned = tokio::select! {
         biased;
-        () = cancel.cancelled() => Err(AppError::new(ErrorKind::Cancelled, "the plan was not finished: stopped")),
+        () = registration.token.cancelled() => Err(cancelled()),
         planned = planner.plan(ctx, deltas) => planned.map_err(|e| AppError::new(ErrorKind::Conductor, e.to_string())),
     };
-    state.runs.lock().expect("runs lock").remove(&draft_id);
     let planned = planned?;
     Ok(Draft { plan: planned.plan, raw: planned.raw, workers: pool.infos(), max_steps: pool.options.max_steps as u32 })
 }

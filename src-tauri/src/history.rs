@@ -18,6 +18,17 @@ pub async fn list_conversations(
     Ok(state.store().await?.list_conversations(PAGE, before).await?)
 }
 
+/// One conversation: its title, size and choices.
+#[tauri::command]
+pub async fn get_conversation(state: State<'_, AppState>, id: i64) -> AppResult<ConversationSummary> {
+    state
+        .store()
+        .await?
+        .conversation(id)
+        .await?
+        .ok_or_else(|| AppError::not_found(format!("there is no conversation {id} in the history")))
+}
+
 /// Keeps a conversation's choices: the workers it may use (by name; `null` for all) and
 /// whether its plans are reviewed before they run.
 #[tauri::command]

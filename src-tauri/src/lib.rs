@@ -54,6 +54,7 @@ pub fn builder<R: Runtime>(base: tauri::Builder<R>, state: AppState) -> tauri::B
         keys::delete_key,
         history::list_conversations,
         history::set_conversation_choices,
+        history::get_conversation,
         history::conversation_runs,
         history::list_runs,
         history::search_history,

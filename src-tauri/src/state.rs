@@ -10,7 +10,7 @@ use baton_engine::Pool;
 use baton_store::Store;
 use tokio_util::sync::CancellationToken;
 
-use crate::error::AppResult;
+use crate::error::{AppError, AppResult};
 
 /// The files the app reads and writes. `BATON_POOL` and `BATON_DB` override the defaults, as for
 /// the `baton` command line (the end-to-end tests use them to stay out of the user's files).
@@ -39,7 +39,8 @@ pub struct AppState {
     store: tokio::sync::OnceCell<Store>,
     /// Held while a model loads, so two runs never load the same model twice.
     pub models: tokio::sync::Mutex<LocalModels>,
-    /// Cancel switches of the runs in flight, by the run id their events carry.
+    /// Cancel switches of the runs (by the run id their events carry) and plan drafts (by the
+    /// id the window gave) in flight. Entries live exactly as long as their [`Registration`].
     pub runs: Mutex<HashMap<String, CancellationToken>>,
 }
 
@@ -61,5 +62,32 @@ impl AppState {
     /// The pool as the file says now: settings saved a moment ago apply to the next run.
     pub fn pool(&self) -> AppResult<Pool> {
         Ok(Pool::load(&self.paths.pool)?)
+    }
+
+    /// Makes work with this `id` stoppable by `cancel_run` until the registration drops,
+    /// however the work ends (an early error included). An id already in use is refused, so
+    /// one piece of work can never take over another's cancel switch.
+    pub fn register(&self, id: &str) -> AppResult<Registration<'_>> {
+        let token = CancellationToken::new();
+        let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
+        if runs.contains_key(id) {
+            return Err(AppError::bad_input(format!("work with the id {id} is already going")));
+        }
+        runs.insert(id.to_owned(), token.clone());
+        Ok(Registration { runs: &self.runs, id: id.to_owned(), token })
+    }
+}
+
+/// A run or draft that `cancel_run` can stop; see [`AppState::register`].
+#[derive(Debug)]
+pub struct Registration<'a> {
+    runs: &'a Mutex<HashMap<String, CancellationToken>>,
+    id: String,
+    pub token: CancellationToken,
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        self.runs.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
     }
 }

@@ -122,6 +122,9 @@ fn a_reviewed_plan_runs_over_loopback_and_is_recorded() {
     invoke(&h, "set_conversation_choices", choices).unwrap();
     let conversations = invoke(&h, "list_conversations", json!({ "before": null })).unwrap();
     assert_eq!((&conversations[0]["workers"], &conversations[0]["review"]), (&json!(["b"]), &json!(true)));
+    let one = invoke(&h, "get_conversation", json!({ "id": result["conversation_id"] })).unwrap();
+    assert_eq!(one, conversations[0]);
+    assert_eq!(invoke(&h, "get_conversation", json!({ "id": 999 })).unwrap_err()["kind"], "not_found");
     let none = invoke(&h, "set_conversation_choices", json!({ "id": 999, "workers": null, "review": false }));
     assert_eq!(none.unwrap_err()["kind"], "not_found");
     let empty = json!({ "id": result["conversation_id"], "workers": [], "review": false });
@@ -163,12 +166,12 @@ fn one_step_of_a_finished_run_is_rerun_with_another_worker() {
     assert_eq!(first["status"], "finished", "{first}");
     let before = server.requests().len();
 
-    // Step 1 again with c (pool index 2, which this run did not have): steps 1 and 2 are called.
+    // Step 1 again with c, which this run did not have: steps 1 and 2 are called.
     let again = invoke(
         &h,
         "rerun_step",
         json!({
-            "request": { "run_id": first["run_id"], "step": 1, "worker": 2 },
+            "request": { "run_id": first["run_id"], "step": 1, "worker": "c" },
             "onEvent": "__CHANNEL__:2",
         }),
     )
@@ -188,7 +191,7 @@ fn one_step_of_a_finished_run_is_rerun_with_another_worker() {
     assert_eq!(names, ["a", "b", "c"]);
 
     // Clear refusals: a step the plan lacks, a worker the pool lacks, a run that does not exist.
-    let rerun = |run: &Value, step: u32, worker: u32| {
+    let rerun = |run: &Value, step: u32, worker: &str| {
         invoke(
             &h,
             "rerun_step",
@@ -199,10 +202,11 @@ fn one_step_of_a_finished_run_is_rerun_with_another_worker() {
         )
         .unwrap_err()
     };
-    let err = rerun(&first["run_id"], 7, 0);
+    let err = rerun(&first["run_id"], 7, "a");
     assert_eq!(err, json!({ "kind": "bad_input", "message": "the run has no step 7; its plan has 3 steps" }));
-    assert_eq!(rerun(&first["run_id"], 0, 9)["kind"], "not_found");
-    assert_eq!(rerun(&json!(999), 0, 0)["kind"], "not_found");
+    let err = rerun(&first["run_id"], 0, "zed");
+    assert_eq!(err, json!({ "kind": "not_found", "message": "there is no worker named \"zed\" in the pool" }));
+    assert_eq!(rerun(&json!(999), 0, "a")["kind"], "not_found");
 }
 
 #[test]

@@ -348,11 +348,12 @@ test("a new user sets a key, asks, inspects, reviews a plan, and finds it all ag
     const runs = history("list");
     const original = history("show", String(runs[0].id))[0];
     const plan = original.plans[0].plan;
-    // The last step of the edited plan, by a worker it did not have: no step sees the last
+    // The last step of the edited plan, by another of the run's workers: no step sees the last
     // one, so every other step keeps its output.
     const target = plan.model_id.length - 1;
     assert.ok(target > 0, "the edited plan has more than one step");
-    const worker = (plan.model_id[target] + 1) % original.run.workers.length;
+    const workers = original.run.workers;
+    const worker = workers[(plan.model_id[target] + 1) % workers.length].name;
     const again = [target];
     const calls = requests().length;
 
@@ -361,7 +362,7 @@ test("a new user sets a key, asks, inspects, reviews a plan, and finds it all ag
     await driver.executeScript(
       "const s = arguments[0]; s.value = arguments[1]; s.dispatchEvent(new Event('change', {bubbles: true}))",
       await find("rerun-worker"),
-      String(worker),
+      worker,
     );
     await click(await find("rerun-button"));
     await driver.wait(async () => (await driver.findElements(byTest("turn"))).length === 3, 10000);
@@ -372,7 +373,7 @@ test("a new user sets a key, asks, inspects, reviews a plan, and finds it all ag
     const recorded = history("show", String(history("list")[0].id))[0];
     assert.deepEqual(recorded.run.rerun_of, { run_id: original.run.uid, step: target });
     assert.equal(recorded.run.conversation_id, original.run.conversation_id);
-    assert.equal(recorded.steps.find((s) => s.step === target).worker, original.run.workers[worker].name);
+    assert.equal(recorded.steps.find((s) => s.step === target).worker, worker);
     const kept = recorded.steps.filter((s) => s.reused_from === original.run.uid).map((s) => s.step);
     const expectedKept = plan.model_id.map((_, i) => i).filter((i) => !again.includes(i));
     assert.deepEqual(kept.sort(), expectedKept);

@@ -69,6 +69,7 @@ export const api = {
   /** Stops a run, or a plan being drafted (by its draft id). */
   cancelRun: (runId: string) => invoke<boolean>("cancel_run", { runId }),
   listConversations: (before: number | null = null) => invoke<ConversationSummary[]>("list_conversations", { before }),
+  getConversation: (id: number) => invoke<ConversationSummary>("get_conversation", { id }),
   setConversationChoices: (id: number, workers: string[] | null, review: boolean) =>
     invoke<null>("set_conversation_choices", { id, workers, review }),
   conversationRuns: (id: number) => invoke<RunTree[]>("conversation_runs", { id }),

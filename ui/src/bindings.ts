@@ -269,9 +269,9 @@ run_id: number,
  */
 step: number, 
 /**
- * The worker to run it with: its index in the pool as it is now.
+ * The worker to run it with, by name (numbers change when the pool file is edited).
  */
-worker: number, };
+worker: string, };
 
 export type Draft = { plan: Plan, 
 /**

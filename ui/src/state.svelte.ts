@@ -68,11 +68,13 @@ export function needsSetup(s: Settings | null): boolean {
 export interface ConversationPrefs {
   /** Pool indices this conversation may use; null for all. */
   workers: number[] | null;
+  /** Chosen workers that are not in the pool now: kept, so that saving does not drop them. */
+  missing: string[];
   review: boolean;
 }
 
 const NEW_CHAT_KEY = "baton.new-chat-prefs";
-/** Where earlier versions kept every conversation's choices; read once and moved. */
+/** Where earlier versions kept every conversation's choices (by pool index); read once and moved. */
 const LEGACY_KEY = "baton.conversation-prefs";
 
 function stored<T>(key: string): T | null {
@@ -83,41 +85,45 @@ function stored<T>(key: string): T | null {
   }
 }
 
-/** Names to pool indices; workers no longer in the pool are dropped (none left: all). */
-function indicesOf(names: string[] | null): number[] | null {
-  if (names === null) return null;
-  const indices = (app.settings?.workers ?? []).filter((w) => names.includes(w.name)).map((w) => w.index);
-  return indices.length ? indices : null;
+/** A new chat's choices: the last ones made for a new chat on this machine. */
+export function newChatPrefs(): ConversationPrefs {
+  const saved = stored<Partial<ConversationPrefs>>(NEW_CHAT_KEY);
+  return { workers: saved?.workers ?? null, missing: [], review: saved?.review ?? false };
 }
 
-function namesOf(indices: number[] | null): string[] | null {
-  if (indices === null) return null;
-  return (app.settings?.workers ?? []).filter((w) => indices.includes(w.index)).map((w) => w.name);
-}
-
-export function loadPrefs(conversation: number | null): ConversationPrefs {
-  const none: ConversationPrefs = { workers: null, review: false };
-  if (conversation === null) return stored<ConversationPrefs>(NEW_CHAT_KEY) ?? none;
-  const c = app.conversations.find((c) => c.id === conversation);
-  if (!c) return none;
-  const legacy = stored<Record<string, ConversationPrefs>>(LEGACY_KEY)?.[String(conversation)];
+/** The choices a conversation keeps in the history, as pool indices of the pool as it is now. */
+export function prefsOf(c: ConversationSummary): ConversationPrefs {
+  const legacy = stored<Record<string, { workers: number[] | null; review: boolean }>>(LEGACY_KEY)?.[String(c.id)];
   if (legacy && c.workers === null && !c.review) {
-    void savePrefs(conversation, legacy).then(() => {
-      const rest = stored<Record<string, ConversationPrefs>>(LEGACY_KEY) ?? {};
-      delete rest[String(conversation)];
+    const moved = { workers: legacy.workers, missing: [], review: legacy.review };
+    void savePrefs(c.id, moved).then(() => {
+      const rest = stored<Record<string, unknown>>(LEGACY_KEY) ?? {};
+      delete rest[String(c.id)];
       localStorage.setItem(LEGACY_KEY, JSON.stringify(rest));
     });
-    return legacy;
+    return moved;
   }
-  return { workers: indicesOf(c.workers), review: c.review };
+  if (c.workers === null) return { workers: null, missing: [], review: c.review };
+  const pool = app.settings?.workers ?? [];
+  const chosen = c.workers;
+  return {
+    // Possibly none, when every chosen worker has left the pool: asking then says to choose
+    // again, rather than quietly widening the choice to every worker.
+    workers: pool.filter((w) => chosen.includes(w.name)).map((w) => w.index),
+    missing: chosen.filter((name) => !pool.some((w) => w.name === name)),
+    review: c.review,
+  };
 }
 
 export async function savePrefs(conversation: number | null, prefs: ConversationPrefs): Promise<void> {
   if (conversation === null) {
-    localStorage.setItem(NEW_CHAT_KEY, JSON.stringify(prefs));
+    localStorage.setItem(NEW_CHAT_KEY, JSON.stringify({ workers: prefs.workers, review: prefs.review }));
     return;
   }
-  const workers = namesOf(prefs.workers);
+  const pool = app.settings?.workers ?? [];
+  const chosen = prefs.workers;
+  const workers =
+    chosen === null ? null : [...pool.filter((w) => chosen.includes(w.index)).map((w) => w.name), ...prefs.missing];
   try {
     await api.setConversationChoices(conversation, workers, prefs.review);
     const c = app.conversations.find((c) => c.id === conversation);

@@ -235,9 +235,15 @@ impl Executor {
 
         let (round, plan) = match request.plan {
             Some(plan) => {
+                // A re-run may keep the output of a step the conductor ran, even when there is
+                // no conductor (or no recursion) now; only steps that run need one.
+                let conductor = self.workers.len();
+                let mut conductor_steps = plan.steps.iter().enumerate().filter(|(_, s)| s.model_id == conductor);
+                let conductor_kept = plan.steps.iter().any(|s| s.model_id == conductor)
+                    && conductor_steps.all(|(i, _)| reuse.outputs.contains_key(&i));
                 let limits = Limits {
                     max_steps: self.options.max_steps,
-                    pool_size: Some(self.plan_pool_size()),
+                    pool_size: Some(self.plan_pool_size().max(conductor + usize::from(conductor_kept))),
                     allow_stop: false,
                 };
                 if let Err(message) =

@@ -501,3 +501,23 @@ async fn a_reuse_that_would_keep_a_stale_output_is_refused() {
     assert!(outcome.error.expect("error").message.contains("needs the plan"));
     assert!(server.requests().is_empty(), "nothing was called");
 }
+
+#[tokio::test]
+async fn a_rerun_keeps_a_conductor_step_without_a_conductor() {
+    let server = TestServer::start().await.expect("server");
+    // No planner and no recursion now; step 1 was the conductor's (number 2) in the first run.
+    let p = pool(&server, "", &[compat("a", "a"), compat("b", "b;reply=again")]);
+    let plan = baton_plan::parse(
+        "model_id = [0, 2, 1]\nsubtasks = ['x', 'think more', 'finish']\naccess_list = [[], [0], [1]]",
+        &Limits::default(),
+    )
+    .expect("plan");
+    let outputs = BTreeMap::from([(0, "x done".to_owned()), (1, "thought".to_owned())]);
+    let reuse = Reuse { from_run: "old".into(), step: 2, outputs };
+    let request = RunRequest { plan: Some(plan), reuse: Some(reuse), ..RunRequest::default() };
+    let (outcome, _) = run_request(&executor(&p), request, None).await;
+    assert_eq!(outcome.status, RunStatus::Finished, "{outcome:?}");
+    assert_eq!(outcome.answer.as_deref(), Some("again"));
+    let calls: Vec<String> = server.requests().iter().map(|r| r.model.clone()).collect();
+    assert_eq!(calls, ["b;reply=again"]);
+}

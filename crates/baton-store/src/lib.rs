@@ -25,6 +25,15 @@ use serde::Serialize;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{FromRow, Row};
 
+/// The columns [`conversation_summary`] reads; a macro so queries can extend it with `concat!`.
+macro_rules! conversation_select {
+    () => {
+        "SELECT c.id, c.title, c.created_at, c.updated_at, c.workers, c.review,
+                (SELECT count(*) FROM runs r WHERE r.conversation_id = c.id) AS runs
+         FROM conversations c"
+    };
+}
+
 pub use recorder::Recorder;
 
 /// The schema, embedded from the top-level `migrations/` directory.
@@ -321,32 +330,24 @@ impl Store {
         limit: u32,
         before: Option<i64>,
     ) -> Result<Vec<ConversationSummary>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT c.id, c.title, c.created_at, c.updated_at, c.workers, c.review,
-                    (SELECT count(*) FROM runs r WHERE r.conversation_id = c.id) AS runs
-             FROM conversations c WHERE c.updated_at < ?1 ORDER BY c.updated_at DESC, c.id DESC LIMIT ?2",
-        )
+        let rows = sqlx::query(concat!(
+            conversation_select!(),
+            " WHERE c.updated_at < ?1 ORDER BY c.updated_at DESC, c.id DESC LIMIT ?2"
+        ))
         .bind(before.unwrap_or(i64::MAX))
         .bind(limit)
         .fetch_all(&self.pool)
         .await?;
-        rows.iter()
-            .map(|r| {
-                let workers: Option<String> = r.get("workers");
-                Ok(ConversationSummary {
-                    id: r.get("id"),
-                    title: r.get("title"),
-                    created_at: r.get("created_at"),
-                    updated_at: r.get("updated_at"),
-                    runs: r.get("runs"),
-                    workers: workers
-                        .map(|w| serde_json::from_str(&w))
-                        .transpose()
-                        .map_err(|e| decode("conversations.workers", e))?,
-                    review: r.get("review"),
-                })
-            })
-            .collect()
+        rows.iter().map(conversation_summary).collect()
+    }
+
+    /// One conversation, or `None` when there is no such conversation.
+    pub async fn conversation(&self, id: i64) -> Result<Option<ConversationSummary>, StoreError> {
+        let row = sqlx::query(concat!(conversation_select!(), " WHERE c.id = ?1"))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(conversation_summary).transpose()
     }
 
     /// Keeps a conversation's choices: the workers it may use (by name, `None` for all) and
@@ -374,6 +375,25 @@ impl Store {
                 .bind(conversation)
                 .fetch_all(&self.pool)
                 .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(role, content)| if role == "user" { Message::user(content) } else { Message::assistant(content) })
+            .collect())
+    }
+
+    /// The conversation's messages before run `run` was asked, oldest first: the conversation
+    /// as that run's conductor saw it.
+    pub async fn messages_before_run(&self, conversation: i64, run: i64) -> Result<Vec<Message>, StoreError> {
+        let rows: Vec<(String, String)> = sqlx::query_as(
+            "SELECT role, content FROM messages
+             WHERE conversation_id = ?1
+               AND id < coalesce((SELECT min(id) FROM messages WHERE run_id = ?2), 9223372036854775807)
+             ORDER BY id",
+        )
+        .bind(conversation)
+        .bind(run)
+        .fetch_all(&self.pool)
+        .await?;
         Ok(rows
             .into_iter()
             .map(|(role, content)| if role == "user" { Message::user(content) } else { Message::assistant(content) })
@@ -530,6 +550,22 @@ fn classify_open_error(path: &str, e: &sqlx::Error) -> StoreError {
     } else {
         StoreError::Open { path: path.to_owned(), message }
     }
+}
+
+fn conversation_summary(r: &sqlx::sqlite::SqliteRow) -> Result<ConversationSummary, StoreError> {
+    let workers: Option<String> = r.get("workers");
+    Ok(ConversationSummary {
+        id: r.get("id"),
+        title: r.get("title"),
+        created_at: r.get("created_at"),
+        updated_at: r.get("updated_at"),
+        runs: r.get("runs"),
+        workers: workers
+            .map(|w| serde_json::from_str(&w))
+            .transpose()
+            .map_err(|e| decode("conversations.workers", e))?,
+        review: r.get("review"),
+    })
 }
 
 fn decode(what: &str, e: serde_json::Error) -> StoreError {

@@ -356,6 +356,14 @@ async fn a_rerun_is_recorded_with_the_steps_it_kept() {
         tree.events.iter().map(|e| serde_json::from_value(e.clone()).expect("a RunEvent")).collect();
     baton_engine::event::check_sequence(&events).expect("the stored events keep the contract");
 
+    // The conversation as each run's conductor saw it: nothing before the first, the first
+    // turn before the re-run.
+    let conversation = old.run.conversation_id;
+    assert!(store.messages_before_run(conversation, first).await.expect("messages").is_empty());
+    let before = store.messages_before_run(conversation, second).await.expect("messages");
+    assert_eq!(before.len(), 2);
+    assert_eq!(before[1].content, old.run.answer.clone().expect("answer"));
+
     let md = baton_store::export::run_markdown(&tree);
     assert!(md.contains(&format!("Re-runs step 1 of run {}", old.run.uid)), "{md}");
     assert!(md.contains(&format!("kept from run {}, not run again", old.run.uid)), "{md}");

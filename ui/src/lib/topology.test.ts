@@ -553,6 +553,12 @@ describe("re-runs", () => {
     expect(rerunSteps(p, 4)).toEqual([4]);
   });
 
+  it("also re-runs the steps that did not finish, and the steps that see them", () => {
+    const p = plan([[0, []], [0, []], [1, [1]], [1, []]]);
+    // Step 1 failed the first time, so step 2 never ran; re-running step 3 runs all three.
+    expect(rerunSteps(p, 3, [true, false, false, true])).toEqual([1, 2, 3]);
+  });
+
   // Step 1 of run-0 again with gamma: step 0 is kept, step 2 (sees 1) runs again.
   const p = plan([[0, []], [2, [0]], [1, [1]]]);
   const rerunOf = { run_id: "run-0", step: 1 };

@@ -337,17 +337,19 @@ export function fromRunTree(tree: RunTree): Topology {
 }
 
 /**
- * The steps that run again when `step` of `plan` is re-run: the step itself and every step that
- * sees it, directly or through others. The rest keep their outputs. Mirrors the engine's
- * `rerun::dependents`.
+ * The steps that run again when `step` of `plan` is re-run: the step itself, every step that
+ * did not finish the first time (`done[i]` false), and every step that sees one of those,
+ * directly or through others. The rest keep their outputs. Mirrors the engine's
+ * `rerun::prepare`.
  */
-export function rerunSteps(plan: Plan, step: number): number[] {
-  const again = new Set([step]);
+export function rerunSteps(plan: Plan, step: number, done: boolean[] = []): number[] {
+  const again: number[] = [];
   // Steps only see earlier steps, so one pass in order reaches every dependent.
-  for (let i = step + 1; i < plan.subtasks.length; i++) {
-    if (resolveAccess(plan.access_list[i] ?? [], i).some((j) => again.has(j))) again.add(i);
+  for (let i = 0; i < plan.subtasks.length; i++) {
+    const sees = resolveAccess(plan.access_list[i] ?? [], i);
+    if (i === step || done[i] === false || sees.some((j) => again.includes(j))) again.push(i);
   }
-  return [...again];
+  return again;
 }
 
 /** The round the question was planned in (its last step's output is the answer). */
