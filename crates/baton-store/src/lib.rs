@@ -241,6 +241,11 @@ impl Store {
             .synchronous(SqliteSynchronous::Normal)
             .foreign_keys(true)
             .busy_timeout(Duration::from_secs(10));
+        // sqlx cannot lock SQLite for migrating, so two processes opening a new history at
+        // once (the app and the CLI, or two CLI runs) would both apply migration 1 and one
+        // would fail. Opening is serialized by a lock file instead; it is held until the
+        // database is migrated and its dead runs are marked.
+        let _opening = recorder::lock_opening(path).await?;
         let pool = SqlitePoolOptions::new()
             .max_connections(4)
             .connect_with(options)

@@ -364,19 +364,34 @@ fn lock_path(db: &Path, uid: &str) -> PathBuf {
 
 fn take_lock(db: &Path, uid: &str) -> Result<(File, PathBuf), StoreError> {
     let path = lock_path(db, uid);
-    let open = || -> std::io::Result<File> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
-        }
-        let file = File::create(&path)?;
-        file.lock()?;
-        Ok(file)
-    };
-    let file = open().map_err(|e| StoreError::Open {
+    let file = create_locked(&path).map_err(|e| StoreError::Open {
         path: path.display().to_string(),
         message: format!("cannot take the run's lock file: {e}"),
     })?;
     Ok((file, path))
+}
+
+/// Waits for, then holds, the lock that lets one process at a time open (and migrate) the
+/// database at `db`. The lock goes with the returned file.
+pub(crate) async fn lock_opening(db: &Path) -> Result<File, StoreError> {
+    // "opening" has letters outside the hex digits of run uids, so it names no run's lock.
+    let path = lock_path(db, "opening");
+    let shown = path.display().to_string();
+    let lock = tokio::task::spawn_blocking(move || create_locked(&path));
+    let failed = |message: String| StoreError::Open { path: shown.clone(), message };
+    lock.await
+        .map_err(|e| failed(format!("cannot take the database's opening lock: {e}")))?
+        .map_err(|e| failed(format!("cannot take the database's opening lock: {e}")))
+}
+
+/// Creates the lock file at `path` (and its directory), waiting until this process holds it.
+fn create_locked(path: &Path) -> std::io::Result<File> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let file = File::create(path)?;
+    file.lock()?;
+    Ok(file)
 }
 
 /// Whether some process still records run `uid` (holds its lock).

@@ -84,6 +84,33 @@ async fn migrations_apply_to_an_empty_file_and_released_ones_never_change() {
     }
 }
 
+/// The app and the CLI (or several CLI runs) may open a history that does not exist yet at
+/// the same moment; each must find it migrated once, never half-made by another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_processes_opening_a_new_history_at_once_all_succeed() {
+    for round in 0..5 {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = dir.path().join("history.sqlite");
+        let opens: Vec<_> = (0..8)
+            .map(|_| {
+                tokio::spawn({
+                    let db = db.clone();
+                    async move { Store::open(&db).await }
+                })
+            })
+            .collect();
+        for open in opens {
+            let store = open.await.expect("task").unwrap_or_else(|e| panic!("round {round}: {e}"));
+            store.close().await;
+        }
+        let raw = sqlx::SqlitePool::connect(&format!("sqlite://{}", db.display())).await.expect("raw connection");
+        let applied: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM _sqlx_migrations").fetch_one(&raw).await.expect("count");
+        raw.close().await;
+        assert_eq!(applied, baton_store::MIGRATOR.iter().count() as i64, "each migration applied once");
+    }
+}
+
 #[tokio::test]
 async fn a_run_is_recorded_with_its_whole_tree_and_found_again() {
     let server = TestServer::start().await.expect("server");
