@@ -1,5 +1,5 @@
-// End-to-end tests of the built app (the debug-profile build by default, the release build
-// with `scripts/e2e --release`) in the real webview (WebKitWebDriver through tauri-driver),
+// End-to-end tests of the built app (the release build by default, the debug-profile build
+// with `scripts/e2e --debug`) in the real webview (WebKitWebDriver through tauri-driver),
 // with the tiny random conductor model and a loopback provider server that requires a key.
 // Run by `scripts/e2e` (which builds everything, starts Xvfb, D-Bus and a throwaway
 // gnome-keyring); it passes the paths below in the environment.
@@ -15,7 +15,7 @@ import { readFileSync, writeFileSync, mkdirSync, existsSync, readdirSync } from 
 import { join } from "node:path";
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import { Builder, By, until } from "selenium-webdriver";
+import { Builder, By, Key, until } from "selenium-webdriver";
 
 const env = (name) => {
   const v = process.env[name];
@@ -42,6 +42,7 @@ const REPLIES = {
 const figures = {};
 
 let server;
+let serverAddress;
 let serverLog;
 let driverProcess;
 let driver;
@@ -57,10 +58,10 @@ before(async () => {
   execFileSync(TINYMODEL, [model]);
   serverLog = join(WORK, "requests.jsonl");
   server = spawn(TESTSERVER, ["--key", KEY, "--log", serverLog], { stdio: ["ignore", "pipe", "inherit"] });
-  const address = await new Promise((resolve, reject) => {
+  const address = (serverAddress = await new Promise((resolve, reject) => {
     server.stdout.once("data", (d) => resolve(String(d).trim().replace("listening on ", "")));
     server.once("exit", (code) => reject(new Error(`the test server exited with ${code}`)));
-  });
+  }));
   const workers = Object.keys(REPLIES)
     .map(
       (name) => `[[worker]]
@@ -86,7 +87,7 @@ ${workers}`,
   );
   driverProcess = spawn("tauri-driver", ["--port", "4444"], {
     stdio: "inherit",
-    env: { ...process.env, BATON_POOL: POOL, BATON_DB: DB, BATON_TIMING_LOG: TIMING },
+    env: { ...process.env, BATON_POOL: POOL, BATON_DB: DB, BATON_TIMING_LOG: TIMING, BATON_E2E_CONDUCTOR_KEY: KEY },
   });
   for (let i = 0; i < 100; i++) {
     try {
@@ -387,6 +388,45 @@ test("a new user sets a key, asks, inspects, reviews a plan, and finds it all ag
     await click(await find("close-topology"));
   });
 
+  await t.test("Esc stops a plan while the conductor writes it, and gives the question back", async () => {
+    // A conductor on the test server that takes half a minute to write its plan (the tiny
+    // model is done too soon to be stopped). The app reads the pool file afresh for each run.
+    const pool = readFileSync(POOL, "utf8");
+    const words = "I will first look at the question closely and then split it into steps for the workers";
+    const slow = `[conductor]
+url = "${serverAddress}/v1"
+model = "conductor;reply=${words.replaceAll(" ", "_")};latency=30000"
+api_key_env = "BATON_E2E_CONDUCTOR_KEY"
+
+`;
+    writeFileSync(POOL, pool.replace(/\[conductor\][^[]*/, slow));
+    try {
+      const turns = (await driver.findElements(byTest("turn"))).length;
+      const runs = history("list").length;
+      const composer = await find("composer");
+      await composer.sendKeys("A question to stop");
+      await click(await find("send"));
+      await driver.wait(async () => (await driver.findElements(byTest("draft-text"))).length > 0, 20000);
+      assert.ok(
+        requests().some((r) => String(r.body.model).startsWith("conductor;")),
+        "the plan was asked of the slow conductor",
+      );
+      const pressed = performance.now();
+      await composer.sendKeys(Key.ESCAPE);
+      await driver.wait(async () => (await driver.findElements(byTest("plan-drafting"))).length === 0, 5000);
+      figures.draft_stop_ms = Math.round(performance.now() - pressed);
+      assert.equal(await composer.getAttribute("value"), "A question to stop", "the question is back in the composer");
+      assert.equal((await driver.findElements(byTest("ask-error"))).length, 0, "stopping is not an error");
+      assert.equal((await driver.findElements(byTest("plan-review"))).length, 0, "no plan to review");
+      assert.equal((await driver.findElements(byTest("turn"))).length, turns);
+      assert.equal(history("list").length, runs, "nothing ran");
+      await shot("09-draft-stopped");
+      await composer.clear();
+    } finally {
+      writeFileSync(POOL, pool);
+    }
+  });
+
   await t.test("the key is in no file Baton wrote", async () => {
     const files = readdirSync(WORK).filter((f) => /^history\.sqlite(-wal|-shm)?$/.test(f));
     assert.ok(files.includes("history.sqlite"));
@@ -408,7 +448,7 @@ test("a new user sets a key, asks, inspects, reviews a plan, and finds it all ag
     await find("rerun-label");
     // The conversation's choice to review plans is in the history, not in the webview.
     assert.equal(await (await find("review-toggle")).isSelected(), true);
-    await shot("09-conversation-reopened");
+    await shot("10-conversation-reopened");
     await click(await find("nav-history"));
     await driver.wait(async () => (await driver.findElements(byTest("history-run"))).length === 3, 10000);
     const search = await find("history-search");
@@ -417,6 +457,6 @@ test("a new user sets a key, asks, inspects, reviews a plan, and finds it all ag
     await driver.wait(async () => (await driver.findElements(byTest("history-run"))).length === 2, 10000);
     await click(await find("history-run"));
     await find("history-detail");
-    await shot("10-history");
+    await shot("11-history");
   });
 });
