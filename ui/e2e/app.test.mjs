@@ -411,6 +411,12 @@ api_key_env = "BATON_E2E_CONDUCTOR_KEY"
         requests().some((r) => String(r.body.model).startsWith("conductor;")),
         "the plan was asked of the slow conductor",
       );
+      // Another screen and back: the plan is still being written, and its text still grows.
+      const seen = (await textOf(await find("draft-text"))).length;
+      await click(await find("nav-history"));
+      await find("history-search");
+      await click(await find("conversation"));
+      await driver.wait(async () => (await textOf(await find("draft-text"))).length > seen, 10000);
       const pressed = performance.now();
       await composer.sendKeys(Key.ESCAPE);
       await driver.wait(async () => (await driver.findElements(byTest("plan-drafting"))).length === 0, 5000);

@@ -17,6 +17,10 @@ export const app = $state({
   warning: null as string | null,
   /** The screen with edits not saved yet ("Workers & keys", "Conductor"), if any. */
   unsaved: null as string | null,
+  /** The chat holds a plan under review, which leaving its conversation drops. */
+  reviewing: false,
+  /** The conversation a run is going in (`null`: a new chat's first run), if any. */
+  runningIn: undefined as number | null | undefined,
 });
 
 /** Whether the user may leave the current screen: yes, or they confirm dropping its edits. */
@@ -24,6 +28,16 @@ export function mayLeave(): boolean {
   if (!app.unsaved) return true;
   if (!confirm(`${app.unsaved} has changes that are not saved. Leave and drop them?`)) return false;
   app.unsaved = null;
+  return true;
+}
+
+/** Whether the user may open another conversation: as [`mayLeave`], and a plan under review
+ * (which belongs to the open conversation) is dropped only if they confirm. */
+export function mayLeaveConversation(): boolean {
+  if (!mayLeave()) return false;
+  if (app.reviewing && !confirm("A plan is waiting for review in this conversation. Leave it and drop the plan?")) {
+    return false;
+  }
   return true;
 }
 
