@@ -18,7 +18,7 @@ use tauri::{AppHandle, Emitter, Runtime, State};
 use tokio::sync::mpsc;
 
 use crate::error::{AppError, AppResult, ErrorKind};
-use crate::state::AppState;
+use crate::state::{AppState, Registration};
 use crate::timing::TimingLog;
 
 /// Broadcast to every window while a local model loads (mistral.rs reports no finer progress).
@@ -139,14 +139,19 @@ pub async fn load_conductor<R: Runtime>(app: AppHandle<R>, state: State<'_, AppS
 }
 
 /// Runs a question (or `request.plan`) and streams its events on `on_event`. Returns when the
-/// run has ended and is recorded.
+/// run has ended and is recorded. `cancel_run(stop_id)` stops it from the moment this is
+/// called: the window chooses the id, so Stop works before the run's first event (while a
+/// model loads, say), and the run then ends `cancelled`, or with a `cancelled` error if it had
+/// not started yet.
 #[tauri::command]
 pub async fn ask<R: Runtime>(
     app: AppHandle<R>,
     state: State<'_, AppState>,
     request: AskRequest,
+    stop_id: String,
     on_event: Channel<RunEvent>,
 ) -> AppResult<AskResult> {
+    let registration = state.register(&stop_id)?;
     let question = request.question.trim().to_owned();
     if question.is_empty() {
         return Err(AppError::bad_input("the question is empty"));
@@ -168,18 +173,20 @@ pub async fn ask<R: Runtime>(
     };
     let executor = executor(&app, &state, &pool, request.plan.is_none()).await?;
     let run = RunRequest { run_id: new_run_id(), question, history, plan: request.plan, ..RunRequest::default() };
-    run_recorded(&app, &state, store, &executor, request.conversation_id, run, on_event).await
+    run_recorded(&app, &registration, store, &executor, request.conversation_id, run, on_event).await
 }
 
 /// Re-runs one step of a finished run with another worker (see [`RerunRequest`]) and streams
-/// the re-run's events on `on_event`, like [`ask`].
+/// the re-run's events on `on_event`; `cancel_run(stop_id)` stops it, as for [`ask`].
 #[tauri::command]
 pub async fn rerun_step<R: Runtime>(
     app: AppHandle<R>,
     state: State<'_, AppState>,
     request: RerunRequest,
+    stop_id: String,
     on_event: Channel<RunEvent>,
 ) -> AppResult<AskResult> {
+    let registration = state.register(&stop_id)?;
     let store = state.store().await?;
     let tree = store
         .run(request.run_id)
@@ -224,22 +231,25 @@ pub async fn rerun_step<R: Runtime>(
         plan: Some(rerun.plan),
         reuse: Some(rerun.reuse),
     };
-    run_recorded(&app, &state, store, &executor, Some(conversation), run, on_event).await
+    run_recorded(&app, &registration, store, &executor, Some(conversation), run, on_event).await
 }
 
 /// Runs `run`, recording each event in the history before sending it on `on_event`; returns
-/// once the run has ended and is recorded. The run can be stopped with [`cancel_run`].
+/// once the run has ended and is recorded. `registration` is how [`cancel_run`] stops it.
 async fn run_recorded<R: Runtime>(
     app: &AppHandle<R>,
-    state: &AppState,
+    registration: &Registration<'_>,
     store: &Store,
     executor: &Executor,
     conversation_id: Option<i64>,
     run: RunRequest,
     on_event: Channel<RunEvent>,
 ) -> AppResult<AskResult> {
+    // Stopped while the models loaded: nothing has started, so nothing is recorded.
+    if registration.token.is_cancelled() {
+        return Err(AppError::new(ErrorKind::Cancelled, "the run was stopped before it started"));
+    }
     let run_id = run.run_id.clone();
-    let registration = state.register(&run_id)?;
     let cancel = registration.token.clone();
     let (tx, mut rx) = mpsc::unbounded_channel::<RunEvent>();
     let mut recorder = Some(store.recorder(conversation_id));
@@ -265,7 +275,6 @@ async fn run_recorded<R: Runtime>(
     let outcome = executor.run(run, &tx, &cancel).await;
     drop(tx);
     let recorded = consumer.await.ok().flatten();
-    drop(registration);
     let status = match outcome.status {
         RunStatus::Finished => "finished",
         RunStatus::Failed => "failed",
@@ -278,8 +287,8 @@ async fn run_recorded<R: Runtime>(
     })
 }
 
-/// Stops a run (calls in flight are dropped and it ends as cancelled) or a plan being drafted.
-/// `false` if it had ended.
+/// Stops a run (calls in flight are dropped and it ends as cancelled) or a plan being drafted,
+/// by the id the window gave it (`stop_id`, `draft_id`). `false` if it had ended.
 #[tauri::command]
 pub fn cancel_run(state: State<'_, AppState>, run_id: String) -> bool {
     match state.runs.lock().unwrap_or_else(|p| p.into_inner()).get(&run_id) {

@@ -50,7 +50,7 @@ fn errors_cross_as_kind_and_message() {
         "ask",
         json!({
             "request": { "question": "hi", "conversation_id": null, "workers": null, "plan": null },
-            "onEvent": "__CHANNEL__:1",
+            "onEvent": "__CHANNEL__:1", "stopId": "run-1",
         }),
     )
     .unwrap_err();
@@ -92,7 +92,7 @@ fn a_reviewed_plan_runs_over_loopback_and_is_recorded() {
         "ask",
         json!({
             "request": { "question": "q?", "conversation_id": null, "workers": null, "plan": plan },
-            "onEvent": "__CHANNEL__:7",
+            "onEvent": "__CHANNEL__:7", "stopId": "run-7",
         }),
     )
     .unwrap();
@@ -107,7 +107,7 @@ fn a_reviewed_plan_runs_over_loopback_and_is_recorded() {
     let one = json!({ "model_id": [0], "subtasks": ["only"], "access_list": [[]] });
     let follow = invoke(&h, "ask", json!({
         "request": { "question": "again", "conversation_id": result["conversation_id"], "workers": [1], "plan": one },
-        "onEvent": "__CHANNEL__:8",
+        "onEvent": "__CHANNEL__:8", "stopId": "run-8",
     }))
     .unwrap();
     let runs = invoke(&h, "conversation_runs", json!({ "id": result["conversation_id"] })).unwrap();
@@ -159,7 +159,7 @@ fn one_step_of_a_finished_run_is_rerun_with_another_worker() {
         "ask",
         json!({
             "request": { "question": "q?", "conversation_id": null, "workers": [0, 1], "plan": plan },
-            "onEvent": "__CHANNEL__:1",
+            "onEvent": "__CHANNEL__:1", "stopId": "run-1",
         }),
     )
     .unwrap();
@@ -172,7 +172,7 @@ fn one_step_of_a_finished_run_is_rerun_with_another_worker() {
         "rerun_step",
         json!({
             "request": { "run_id": first["run_id"], "step": 1, "worker": "c" },
-            "onEvent": "__CHANNEL__:2",
+            "onEvent": "__CHANNEL__:2", "stopId": "run-2",
         }),
     )
     .unwrap();
@@ -197,7 +197,7 @@ fn one_step_of_a_finished_run_is_rerun_with_another_worker() {
             "rerun_step",
             json!({
                 "request": { "run_id": run, "step": step, "worker": worker },
-                "onEvent": "__CHANNEL__:3",
+                "onEvent": "__CHANNEL__:3", "stopId": "run-3",
             }),
         )
         .unwrap_err()
@@ -244,4 +244,53 @@ fn a_plan_being_drafted_stops_when_cancelled() {
     assert_eq!(err["kind"], "cancelled", "{err}");
     assert!(started.elapsed().as_secs() < 5, "stopped long before the server answered: {:?}", started.elapsed());
     assert_eq!(invoke(&h, "cancel_run", json!({ "runId": "draft-1" })).unwrap(), json!(false), "forgotten once over");
+}
+
+#[test]
+fn a_run_stops_by_the_id_the_window_gave_it() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let server = rt.block_on(baton_testserver::TestServer::start()).unwrap();
+    let base = server.base_url(baton_testserver::Wire::OpenAi);
+    let dir = tempfile::tempdir().unwrap();
+    let h = app(dir.path(), "main");
+    // A conductor that takes ten seconds to answer: no step has started when the run is stopped.
+    let mut conductor = conductor();
+    conductor["url"] = json!(base);
+    conductor["model"] = json!("planner;ttfb=10000");
+    invoke(&h, "save_settings", json!({ "form": { "workers": [worker("a", "a", &base)], "conductor": conductor } }))
+        .unwrap();
+
+    let started = std::time::Instant::now();
+    let window = h.window.clone();
+    let asking = std::thread::spawn(move || {
+        invoke_in(
+            &window,
+            "ask",
+            json!({
+                "request": { "question": "q?", "conversation_id": null, "workers": null, "plan": null },
+                "stopId": "live-1", "onEvent": "__CHANNEL__:5",
+            }),
+        )
+    });
+    while server.requests().is_empty() {
+        assert!(started.elapsed().as_secs() < 10, "the conductor was never asked");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // The same id cannot start a second piece of work while the first goes on.
+    let twice = invoke(
+        &h,
+        "ask",
+        json!({
+            "request": { "question": "q?", "conversation_id": null, "workers": null, "plan": null },
+            "stopId": "live-1", "onEvent": "__CHANNEL__:6",
+        }),
+    )
+    .unwrap_err();
+    assert_eq!(twice["kind"], "bad_input", "{twice}");
+    assert_eq!(invoke(&h, "cancel_run", json!({ "runId": "live-1" })).unwrap(), json!(true));
+    let result = asking.join().unwrap().unwrap();
+    assert_eq!(result["status"], "cancelled", "{result}");
+    assert!(started.elapsed().as_secs() < 5, "stopped long before the server answered: {:?}", started.elapsed());
+    assert_eq!(invoke(&h, "get_run", json!({ "id": result["run_id"] })).unwrap()["run"]["status"], "cancelled");
+    assert_eq!(invoke(&h, "cancel_run", json!({ "runId": "live-1" })).unwrap(), json!(false), "forgotten once over");
 }

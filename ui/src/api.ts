@@ -54,19 +54,20 @@ export const api = {
     return invoke<Draft>("draft_plan", { question, conversationId, workers, draftId, onDelta: channel });
   },
   validatePlan: (plan: Plan, workers: number[] | null) => invoke<null>("validate_plan", { plan, workers }),
-  /** Runs a question; `onEvent` sees every RunEvent in order; resolves when the run is recorded. */
-  ask: (request: AskRequest, onEvent: (e: RunEvent) => void) => {
+  /** Runs a question; `onEvent` sees every RunEvent in order; resolves when the run is recorded.
+   * `cancelRun(stopId)` stops it from the start. */
+  ask: (request: AskRequest, stopId: string, onEvent: (e: RunEvent) => void) => {
     const channel = new Channel<RunEvent>();
     channel.onmessage = onEvent;
-    return invoke<AskResult>("ask", { request, onEvent: channel });
+    return invoke<AskResult>("ask", { request, stopId, onEvent: channel });
   },
   /** Runs one step of a finished run again with another worker (and the steps that see it). */
-  rerunStep: (request: RerunRequest, onEvent: (e: RunEvent) => void) => {
+  rerunStep: (request: RerunRequest, stopId: string, onEvent: (e: RunEvent) => void) => {
     const channel = new Channel<RunEvent>();
     channel.onmessage = onEvent;
-    return invoke<AskResult>("rerun_step", { request, onEvent: channel });
+    return invoke<AskResult>("rerun_step", { request, stopId, onEvent: channel });
   },
-  /** Stops a run, or a plan being drafted (by its draft id). */
+  /** Stops a run or a plan being drafted, by the id it was started with. */
   cancelRun: (runId: string) => invoke<boolean>("cancel_run", { runId }),
   listConversations: (before: number | null = null) => invoke<ConversationSummary[]>("list_conversations", { before }),
   getConversation: (id: number) => invoke<ConversationSummary>("get_conversation", { id }),

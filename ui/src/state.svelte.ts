@@ -19,6 +19,8 @@ export const app = $state({
   unsaved: null as string | null,
   /** The chat holds a plan under review, which leaving its conversation drops. */
   reviewing: false,
+  /** Counts deletions from the history, so screens showing what was deleted load again. */
+  historyVersion: 0,
   /** The conversation a run is going in (`null`: a new chat's first run), if any. */
   runningIn: undefined as number | null | undefined,
 });

@@ -83,7 +83,7 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Delete a run (its messages stay in the conversation), or a whole conversation.
+    /// Delete a run (with its question and answer in the conversation), or a whole conversation.
     Delete {
         #[arg(required_unless_present = "conversation", conflicts_with = "conversation")]
         run: Option<i64>,

@@ -612,12 +612,17 @@ fn worker(t: &toml::Table) -> Result<WorkerSpec, FieldError> {
     })
 }
 
-/// A portable environment variable name. Keys (`sk-…`, `AIza…` with dashes) never match.
+/// A portable environment variable name, and not a key pasted in its place. Keys with dashes
+/// (`sk-…`, `AIza…`) never match; keys of letters, digits and `_` only (Mistral's, Groq's
+/// `gsk_…`) are long runs mixing lower-case letters and digits, which names are not.
 fn is_env_var_name(name: &str) -> bool {
     let mut chars = name.chars();
-    chars.next().is_some_and(|c| c == '_' || c.is_ascii_alphabetic())
+    let portable = chars.next().is_some_and(|c| c == '_' || c.is_ascii_alphabetic())
         && chars.all(|c| c == '_' || c.is_ascii_alphanumeric())
-        && name.len() <= 64
+        && name.len() <= 64;
+    let looks_like_a_key =
+        name.len() >= 20 && name.chars().any(|c| c.is_ascii_lowercase()) && name.chars().any(|c| c.is_ascii_digit());
+    portable && !looks_like_a_key
 }
 
 fn check_url(raw: &str) -> Result<String, String> {
@@ -746,6 +751,16 @@ base_url = "http://localhost:11434/v1"
         let pasted_key = GOOD.replace("api_key_env = \"OPENAI_API_KEY\"", "api_key_env = \"sk-proj-abc123-secret\"");
         assert!(error(&pasted_key).contains("field `api_key_env`: must be the NAME"), "{}", error(&pasted_key));
         assert!(!error(&pasted_key).contains("secret"), "the value is never echoed");
+        // Keys made only of letters, digits and _ (Mistral's, Groq's) are refused too.
+        for key in ["k3Hq9ZtLw2Xv8RbN4mYp7CdF1sGj6TaE", "gsk_w8Yq2Lr5Tn9Kv3Xb7Mz1Pc4Hd6Fs0Ja"] {
+            let pasted = GOOD.replace("api_key_env = \"OPENAI_API_KEY\"", &format!("api_key_env = \"{key}\""));
+            assert!(error(&pasted).contains("field `api_key_env`: must be the NAME"), "{}", error(&pasted));
+            assert!(!error(&pasted).contains(key), "the value is never echoed");
+        }
+        for name in ["OPENAI_API_KEY", "MISTRAL_API_KEY_2024", "my_key", "groq_key_2"] {
+            let named = GOOD.replace("api_key_env = \"OPENAI_API_KEY\"", &format!("api_key_env = \"{name}\""));
+            assert!(Pool::parse(&named, "pool.toml").is_ok(), "{name} is a name");
+        }
         let low = GOOD.replace("thinking_budget = 2048", "thinking_budget = 512");
         assert!(error(&low).contains("field `thinking_budget`: 512 is below Anthropic's minimum"), "{}", error(&low));
         let no_url = GOOD.replace("base_url = \"http://localhost:11434/v1\"\n", "");

@@ -526,10 +526,12 @@ impl Store {
         Ok(Some(RunTree { run, plans, steps, events }))
     }
 
-    /// Deletes a run with its plans, steps and events; its messages stay in the conversation.
+    /// Deletes a run with its plans, steps, events and its question and answer in the conversation.
     /// False when there was no such run.
     pub async fn delete_run(&self, id: i64) -> Result<bool, StoreError> {
         let mut tx = self.pool.begin().await?;
+        // Its question and answer go with it, so later runs in the conversation stop seeing them.
+        sqlx::query("DELETE FROM messages WHERE run_id = ?1").bind(id).execute(&mut *tx).await?;
         let done = sqlx::query("DELETE FROM runs WHERE id = ?1").bind(id).execute(&mut *tx).await?;
         tx.commit().await?;
         Ok(done.rows_affected() > 0)

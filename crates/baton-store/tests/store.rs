@@ -197,6 +197,11 @@ async fn follow_ups_share_a_conversation_and_deletes_cascade() {
     assert!(!store.delete_run(second).await.unwrap(), "already gone");
     assert!(store.run(second).await.unwrap().is_none());
     assert!(store.search("okapis", 10).await.unwrap().is_empty(), "the index forgets a deleted run");
+    // Its question and answer leave the conversation too: a follow-up's conductor no longer
+    // sees them.
+    let left: Vec<String> = store.messages(conversation).await.unwrap().into_iter().map(|m| m.content).collect();
+    assert_eq!(left.len(), 2, "{left:?}");
+    assert!(left.iter().all(|m| !m.contains("okapis")), "{left:?}");
     assert!(store.delete_conversation(conversation).await.unwrap());
     assert!(store.run(first).await.unwrap().is_none());
     assert!(store.search("zebras", 10).await.unwrap().is_empty());
