@@ -4,7 +4,7 @@
 #[path = "support/harness.rs"]
 mod harness;
 
-use harness::{app, conductor, invoke, invoke_in, worker};
+use harness::{Harness, app, conductor, invoke, invoke_in, worker};
 use serde_json::{Value, json};
 
 #[test]
@@ -209,88 +209,76 @@ fn one_step_of_a_finished_run_is_rerun_with_another_worker() {
     assert_eq!(rerun(&json!(999), 0, "a")["kind"], "not_found");
 }
 
+/// An app whose conductor is a loopback server that takes ten seconds to answer at all.
+struct SlowConductor {
+    _runtime: tokio::runtime::Runtime,
+    server: baton_testserver::TestServer,
+    _dir: tempfile::TempDir,
+    h: Harness,
+}
+
+impl SlowConductor {
+    fn new() -> SlowConductor {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let server = runtime.block_on(baton_testserver::TestServer::start()).unwrap();
+        let base = server.base_url(baton_testserver::Wire::OpenAi);
+        let dir = tempfile::tempdir().unwrap();
+        let h = app(dir.path(), "main");
+        let mut conductor = conductor();
+        conductor["url"] = json!(base);
+        conductor["model"] = json!("planner;ttfb=10000");
+        let form = json!({ "workers": [worker("a", "a", &base)], "conductor": conductor });
+        invoke(&h, "save_settings", json!({ "form": form })).unwrap();
+        SlowConductor { _runtime: runtime, server, _dir: dir, h }
+    }
+
+    /// Invokes `command` on another thread and returns once it has asked the conductor.
+    fn start(&self, command: &'static str, args: Value) -> std::thread::JoinHandle<Result<Value, Value>> {
+        let started = std::time::Instant::now();
+        let window = self.h.window.clone();
+        let call = std::thread::spawn(move || invoke_in(&window, command, args));
+        while self.server.requests().is_empty() {
+            assert!(started.elapsed().as_secs() < 10, "the conductor was never asked");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        call
+    }
+}
+
 #[test]
 fn a_plan_being_drafted_stops_when_cancelled() {
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let server = rt.block_on(baton_testserver::TestServer::start()).unwrap();
-    let base = server.base_url(baton_testserver::Wire::OpenAi);
-    let dir = tempfile::tempdir().unwrap();
-    let h = app(dir.path(), "main");
-    // A conductor server that takes ten seconds to answer at all.
-    let mut conductor = conductor();
-    conductor["url"] = json!(base);
-    conductor["model"] = json!("planner;ttfb=10000");
-    invoke(&h, "save_settings", json!({ "form": { "workers": [worker("a", "a", &base)], "conductor": conductor } }))
-        .unwrap();
-
+    let slow = SlowConductor::new();
+    let h = &slow.h;
     let started = std::time::Instant::now();
-    let window = h.window.clone();
-    let drafting = std::thread::spawn(move || {
-        invoke_in(
-            &window,
-            "draft_plan",
-            json!({
-                "question": "q?", "conversationId": null, "workers": null,
-                "draftId": "draft-1", "onDelta": "__CHANNEL__:4",
-            }),
-        )
-    });
-    while server.requests().is_empty() {
-        assert!(started.elapsed().as_secs() < 10, "the conductor was never asked");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    assert_eq!(invoke(&h, "cancel_run", json!({ "runId": "draft-1" })).unwrap(), json!(true));
+    let drafting = slow.start(
+        "draft_plan",
+        json!({
+            "question": "q?", "conversationId": null, "workers": null,
+            "draftId": "draft-1", "onDelta": "__CHANNEL__:4",
+        }),
+    );
+    assert_eq!(invoke(h, "cancel_run", json!({ "runId": "draft-1" })).unwrap(), json!(true));
     let err = drafting.join().unwrap().unwrap_err();
     assert_eq!(err["kind"], "cancelled", "{err}");
     assert!(started.elapsed().as_secs() < 5, "stopped long before the server answered: {:?}", started.elapsed());
-    assert_eq!(invoke(&h, "cancel_run", json!({ "runId": "draft-1" })).unwrap(), json!(false), "forgotten once over");
+    assert_eq!(invoke(h, "cancel_run", json!({ "runId": "draft-1" })).unwrap(), json!(false), "forgotten once over");
 }
 
 #[test]
 fn a_run_stops_by_the_id_the_window_gave_it() {
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let server = rt.block_on(baton_testserver::TestServer::start()).unwrap();
-    let base = server.base_url(baton_testserver::Wire::OpenAi);
-    let dir = tempfile::tempdir().unwrap();
-    let h = app(dir.path(), "main");
-    // A conductor that takes ten seconds to answer: no step has started when the run is stopped.
-    let mut conductor = conductor();
-    conductor["url"] = json!(base);
-    conductor["model"] = json!("planner;ttfb=10000");
-    invoke(&h, "save_settings", json!({ "form": { "workers": [worker("a", "a", &base)], "conductor": conductor } }))
-        .unwrap();
-
+    // No step has started when the run is stopped: the conductor is still writing the plan.
+    let slow = SlowConductor::new();
+    let h = &slow.h;
     let started = std::time::Instant::now();
-    let window = h.window.clone();
-    let asking = std::thread::spawn(move || {
-        invoke_in(
-            &window,
-            "ask",
-            json!({
-                "request": { "question": "q?", "conversation_id": null, "workers": null, "plan": null },
-                "stopId": "live-1", "onEvent": "__CHANNEL__:5",
-            }),
-        )
-    });
-    while server.requests().is_empty() {
-        assert!(started.elapsed().as_secs() < 10, "the conductor was never asked");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let question = json!({ "question": "q?", "conversation_id": null, "workers": null, "plan": null });
+    let asking = slow.start("ask", json!({ "request": question, "stopId": "live-1", "onEvent": "__CHANNEL__:5" }));
     // The same id cannot start a second piece of work while the first goes on.
-    let twice = invoke(
-        &h,
-        "ask",
-        json!({
-            "request": { "question": "q?", "conversation_id": null, "workers": null, "plan": null },
-            "stopId": "live-1", "onEvent": "__CHANNEL__:6",
-        }),
-    )
-    .unwrap_err();
-    assert_eq!(twice["kind"], "bad_input", "{twice}");
-    assert_eq!(invoke(&h, "cancel_run", json!({ "runId": "live-1" })).unwrap(), json!(true));
+    let twice = invoke(h, "ask", json!({ "request": question, "stopId": "live-1", "onEvent": "__CHANNEL__:6" }));
+    assert_eq!(twice.unwrap_err()["kind"], "bad_input");
+    assert_eq!(invoke(h, "cancel_run", json!({ "runId": "live-1" })).unwrap(), json!(true));
     let result = asking.join().unwrap().unwrap();
     assert_eq!(result["status"], "cancelled", "{result}");
     assert!(started.elapsed().as_secs() < 5, "stopped long before the server answered: {:?}", started.elapsed());
-    assert_eq!(invoke(&h, "get_run", json!({ "id": result["run_id"] })).unwrap()["run"]["status"], "cancelled");
-    assert_eq!(invoke(&h, "cancel_run", json!({ "runId": "live-1" })).unwrap(), json!(false), "forgotten once over");
+    assert_eq!(invoke(h, "get_run", json!({ "id": result["run_id"] })).unwrap()["run"]["status"], "cancelled");
+    assert_eq!(invoke(h, "cancel_run", json!({ "runId": "live-1" })).unwrap(), json!(false), "forgotten once over");
 }
