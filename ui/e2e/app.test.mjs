@@ -113,7 +113,16 @@ async function openApp() {
     .usingServer("http://127.0.0.1:4444/")
     .withCapabilities({ browserName: "wry", "tauri:options": { application: APP } })
     .build();
-  await driver.wait(async () => (await driver.executeScript("return document.body.dataset.ready")) === "true", 30000);
+  try {
+    await driver.wait(async () => (await driver.executeScript("return document.body.dataset.ready")) === "true", 30000);
+  } catch (e) {
+    // Keep what the window showed, to tell a page that never loaded from one stuck loading.
+    const state = await driver.executeScript("return document.readyState").catch((err) => String(err));
+    const page = await driver.getPageSource().catch((err) => String(err));
+    writeFileSync(join(SHOTS, "startup-failure.html"), `<!-- readyState: ${state} -->\n${page}`);
+    await shot("startup-failure").catch(() => {});
+    throw e;
+  }
   return performance.now() - started;
 }
 
