@@ -213,13 +213,7 @@ pub async fn rerun_step<R: Runtime>(
         e => AppError::bad_input(e.to_string()),
     })?;
     // Steps given to the conductor itself that run again need it, to write their rounds anew.
-    let conductor = rerun.pool.workers.len();
-    let conductor_steps = rerun
-        .plan
-        .steps
-        .iter()
-        .enumerate()
-        .any(|(i, s)| s.model_id == conductor && !rerun.reuse.outputs.contains_key(&i));
+    let conductor_steps = rerun.reuse.runs_worker(&rerun.plan, rerun.pool.workers.len());
     let conversation = tree.run.conversation_id;
     // The conductor sees the conversation as it was when the question was first asked.
     let history = store.messages_before_run(conversation, tree.run.id).await?;

@@ -39,8 +39,8 @@ pub struct AppState {
     store: tokio::sync::OnceCell<Store>,
     /// Held while a model loads, so two runs never load the same model twice.
     pub models: tokio::sync::Mutex<LocalModels>,
-    /// Cancel switches of the runs (by the run id their events carry) and plan drafts (by the
-    /// id the window gave) in flight. Entries live exactly as long as their [`Registration`].
+    /// Cancel switches of the runs and plan drafts in flight, by the id the window gave each.
+    /// Entries live exactly as long as their [`Registration`].
     pub runs: Mutex<HashMap<String, CancellationToken>>,
 }
 

@@ -2,6 +2,7 @@
 // news from the backend (model loading, history warnings).
 import { api, asAppError } from "./api";
 import type { AppError, ConversationSummary, ModelLoad, Settings } from "./bindings";
+import { choiceOf, namesOf } from "./lib/choices";
 
 export type View = "chat" | "history" | "workers" | "conductor" | "welcome";
 
@@ -120,15 +121,7 @@ export function prefsOf(c: ConversationSummary): ConversationPrefs {
     return moved;
   }
   if (c.workers === null) return { workers: null, missing: [], review: c.review };
-  const pool = app.settings?.workers ?? [];
-  const chosen = c.workers;
-  return {
-    // Possibly none, when every chosen worker has left the pool: asking then says to choose
-    // again, rather than quietly widening the choice to every worker.
-    workers: pool.filter((w) => chosen.includes(w.name)).map((w) => w.index),
-    missing: chosen.filter((name) => !pool.some((w) => w.name === name)),
-    review: c.review,
-  };
+  return { ...choiceOf(c.workers, app.settings?.workers ?? []), review: c.review };
 }
 
 export async function savePrefs(conversation: number | null, prefs: ConversationPrefs): Promise<void> {
@@ -136,10 +129,8 @@ export async function savePrefs(conversation: number | null, prefs: Conversation
     localStorage.setItem(NEW_CHAT_KEY, JSON.stringify({ workers: prefs.workers, review: prefs.review }));
     return;
   }
-  const pool = app.settings?.workers ?? [];
   const chosen = prefs.workers;
-  const workers =
-    chosen === null ? null : [...pool.filter((w) => chosen.includes(w.index)).map((w) => w.name), ...prefs.missing];
+  const workers = chosen === null ? null : [...namesOf(chosen, app.settings?.workers ?? []), ...prefs.missing];
   try {
     await api.setConversationChoices(conversation, workers, prefs.review);
     const c = app.conversations.find((c) => c.id === conversation);

@@ -96,6 +96,11 @@ pub struct Reuse {
 }
 
 impl Reuse {
+    /// Whether some step of `plan` given to `worker` runs again (is not kept).
+    pub fn runs_worker(&self, plan: &Plan, worker: usize) -> bool {
+        plan.steps.iter().enumerate().any(|(i, s)| s.model_id == worker && !self.outputs.contains_key(&i))
+    }
+
     /// Why this cannot be used with `plan`, if it cannot: outputs for steps the plan lacks, or
     /// a kept step that sees a step which runs again (its output would be stale).
     fn check(&self, plan: &Plan) -> Result<(), String> {
@@ -238,9 +243,8 @@ impl Executor {
                 // A re-run may keep the output of a step the conductor ran, even when there is
                 // no conductor (or no recursion) now; only steps that run need one.
                 let conductor = self.workers.len();
-                let mut conductor_steps = plan.steps.iter().enumerate().filter(|(_, s)| s.model_id == conductor);
-                let conductor_kept = plan.steps.iter().any(|s| s.model_id == conductor)
-                    && conductor_steps.all(|(i, _)| reuse.outputs.contains_key(&i));
+                let conductor_kept =
+                    plan.steps.iter().any(|s| s.model_id == conductor) && !reuse.runs_worker(&plan, conductor);
                 let limits = Limits {
                     max_steps: self.options.max_steps,
                     pool_size: Some(self.plan_pool_size().max(conductor + usize::from(conductor_kept))),

@@ -380,10 +380,7 @@ impl Store {
                 .bind(conversation)
                 .fetch_all(&self.pool)
                 .await?;
-        Ok(rows
-            .into_iter()
-            .map(|(role, content)| if role == "user" { Message::user(content) } else { Message::assistant(content) })
-            .collect())
+        Ok(to_messages(rows))
     }
 
     /// The conversation's messages before run `run` was asked, oldest first: the conversation
@@ -399,10 +396,7 @@ impl Store {
         .bind(run)
         .fetch_all(&self.pool)
         .await?;
-        Ok(rows
-            .into_iter()
-            .map(|(role, content)| if role == "user" { Message::user(content) } else { Message::assistant(content) })
-            .collect())
+        Ok(to_messages(rows))
     }
 
     pub async fn conversation_title(&self, conversation: i64) -> Result<Option<String>, StoreError> {
@@ -557,6 +551,13 @@ fn classify_open_error(path: &str, e: &sqlx::Error) -> StoreError {
     } else {
         StoreError::Open { path: path.to_owned(), message }
     }
+}
+
+/// `(role, content)` rows of the messages table, as chat messages.
+fn to_messages(rows: Vec<(String, String)>) -> Vec<Message> {
+    rows.into_iter()
+        .map(|(role, content)| if role == "user" { Message::user(content) } else { Message::assistant(content) })
+        .collect()
 }
 
 fn conversation_summary(r: &sqlx::sqlite::SqliteRow) -> Result<ConversationSummary, StoreError> {

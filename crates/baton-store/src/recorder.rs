@@ -377,11 +377,12 @@ pub(crate) async fn lock_opening(db: &Path) -> Result<File, StoreError> {
     // "opening" has letters outside the hex digits of run uids, so it names no run's lock.
     let path = lock_path(db, "opening");
     let shown = path.display().to_string();
-    let lock = tokio::task::spawn_blocking(move || create_locked(&path));
-    let failed = |message: String| StoreError::Open { path: shown.clone(), message };
-    lock.await
-        .map_err(|e| failed(format!("cannot take the database's opening lock: {e}")))?
-        .map_err(|e| failed(format!("cannot take the database's opening lock: {e}")))
+    // Waiting for another process blocks, so it waits off the async workers.
+    let locked = tokio::task::spawn_blocking(move || create_locked(&path))
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+    locked
+        .map_err(|e| StoreError::Open { path: shown, message: format!("cannot take the database's opening lock: {e}") })
 }
 
 /// Creates the lock file at `path` (and its directory), waiting until this process holds it.

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { byName, rechoose } from "./choices";
+import { byName, choiceOf, namesOf, rechoose } from "./choices";
 
 const pool = (...names: string[]) => names.map((name, index) => ({ index, name }));
 
@@ -35,5 +35,12 @@ describe("byName", () => {
 
   it("names the workers the pool lacks", () => {
     expect(byName(["A", "Z"], pool("A", "B"))).toEqual({ indices: [0], gone: ["Z"] });
+  });
+});
+
+describe("choiceOf and namesOf", () => {
+  it("turn names into numbers in pool order, keeping the names the pool lacks", () => {
+    expect(choiceOf(["C", "Z", "A"], pool("A", "B", "C"))).toEqual({ workers: [0, 2], missing: ["Z"] });
+    expect(namesOf([2, 0], pool("A", "B", "C"))).toEqual(["A", "C"]);
   });
 });

@@ -1,5 +1,5 @@
 // A conversation's choice of workers is shown and sent as pool numbers, but numbers change
-// when the pool file is edited; names do not. These find the same workers again by name.
+// when the pool file is edited; names do not. The history keeps names; these translate.
 
 export interface Named {
   index: number;
@@ -13,15 +13,27 @@ export interface Choice {
   missing: string[];
 }
 
+/** The names of the workers numbered `indices` in `pool`. */
+export function namesOf(indices: number[], pool: Named[]): string[] {
+  return pool.filter((w) => indices.includes(w.index)).map((w) => w.name);
+}
+
+/**
+ * The workers `named`, as numbers in `pool` (in pool order) and the names it lacks. Possibly
+ * none, when every one has left the pool: asking then says to choose again, rather than
+ * quietly widening the choice to every worker.
+ */
+export function choiceOf(named: string[], pool: Named[]): Choice {
+  return {
+    workers: pool.filter((w) => named.includes(w.name)).map((w) => w.index),
+    missing: named.filter((name) => !pool.some((w) => w.name === name)),
+  };
+}
+
 /** The choice made in the pool `before`, in the pool as it is `now`. */
 export function rechoose(choice: Choice, before: Named[], now: Named[]): Choice {
-  const chosen = choice.workers;
-  if (chosen === null) return choice;
-  const names = [...before.filter((w) => chosen.includes(w.index)).map((w) => w.name), ...choice.missing];
-  return {
-    workers: now.filter((w) => names.includes(w.name)).map((w) => w.index),
-    missing: names.filter((name) => !now.some((w) => w.name === name)),
-  };
+  if (choice.workers === null) return choice;
+  return choiceOf([...namesOf(choice.workers, before), ...choice.missing], now);
 }
 
 /** The pool numbers of the workers `named`, in that order, and the names the pool lacks. */
