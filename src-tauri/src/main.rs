@@ -2,6 +2,8 @@
 #![cfg_attr(not(debug_assertions), windows_subsystem = "windows")]
 
 fn main() {
+    // Before anything else: the rest of the binary may use instructions this CPU lacks.
+    baton_conductor::cpu::exit_unless_supported();
     // SAFETY: first thing in main: no other thread (async runtime, webview) exists yet.
     #[allow(unsafe_code)]
     unsafe {

@@ -1,7 +1,8 @@
 //! `baton`: ask a pool of models a question through a conductor's plan, check a pool, parse
 //! plans, and measure the engine.
 //!
-//! Exit codes: 0 success, 1 the run (or a check) failed, 2 bad input, 130 interrupted.
+//! Exit codes: 0 success, 1 the run (or a check) failed, 2 bad input, 3 this CPU lacks features
+//! the build needs (AVX2 …), 130 interrupted.
 
 mod ask;
 mod bench;
@@ -78,6 +79,8 @@ impl PoolArg {
 }
 
 fn main() -> ExitCode {
+    // Before anything else: the rest of the binary may use instructions this CPU lacks.
+    baton_conductor::cpu::exit_unless_supported();
     let cli = Cli::parse();
     // SAFETY: before the async runtime or any other thread exists.
     #[allow(unsafe_code)]

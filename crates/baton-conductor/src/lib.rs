@@ -7,10 +7,12 @@
 //! - [`conductor`]: the [`Planner`](baton_engine::Planner)s: [`LocalConductor`] on mistral.rs
 //!   and [`RemoteConductor`] on any OpenAI-compatible endpoint.
 //! - [`local`]: loading GGUF/safetensors models in process, for the conductor and `local` workers.
+//! - [`cpu`]: the SIMD level the binary was built for, and a check at start-up that the CPU has it.
 //! - [`setup`]: from a pool (and overrides) to a planner and in-process workers, shared by the
 //!   command line and the desktop app.
 
 pub mod conductor;
+pub mod cpu;
 pub mod grammar;
 #[cfg(feature = "local")]
 pub mod local;
