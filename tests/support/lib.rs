@@ -61,6 +61,17 @@ pub async fn run(bin: &Path, args: &[&str], stdin: Option<&str>, key: &str) -> O
 /// Runs the binary `bin` with `args`, `stdin`, and `env` on top of this process's environment
 /// (`None` removes a variable).
 pub async fn run_with(bin: &Path, args: &[&str], stdin: Option<&str>, env: &[(&str, Option<&str>)]) -> Output {
+    run_within(Duration::from_secs(60), bin, args, stdin, env).await
+}
+
+/// [`run_with`], for a command that may take up to `limit` (one that runs a real model).
+pub async fn run_within(
+    limit: Duration,
+    bin: &Path,
+    args: &[&str],
+    stdin: Option<&str>,
+    env: &[(&str, Option<&str>)],
+) -> Output {
     let mut command = tokio::process::Command::new(bin);
     // Runs are recorded by default: into a history of the test process's own, never the
     // user's (a test's explicit --db or env entry wins over this).
@@ -86,9 +97,9 @@ pub async fn run_with(bin: &Path, args: &[&str], stdin: Option<&str>, env: &[(&s
         // A command that fails before reading its input closes the pipe; that is its answer.
         let _ = pipe.write_all(text.as_bytes()).await;
     }
-    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+    let out = tokio::time::timeout(limit, child.wait_with_output())
         .await
-        .expect("finished within 60 s")
+        .unwrap_or_else(|_| panic!("finished within {limit:?}"))
         .expect("ran");
     Output {
         code: out.status.code(),
@@ -118,4 +129,52 @@ pub fn private_keychain() -> bool {
          or set BATON_SKIP_KEYCHAIN_TESTS=1"
     );
     true
+}
+
+/// The real model the behaviour tests run on: SmolLM2-135M-Instruct as a 98 MB Q4_1 GGUF,
+/// fetched once by `scripts/fetch-test-model` into a cache outside the checkout (its SHA-256 is
+/// checked on every call). `None` only outside CI when it cannot be fetched (no network): the
+/// reason is printed past the test harness's capture, so a skip is never silent. Under CI
+/// (`CI` set) a missing model fails the test instead.
+pub fn real_model() -> Option<PathBuf> {
+    static PATH: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
+    let found = PATH.get_or_init(|| {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("scripts").join("fetch-test-model");
+        let out = std::process::Command::new(&script)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
+        if !out.status.success() {
+            return Err(format!("{} failed: {}", script.display(), String::from_utf8_lossy(&out.stderr).trim()));
+        }
+        Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+    });
+    match found {
+        Ok(path) => Some(path.clone()),
+        Err(why) if std::env::var_os("CI").is_some() => panic!("the real test model is missing under CI: {why}"),
+        Err(why) => {
+            use std::io::Write;
+            // Straight to the process's stderr: the harness captures eprintln! of passing tests.
+            let _ = writeln!(std::io::stderr(), "SKIPPED: a test on the real model, which is not here: {why}");
+            None
+        }
+    }
+}
+
+/// Runs `bin args` on an emulated CPU of `model` (QEMU's user-mode emulator, `-cpu Nehalem`
+/// has no AVX), returning the exit code and stderr; `None` when the emulator is not installed
+/// outside CI (the reason is printed). `scripts/setup` installs it.
+pub fn run_on_emulated_cpu(model: &str, bin: &Path, args: &[&str]) -> Option<(Option<i32>, String)> {
+    let out = match std::process::Command::new("qemu-x86_64").arg("-cpu").arg(model).arg(bin).args(args).output() {
+        Ok(out) => out,
+        Err(e) if std::env::var_os("CI").is_some() => {
+            panic!("qemu-x86_64 (apt package qemu-user) is missing under CI: {e}")
+        }
+        Err(e) => {
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "SKIPPED: a test on an emulated CPU: qemu-x86_64 (apt qemu-user): {e}");
+            return None;
+        }
+    };
+    Some((out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned()))
 }

@@ -83,6 +83,14 @@ async fn write(
     } else {
         println!();
     }
+    let u = planned.usage;
+    eprintln!(
+        "plan: {} tokens written (ended: {}), prompt {} tokens ({} cached)",
+        u.output_tokens,
+        planned.stop_reason.as_deref().unwrap_or("unknown"),
+        u.input_tokens,
+        u.cached_input_tokens
+    );
     Ok(())
 }
 

@@ -2,6 +2,7 @@
 //! endpoint whose answers are parsed (and retried once, with the error fed back).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use baton_engine::{PlanDeltas, Planned, Planner, PlannerError, PlanningContext, WorkerInfo};
 use baton_plan::Limits;
@@ -25,7 +26,14 @@ pub struct ConductorOptions {
     pub force_self: bool,
     /// Leave the few-shot workflows out of the prompt.
     pub no_examples: bool,
+    /// Longest a plan may take, from the request to its last token (retries included).
+    pub plan_time_limit: Duration,
 }
+
+/// The default for [`ConductorOptions::plan_time_limit`]: generous for a small model on a
+/// laptop CPU (a plan there takes well under a minute), and still an answer, never a hang, when
+/// a model is far too slow for the machine.
+pub const DEFAULT_PLAN_TIME_LIMIT: Duration = Duration::from_secs(300);
 
 impl Default for ConductorOptions {
     fn default() -> Self {
@@ -35,6 +43,7 @@ impl Default for ConductorOptions {
             temperature: Some(0.3),
             force_self: false,
             no_examples: false,
+            plan_time_limit: DEFAULT_PLAN_TIME_LIMIT,
         }
     }
 }
@@ -52,6 +61,19 @@ fn limits(ctx: &PlanningContext) -> Limits {
         pool_size: Some(ctx.pool_size + usize::from(ctx.allow_self)),
         allow_stop: ctx.allow_stop,
     }
+}
+
+/// Runs `plan` within the plan time limit; past it, the error names the limit and the setting.
+async fn within_time_limit<T>(
+    limit: Duration,
+    plan: impl std::future::Future<Output = Result<T, PlannerError>>,
+) -> Result<T, PlannerError> {
+    tokio::time::timeout(limit, plan).await.unwrap_or_else(|_| {
+        Err(PlannerError::new(format!(
+            "the conductor did not finish its plan within the {} s time limit; use a smaller or faster conductor model (or a GPU build), or raise plan_time_limit_secs in the pool's [conductor] table",
+            limit.as_secs_f64()
+        )))
+    })
 }
 
 /// The grammar for one planning request.
@@ -97,30 +119,36 @@ impl LocalConductor {
         ctx: &PlanningContext,
         on_text: &mut (dyn FnMut(&str) + Send),
     ) -> Result<(Planned, crate::local::Generated), PlannerError> {
+        self.model.check_can_end_a_grammar().map_err(PlannerError::new)?;
         let grammar = grammar_for(ctx, &self.options);
-        // The grammar bounds characters; a token is at least one byte and a character at most
-        // four, so this cap is never what ends a plan (ending early would leave it unparsable).
-        let max_chars = self.options.max_reasoning_chars + ctx.max_steps * (self.options.max_subtask_chars + 60) + 200;
-        let max_tokens = 4 * max_chars;
         let options = crate::local::GenerateOptions {
             grammar: Some(grammar.to_lark()),
-            max_tokens,
+            max_tokens: grammar.max_tokens(),
             temperature: self.options.temperature,
+            complete_at: Some(crate::grammar::FENCE_CLOSE.to_owned()),
         };
         let system = self.prompts.system(ctx);
         let messages = self.prompts.messages(ctx);
-        let generated = self
-            .model
-            .generate(Some(&system), &messages, &options, on_text)
-            .await
-            .map_err(|e| PlannerError::new(e.message))?;
+        let generated = within_time_limit(self.options.plan_time_limit, async {
+            self.model
+                .generate(Some(&system), &messages, &options, on_text)
+                .await
+                .map_err(|e| PlannerError::new(e.message))
+        })
+        .await?;
         let plan = baton_plan::parse(&generated.text, &limits(ctx)).map_err(|e| {
             PlannerError::new(format!(
                 "the constrained plan did not parse ({e}); stop reason {:?}",
                 generated.finish_reason
             ))
         })?;
-        Ok((Planned { raw: generated.text.clone(), plan, usage: generated.usage }, generated))
+        let planned = Planned {
+            raw: generated.text.clone(),
+            plan,
+            usage: generated.usage,
+            stop_reason: generated.finish_reason.clone(),
+        };
+        Ok((planned, generated))
     }
 }
 
@@ -186,7 +214,7 @@ impl RemoteConductor {
         messages: Vec<Message>,
         constraint: Option<Constraint>,
         deltas: &mut PlanDeltas<'_>,
-    ) -> Result<(String, Usage), PlannerError> {
+    ) -> Result<(String, Usage, Option<String>), PlannerError> {
         let request = ChatRequest { system: Some(system.to_owned()), messages, max_tokens: None, constraint };
         let mut stream = self.model.stream(request).await.map_err(|e| PlannerError::new(e.to_string()))?;
         let mut text = String::new();
@@ -196,7 +224,7 @@ impl RemoteConductor {
                     deltas(&t);
                     text.push_str(&t);
                 }
-                ChatEvent::Done { usage, .. } => return Ok((text, usage)),
+                ChatEvent::Done { usage, stop_reason } => return Ok((text, usage, stop_reason)),
             }
         }
         Err(PlannerError::new("the conductor's answer ended early"))
@@ -216,13 +244,14 @@ impl Planner for RemoteConductor {
         ctx: PlanningContext,
         mut deltas: PlanDeltas<'a>,
     ) -> BoxFuture<'a, Result<Planned, PlannerError>> {
-        Box::pin(async move {
+        Box::pin(within_time_limit(self.options.plan_time_limit, async move {
             let system = self.prompts.system(&ctx);
             let mut messages = self.prompts.messages(&ctx);
             let constraint = self.constraint(&ctx);
-            let (text, usage) = self.ask(&system, messages.clone(), constraint.clone(), &mut deltas).await?;
+            let (text, usage, stop_reason) =
+                self.ask(&system, messages.clone(), constraint.clone(), &mut deltas).await?;
             let error = match baton_plan::parse(&text, &limits(&ctx)) {
-                Ok(plan) => return Ok(Planned { raw: text, plan, usage }),
+                Ok(plan) => return Ok(Planned { raw: text, plan, usage, stop_reason }),
                 Err(e) => e,
             };
             // One more try, with the error fed back.
@@ -232,15 +261,15 @@ impl Planner for RemoteConductor {
             messages.push(Message::user(format!(
                 "That plan could not be used: {error}. Write your reasoning and the three lists again, exactly in the required format."
             )));
-            let (second, usage2) = self.ask(&system, messages, constraint, &mut deltas).await?;
+            let (second, usage2, stop_reason2) = self.ask(&system, messages, constraint, &mut deltas).await?;
             let mut total = usage;
             total += usage2;
             match baton_plan::parse(&second, &limits(&ctx)) {
-                Ok(plan) => Ok(Planned { raw: second, plan, usage: total }),
+                Ok(plan) => Ok(Planned { raw: second, plan, usage: total, stop_reason: stop_reason2 }),
                 Err(e) => Err(PlannerError::new(format!(
                     "the conductor's plan could not be used twice: first {error}; then {e}"
                 ))),
             }
-        })
+        }))
     }
 }

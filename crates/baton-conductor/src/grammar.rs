@@ -28,7 +28,9 @@ pub struct PlanGrammar {
 // is unambiguous; a subtask is double-quoted with no quote, backslash or line break inside, so it
 // needs no escapes.
 const FENCE_OPEN: &str = "\n```python\n";
-const FENCE_CLOSE: &str = "\n```";
+/// Ends every plan, and only at its end: the reasoning has no backtick and a subtask no line
+/// break, so a text that ends with this is a complete plan.
+pub const FENCE_CLOSE: &str = "\n```";
 const MODEL_ID: &str = "model_id = [";
 const SUBTASKS: &str = "]\nsubtasks = [";
 const ACCESS: &str = "]\naccess_list = [";
@@ -57,6 +59,36 @@ impl PlanGrammar {
     /// Characters a subtask may have after its first.
     fn rest_chars(&self) -> usize {
         self.max_subtask_chars.saturating_sub(1)
+    }
+
+    /// The most tokens a plan under this grammar can take, its end token included: the bytes of
+    /// the longest text it admits (a character is at most four bytes, and every token the
+    /// grammar lets through is at least one byte), plus one. A plan never needs more, so this
+    /// cap never cuts one short; it only bounds a generation that would not end.
+    pub fn max_tokens(&self) -> usize {
+        let n = self.longest();
+        let id_bytes = self.model_ids.iter().map(|i| i.to_string().len()).max().unwrap_or(1);
+        let digits = |i: usize| i.to_string().len();
+        let access: usize = (0..n)
+            .map(|i| {
+                let fixed = NO_ACCESS.len().max(ALL.len());
+                // `[0, 1, …, i-1]`: every earlier step, once each.
+                let listed = 2 + (0..i).map(digits).sum::<usize>() + SEP.len() * i.saturating_sub(1);
+                if i == 0 { fixed } else { fixed.max(listed) }
+            })
+            .sum();
+        let seps = 3 * SEP.len() * n.saturating_sub(1);
+        4 * self.max_reasoning_chars
+            + FENCE_OPEN.len()
+            + MODEL_ID.len()
+            + SUBTASKS.len()
+            + ACCESS.len()
+            + CLOSE.len()
+            + FENCE_CLOSE.len()
+            + n * (id_bytes + 2 + 4 * self.max_subtask_chars)
+            + access
+            + seps
+            + 1
     }
 
     /// Lark in llguidance's dialect, for the local conductor.
@@ -260,6 +292,28 @@ mod tests {
         );
         assert!(!g.contains("plan_0"), "no stop outside recursion");
         assert!(grammar(&[0], 1, true).to_lark().contains("plan: plan_0 | plan_1"));
+    }
+
+    #[test]
+    fn the_token_cap_is_the_longest_plan_in_bytes_plus_its_end_token() {
+        let g = PlanGrammar {
+            model_ids: vec![0, 1, 12],
+            max_steps: 3,
+            allow_stop: false,
+            max_reasoning_chars: 7,
+            max_subtask_chars: 5,
+        };
+        // The longest plan the grammar admits: 7 four-byte characters of reasoning, three steps
+        // of the widest id and five four-byte characters each, the longest access lists.
+        let s = "\u{10000}".repeat(5);
+        let longest = format!(
+            "{}\n```python\nmodel_id = [12, 12, 12]\nsubtasks = [\"{s}\", \"{s}\", \"{s}\"]\naccess_list = [\"all\", \"all\", [0, 1]]\n```",
+            "\u{10000}".repeat(7)
+        );
+        let limits = baton_plan::Limits { max_steps: 3, pool_size: Some(13), allow_stop: false };
+        baton_plan::parse(&longest, &limits).expect("the longest plan is a plan");
+        assert!(regex::Regex::new(&format!("^{}$", g.to_regex())).expect("regex").is_match(&longest));
+        assert_eq!(g.max_tokens(), longest.len() + 1);
     }
 
     #[test]

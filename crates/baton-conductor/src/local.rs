@@ -14,7 +14,7 @@ use either::Either;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use mistralrs::{
-    Constraint, GgufModelBuilder, LoraModelBuilder, ModelDType, RequestBuilder, Response, TextMessageRole,
+    Constraint, GgufModelBuilder, LoraModelBuilder, ModelDType, RequestBuilder, Response, StopTokens, TextMessageRole,
     TextMessages, TextModelBuilder, TokenSource,
 };
 
@@ -54,13 +54,49 @@ pub enum LoadError {
     Failed { path: String, message: String },
 }
 
+/// Spellings of end-of-text tokens, as llguidance's token trie recognizes them
+/// (`toktrie_hf_tokenizers`): once a grammar is complete, llguidance allows only that token.
+const END_OF_TEXT: &[&str] = &["</s>", "<|endoftext|>", "<|end_of_text|>", "<｜end▁of▁sentence｜>", "<eos>"];
+/// Spellings of end-of-turn tokens that chat templates close an assistant turn with.
+const END_OF_TURN: &[&str] = &["<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>"];
+
+/// The tokens that end a generation, found in the model's own vocabulary.
+///
+/// mistral.rs stops on its chat template's end-of-sequence token (and a few end-of-turn
+/// tokens), but a constrained generation ends on llguidance's end-of-text token, which for many
+/// models (Qwen2 and 2.5, SmolLM2, Llama 3) is another one; a GGUF carries no
+/// generation_config.json to add it. Without these as stop tokens, a finished plan goes on
+/// decoding that silent token until the length cap.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EndTokens {
+    pub end_of_text: Vec<u32>,
+    pub end_of_turn: Vec<u32>,
+}
+
+impl EndTokens {
+    /// Every token that ends a generation.
+    pub fn all(&self) -> Vec<u32> {
+        let mut all = self.end_of_text.clone();
+        all.extend(self.end_of_turn.iter().filter(|t| !self.end_of_text.contains(t)));
+        all
+    }
+}
+
 /// A loaded model, shared by the conductor and any local workers that use the same file.
 pub struct LocalModel {
     model: mistralrs::Model,
     path: PathBuf,
     pub load_time: Duration,
     pub device: String,
+    pub end_tokens: EndTokens,
+    /// Token sequences mistral.rs's prefix cache holds, newest last, mirrored so each
+    /// generation can report how much of its prompt came from the cache (mistral.rs does not).
+    cached: std::sync::Mutex<std::collections::VecDeque<Vec<u32>>>,
 }
+
+/// How many finished sequences the mirror remembers. mistral.rs keeps every finished sequence
+/// (moving old ones off the GPU); the mirror only needs the recent ones a prompt would share.
+const CACHE_MIRROR: usize = 32;
 
 impl std::fmt::Debug for LocalModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -73,7 +109,12 @@ impl std::fmt::Debug for LocalModel {
 pub struct Generated {
     pub text: String,
     pub usage: Usage,
+    /// `stop` (an end token, or the text was complete: see [`GenerateOptions::complete_at`]),
+    /// `length` (the token cap), as mistral.rs reports it.
     pub finish_reason: Option<String>,
+    /// True when Baton ended the stream itself: the text was complete but the model had not
+    /// stopped soon after (see [`GenerateOptions::complete_at`]).
+    pub cut_after_complete: bool,
     /// From the request to the first piece of text.
     pub time_to_first_token: Option<Duration>,
     pub prompt_tokens_per_sec: f32,
@@ -86,8 +127,12 @@ pub struct GenerateOptions {
     /// A Lark grammar the output must follow.
     pub grammar: Option<String>,
     pub max_tokens: usize,
-    /// `None` uses the model's generation defaults.
+    /// `None` uses the model's generation defaults; `Some(0.0)` is greedy.
     pub temperature: Option<f64>,
+    /// Text that can only end a complete answer (a plan's closing fence): once the text ends
+    /// with it, the model gets a short grace to stop by itself, then the stream is dropped. A
+    /// guard behind the stop tokens, for a model whose end token Baton did not find.
+    pub complete_at: Option<String>,
 }
 
 /// Applies the options both of mistral.rs's builders take (device and chat template); the GGUF
@@ -188,7 +233,29 @@ impl LocalModel {
         };
         let model = built.map_err(|e| classify_load_error(&shown, &format!("{e:#}")))?;
         let device = if config.force_cpu { "cpu".to_owned() } else { device_name() };
-        Ok(LocalModel { model, path, load_time: started.elapsed(), device })
+        let end_tokens = find_end_tokens(&model).await;
+        Ok(LocalModel {
+            model,
+            path,
+            load_time: started.elapsed(),
+            device,
+            end_tokens,
+            cached: std::sync::Mutex::new(std::collections::VecDeque::new()),
+        })
+    }
+
+    /// Refuses a model whose constrained generations could not end: llguidance ends a complete
+    /// grammar with an end-of-text token, and falls back to token 0 (an ordinary piece of text
+    /// in most vocabularies) when the vocabulary has none.
+    pub fn check_can_end_a_grammar(&self) -> Result<(), String> {
+        if self.end_tokens.end_of_text.is_empty() {
+            return Err(format!(
+                "{}: the model's tokenizer has no end-of-text token ({}), so a plan written under the plan grammar could not end; use another build of the model (its GGUF metadata or tokenizer.json should list one), or a remote conductor",
+                self.path.display(),
+                END_OF_TEXT.join(", ")
+            ));
+        }
+        Ok(())
     }
 
     pub fn path(&self) -> &Path {
@@ -204,7 +271,7 @@ impl LocalModel {
         on_text: &mut (dyn FnMut(&str) + Send),
     ) -> Result<Generated, ProviderError> {
         let mut request = RequestBuilder::new();
-        // The same turns again, to count the prompt's tokens if mistral.rs reports no usage.
+        // The same turns again, to count the prompt's tokens and what the prefix cache holds.
         let mut turns = TextMessages::new();
         if let Some(system) = system {
             request = request.add_message(TextMessageRole::System, system);
@@ -221,12 +288,15 @@ impl LocalModel {
         if let Some(grammar) = &options.grammar {
             request = request.set_constraint(Constraint::Lark(grammar.clone()));
         }
-        request = request.set_sampler_max_len(options.max_tokens);
-        // Without a temperature the model's own generation defaults apply. (mistral.rs 0.8.1's
-        // deterministic sampler never finished a stream here, so it is not used.)
+        // Without a temperature the model's own generation defaults apply; 0 is greedy.
         if let Some(t) = options.temperature {
             request = request.set_sampler_temperature(t);
         }
+        request = request.set_sampler_max_len(options.max_tokens);
+        request = request.set_sampler_stop_toks(StopTokens::Ids(self.end_tokens.all()));
+        let prompt_tokens = self.model.tokenize(Either::Left(turns), None, true, true, None).await.unwrap_or_default();
+        let cached_tokens = self.cached_prefix(&prompt_tokens);
+
         let started = Instant::now();
         let mut stream =
             self.model.stream_chat_request(request).await.map_err(|e| generation_error(&format!("{e:#}")))?;
@@ -234,11 +304,32 @@ impl LocalModel {
             text: String::new(),
             usage: Usage::default(),
             finish_reason: None,
+            cut_after_complete: false,
             time_to_first_token: None,
             prompt_tokens_per_sec: 0.0,
             decode_tokens_per_sec: 0.0,
         };
-        while let Some(response) = stream.next().await {
+        let mut pieces = 0u32;
+        loop {
+            let complete = options.complete_at.as_deref().is_some_and(|end| out.text.ends_with(end));
+            let next = if complete {
+                // The answer is whole: its end token is the very next one. Wait a few tokens'
+                // time for it (the finish reason and usage come with it), no longer.
+                let per_piece = out
+                    .time_to_first_token
+                    .map_or(Duration::ZERO, |first| started.elapsed().saturating_sub(first) / pieces.max(1));
+                let grace = (per_piece * 4).clamp(Duration::from_millis(500), Duration::from_secs(10));
+                match tokio::time::timeout(grace, stream.next()).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        out.cut_after_complete = true;
+                        break;
+                    }
+                }
+            } else {
+                stream.next().await
+            };
+            let Some(response) = next else { break };
             match response {
                 Response::Chunk(chunk) => {
                     for choice in chunk.choices {
@@ -246,6 +337,7 @@ impl LocalModel {
                             && !text.is_empty()
                         {
                             out.time_to_first_token.get_or_insert_with(|| started.elapsed());
+                            pieces += 1;
                             on_text(&text);
                             out.text.push_str(&text);
                         }
@@ -254,8 +346,11 @@ impl LocalModel {
                         }
                     }
                     if let Some(u) = chunk.usage {
-                        out.usage =
-                            Usage { input_tokens: u.prompt_tokens as u64, output_tokens: u.completion_tokens as u64 };
+                        out.usage = Usage {
+                            input_tokens: u.prompt_tokens as u64,
+                            output_tokens: u.completion_tokens as u64,
+                            cached_input_tokens: 0,
+                        };
                         out.prompt_tokens_per_sec = u.avg_prompt_tok_per_sec;
                         out.decode_tokens_per_sec = u.avg_compl_tok_per_sec;
                     }
@@ -267,6 +362,7 @@ impl LocalModel {
                     out.usage = Usage {
                         input_tokens: done.usage.prompt_tokens as u64,
                         output_tokens: done.usage.completion_tokens as u64,
+                        cached_input_tokens: 0,
                     };
                     break;
                 }
@@ -277,27 +373,73 @@ impl LocalModel {
                 _ => {}
             }
         }
-        if out.finish_reason.is_none() && out.usage == Usage::default() {
+        drop(stream);
+        let answer_tokens =
+            self.model.tokenize(Either::Right(out.text.clone()), None, false, false, None).await.unwrap_or_default();
+        if out.usage == Usage::default() {
             // mistral.rs 0.8.1 sends no last chunk (so no finish reason and no usage) when the
-            // model ends on an end-of-text token that decodes to nothing: the stream just ends.
-            // Count the tokens here instead, so token caps and the history see real numbers.
-            out.usage = self.count_tokens(turns, &out.text).await;
+            // model ends on an end-of-text token that decodes to nothing, and none when Baton
+            // cut a complete answer short. Count the tokens here instead, so token caps and the
+            // history see real numbers: the prompt as the chat template renders it, and the
+            // answer plus its end token (none when Baton cut it).
+            let end = u64::from(!out.cut_after_complete);
+            out.usage = Usage {
+                input_tokens: prompt_tokens.len() as u64,
+                output_tokens: answer_tokens.len() as u64 + end,
+                cached_input_tokens: 0,
+            };
             let reason = if out.usage.output_tokens >= options.max_tokens as u64 { "length" } else { "stop" };
             out.finish_reason = Some(reason.to_owned());
+        }
+        out.usage.cached_input_tokens = cached_tokens.min(out.usage.input_tokens as usize) as u64;
+        if !out.cut_after_complete {
+            // mistral.rs caches a finished sequence's KV (not a dropped one), whether or not it
+            // sent a last chunk.
+            let mut sequence = prompt_tokens;
+            sequence.extend(answer_tokens);
+            self.remember_cached(sequence);
         }
         Ok(out)
     }
 
-    /// The prompt's tokens as the chat template renders it, and the answer's plus its
-    /// end-of-text token.
-    async fn count_tokens(&self, turns: TextMessages, answer: &str) -> Usage {
-        let prompt = self.model.tokenize(Either::Left(turns), None, true, true, None).await;
-        let answer = self.model.tokenize(Either::Right(answer.to_owned()), None, false, false, None).await;
-        Usage {
-            input_tokens: prompt.map_or(0, |t| t.len() as u64),
-            output_tokens: answer.map_or(0, |t| t.len() as u64 + 1),
+    /// How many tokens `text` is, as the model's tokenizer splits it (no special tokens added).
+    pub async fn token_count(&self, text: &str) -> usize {
+        self.model.tokenize(Either::Right(text.to_owned()), None, false, false, None).await.map_or(0, |t| t.len())
+    }
+
+    /// The longest prefix of `prompt` that a remembered sequence shares, as mistral.rs's prefix
+    /// cacher matches it; it reuses nothing when the match is the whole prompt.
+    fn cached_prefix(&self, prompt: &[u32]) -> usize {
+        let cached = self.cached.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let best =
+            cached.iter().map(|seq| seq.iter().zip(prompt).take_while(|(a, b)| a == b).count()).max().unwrap_or(0);
+        if best >= prompt.len() { 0 } else { best }
+    }
+
+    fn remember_cached(&self, sequence: Vec<u32>) {
+        let mut cached = self.cached.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if cached.len() == CACHE_MIRROR {
+            cached.pop_front();
+        }
+        cached.push_back(sequence);
+    }
+}
+
+/// Looks each end-token spelling up in the model's vocabulary: a spelling that tokenizes to one
+/// token is one of its added (special) tokens.
+async fn find_end_tokens(model: &mistralrs::Model) -> EndTokens {
+    let mut found = EndTokens::default();
+    for (names, into) in [(END_OF_TEXT, &mut found.end_of_text), (END_OF_TURN, &mut found.end_of_turn)] {
+        for name in names {
+            if let Ok(ids) = model.tokenize(Either::Right((*name).to_owned()), None, false, false, None).await
+                && let [id] = ids[..]
+                && !into.contains(&id)
+            {
+                into.push(id);
+            }
         }
     }
+    found
 }
 
 fn is_jinja(path: &Path) -> bool {
@@ -360,6 +502,7 @@ impl ChatModel for LocalWorker {
                     grammar: None,
                     max_tokens: request.max_tokens.map_or(me.max_tokens, |m| m as usize),
                     temperature: me.temperature,
+                    complete_at: None,
                 };
                 let result = me.model.generate(request.system.as_deref(), &request.messages, &options, &mut send).await;
                 match result {

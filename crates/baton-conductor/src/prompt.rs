@@ -1,16 +1,22 @@
 //! The conductor's prompt, from versioned files in `prompts/`: the task and the output format,
-//! the workers as "Model 0 … Model k" with their descriptions, and few-shot workflows from
-//! other kinds of tasks than the user's (the setting the paper found to work best).
+//! few-shot workflows from other kinds of tasks than the user's (the setting the paper found to
+//! work best), and the workers as "Model 0 … Model k" with their descriptions.
+//!
+//! The order is for the local model's prefix cache: what never changes (task, format, examples)
+//! comes first, then what changes with the pool (the workers), then what changes with the round
+//! (the step cap, recursion), then the conversation and the question. Every question asked of
+//! the same pool shares the whole system prompt, so only the question is prefilled; another
+//! pool still shares everything up to its workers.
 
 use baton_engine::{PlanningContext, WorkerInfo};
 use baton_providers::{Message, Role};
 
 /// The prompt version in use; recorded so a run can be traced to the words that produced it.
-pub const PROMPT_VERSION: &str = "v1";
+pub const PROMPT_VERSION: &str = "v2";
 
-const SYSTEM: &str = include_str!("../prompts/v1/system.md");
-const RECURSION: &str = include_str!("../prompts/v1/recursion.md");
-const EXAMPLES: &str = include_str!("../prompts/v1/examples.md");
+const SYSTEM: &str = include_str!("../prompts/v2/system.md");
+const RECURSION: &str = include_str!("../prompts/v2/recursion.md");
+const EXAMPLES: &str = include_str!("../prompts/v2/examples.md");
 
 /// How many earlier conversation turns the conductor sees.
 pub const HISTORY_TURNS: usize = 6;
@@ -59,11 +65,16 @@ impl PromptBuilder {
         } else {
             String::new()
         };
-        SYSTEM
-            .replace("{workers}", &workers.join("\n"))
-            .replace("{max_steps}", &ctx.max_steps.to_string())
-            .replace("{recursion}", &recursion)
-            .replace("{examples}", if self.examples { EXAMPLES } else { "" })
+        // Filled in the order the parts appear, so a worker's description that happens to hold
+        // a placeholder's name is left as it is.
+        let (before_examples, rest) = SYSTEM.split_once("{examples}").expect("the system prompt has {examples}");
+        let mut out = String::from(before_examples);
+        out.push_str(if self.examples { EXAMPLES } else { "" });
+        let (before_workers, rest) = rest.split_once("{workers}").expect("the system prompt has {workers}");
+        out.push_str(before_workers);
+        out.push_str(&workers.join("\n"));
+        out.push_str(&rest.replace("{max_steps}", &ctx.max_steps.to_string()).replace("{recursion}", &recursion));
+        out
     }
 
     /// The conversation so far (bounded), then the question, and for a recursive round the
@@ -154,9 +165,30 @@ mod tests {
     #[test]
     fn every_example_is_a_valid_plan() {
         let limits = baton_plan::Limits { max_steps: 5, pool_size: Some(3), allow_stop: false };
-        for example in EXAMPLES.split("Example ").skip(1) {
+        let examples: Vec<&str> = EXAMPLES.split("\nExample ").skip(1).collect();
+        assert_eq!(examples.len(), 4);
+        for example in examples {
             baton_plan::parse(example, &limits).unwrap_or_else(|e| panic!("{e}\n{example}"));
         }
+    }
+
+    #[test]
+    fn what_changes_least_comes_first() {
+        let p = PromptBuilder::new(workers());
+        let question = p.system(&ctx());
+        // Another question of the same pool: the whole system prompt is the same.
+        assert_eq!(question, p.system(&PlanningContext::question("Something else entirely?", 3, 5)));
+        // Another pool: everything up to its workers is the same, the examples included.
+        let other = PromptBuilder::new(workers().into_iter().rev().collect()).system(&ctx());
+        let shared = question.chars().zip(other.chars()).take_while(|(a, b)| a == b).count();
+        let workers_at = question.find("- Model 0").expect("workers listed");
+        assert_eq!(shared, workers_at, "the prompts part at the workers");
+        assert!(question[..workers_at].contains("Example 4."));
+        // A recursive round: everything up to the round's own lines is the same.
+        let round = PlanningContext { allow_self: true, allow_stop: true, depth: 1, max_steps: 2, ..ctx() };
+        let recursive = p.system(&round);
+        let shared = question.chars().zip(recursive.chars()).take_while(|(a, b)| a == b).count();
+        assert!(shared >= question.find("\n\nA workflow has at most").expect("step cap"), "{shared}");
     }
 
     #[test]

@@ -175,6 +175,7 @@ pub async fn planner(
         max_reasoning_chars: spec.max_reasoning_chars.unwrap_or(defaults.max_reasoning_chars),
         max_subtask_chars: spec.max_subtask_chars.unwrap_or(defaults.max_subtask_chars),
         temperature: spec.temperature.or(defaults.temperature),
+        plan_time_limit: spec.plan_time_limit_secs.map_or(defaults.plan_time_limit, std::time::Duration::from_secs),
         ..ConductorOptions::default()
     };
     let source = match (&choice.source, &spec.url, &spec.model) {

@@ -275,6 +275,47 @@ async fn a_gguf_conductor_writes_valid_plans_too() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_gguf_without_an_end_of_text_token_is_refused_with_what_to_do() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("no-end.gguf");
+    let spec = baton_tinymodel::TinySpec { end_of_text: false, ..Default::default() };
+    baton_tinymodel::write_gguf_model(&file, &spec).expect("write gguf");
+    let config = LocalModelConfig { path: file.clone(), force_cpu: true, ..Default::default() };
+    let no_end = Arc::new(LocalModel::load(&config).await.expect("it loads: it can still answer as a worker"));
+    assert!(no_end.end_tokens.end_of_text.is_empty(), "{:?}", no_end.end_tokens);
+    assert_eq!(no_end.end_tokens.end_of_turn, vec![baton_tinymodel::IM_END]);
+    let conductor = LocalConductor::new(no_end, workers(2), ConductorOptions { no_examples: true, ..quick() });
+    let started = std::time::Instant::now();
+    let e = conductor.plan(context("Any question", 2, 3), Box::new(|_: &str| {})).await.expect_err("refused");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5), "refused before generating");
+    assert!(e.message.starts_with(&file.display().to_string()), "names the file: {e}");
+    assert!(e.message.contains("no end-of-text token (</s>, <|endoftext|>"), "{e}");
+    assert!(e.message.contains("use another build of the model"), "says what to do: {e}");
+
+    // The vocabulary of the usual model has both kinds.
+    let usual = model().await;
+    assert_eq!(usual.end_tokens.end_of_text, vec![baton_tinymodel::ENDOFTEXT]);
+    assert_eq!(usual.end_tokens.end_of_turn, vec![baton_tinymodel::IM_END]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_plan_past_its_time_limit_fails_naming_the_limit() {
+    // Long reasoning on a random model takes far longer than the limit.
+    let options = ConductorOptions {
+        max_reasoning_chars: 20_000,
+        plan_time_limit: std::time::Duration::from_millis(300),
+        no_examples: true,
+        ..quick()
+    };
+    let conductor = LocalConductor::new(model().await, workers(2), options);
+    let started = std::time::Instant::now();
+    let e = conductor.plan(context("A question", 2, 3), Box::new(|_: &str| {})).await.expect_err("times out");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5), "{:?}", started.elapsed());
+    assert!(e.message.contains("did not finish its plan within the 0.3 s time limit"), "{e}");
+    assert!(e.message.contains("plan_time_limit_secs"), "names the setting: {e}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_local_worker_reports_usage_when_the_model_ends_its_answer() {
     use baton_providers::{ChatEvent, ChatModel, ChatRequest, Message};
     use futures::StreamExt;

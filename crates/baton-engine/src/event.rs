@@ -60,6 +60,13 @@ pub enum RunEvent {
         /// The conductor's whole answer; absent for a given plan.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         raw: Option<String>,
+        /// The conductor's tokens for this plan (prompt, of it cached, and written); absent
+        /// for a given plan.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        usage: Option<Usage>,
+        /// Why the conductor's generation ended (`stop`, `length`), as its model reported it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stop_reason: Option<String>,
     },
     StepStarted {
         round: u32,

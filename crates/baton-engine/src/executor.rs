@@ -257,7 +257,15 @@ impl Executor {
                     return ctx.finish(RunStatus::Failed, None, Some(error), started, &[], &[]);
                 }
                 let round = ctx.rounds.fetch_add(1, Ordering::SeqCst);
-                ctx.emit(RunEvent::PlanReady { round, depth: 0, parent: None, plan: plan.clone(), raw: None });
+                ctx.emit(RunEvent::PlanReady {
+                    round,
+                    depth: 0,
+                    parent: None,
+                    plan: plan.clone(),
+                    raw: None,
+                    usage: None,
+                    stop_reason: None,
+                });
                 (round, plan)
             }
             None => match self.write_plan(&ctx, 0, None, Vec::new()).await {
@@ -328,7 +336,15 @@ impl Executor {
         if let Err(e) = planned.plan.validate(&limits) {
             return Err(StepFailure::Conductor(format!("the conductor's plan is not usable: {e}")));
         }
-        ctx.emit(RunEvent::PlanReady { round, depth, parent, plan: planned.plan.clone(), raw: Some(planned.raw) });
+        ctx.emit(RunEvent::PlanReady {
+            round,
+            depth,
+            parent,
+            plan: planned.plan.clone(),
+            raw: Some(planned.raw),
+            usage: Some(planned.usage),
+            stop_reason: planned.stop_reason,
+        });
         Ok((round, planned.plan))
     }
 

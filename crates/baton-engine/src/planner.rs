@@ -47,6 +47,8 @@ pub struct Planned {
     pub raw: String,
     pub plan: Plan,
     pub usage: Usage,
+    /// Why the conductor's generation ended (`stop`, `length`), as its model reported it.
+    pub stop_reason: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

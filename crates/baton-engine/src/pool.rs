@@ -56,6 +56,8 @@ pub struct ConductorSpec {
     pub temperature: Option<f64>,
     pub max_reasoning_chars: Option<usize>,
     pub max_subtask_chars: Option<usize>,
+    /// Longest a plan may take, in seconds, before it fails with an error naming this limit.
+    pub plan_time_limit_secs: Option<u64>,
 }
 
 /// The conductor as its own worker ("Model k: yourself").
@@ -211,6 +213,7 @@ const CONDUCTOR_KEYS: &[&str] = &[
     "temperature",
     "max_reasoning_chars",
     "max_subtask_chars",
+    "plan_time_limit_secs",
 ];
 const BUDGET_KEYS: &[&str] = &["max_calls", "max_tokens", "max_cost_usd"];
 const RETRY_KEYS: &[&str] = &["max_retries", "initial_delay_ms", "max_delay_ms", "max_retry_after_secs"];
@@ -390,6 +393,7 @@ impl Pool {
             spec.temperature = c.float("temperature", 0.0).map_err(field_err)?;
             spec.max_reasoning_chars = c.int("max_reasoning_chars", 0, 100_000).map_err(field_err)?.map(|n| n as usize);
             spec.max_subtask_chars = c.int("max_subtask_chars", 1, 100_000).map_err(field_err)?.map(|n| n as usize);
+            spec.plan_time_limit_secs = c.int("plan_time_limit_secs", 1, 86_400).map_err(field_err)?.map(|n| n as u64);
         }
 
         let raw_workers = match table.get("worker") {

@@ -60,7 +60,7 @@ mod tests {
         assert_eq!(lookup(ProviderKind::OpenAi, "gpt-4o-2024-08-06").map(|p| p.input), Some(2.50));
         assert_eq!(lookup(ProviderKind::OpenAiCompatible, "gpt-4o"), None, "a compatible server sets its own prices");
         let p = Price { input: 2.0, output: 10.0 };
-        let cost = p.cost(&Usage { input_tokens: 1_000_000, output_tokens: 500_000 });
+        let cost = p.cost(&Usage { input_tokens: 1_000_000, output_tokens: 500_000, cached_input_tokens: 0 });
         assert!((cost - 7.0).abs() < 1e-9);
     }
 }

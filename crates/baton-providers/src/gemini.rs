@@ -99,7 +99,11 @@ pub struct UsageMetadata {
 
 impl From<UsageMetadata> for Usage {
     fn from(u: UsageMetadata) -> Self {
-        Usage { input_tokens: u.prompt_token_count, output_tokens: u.candidates_token_count + u.thoughts_token_count }
+        Usage {
+            input_tokens: u.prompt_token_count,
+            output_tokens: u.candidates_token_count + u.thoughts_token_count,
+            cached_input_tokens: 0,
+        }
     }
 }
 

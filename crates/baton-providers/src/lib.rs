@@ -107,6 +107,9 @@ pub struct Usage {
     pub input_tokens: u64,
     /// Includes reasoning ("thinking") tokens, which providers bill as output.
     pub output_tokens: u64,
+    /// Of `input_tokens`, those served from a prompt cache (a local model's prefix cache).
+    #[serde(default)]
+    pub cached_input_tokens: u64,
 }
 
 impl Usage {
@@ -119,6 +122,7 @@ impl std::ops::AddAssign for Usage {
     fn add_assign(&mut self, rhs: Usage) {
         self.input_tokens += rhs.input_tokens;
         self.output_tokens += rhs.output_tokens;
+        self.cached_input_tokens += rhs.cached_input_tokens;
     }
 }
 

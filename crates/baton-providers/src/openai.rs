@@ -104,7 +104,7 @@ pub struct WireUsage {
 
 impl From<WireUsage> for Usage {
     fn from(u: WireUsage) -> Self {
-        Usage { input_tokens: u.prompt_tokens, output_tokens: u.completion_tokens }
+        Usage { input_tokens: u.prompt_tokens, output_tokens: u.completion_tokens, cached_input_tokens: 0 }
     }
 }
 

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use baton_engine::{RerunOf, StepRef, WorkerInfo};
 use baton_plan::{Access, Plan};
-use baton_providers::Message;
+use baton_providers::{Message, Usage};
 use serde::Serialize;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{FromRow, Row};
@@ -179,6 +179,11 @@ pub struct PlanRecord {
     /// The conductor's whole text; `None` for a written plan.
     pub raw: Option<String>,
     pub plan: Plan,
+    /// The conductor's tokens for this plan; `None` for a written plan (or one recorded before
+    /// they were kept).
+    pub usage: Option<Usage>,
+    /// Why the conductor's generation ended (`stop`, `length`).
+    pub stop_reason: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
@@ -625,6 +630,10 @@ struct PlanRow {
     parent_step: Option<i64>,
     raw: Option<String>,
     plan: String,
+    input_tokens: Option<i64>,
+    cached_input_tokens: Option<i64>,
+    output_tokens: Option<i64>,
+    stop_reason: Option<String>,
 }
 
 impl PlanRow {
@@ -638,6 +647,15 @@ impl PlanRow {
             },
             raw: self.raw,
             plan: serde_json::from_str(&self.plan).map_err(|e| decode("plans.plan", e))?,
+            usage: match (self.input_tokens, self.output_tokens) {
+                (Some(input), Some(output)) => Some(Usage {
+                    input_tokens: input as u64,
+                    output_tokens: output as u64,
+                    cached_input_tokens: self.cached_input_tokens.unwrap_or(0) as u64,
+                }),
+                _ => None,
+            },
+            stop_reason: self.stop_reason,
         })
     }
 }

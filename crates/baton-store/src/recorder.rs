@@ -56,10 +56,11 @@ impl Recorder {
         };
         let mut tx = self.store.pool().begin().await?;
         match event {
-            RunEvent::PlanReady { round, depth, parent, plan, raw } => {
+            RunEvent::PlanReady { round, depth, parent, plan, raw, usage, stop_reason } => {
                 sqlx::query(
-                    "INSERT INTO plans (run_id, round, depth, parent_round, parent_step, raw, plan)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                    "INSERT INTO plans (run_id, round, depth, parent_round, parent_step, raw, plan,
+                                        input_tokens, cached_input_tokens, output_tokens, stop_reason)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
                 )
                 .bind(run)
                 .bind(round)
@@ -68,6 +69,10 @@ impl Recorder {
                 .bind(parent.map(|p| p.step as i64))
                 .bind(raw)
                 .bind(plan.to_json())
+                .bind(usage.map(|u| u.input_tokens as i64))
+                .bind(usage.map(|u| u.cached_input_tokens as i64))
+                .bind(usage.map(|u| u.output_tokens as i64))
+                .bind(stop_reason)
                 .execute(&mut *tx)
                 .await?;
                 sqlx::query("UPDATE runs SET rounds = max(rounds, ?2) WHERE id = ?1")

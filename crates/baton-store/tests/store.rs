@@ -73,6 +73,7 @@ async fn migrations_apply_to_an_empty_file_and_released_ones_never_change() {
     const RELEASED: &[(i64, &str)] = &[
         (1, "89a08f03767746845efb4936d1fface9315bbe04d0b54e459e4f1858711270934aadb624aa603f9b2f0f201bf5dec62a"),
         (2, "b97755a42f4e4dfb71ad8f55fd67b58466a4f5012e53a674024c6e570d5d83f491a9412f7baf6b5a5e50a0d1ea1cb313"),
+        (3, "a92e0e8b46c3c8a8cbbab20d2f5e8f8b679b5542ef9eb324d91d24f603599ce634535ebe1cde99343c81ad355989e7e7"),
     ];
     let actual: Vec<(i64, String)> = baton_store::MIGRATOR
         .iter()

@@ -24,11 +24,23 @@ pub struct TinySpec {
     pub kv_heads: usize,
     /// Scale of the uniform random weights.
     pub init: f32,
+    /// Whether token 256 is `<|endoftext|>`; without it (named `<|padding|>` instead) the
+    /// vocabulary has no end-of-text token, which a constrained generation needs to end.
+    pub end_of_text: bool,
 }
 
 impl Default for TinySpec {
     fn default() -> Self {
-        TinySpec { seed: 7, hidden: 64, intermediate: 128, layers: 2, heads: 4, kv_heads: 2, init: 0.08 }
+        TinySpec {
+            seed: 7,
+            hidden: 64,
+            intermediate: 128,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            init: 0.08,
+            end_of_text: true,
+        }
     }
 }
 
@@ -46,14 +58,14 @@ pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>
 pub fn write_safetensors_model(dir: &Path, spec: &TinySpec) -> io::Result<()> {
     std::fs::create_dir_all(dir)?;
     std::fs::write(dir.join("config.json"), config(spec).to_string())?;
-    std::fs::write(dir.join("tokenizer.json"), tokenizer().to_string())?;
+    std::fs::write(dir.join("tokenizer.json"), tokenizer(spec).to_string())?;
     std::fs::write(
         dir.join("tokenizer_config.json"),
         json!({
             "chat_template": CHATML_TEMPLATE,
             "bos_token": null,
             "eos_token": "<|im_end|>",
-            "pad_token": "<|endoftext|>",
+            "pad_token": end_of_text_name(spec),
             "unk_token": null,
             "add_bos_token": false,
             "model_max_length": 32768,
@@ -114,7 +126,12 @@ pub fn byte_to_char(b: u8) -> char {
     char::from_u32(256 + rank).unwrap_or('?')
 }
 
-fn tokenizer() -> serde_json::Value {
+/// The name of token 256.
+fn end_of_text_name(spec: &TinySpec) -> &'static str {
+    if spec.end_of_text { "<|endoftext|>" } else { "<|padding|>" }
+}
+
+fn tokenizer(spec: &TinySpec) -> serde_json::Value {
     let vocab: BTreeMap<String, u32> = (0..=255u8).map(|b| (byte_to_char(b).to_string(), u32::from(b))).collect();
     let special = |id: u32, content: &str| {
         json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false,
@@ -124,7 +141,11 @@ fn tokenizer() -> serde_json::Value {
         "version": "1.0",
         "truncation": null,
         "padding": null,
-        "added_tokens": [special(ENDOFTEXT, "<|endoftext|>"), special(IM_START, "<|im_start|>"), special(IM_END, "<|im_end|>")],
+        "added_tokens": [
+            special(ENDOFTEXT, end_of_text_name(spec)),
+            special(IM_START, "<|im_start|>"),
+            special(IM_END, "<|im_end|>"),
+        ],
         "normalizer": null,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
         "post_processor": null,
@@ -192,7 +213,7 @@ pub fn write_gguf_model(path: &Path, spec: &TinySpec) -> io::Result<()> {
         ("tokenizer.ggml.model".into(), GgufValue::Str("gpt2".into())),
     ];
     let mut tokens: Vec<String> = (0..=255u8).map(|b| byte_to_char(b).to_string()).collect();
-    tokens.extend(["<|endoftext|>", "<|im_start|>", "<|im_end|>"].map(String::from));
+    tokens.extend([end_of_text_name(spec), "<|im_start|>", "<|im_end|>"].map(String::from));
     let types: Vec<i32> = (0..VOCAB).map(|i| if i < 256 { 1 } else { 3 }).collect();
     kv.push(("tokenizer.ggml.tokens".into(), GgufValue::StrArray(tokens)));
     kv.push(("tokenizer.ggml.token_type".into(), GgufValue::I32Array(types)));

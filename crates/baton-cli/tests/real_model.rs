@@ -1,0 +1,63 @@
+//! `baton plan` with a real conductor model (SmolLM2-135M-Instruct, the 98 MB GGUF that
+//! `scripts/fetch-test-model` fetches), as a user runs it: for several questions and pools the
+//! process exits once the plan is written, the plan parses, and the model wrote no tokens past
+//! its text but the end token.
+
+use std::path::Path;
+use std::time::Duration;
+
+use baton_tests::Output;
+
+async fn baton(args: &[&str], stdin: Option<&str>) -> Output {
+    // A whole cold plan takes seconds here; the limit is for a plan that would never end.
+    let bin = Path::new(env!("CARGO_BIN_EXE_baton"));
+    baton_tests::run_within(Duration::from_secs(240), bin, args, stdin, &[]).await
+}
+
+fn pool(dir: &Path, model: &Path, workers: &[&str]) -> std::path::PathBuf {
+    let mut text = format!(
+        "[conductor]\nmodel = \"{}\"\ndevice = \"cpu\"\nmax_reasoning_chars = 300\nmax_subtask_chars = 200\n",
+        model.display()
+    );
+    for (i, description) in workers.iter().enumerate() {
+        text.push_str(&format!(
+            "\n[[worker]]\nname = \"w{i}\"\nprovider = \"openai-compatible\"\nmodel = \"m\"\nbase_url = \"http://127.0.0.1:9/v1\"\ndescription = \"{description}\"\n"
+        ));
+    }
+    let path = dir.join(format!("pool-{}.toml", workers.len()));
+    std::fs::write(&path, text).expect("write pool");
+    path
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn baton_plan_ends_as_soon_as_the_plan_is_written() {
+    let Some(model) = baton_tests::real_model() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cases: [(&str, &[&str]); 3] = [
+        ("What is the sum of the first ten odd numbers?", &["strong at math"]),
+        ("Write a short poem about autumn, then check its rhyme.", &["a good writer", "a careful reviewer"]),
+        (
+            "Write a Python function that checks whether a number is prime.",
+            &["strong at code", "a careful reviewer", "fast and cheap", "strong at math"],
+        ),
+    ];
+    for (question, workers) in cases {
+        let pool = pool(dir.path(), &model, workers);
+        let out = baton(&["plan", "--pool", pool.to_str().expect("utf-8"), question], None).await;
+        assert_eq!(out.code, Some(0), "{question}: {}", out.stderr);
+        let text = out.stdout.trim_end_matches('\n');
+        assert!(text.ends_with("\n```"), "{question}: the text ends at the closing fence: {text}");
+
+        // It parses as a plan for this pool (the CLI's own parser, as a user would check it).
+        let pool_arg = pool.to_str().expect("utf-8");
+        let parsed = baton(&["plan", "parse", "--pool", pool_arg], Some(text)).await;
+        assert_eq!(parsed.code, Some(0), "{question}: {}\n{text}", parsed.stderr);
+
+        // "plan: N tokens written (ended: stop), prompt P tokens (C cached)"
+        let line = out.stderr.lines().find(|l| l.starts_with("plan: ")).expect("the plan's figures");
+        let written: u64 = line["plan: ".len()..].split(' ').next().and_then(|n| n.parse().ok()).expect("a count");
+        assert!(line.contains("(ended: stop)"), "{question}: {line}");
+        // A token of text is at least one byte; one more for the end token, and no silent ones.
+        assert!(written <= text.len() as u64 + 1, "{question}: {written} tokens for {} bytes", text.len());
+    }
+}

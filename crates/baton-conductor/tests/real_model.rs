@@ -1,0 +1,158 @@
+//! The local conductor and a local worker on a real model: SmolLM2-135M-Instruct, a 98 MB Q4_1
+//! GGUF fetched once by `scripts/fetch-test-model`. A random tiny model cannot show what these
+//! check: that a plan ends as soon as its grammar is complete (the model's end-of-text token is
+//! not its chat template's end-of-sequence token, and a GGUF has no generation config to say
+//! so), that a worker's answer ends on its end-of-turn token, that greedy plans repeat exactly,
+//! and that the second plan for a pool reuses the prompt prefix the first one computed.
+
+use std::sync::Arc;
+
+use baton_conductor::local::{Generated, LocalModel, LocalModelConfig, LocalWorker};
+use baton_conductor::{ConductorOptions, LocalConductor};
+use baton_engine::{PlanningContext, WorkerInfo};
+use baton_providers::{ChatEvent, ChatModel, ChatRequest, Message, ProviderKind};
+use futures::StreamExt;
+use tokio::sync::OnceCell;
+
+/// The model, loaded once per test binary; `None` (with the reason printed) only when it
+/// cannot be fetched outside CI.
+async fn model() -> Option<Arc<LocalModel>> {
+    static MODEL: OnceCell<Option<Arc<LocalModel>>> = OnceCell::const_new();
+    MODEL
+        .get_or_init(|| async {
+            let path = baton_tests::real_model()?;
+            let config = LocalModelConfig { path, force_cpu: true, ..Default::default() };
+            let model = LocalModel::load(&config).await.unwrap_or_else(|e| panic!("SmolLM2 loads: {e}"));
+            Some(Arc::new(model))
+        })
+        .await
+        .clone()
+}
+
+fn workers(n: usize) -> Vec<WorkerInfo> {
+    let descriptions = ["strong at math", "a careful reviewer", "fast and cheap", "strong at code", "a good writer"];
+    (0..n)
+        .map(|i| WorkerInfo {
+            index: i,
+            name: format!("w{i}"),
+            provider: ProviderKind::OpenAi,
+            model: "m".into(),
+            description: Some(descriptions[i % descriptions.len()].into()),
+        })
+        .collect()
+}
+
+/// Shorter reasoning than the default keeps each plan to a few seconds on two CPU cores; the
+/// ending is what is tested, and it does not depend on the length.
+fn options(temperature: f64) -> ConductorOptions {
+    ConductorOptions {
+        max_reasoning_chars: 300,
+        max_subtask_chars: 200,
+        temperature: Some(temperature),
+        ..Default::default()
+    }
+}
+
+/// Checks that `generated` ended by the model's own end token right after the closing fence:
+/// not cut by Baton's guard, not by the length cap, and with no tokens past its text but the
+/// end token.
+async fn assert_ended_at_the_fence(model: &LocalModel, generated: &Generated, what: &str) {
+    assert!(generated.text.ends_with("\n```"), "{what}: the plan ends with its closing fence: {:?}", generated.text);
+    assert_eq!(generated.finish_reason.as_deref(), Some("stop"), "{what}: {:?}", generated.text);
+    assert!(!generated.cut_after_complete, "{what}: the model stopped by itself, not by Baton's guard");
+    let text_tokens = model.token_count(&generated.text).await as u64;
+    // The model may split the text into more tokens than the tokenizer would (a grammar allows
+    // any split), so a little slack; the failure this catches is hundreds of silent tokens.
+    let most = text_tokens + 1 + text_tokens / 10;
+    assert!(
+        generated.usage.output_tokens <= most,
+        "{what}: {} tokens generated for a text of {text_tokens} tokens",
+        generated.usage.output_tokens
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn plans_end_as_soon_as_their_grammar_is_complete() {
+    let Some(model) = model().await else { return };
+    let cases = [
+        ("What is 17 times 23?", 1, 5),
+        ("Write a haiku about the sea.", 2, 3),
+        ("Is 2^31 - 1 prime? Justify the answer.", 3, 5),
+        ("Write a Python function that reverses a linked list.", 4, 4),
+        ("Who painted the Mona Lisa, and when?", 5, 2),
+        ("Explain the difference between TCP and UDP.", 3, 1),
+    ];
+    for (question, pool_size, max_steps) in cases {
+        let conductor = LocalConductor::new(model.clone(), workers(pool_size), options(0.3));
+        let ctx = PlanningContext::question(question, pool_size, max_steps);
+        let (planned, generated) = conductor
+            .plan_with_stats(&ctx, &mut |_| {})
+            .await
+            .unwrap_or_else(|e| panic!("{question} (pool {pool_size}, max {max_steps}): {e}"));
+        let what = format!("{question} (pool {pool_size}, max {max_steps})");
+        assert_ended_at_the_fence(&model, &generated, &what).await;
+        assert!(!planned.plan.steps.is_empty() && planned.plan.steps.len() <= max_steps, "{what}");
+        assert!(planned.plan.steps.iter().all(|s| s.model_id < pool_size), "{what}");
+        assert_eq!(planned.stop_reason.as_deref(), Some("stop"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn greedy_plans_repeat_exactly_and_the_second_reuses_the_prompt_prefix() {
+    let Some(model) = model().await else { return };
+    // A pool of its own, so no other test's prompt is in the cache before the first plan.
+    let pool: Vec<WorkerInfo> = workers(3)
+        .into_iter()
+        .map(|w| WorkerInfo { description: Some(format!("{} (greedy test)", w.description.unwrap_or_default())), ..w })
+        .collect();
+    let conductor = LocalConductor::new(model.clone(), pool, options(0.0));
+    let ctx = PlanningContext::question("How many prime numbers are there below 50?", 3, 4);
+    let (first, cold) = conductor.plan_with_stats(&ctx, &mut |_| {}).await.expect("first plan");
+    let (second, warm) = conductor.plan_with_stats(&ctx, &mut |_| {}).await.expect("second plan");
+    assert_ended_at_the_fence(&model, &cold, "first greedy plan").await;
+    assert_ended_at_the_fence(&model, &warm, "second greedy plan").await;
+    assert_eq!(first.raw, second.raw, "greedy plans for the same prompt are the same");
+
+    // The second plan's prompt is the first's; all but its last token comes from the cache
+    // (mistral.rs prefills at least one token).
+    assert!(cold.usage.cached_input_tokens < cold.usage.input_tokens / 2, "{:?}", cold.usage);
+    assert_eq!(warm.usage.cached_input_tokens, warm.usage.input_tokens - 1, "{:?}", warm.usage);
+
+    // Another question for the same pool: only the question is new.
+    let other = PlanningContext::question("What is the capital of Australia?", 3, 4);
+    let (_, next) = conductor.plan_with_stats(&other, &mut |_| {}).await.expect("third plan");
+    assert_ended_at_the_fence(&model, &next, "a plan for another question").await;
+    let new_tokens = next.usage.input_tokens - next.usage.cached_input_tokens;
+    assert!(new_tokens < 40, "only the question is prefilled again: {:?}", next.usage);
+    assert!(
+        next.time_to_first_token < cold.time_to_first_token,
+        "warm {:?} vs cold {:?}",
+        next.time_to_first_token,
+        cold.time_to_first_token
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_local_worker_answer_ends_on_its_end_of_turn_token() {
+    let Some(model) = model().await else { return };
+    let worker = LocalWorker { model: model.clone(), max_tokens: 400, temperature: Some(0.0) };
+    let request = ChatRequest {
+        system: None,
+        messages: vec![Message::user("What is the capital of France? Answer in one short sentence.")],
+        max_tokens: None,
+        constraint: None,
+    };
+    let mut stream = worker.stream(request).await.expect("stream");
+    let mut text = String::new();
+    let mut done = None;
+    while let Some(item) = stream.next().await {
+        match item.expect("no error") {
+            ChatEvent::Text(t) => text.push_str(&t),
+            ChatEvent::Done { usage, stop_reason } => done = Some((usage, stop_reason)),
+        }
+    }
+    let (usage, stop_reason) = done.expect("a last event");
+    assert!(text.contains("Paris"), "{text}");
+    assert_eq!(stop_reason.as_deref(), Some("stop"), "{text}");
+    assert!(usage.output_tokens < 100, "ended long before its cap: {usage:?}\n{text}");
+}
