@@ -42,6 +42,10 @@ pub struct ConductorForm {
     pub model: Option<String>,
     /// An OpenAI-compatible server that runs the conductor.
     pub url: Option<String>,
+    /// With `url`: the server's plan-grammar field (`vllm`, `sglang`, `llama.cpp`), or `None`
+    /// to parse its answers.
+    #[serde(default)]
+    pub grammar: Option<String>,
     /// `auto` (GPU when there is one) or `cpu`.
     pub device: String,
     pub max_steps: u32,
@@ -139,6 +143,7 @@ pub fn read_form(text: &str) -> Result<PoolForm, String> {
     let form = ConductorForm {
         model: string(conductor, "model"),
         url: string(conductor, "url"),
+        grammar: string(conductor, "grammar").filter(|g| g != "none"),
         device: string(conductor, "device").unwrap_or_else(|| "auto".to_owned()),
         max_steps: doc.get("max_steps").and_then(Item::as_integer).unwrap_or(baton_plan::DEFAULT_MAX_STEPS as i64)
             as u32,
@@ -225,6 +230,8 @@ pub fn apply_form(text: &str, form: &PoolForm, file: &str) -> AppResult<String> 
     let conductor = table(&mut doc, "conductor");
     set_str(conductor, "model", c.model.as_deref());
     set_str(conductor, "url", c.url.as_deref());
+    // A grammar applies to a server only (the pool refuses one beside a local model).
+    set_str(conductor, "grammar", c.grammar.as_deref().filter(|_| c.url.is_some()));
     set_str(conductor, "device", (c.device != "auto").then_some(c.device.as_str()));
     let recursion = table(&mut doc, "recursion");
     put(recursion, "enabled", c.recursion);

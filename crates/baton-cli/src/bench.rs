@@ -51,34 +51,41 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Load time, prompt and decode speed, time to the first plan token and plan time of a
-    /// local conductor model.
-    Conductor {
-        /// A .gguf file or a safetensors model directory.
-        #[arg(long, value_name = "PATH")]
-        model: std::path::PathBuf,
-        /// Plans to write.
-        #[arg(long, default_value_t = 5)]
-        runs: usize,
-        /// Workers in the pool the plans are for.
-        #[arg(long, default_value_t = 4)]
-        workers: usize,
-        /// Longest reasoning before the lists.
-        #[arg(long, default_value_t = 400)]
-        max_reasoning_chars: usize,
-        /// Run on the CPU even when a GPU is available.
-        #[arg(long)]
-        cpu: bool,
-        /// In-situ quantization while loading a safetensors model (e.g. Q4K).
-        #[arg(long)]
-        isq: Option<String>,
-        /// A chat template (.jinja) for a model that lacks one.
-        #[arg(long, value_name = "FILE")]
-        chat_template: Option<std::path::PathBuf>,
-        /// One JSON object on stdout.
-        #[arg(long)]
-        json: bool,
-    },
+    /// A local conductor model's speed: load time, prompt and decode rates, time to the first
+    /// plan token cold (the first plan) and warm (later plans, whose prompts share the pool's
+    /// prefix), plan tokens and time, and what the plan grammar costs per token.
+    Conductor(ConductorArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ConductorArgs {
+    /// A .gguf file or a safetensors model directory.
+    #[arg(long, value_name = "PATH")]
+    model: std::path::PathBuf,
+    /// Plans to write; the first is cold, the others warm.
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Workers in the pool the plans are for.
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    /// Longest reasoning before the lists.
+    #[arg(long, default_value_t = 400)]
+    max_reasoning_chars: usize,
+    /// Sampling temperature of the plans (0 is greedy); default the conductor's.
+    #[arg(long)]
+    temperature: Option<f64>,
+    /// Run on the CPU even when a GPU is available.
+    #[arg(long)]
+    cpu: bool,
+    /// In-situ quantization while loading a safetensors model (e.g. Q4K).
+    #[arg(long)]
+    isq: Option<String>,
+    /// A chat template (.jinja) for a model that lacks one.
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<std::path::PathBuf>,
+    /// One JSON object on stdout.
+    #[arg(long)]
+    json: bool,
 }
 
 const PLANS: &[(&str, &str)] = &[
@@ -102,12 +109,9 @@ pub async fn run(cmd: Command) -> Outcome {
         Command::Executor { latency_ms, runs, json } => executor(latency_ms, runs, json).await,
         Command::History { db, runs, steps, repeat, json } => history(&db, runs, steps, repeat, json).await,
         #[cfg(feature = "local")]
-        Command::Conductor { model, runs, workers, max_reasoning_chars, cpu, isq, chat_template, json } => {
-            conductor::run(conductor::Args { model, runs, workers, max_reasoning_chars, cpu, isq, chat_template, json })
-                .await
-        }
+        Command::Conductor(args) => conductor::run(args).await,
         #[cfg(not(feature = "local"))]
-        Command::Conductor { .. } => Err(Failure::BadInput("this build of baton runs no local models".into())),
+        Command::Conductor(_) => Err(Failure::BadInput("this build of baton runs no local models".into())),
     }
 }
 
@@ -296,24 +300,13 @@ mod conductor {
     use std::sync::Arc;
     use std::time::Instant;
 
-    use baton_conductor::local::{LocalModel, LocalModelConfig};
-    use baton_conductor::{ConductorOptions, LocalConductor};
+    use baton_conductor::local::{GenerateOptions, Generated, LocalModel, LocalModelConfig};
+    use baton_conductor::{ConductorOptions, LocalConductor, PromptBuilder};
     use baton_engine::{PlanningContext, WorkerInfo};
     use baton_providers::ProviderKind;
 
-    use super::median_max;
+    use super::{ConductorArgs, median_max};
     use crate::{Failure, Outcome};
-
-    pub struct Args {
-        pub model: std::path::PathBuf,
-        pub runs: usize,
-        pub workers: usize,
-        pub max_reasoning_chars: usize,
-        pub cpu: bool,
-        pub isq: Option<String>,
-        pub chat_template: Option<std::path::PathBuf>,
-        pub json: bool,
-    }
 
     const QUESTIONS: &[&str] = &[
         "What is the sum of the first 100 prime numbers?",
@@ -324,7 +317,52 @@ mod conductor {
         "Is 2^31 - 1 prime? Justify the answer.",
     ];
 
-    pub async fn run(a: Args) -> Outcome {
+    /// One plan's figures.
+    struct Sample {
+        plan_s: f64,
+        first_token_s: f64,
+        prompt_tokens: u64,
+        cached_tokens: u64,
+        tokens: u64,
+        /// Tokens after the first, per second of the time after the first.
+        decode_tps: f64,
+        stop_reason: String,
+        cut: bool,
+    }
+
+    impl Sample {
+        fn new(generated: &Generated, secs: f64) -> Sample {
+            let first = generated.time_to_first_token.map_or(secs, |d| d.as_secs_f64());
+            let tokens = generated.usage.output_tokens;
+            let decode_tps = if secs > first { tokens.saturating_sub(1) as f64 / (secs - first) } else { 0.0 };
+            Sample {
+                plan_s: secs,
+                first_token_s: first,
+                prompt_tokens: generated.usage.input_tokens,
+                cached_tokens: generated.usage.cached_input_tokens,
+                tokens,
+                decode_tps,
+                stop_reason: generated.finish_reason.clone().unwrap_or_default(),
+                cut: generated.cut_after_complete,
+            }
+        }
+    }
+
+    fn median(values: impl Iterator<Item = f64>) -> f64 {
+        let mut v: Vec<f64> = values.collect();
+        if v.is_empty() { f64::NAN } else { median_max(&mut v).0 }
+    }
+
+    /// The threads candle's CPU kernels use: `RAYON_NUM_THREADS` when set, else every core.
+    fn threads() -> usize {
+        std::env::var("RAYON_NUM_THREADS")
+            .ok()
+            .and_then(|n| n.parse().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get))
+    }
+
+    pub async fn run(a: ConductorArgs) -> Outcome {
         if a.runs == 0 || a.workers == 0 {
             return Err(Failure::BadInput("--runs and --workers must be at least 1".into()));
         }
@@ -349,10 +387,15 @@ mod conductor {
                 ),
             })
             .collect();
-        let options = ConductorOptions { max_reasoning_chars: a.max_reasoning_chars, ..ConductorOptions::default() };
-        let conductor = LocalConductor::new(model.clone(), workers, options);
-        let (mut prompt_tps, mut decode_tps, mut ttft, mut total, mut tokens) =
-            (vec![], vec![], vec![], vec![], vec![]);
+        let defaults = ConductorOptions::default();
+        let options = ConductorOptions {
+            max_reasoning_chars: a.max_reasoning_chars,
+            temperature: a.temperature.or(defaults.temperature),
+            ..defaults
+        };
+        let prompts = PromptBuilder::new(workers.clone());
+        let conductor = LocalConductor::new(model.clone(), workers, options.clone());
+        let mut samples = Vec::with_capacity(a.runs);
         for i in 0..a.runs {
             let question = QUESTIONS[i % QUESTIONS.len()];
             let ctx = PlanningContext::question(question, a.workers, 5);
@@ -362,42 +405,87 @@ mod conductor {
             let (planned, stats) =
                 conductor.plan_with_stats(&ctx, &mut on_text).await.map_err(|e| Failure::Failed(e.to_string()))?;
             progress.clear();
-            let secs = started.elapsed().as_secs_f64();
+            let sample = Sample::new(&stats, started.elapsed().as_secs_f64());
             eprintln!(
-                "[{}/{}] {} steps, {} prompt + {} generated tokens in {secs:.2} s",
+                "[{}/{}] {} steps; prompt {} tokens ({} cached), first token {:.2} s; {} tokens in {:.2} s ({})",
                 i + 1,
                 a.runs,
                 planned.plan.steps.len(),
-                stats.usage.input_tokens,
-                stats.usage.output_tokens
+                sample.prompt_tokens,
+                sample.cached_tokens,
+                sample.first_token_s,
+                sample.tokens,
+                sample.plan_s,
+                if sample.cut { "cut after the fence".to_owned() } else { sample.stop_reason.clone() },
             );
-            prompt_tps.push(f64::from(stats.prompt_tokens_per_sec));
-            decode_tps.push(f64::from(stats.decode_tokens_per_sec));
-            ttft.push(stats.time_to_first_token.map_or(secs, |d| d.as_secs_f64()));
-            total.push(secs);
-            tokens.push(stats.usage.output_tokens as f64);
+            samples.push(sample);
         }
-        let (p, _) = median_max(&mut prompt_tps);
-        let (d, _) = median_max(&mut decode_tps);
-        let (f, _) = median_max(&mut ttft);
-        let (t, tmax) = median_max(&mut total);
-        let (n, _) = median_max(&mut tokens);
+
+        // The same prompt and length again without the grammar: what the grammar costs per
+        // token. The prompt is cached by now, so this is decoding alone.
+        let plan_tokens = median(samples.iter().map(|s| s.tokens as f64));
+        let ctx = PlanningContext::question(QUESTIONS[0], a.workers, 5);
+        let free = GenerateOptions {
+            grammar: None,
+            max_tokens: plan_tokens.max(16.0) as usize,
+            temperature: options.temperature,
+            complete_at: None,
+        };
+        let started = Instant::now();
+        let generated = model
+            .generate(Some(&prompts.system(&ctx)), &prompts.messages(&ctx), &free, &mut |_| {})
+            .await
+            .map_err(|e| Failure::Failed(e.to_string()))?;
+        let free = Sample::new(&generated, started.elapsed().as_secs_f64());
+
+        let cold = &samples[0];
+        let warm = &samples[1..];
+        let prompt_tps_cold = (cold.prompt_tokens - cold.cached_tokens) as f64 / cold.first_token_s;
+        let decode = median(samples.iter().map(|s| s.decode_tps));
+        let grammar_ms = 1000.0 / decode - 1000.0 / free.decode_tps;
+        let first_warm = median(warm.iter().map(|s| s.first_token_s));
+        let plan_warm = median(warm.iter().map(|s| s.plan_s));
+        let cached_warm = median(warm.iter().map(|s| s.cached_tokens as f64));
+        let plan_max = samples.iter().map(|s| s.plan_s).fold(0.0, f64::max);
+        let cut = samples.iter().filter(|s| s.cut).count();
+        let stopped = samples.iter().filter(|s| s.stop_reason == "stop").count();
         if a.json {
             println!(
                 "{}",
                 serde_json::json!({
-                    "model": a.model.display().to_string(), "device": model.device, "runs": a.runs,
-                    "load_s": model.load_time.as_secs_f64(), "prompt_tokens_per_s": p, "decode_tokens_per_s": d,
-                    "time_to_first_token_s": f, "plan_s_median": t, "plan_s_max": tmax, "plan_tokens_median": n,
+                    "model": a.model.display().to_string(), "device": model.device,
+                    "simd": baton_conductor::cpu::simd_level(), "threads": threads(), "runs": a.runs,
+                    "load_s": model.load_time.as_secs_f64(),
+                    "prompt_tokens": cold.prompt_tokens, "prompt_tokens_per_s_cold": prompt_tps_cold,
+                    "cached_prompt_tokens_warm": cached_warm,
+                    "first_token_s_cold": cold.first_token_s, "first_token_s_warm": first_warm,
+                    "plan_s_cold": cold.plan_s, "plan_s_warm": plan_warm, "plan_s_max": plan_max,
+                    "plan_tokens_median": plan_tokens,
+                    "decode_tokens_per_s": decode, "decode_tokens_per_s_without_grammar": free.decode_tps,
+                    "grammar_ms_per_token": grammar_ms,
+                    "plans_ended_by_stop_token": stopped, "plans_cut_after_fence": cut,
                 })
             );
         } else {
+            let na = |v: f64| if v.is_nan() { "n/a (one run)".to_owned() } else { format!("{v:.2} s") };
             println!("model        {} on {}", a.model.display(), model.device);
+            println!("build        {}, {} threads", baton_conductor::cpu::simd_level(), threads());
             println!("load         {:.2} s", model.load_time.as_secs_f64());
-            println!("prompt       {p:.0} tokens/s (median)");
-            println!("decode       {d:.1} tokens/s (median)");
-            println!("first token  {:.3} s (median)", f);
-            println!("plan         {t:.2} s median, {tmax:.2} s worst, {n:.0} tokens median");
+            println!(
+                "prompt       {} tokens, {prompt_tps_cold:.0} tokens/s cold; {cached_warm:.0} cached when warm (median)",
+                cold.prompt_tokens
+            );
+            println!("first token  {:.2} s cold, {} warm (median)", cold.first_token_s, na(first_warm));
+            println!(
+                "plan         {:.2} s cold, {} warm (median), {plan_max:.2} s worst; {plan_tokens:.0} tokens (median)",
+                cold.plan_s,
+                na(plan_warm)
+            );
+            println!(
+                "decode       {decode:.1} tokens/s under the grammar, {:.1} without: the grammar adds {grammar_ms:.1} ms a token",
+                free.decode_tps
+            );
+            println!("ended        {stopped} of {} by the end token, {cut} cut after the closing fence", a.runs);
         }
         Ok(())
     }

@@ -54,7 +54,7 @@ pub fn worker(name: &str, model: &str, base_url: &str) -> Value {
 
 pub fn conductor() -> Value {
     json!({
-        "model": null, "url": null, "device": "auto", "max_steps": 5, "recursion": false,
+        "model": null, "url": null, "grammar": null, "device": "auto", "max_steps": 5, "recursion": false,
         "max_depth": 2, "max_calls": null, "max_tokens": null, "max_cost_usd": null,
     })
 }
