@@ -13,7 +13,11 @@ export type Usage = { input_tokens: number,
 /**
  * Includes reasoning ("thinking") tokens, which providers bill as output.
  */
-output_tokens: number, };
+output_tokens: number, 
+/**
+ * Of `input_tokens`, those served from a prompt cache (a local model's prefix cache).
+ */
+cached_input_tokens: number, };
 
 export type Plan = { model_id: Array<number>, subtasks: Array<string>, access_list: Array<Access> };
 
@@ -75,7 +79,17 @@ parent?: StepRef | null, } | { "type": "plan_delta", round: number, text: string
 /**
  * The conductor's whole answer; absent for a given plan.
  */
-raw?: string | null, } | { "type": "step_started", round: number, step: number, 
+raw?: string | null, 
+/**
+ * The conductor's tokens for this plan (prompt, of it cached, and written); absent
+ * for a given plan.
+ */
+usage?: Usage | null, 
+/**
+ * Why the conductor's generation ended: `stop` (its end token), `length` (its token cap),
+ * or `complete` (Baton ended the stream once the plan was whole).
+ */
+stop_reason?: string | null, } | { "type": "step_started", round: number, step: number, 
 /**
  * Index of the worker in the pool; the pool's size means the conductor itself.
  */
@@ -141,7 +155,16 @@ export type PlanRecord = { round: number, depth: number, parent: StepRef | null,
 /**
  * The conductor's whole text; `None` for a written plan.
  */
-raw: string | null, plan: Plan, };
+raw: string | null, plan: Plan, 
+/**
+ * The conductor's tokens for this plan; `None` for a written plan (or one recorded before
+ * they were kept).
+ */
+usage: Usage | null, 
+/**
+ * Why the conductor's generation ended (`stop`, `length`).
+ */
+stop_reason: string | null, };
 
 export type StepRecord = { round: number, step: number, worker_index: number, worker: string, subtask: string, access: Access, 
 /**
@@ -183,6 +206,11 @@ model: string | null,
  * An OpenAI-compatible server that runs the conductor.
  */
 url: string | null, 
+/**
+ * With `url`: the server's plan-grammar field (`vllm`, `sglang`, `llama.cpp`), or `None`
+ * to parse its answers.
+ */
+grammar: string | null, 
 /**
  * `auto` (GPU when there is one) or `cpu`.
  */

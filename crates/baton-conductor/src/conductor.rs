@@ -20,7 +20,8 @@ pub struct ConductorOptions {
     pub max_reasoning_chars: usize,
     /// Longest subtask, in characters.
     pub max_subtask_chars: usize,
-    /// `None` uses the model's generation defaults.
+    /// `None` uses the model's generation defaults. The default, 0, is greedy decoding: the same
+    /// question and pool give the same plan, so a plan can be reproduced and a run compared.
     pub temperature: Option<f64>,
     /// Whenever the conductor may pick itself, it must (tests drive recursion to its caps).
     pub force_self: bool,
@@ -40,7 +41,7 @@ impl Default for ConductorOptions {
         ConductorOptions {
             max_reasoning_chars: 1200,
             max_subtask_chars: 600,
-            temperature: Some(0.3),
+            temperature: Some(0.0),
             force_self: false,
             no_examples: false,
             plan_time_limit: DEFAULT_PLAN_TIME_LIMIT,

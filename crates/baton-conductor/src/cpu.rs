@@ -71,7 +71,7 @@ pub fn exit_unless_supported() {
             eprintln!(
                 "error: this build of Baton needs CPU features this processor lacks ({missing}): it was built for \
                  x86-64-v3 (AVX2, FMA; Intel since 2013, AMD since 2015). Build it for this CPU instead: \
-                 RUSTFLAGS=\"-C target-cpu=native\" scripts/app (see the README, \"Older CPUs\")."
+                 RUSTFLAGS=\"-C target-cpu=native\" scripts/app (see \"Older x86-64 CPUs\" in the README)."
             );
             std::process::exit(3);
         }

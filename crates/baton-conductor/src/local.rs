@@ -109,8 +109,8 @@ impl std::fmt::Debug for LocalModel {
 pub struct Generated {
     pub text: String,
     pub usage: Usage,
-    /// `stop` (an end token, or the text was complete: see [`GenerateOptions::complete_at`]),
-    /// `length` (the token cap), as mistral.rs reports it.
+    /// `stop` (an end token) or `length` (the token cap), as mistral.rs reports it; `complete`
+    /// when Baton ended the stream itself after the text was complete (`cut_after_complete`).
     pub finish_reason: Option<String>,
     /// True when Baton ended the stream itself: the text was complete but the model had not
     /// stopped soon after (see [`GenerateOptions::complete_at`]).
@@ -310,24 +310,32 @@ impl LocalModel {
             decode_tokens_per_sec: 0.0,
         };
         let mut pieces = 0u32;
+        // Set when the text first ends with `complete_at`: the moment Baton stops waiting for the
+        // end token. Fixed then, so that tokens which decode to nothing (mistral.rs still sends a
+        // chunk for each) cannot keep a finished answer alive; reset only by more text.
+        let mut deadline: Option<tokio::time::Instant> = None;
         loop {
             let complete = options.complete_at.as_deref().is_some_and(|end| out.text.ends_with(end));
-            let next = if complete {
+            if !complete {
+                deadline = None;
+            } else if deadline.is_none() {
                 // The answer is whole: its end token is the very next one. Wait a few tokens'
                 // time for it (the finish reason and usage come with it), no longer.
                 let per_piece = out
                     .time_to_first_token
                     .map_or(Duration::ZERO, |first| started.elapsed().saturating_sub(first) / pieces.max(1));
                 let grace = (per_piece * 4).clamp(Duration::from_millis(500), Duration::from_secs(10));
-                match tokio::time::timeout(grace, stream.next()).await {
+                deadline = Some(tokio::time::Instant::now() + grace);
+            }
+            let next = match deadline {
+                Some(deadline) => match tokio::time::timeout_at(deadline, stream.next()).await {
                     Ok(next) => next,
                     Err(_) => {
                         out.cut_after_complete = true;
                         break;
                     }
-                }
-            } else {
-                stream.next().await
+                },
+                None => stream.next().await,
             };
             let Some(response) = next else { break };
             match response {
@@ -388,7 +396,13 @@ impl LocalModel {
                 output_tokens: answer_tokens.len() as u64 + end,
                 cached_input_tokens: 0,
             };
-            let reason = if out.usage.output_tokens >= options.max_tokens as u64 { "length" } else { "stop" };
+            let reason = if out.cut_after_complete {
+                "complete"
+            } else if out.usage.output_tokens >= options.max_tokens as u64 {
+                "length"
+            } else {
+                "stop"
+            };
             out.finish_reason = Some(reason.to_owned());
         }
         out.usage.cached_input_tokens = cached_tokens.min(out.usage.input_tokens as usize) as u64;

@@ -64,7 +64,8 @@ pub enum RunEvent {
         /// for a given plan.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         usage: Option<Usage>,
-        /// Why the conductor's generation ended (`stop`, `length`), as its model reported it.
+        /// Why the conductor's generation ended: `stop` (its end token), `length` (its token cap),
+        /// or `complete` (Baton ended the stream once the plan was whole).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         stop_reason: Option<String>,
     },

@@ -33,7 +33,7 @@ const CONDUCTOR = WORKERS.length;
 
 const TOTALS: Totals = {
   calls: 0,
-  usage: { input_tokens: 0, output_tokens: 0 },
+  usage: { input_tokens: 0, output_tokens: 0, cached_input_tokens: 0 },
   cost_usd: 0,
   cost_complete: true,
   wall_ms: 0,
@@ -73,7 +73,7 @@ function roundEvents(round: number, p: Plan, depth = 0, parent?: { round: number
         round,
         step,
         output: `answer ${round}.${step}`,
-        usage: { input_tokens: 10, output_tokens: 5 },
+        usage: { input_tokens: 10, output_tokens: 5, cached_input_tokens: 0 },
         cost_usd: 0.001,
         latency_ms: 100,
         retries: 0,
@@ -134,7 +134,7 @@ describe("applyEvent and graphOf", () => {
       subtask: "subtask 0",
       status: "done",
       output: "answer 0.0",
-      usage: { input_tokens: 10, output_tokens: 5 },
+      usage: { input_tokens: 10, output_tokens: 5, cached_input_tokens: 0 },
       cost_usd: 0.001,
       latency_ms: 100,
       retries: 0,
@@ -296,7 +296,7 @@ describe("fromRunTree", () => {
       round: 0,
       step: 1,
       output: "answer 1.1",
-      usage: { input_tokens: 0, output_tokens: 0 },
+      usage: { input_tokens: 0, output_tokens: 0, cached_input_tokens: 0 },
       cost_usd: 0,
       latency_ms: 300,
       retries: 0,
@@ -352,8 +352,8 @@ describe("fromRunTree", () => {
       rerun_of: null,
     },
     plans: [
-      { round: 1, depth: 1, parent, raw: "model_id = ...", plan: nested },
-      { round: 0, depth: 0, parent: null, raw: "model_id = ...", plan: top },
+      { round: 1, depth: 1, parent, raw: "model_id = ...", plan: nested, usage: null, stop_reason: null },
+      { round: 0, depth: 0, parent: null, raw: "model_id = ...", plan: top, usage: null, stop_reason: null },
     ],
     steps: [
       record(0, 0, 0, [], {}),
@@ -394,7 +394,7 @@ describe("fromRunTree", () => {
     expect(t.rounds.map((r) => r.round)).toEqual([0, 1]);
     expect(findStep(t, 0, 2)).toMatchObject({ status: "failed", usage: null, cost_usd: null, error: { kind: "timeout" } });
     expect(findStep(t, 1, 1)).toMatchObject({ status: "done", output: "answer 1.1" });
-    expect(findStep(t, 1, 1)?.usage).toEqual({ input_tokens: 10, output_tokens: 5 });
+    expect(findStep(t, 1, 1)?.usage).toEqual({ input_tokens: 10, output_tokens: 5, cached_input_tokens: 0 });
     expect(t.totals).toMatchObject({ calls: 4, wall_ms: 900, steps_finished: [0, 1], steps_failed: [2], rounds: 2 });
   });
 
@@ -567,7 +567,7 @@ describe("re-runs", () => {
     round: 0,
     step,
     output: `new ${step}`,
-    usage: { input_tokens: 3, output_tokens: 2 },
+    usage: { input_tokens: 3, output_tokens: 2, cached_input_tokens: 0 },
     cost_usd: 0,
     latency_ms: 50,
     retries: 0,
@@ -634,7 +634,7 @@ describe("re-runs", () => {
         wall_ms: 100,
         rerun_of: rerunOf,
       },
-      plans: [{ round: 0, depth: 0, parent: null, raw: null, plan: p }],
+      plans: [{ round: 0, depth: 0, parent: null, raw: null, plan: p, usage: null, stop_reason: null }],
       steps: [
         step(0, 0, [], {
           output: "old 0",

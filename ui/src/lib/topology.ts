@@ -281,7 +281,7 @@ function overlayStoredStep(s: TopologyStep, rec: StepRecord, workers: WorkerInfo
   s.usage =
     rec.input_tokens === null && rec.output_tokens === null
       ? null
-      : { input_tokens: rec.input_tokens ?? 0, output_tokens: rec.output_tokens ?? 0 };
+      : { input_tokens: rec.input_tokens ?? 0, output_tokens: rec.output_tokens ?? 0, cached_input_tokens: 0 };
   s.cost_usd = rec.cost_usd;
   s.latency_ms = rec.latency_ms;
   s.retries = rec.retries;
@@ -324,7 +324,7 @@ export function fromRunTree(tree: RunTree): Topology {
   const topIndices = (status: StepStatus) => top?.steps.filter((s) => s.status === status).map((s) => s.step) ?? [];
   t.totals = {
     calls: run.calls,
-    usage: { input_tokens: run.input_tokens, output_tokens: run.output_tokens },
+    usage: { input_tokens: run.input_tokens, output_tokens: run.output_tokens, cached_input_tokens: 0 },
     cost_usd: run.cost_usd,
     cost_complete: run.cost_complete,
     wall_ms: run.wall_ms ?? 0,
