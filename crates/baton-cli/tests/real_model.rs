@@ -16,7 +16,7 @@ async fn baton(args: &[&str], stdin: Option<&str>) -> Output {
 
 fn pool(dir: &Path, model: &Path, workers: &[&str]) -> std::path::PathBuf {
     let mut text = format!(
-        "[conductor]\nmodel = \"{}\"\ndevice = \"cpu\"\nmax_reasoning_chars = 300\nmax_subtask_chars = 200\n",
+        "[conductor]\nmodel = \"{}\"\ndevice = \"cpu\"\nmax_reasoning_chars = 150\nmax_subtask_chars = 150\n",
         model.display()
     );
     for (i, description) in workers.iter().enumerate() {
@@ -33,8 +33,7 @@ fn pool(dir: &Path, model: &Path, workers: &[&str]) -> std::path::PathBuf {
 async fn baton_plan_ends_as_soon_as_the_plan_is_written() {
     let Some(model) = baton_tests::real_model() else { return };
     let dir = tempfile::tempdir().expect("tempdir");
-    let cases: [(&str, &[&str]); 3] = [
-        ("What is the sum of the first ten odd numbers?", &["strong at math"]),
+    let cases: [(&str, &[&str]); 2] = [
         ("Write a short poem about autumn, then check its rhyme.", &["a good writer", "a careful reviewer"]),
         (
             "Write a Python function that checks whether a number is prime.",

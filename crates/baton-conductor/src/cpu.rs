@@ -41,7 +41,7 @@ pub fn simd_level() -> &'static str {
     } else if cfg!(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")) {
         "x86-64-v3 (AVX2, FMA, F16C)"
     } else if cfg!(target_arch = "x86_64") {
-        "x86-64 baseline (SSE2): slow; see the README on SIMD builds"
+        "x86-64 baseline (SSE2): slow; see \"Older x86-64 CPUs\" in the README"
     } else if cfg!(target_arch = "aarch64") {
         "aarch64 (NEON)"
     } else {

@@ -51,8 +51,8 @@ fn workers(n: usize) -> Vec<WorkerInfo> {
 /// ending is what is tested, and it does not depend on the length.
 fn options(temperature: f64) -> ConductorOptions {
     ConductorOptions {
-        max_reasoning_chars: 300,
-        max_subtask_chars: 200,
+        max_reasoning_chars: 150,
+        max_subtask_chars: 150,
         temperature: Some(temperature),
         ..Default::default()
     }
@@ -82,11 +82,9 @@ async fn plans_end_as_soon_as_their_grammar_is_complete() {
     let Some(model) = model().await else { return };
     let cases = [
         ("What is 17 times 23?", 1, 5),
-        ("Write a haiku about the sea.", 2, 3),
         ("Is 2^31 - 1 prime? Justify the answer.", 3, 5),
         ("Write a Python function that reverses a linked list.", 4, 4),
-        ("Who painted the Mona Lisa, and when?", 5, 2),
-        ("Explain the difference between TCP and UDP.", 3, 1),
+        ("Explain the difference between TCP and UDP.", 5, 1),
     ];
     for (question, pool_size, max_steps) in cases {
         let conductor = LocalConductor::new(model.clone(), workers(pool_size), options(0.3));
