@@ -79,8 +79,15 @@ impl PoolArg {
 }
 
 fn main() -> ExitCode {
-    // Before anything else: the rest of the binary may use instructions this CPU lacks.
+    // Before anything else: the rest of the binary may use instructions this CPU lacks. `main`
+    // stays this small so that the compiler has nothing to put before the check: with the work
+    // inlined here, its prologue zeroed locals with an AVX instruction and died of SIGILL first.
     baton_conductor::cpu::exit_unless_supported();
+    run()
+}
+
+#[inline(never)]
+fn run() -> ExitCode {
     let cli = Cli::parse();
     // SAFETY: before the async runtime or any other thread exists.
     #[allow(unsafe_code)]

@@ -10,19 +10,63 @@
 /// x86-64-v3's definition. `compiled` is fixed at compile time.
 #[cfg(target_arch = "x86_64")]
 fn features() -> [(&'static str, bool, bool); 9] {
-    // Each check is spelled out: the macro needs a literal, and no loop or table here may be
-    // turned into vector code (the very instructions under test).
+    let cpu = Cpuid::read();
+    // Each check is spelled out: no loop or table here may be turned into vector code (the very
+    // instructions under test).
     [
-        ("avx", cfg!(target_feature = "avx"), std::arch::is_x86_feature_detected!("avx")),
-        ("avx2", cfg!(target_feature = "avx2"), std::arch::is_x86_feature_detected!("avx2")),
-        ("bmi1", cfg!(target_feature = "bmi1"), std::arch::is_x86_feature_detected!("bmi1")),
-        ("bmi2", cfg!(target_feature = "bmi2"), std::arch::is_x86_feature_detected!("bmi2")),
-        ("f16c", cfg!(target_feature = "f16c"), std::arch::is_x86_feature_detected!("f16c")),
-        ("fma", cfg!(target_feature = "fma"), std::arch::is_x86_feature_detected!("fma")),
-        ("lzcnt", cfg!(target_feature = "lzcnt"), std::arch::is_x86_feature_detected!("lzcnt")),
-        ("movbe", cfg!(target_feature = "movbe"), std::arch::is_x86_feature_detected!("movbe")),
-        ("xsave", cfg!(target_feature = "xsave"), std::arch::is_x86_feature_detected!("xsave")),
+        ("avx", cfg!(target_feature = "avx"), cpu.avx()),
+        ("avx2", cfg!(target_feature = "avx2"), cpu.avx() && cpu.leaf7_ebx & (1 << 5) != 0),
+        ("bmi1", cfg!(target_feature = "bmi1"), cpu.leaf7_ebx & (1 << 3) != 0),
+        ("bmi2", cfg!(target_feature = "bmi2"), cpu.leaf7_ebx & (1 << 8) != 0),
+        ("f16c", cfg!(target_feature = "f16c"), cpu.avx() && cpu.leaf1_ecx & (1 << 29) != 0),
+        ("fma", cfg!(target_feature = "fma"), cpu.avx() && cpu.leaf1_ecx & (1 << 12) != 0),
+        ("lzcnt", cfg!(target_feature = "lzcnt"), cpu.ext1_ecx & (1 << 5) != 0),
+        ("movbe", cfg!(target_feature = "movbe"), cpu.leaf1_ecx & (1 << 22) != 0),
+        ("xsave", cfg!(target_feature = "xsave"), cpu.leaf1_ecx & (1 << 26) != 0),
     ]
+}
+
+/// The CPU's own answer, read with `cpuid`. Not `is_x86_feature_detected!`: in a build compiled
+/// with a feature, that macro answers `true` for it without asking the CPU.
+#[cfg(target_arch = "x86_64")]
+struct Cpuid {
+    leaf1_ecx: u32,
+    leaf7_ebx: u32,
+    ext1_ecx: u32,
+    /// The OS saves the AVX registers on a context switch (XCR0 bits 1 and 2).
+    os_saves_avx: bool,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Cpuid {
+    #[inline(never)]
+    fn read() -> Cpuid {
+        use std::arch::x86_64::{__cpuid, __cpuid_count};
+        // Every x86-64 CPU has `cpuid`; leaves past the maximum it reports are not read.
+        let max = __cpuid(0).eax;
+        let leaf1_ecx = __cpuid(1).ecx;
+        let leaf7_ebx = if max >= 7 { __cpuid_count(7, 0).ebx } else { 0 };
+        let ext1_ecx = if __cpuid(0x8000_0000).eax >= 0x8000_0001 { __cpuid(0x8000_0001).ecx } else { 0 };
+        let osxsave = leaf1_ecx & (1 << 27) != 0;
+        let os_saves_avx = osxsave && xcr0() & 0b110 == 0b110;
+        Cpuid { leaf1_ecx, leaf7_ebx, ext1_ecx, os_saves_avx }
+    }
+
+    fn avx(&self) -> bool {
+        self.os_saves_avx && self.leaf1_ecx & (1 << 28) != 0
+    }
+}
+
+/// XCR0, read with `xgetbv`; only called when the CPU reports OSXSAVE (else it faults).
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+fn xcr0() -> u64 {
+    let (eax, edx): (u32, u32);
+    // SAFETY: `xgetbv` with ECX = 0 reads XCR0, which the caller checked the OS enables.
+    unsafe {
+        std::arch::asm!("xgetbv", in("ecx") 0u32, out("eax") eax, out("edx") edx, options(nomem, nostack, preserves_flags));
+    }
+    (u64::from(edx) << 32) | u64::from(eax)
 }
 
 /// The features this binary was compiled to use that this CPU lacks.
