@@ -165,7 +165,9 @@ mod tests {
     #[test]
     fn every_example_is_a_valid_plan() {
         let limits = baton_plan::Limits { max_steps: 5, pool_size: Some(3), allow_stop: false };
-        let examples: Vec<&str> = EXAMPLES.split("\nExample ").skip(1).collect();
+        // "Example 1. …" to "Example 4. …"; the heading line also starts with "Example".
+        let examples: Vec<&str> =
+            EXAMPLES.split("\nExample ").filter(|e| e.starts_with(|c: char| c.is_ascii_digit())).collect();
         assert_eq!(examples.len(), 4);
         for example in examples {
             baton_plan::parse(example, &limits).unwrap_or_else(|e| panic!("{e}\n{example}"));
@@ -182,7 +184,8 @@ mod tests {
         let other = PromptBuilder::new(workers().into_iter().rev().collect()).system(&ctx());
         let shared = question.chars().zip(other.chars()).take_while(|(a, b)| a == b).count();
         let workers_at = question.find("- Model 0").expect("workers listed");
-        assert_eq!(shared, workers_at, "the prompts part at the workers");
+        // (They may share a little more: the two worker lists can start alike.)
+        assert!(shared >= workers_at, "the prompts part before the workers: {shared} < {workers_at}");
         assert!(question[..workers_at].contains("Example 4."));
         // A recursive round: everything up to the round's own lines is the same.
         let round = PlanningContext { allow_self: true, allow_stop: true, depth: 1, max_steps: 2, ..ctx() };
