@@ -1,6 +1,8 @@
 // No console window next to the app on Windows release builds.
 #![cfg_attr(not(debug_assertions), windows_subsystem = "windows")]
 
+baton_conductor::check_cpu_before_anything!();
+
 fn main() {
     // Before anything else: the rest of the binary may use instructions this CPU lacks.
     baton_conductor::cpu::exit_unless_supported();

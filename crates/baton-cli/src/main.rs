@@ -78,6 +78,8 @@ impl PoolArg {
     }
 }
 
+baton_conductor::check_cpu_before_anything!();
+
 fn main() -> ExitCode {
     // Before anything else: the rest of the binary may use instructions this CPU lacks. `main`
     // stays this small so that the compiler has nothing to put before the check: with the work

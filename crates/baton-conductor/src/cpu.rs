@@ -121,3 +121,23 @@ pub fn exit_unless_supported() {
         }
     }
 }
+
+/// Runs [`exit_unless_supported`] before any other code of the binary, static constructors
+/// included: the app links crates whose constructors run before `main` (Tauri records the
+/// starting binary in one) and were compiled with AVX like the rest. Expand it once, in a
+/// binary's `main.rs`; a low priority number puts it first in `.init_array`.
+#[macro_export]
+macro_rules! check_cpu_before_anything {
+    () => {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        #[allow(unsafe_code)]
+        #[used]
+        #[unsafe(link_section = ".init_array.00100")]
+        static BATON_CPU_CHECK: extern "C" fn() = {
+            extern "C" fn check() {
+                $crate::cpu::exit_unless_supported();
+            }
+            check
+        };
+    };
+}
