@@ -1,7 +1,9 @@
 //! The CPU prompt path of the patched candle-core (`vendor/candle-core`, see its BATON.md): a
 //! quantized matmul over many rows at once gives, row for row, exactly what it gives each row
 //! alone, and both agree with plain f32 arithmetic on the dequantized weights. Q4_1 checks the
-//! AVX2 kernel added there; the others the tiling, over every quantization a conductor GGUF uses.
+//! AVX2 kernel added there; Q4_1 and Q4_K the kernels that take four input rows at once (45 rows
+//! run as groups of four and a remainder); the others the tiling, over every quantization a
+//! conductor GGUF uses.
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};

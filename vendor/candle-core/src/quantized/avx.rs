@@ -92,6 +92,40 @@ pub(crate) fn vec_dot_q4_1_q8_1(n: usize, xs: &[BlockQ4_1], ys: &[BlockQ8_1]) ->
     }
 }
 
+/// Baton: `vec_dot_q4_1_q8_1` for one weight row against four input rows at once. Each weight
+/// block is unpacked once and used four times; every row's float operations are the ones
+/// `vec_dot_q4_1_q8_1` does, in the same order, so the results are bit for bit the same.
+#[inline(always)]
+pub(crate) fn vec_dot_q4_1_q8_1_x4(
+    n: usize,
+    xs: &[BlockQ4_1],
+    ys: [&[BlockQ8_1]; 4],
+) -> [f32; 4] {
+    debug_assert!(
+        n.is_multiple_of(QK8_1),
+        "vec_dot_q4_1_q8_1: {n} is not divisible by {QK8_1}"
+    );
+    let blocks = n / QK8_1;
+    assert!(xs.len() >= blocks && ys.iter().all(|y| y.len() >= blocks));
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut mins = [0f32; 4];
+        for (i, x) in xs[..blocks].iter().enumerate() {
+            let (xm, xd) = (f16::to_f32(x.m), f16::to_f32(x.d));
+            let bx = bytes_from_nibbles_32(x.qs.as_ptr());
+            for r in 0..4 {
+                let y = ys[r].get_unchecked(i);
+                mins[r] += xm * f16::to_f32(y.s);
+                let d = _mm256_set1_ps(xd * f16::to_f32(y.d));
+                let by = _mm256_loadu_si256(y.qs.as_ptr() as *const __m256i);
+                let q = mul_sum_us8_pairs_float(bx, by);
+                acc[r] = _mm256_fmadd_ps(d, q, acc[r]);
+            }
+        }
+        [0, 1, 2, 3].map(|r| hsum_float_8(acc[r]) + mins[r])
+    }
+}
+
 #[inline(always)]
 pub(crate) fn vec_dot_q8_0_q8_0(n: usize, xs: &[BlockQ8_0], ys: &[BlockQ8_0]) -> f32 {
     debug_assert!(
@@ -546,6 +580,102 @@ pub(crate) fn vec_dot_q4k_q8k(n: usize, xs: &[BlockQ4K], ys: &[BlockQ8K]) -> f32
         let acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
 
         hsum_float_8(acc) + _mm_cvtss_f32(acc_m)
+    }
+}
+
+/// Baton: `vec_dot_q4k_q8k` for one weight row against four input rows at once. A prompt's
+/// matrix products spent most of their time unpacking each weight block's scales and nibbles,
+/// once per input row; here that is done once per four rows. Every row's float operations are
+/// the ones `vec_dot_q4k_q8k` does, in the same order (its integer sums are exact), so the
+/// results are bit for bit the same.
+#[inline(always)]
+pub(crate) fn vec_dot_q4k_q8k_x4(n: usize, xs: &[BlockQ4K], ys: [&[BlockQ8K]; 4]) -> [f32; 4] {
+    debug_assert!(
+        n.is_multiple_of(QK_K),
+        "vec_dot_q4k_q8k: {n} is not divisible by {QK_K}"
+    );
+    let blocks = n / QK_K;
+    assert!(xs.len() >= blocks && ys.iter().all(|y| y.len() >= blocks));
+    let mut utmp = [0u32; 4];
+    const KMASK1: u32 = 0x3f3f3f3f;
+    const KMASK2: u32 = 0x0f0f0f0f;
+    const KMASK3: u32 = 0x03030303;
+
+    unsafe {
+        let m4 = _mm256_set1_epi8(0xF);
+
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut acc_m = [_mm_setzero_ps(); 4];
+
+        for (i, x) in xs[..blocks].iter().enumerate() {
+            let (xd, xdmin) = (x.d.to_f32(), x.dmin.to_f32());
+
+            LittleEndian::read_u32_into(&x.scales, &mut utmp[0..3]);
+
+            utmp[3] = ((utmp[2] >> 4) & KMASK2) | (((utmp[1] >> 6) & KMASK3) << 4);
+            let uaux = utmp[1] & KMASK1;
+            utmp[1] = (utmp[2] & KMASK2) | (((utmp[0] >> 6) & KMASK3) << 4);
+            utmp[2] = uaux;
+            utmp[0] &= KMASK1;
+
+            let mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(
+                utmp[3] as i32,
+                utmp[2] as i32,
+                utmp[1] as i32,
+                utmp[0] as i32,
+            ));
+            let mins = _mm256_extracti128_si256(mins_and_scales, 1);
+            let sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+            let scales = mm256_set_m128i(sc128, sc128);
+
+            for r in 0..4 {
+                let y = ys[r].get_unchecked(i);
+                let dmin = -y.d * xdmin;
+                let q8sums = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
+                let q8s = _mm_hadd_epi16(
+                    _mm256_extracti128_si256(q8sums, 0),
+                    _mm256_extracti128_si256(q8sums, 1),
+                );
+                let prod = _mm_madd_epi16(mins, q8s);
+                acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r]);
+            }
+
+            let mut sumi = [_mm256_setzero_si256(); 4];
+            let q4 = x.qs.as_ptr();
+            for j in 0..QK_K / 64 {
+                let scale_l = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j));
+                let scale_h = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 1));
+
+                let q4bits = _mm256_loadu_si256(q4.add(32 * j) as *const __m256i);
+                let q4l = _mm256_and_si256(q4bits, m4);
+                let q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
+
+                for r in 0..4 {
+                    let q8 = ys[r].get_unchecked(i).qs.as_ptr().add(64 * j);
+                    let q8l = _mm256_loadu_si256(q8 as *const __m256i);
+                    let p16l = _mm256_maddubs_epi16(q4l, q8l);
+                    let p16l = _mm256_madd_epi16(scale_l, p16l);
+                    sumi[r] = _mm256_add_epi32(sumi[r], p16l);
+
+                    let q8h = _mm256_loadu_si256(q8.add(32) as *const __m256i);
+                    let p16h = _mm256_maddubs_epi16(q4h, q8h);
+                    let p16h = _mm256_madd_epi16(scale_h, p16h);
+                    sumi[r] = _mm256_add_epi32(sumi[r], p16h);
+                }
+            }
+
+            for r in 0..4 {
+                let d = ys[r].get_unchecked(i).d * xd;
+                let vd = _mm256_set1_ps(d);
+                acc[r] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            }
+        }
+
+        [0, 1, 2, 3].map(|r| {
+            let acc_m = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
+            let acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
+            hsum_float_8(acc[r]) + _mm_cvtss_f32(acc_m)
+        })
     }
 }
 

@@ -52,6 +52,13 @@ pub trait GgmlType: Sized + Clone + Send + Sync {
 
     /// Generic implementation of the dot product without simd optimizations.
     fn vec_dot_unopt(n: usize, xs: &[Self], ys: &[Self::VecDotType]) -> f32;
+
+    /// Baton: `vec_dot` of one weight row against four input rows. A type with a kernel that
+    /// unpacks each weight block once for the four overrides this; its results must equal four
+    /// `vec_dot` calls bit for bit.
+    fn vec_dot_x4(n: usize, xs: &[Self], ys: [&[Self::VecDotType]; 4]) -> [f32; 4] {
+        ys.map(|ys| Self::vec_dot(n, xs, ys))
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -282,6 +289,11 @@ impl GgmlType for BlockQ4_1 {
 
         #[cfg(not(target_feature = "avx2"))]
         Self::vec_dot_unopt(n, xs, ys)
+    }
+
+    #[cfg(target_feature = "avx2")]
+    fn vec_dot_x4(n: usize, xs: &[Self], ys: [&[Self::VecDotType]; 4]) -> [f32; 4] {
+        super::avx::vec_dot_q4_1_q8_1_x4(n, xs, ys)
     }
 
     fn vec_dot_unopt(n: usize, xs: &[Self], ys: &[Self::VecDotType]) -> f32 {
@@ -1374,6 +1386,11 @@ impl GgmlType for BlockQ4K {
         Self::vec_dot_unopt(n, xs, ys)
     }
 
+    #[cfg(target_feature = "avx2")]
+    fn vec_dot_x4(n: usize, xs: &[Self], ys: [&[Self::VecDotType]; 4]) -> [f32; 4] {
+        super::avx::vec_dot_q4k_q8k_x4(n, xs, ys)
+    }
+
     fn vec_dot_unopt(n: usize, xs: &[Self], ys: &[Self::VecDotType]) -> f32 {
         debug_assert!(
             n.is_multiple_of(QK_K),
@@ -2330,12 +2347,21 @@ pub fn matmul<T: GgmlType>(
             let cols = out.len() / m;
             for row0 in (0..m).step_by(ROW_TILE) {
                 let rows = row0..(row0 + ROW_TILE).min(m);
+                let lhs_row = |row: usize| &lhs_b[row * k_in_blocks..(row + 1) * k_in_blocks];
                 for c in 0..cols {
                     let col = first_col + c;
                     let rhs_col = &rhs_t[col * k_in_blocks..(col + 1) * k_in_blocks];
-                    for row in rows.clone() {
-                        let lhs_row = &lhs_b[row * k_in_blocks..(row + 1) * k_in_blocks];
-                        out[c * m + row] = T::vec_dot(k, rhs_col, lhs_row);
+                    // Four input rows at a time, so that a kernel can unpack each weight block
+                    // once for the four (`vec_dot_x4`); the rest one by one.
+                    let mut row = rows.start;
+                    while row + 4 <= rows.end {
+                        let ys = [lhs_row(row), lhs_row(row + 1), lhs_row(row + 2), lhs_row(row + 3)];
+                        let dots = T::vec_dot_x4(k, rhs_col, ys);
+                        out[c * m + row..c * m + row + 4].copy_from_slice(&dots);
+                        row += 4;
+                    }
+                    for row in row..rows.end {
+                        out[c * m + row] = T::vec_dot(k, rhs_col, lhs_row(row));
                     }
                 }
             }
