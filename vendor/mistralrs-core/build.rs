@@ -72,30 +72,12 @@ fn main() {
     }
 }
 
+// Baton: the published build script asks git for the revision and watches `.git/HEAD` relative
+// to this crate. Vendored inside another repository, that file does not exist, so cargo re-ran
+// the script on every invocation and recompiled this crate and everything above it each time
+// (minutes per `cargo test`/`cargo build`); `git rev-parse` also answered the host repository's
+// commit. The vendored crate names its published version instead.
 fn set_git_revision() {
-    let commit = std::process::Command::new("git")
-        .args(["rev-parse", "HEAD"])
-        .output()
-        .ok()
-        .and_then(|output| {
-            if output.status.success() {
-                String::from_utf8(output.stdout).ok()
-            } else {
-                None
-            }
-        })
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "unknown".to_string());
-
-    println!("cargo:rustc-env=MISTRALRS_GIT_REVISION={commit}");
-    println!("cargo:rerun-if-changed=.git/HEAD");
-    if let Ok(head) = std::fs::read_to_string(".git/HEAD") {
-        if let Some(ref_path) = head.strip_prefix("ref:") {
-            let ref_path = ref_path.trim();
-            if !ref_path.is_empty() {
-                println!("cargo:rerun-if-changed=.git/{}", ref_path);
-            }
-        }
-    }
+    println!("cargo:rustc-env=MISTRALRS_GIT_REVISION=v0.8.1 (patched for Baton)");
+    println!("cargo:rerun-if-changed=build.rs");
 }
