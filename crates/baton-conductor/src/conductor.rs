@@ -4,6 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use baton_engine::accounting::{Meter, WorstCase};
+use baton_engine::prices::Pricing;
 use baton_engine::{PlanDeltas, Planned, Planner, PlannerError, PlanningContext, WorkerInfo};
 use baton_plan::Limits;
 use baton_providers::{ChatEvent, ChatModel, ChatRequest, Constraint, Message, ServerGrammar, Usage};
@@ -114,11 +116,13 @@ impl LocalConductor {
         LocalConductor { model, prompts: options.prompts(workers), options }
     }
 
-    /// Writes one plan and reports how fast (for `baton bench conductor`).
+    /// Writes one plan and reports how fast (for `baton bench conductor`). Its one call is
+    /// charged to `meter`: tokens count, dollars are zero.
     pub async fn plan_with_stats(
         &self,
         ctx: &PlanningContext,
         on_text: &mut (dyn FnMut(&str) + Send),
+        meter: Meter<'_>,
     ) -> Result<(Planned, crate::local::Generated), PlannerError> {
         self.model.check_can_end_a_grammar().map_err(PlannerError::new)?;
         let grammar = grammar_for(ctx, &self.options);
@@ -130,13 +134,19 @@ impl LocalConductor {
         };
         let system = self.prompts.system(ctx);
         let messages = self.prompts.messages(ctx);
+        let output_cap = u32::try_from(options.max_tokens).unwrap_or(u32::MAX);
+        let worst = WorstCase::of(Some(&system), &messages, output_cap, &Pricing::Free);
+        let reservation = meter.reserve("the conductor", worst).await.map_err(PlannerError::refused)?;
         let generated = within_time_limit(self.options.plan_time_limit, async {
             self.model
                 .generate(Some(&system), &messages, &options, on_text)
                 .await
                 .map_err(|e| PlannerError::new(e.message))
         })
-        .await?;
+        .await;
+        // A failed generation's tokens are not reported by mistral.rs; it counts as a call.
+        reservation.settle(generated.as_ref().map(|g| g.usage).unwrap_or_default(), Some(0.0));
+        let generated = generated?;
         let plan = baton_plan::parse(&generated.text, &limits(ctx)).map_err(|e| {
             PlannerError::new(format!(
                 "the constrained plan did not parse ({e}); stop reason {:?}",
@@ -147,6 +157,7 @@ impl LocalConductor {
             raw: generated.text.clone(),
             plan,
             usage: generated.usage,
+            cost_usd: Some(0.0),
             stop_reason: generated.finish_reason.clone(),
         };
         Ok((planned, generated))
@@ -163,13 +174,18 @@ impl Planner for LocalConductor {
         &'a self,
         ctx: PlanningContext,
         mut deltas: PlanDeltas<'a>,
+        meter: Meter<'a>,
     ) -> BoxFuture<'a, Result<Planned, PlannerError>> {
         Box::pin(async move {
             let mut on_text = |t: &str| deltas(t);
-            self.plan_with_stats(&ctx, &mut on_text).await.map(|(planned, _)| planned)
+            self.plan_with_stats(&ctx, &mut on_text, meter).await.map(|(planned, _)| planned)
         })
     }
 }
+
+/// The output cap of a remote conductor's calls: far above the longest plan the default
+/// grammar admits, and what bounds the call's worst case for the run's budget.
+pub const REMOTE_MAX_TOKENS: u32 = 4096;
 
 /// A conductor behind an OpenAI-compatible endpoint (vLLM, SGLang, Ollama, llama.cpp).
 pub struct RemoteConductor {
@@ -179,6 +195,7 @@ pub struct RemoteConductor {
     options: ConductorOptions,
     /// The server's structured-output extension, when it has one the user named.
     grammar: Option<ServerGrammar>,
+    pricing: Pricing,
 }
 
 impl std::fmt::Debug for RemoteConductor {
@@ -190,7 +207,21 @@ impl std::fmt::Debug for RemoteConductor {
 impl RemoteConductor {
     /// `name` describes the endpoint for people, e.g. `"qwen2.5-72b at http://gpu:8000/v1"`.
     pub fn new(model: Arc<dyn ChatModel>, name: String, workers: Vec<WorkerInfo>, options: &ConductorOptions) -> Self {
-        RemoteConductor { model, name, prompts: options.prompts(workers), options: options.clone(), grammar: None }
+        RemoteConductor {
+            model,
+            name,
+            prompts: options.prompts(workers),
+            options: options.clone(),
+            grammar: None,
+            pricing: Pricing::Unknown,
+        }
+    }
+
+    /// How the server's calls are priced (default: unknown, so a run reports its cost as
+    /// incomplete rather than leaving the conductor out).
+    pub fn with_pricing(mut self, pricing: Pricing) -> Self {
+        self.pricing = pricing;
+        self
     }
 
     /// Has the server hold every answer to the plan grammar, so a plan always parses (the
@@ -209,27 +240,69 @@ impl RemoteConductor {
         })
     }
 
+    /// One call to the server, charged to `meter` with its worst case: the prompt's bytes, and
+    /// [`REMOTE_MAX_TOKENS`] of output, which the request carries.
     async fn ask(
         &self,
         system: &str,
         messages: Vec<Message>,
         constraint: Option<Constraint>,
         deltas: &mut PlanDeltas<'_>,
-    ) -> Result<(String, Usage, Option<String>), PlannerError> {
-        let request = ChatRequest { system: Some(system.to_owned()), messages, max_tokens: None, constraint };
-        let mut stream = self.model.stream(request).await.map_err(|e| PlannerError::new(e.to_string()))?;
-        let mut text = String::new();
-        while let Some(item) = stream.next().await {
-            match item.map_err(|e| PlannerError::new(e.to_string()))? {
-                ChatEvent::Text(t) => {
-                    deltas(&t);
-                    text.push_str(&t);
+        meter: Meter<'_>,
+    ) -> Result<Asked, PlannerError> {
+        let output_cap = REMOTE_MAX_TOKENS;
+        let max_tokens = Some(output_cap);
+        let worst = WorstCase::of(Some(system), &messages, output_cap, &self.pricing);
+        let reservation = meter.reserve("the conductor", worst).await.map_err(PlannerError::refused)?;
+        let request = ChatRequest { system: Some(system.to_owned()), messages, max_tokens, constraint };
+        let mut reported = Usage::default();
+        let answer = async {
+            let mut stream = match self.model.stream(request).await {
+                Ok(stream) => stream,
+                Err(e) => {
+                    reported = e.usage.unwrap_or_default();
+                    return Err(e);
                 }
-                ChatEvent::Done { usage, stop_reason } => return Ok((text, usage, stop_reason)),
+            };
+            let mut text = String::new();
+            while let Some(item) = stream.next().await {
+                match item {
+                    Ok(ChatEvent::Text(t)) => {
+                        deltas(&t);
+                        text.push_str(&t);
+                    }
+                    Ok(ChatEvent::Usage(u)) => reported = u,
+                    Ok(ChatEvent::Done { usage, stop_reason }) => {
+                        reported = usage;
+                        return Ok((text, stop_reason));
+                    }
+                    Err(e) => {
+                        if let Some(u) = e.usage {
+                            reported = u;
+                        }
+                        return Err(e);
+                    }
+                }
             }
+            Err(baton_providers::ProviderError::new(
+                baton_providers::ErrorKind::Network,
+                "the conductor's answer ended early",
+            ))
         }
-        Err(PlannerError::new("the conductor's answer ended early"))
+        .await;
+        let cost_usd = self.pricing.cost(&reported);
+        reservation.settle(reported, cost_usd);
+        let (text, stop_reason) = answer.map_err(|e| PlannerError::new(e.to_string()))?;
+        Ok(Asked { text, usage: reported, cost_usd, stop_reason })
     }
+}
+
+/// One answer from a remote conductor, and what it cost.
+struct Asked {
+    text: String,
+    usage: Usage,
+    cost_usd: Option<f64>,
+    stop_reason: Option<String>,
 }
 
 impl Planner for RemoteConductor {
@@ -244,15 +317,16 @@ impl Planner for RemoteConductor {
         &'a self,
         ctx: PlanningContext,
         mut deltas: PlanDeltas<'a>,
+        meter: Meter<'a>,
     ) -> BoxFuture<'a, Result<Planned, PlannerError>> {
         Box::pin(within_time_limit(self.options.plan_time_limit, async move {
             let system = self.prompts.system(&ctx);
             let mut messages = self.prompts.messages(&ctx);
             let constraint = self.constraint(&ctx);
-            let (text, usage, stop_reason) =
-                self.ask(&system, messages.clone(), constraint.clone(), &mut deltas).await?;
+            let first = self.ask(&system, messages.clone(), constraint.clone(), &mut deltas, meter).await?;
+            let Asked { text, usage, cost_usd, stop_reason } = first;
             let error = match baton_plan::parse(&text, &limits(&ctx)) {
-                Ok(plan) => return Ok(Planned { raw: text, plan, usage, stop_reason }),
+                Ok(plan) => return Ok(Planned { raw: text, plan, usage, cost_usd, stop_reason }),
                 Err(e) => e,
             };
             // One more try, with the error fed back.
@@ -262,11 +336,14 @@ impl Planner for RemoteConductor {
             messages.push(Message::user(format!(
                 "That plan could not be used: {error}. Write your reasoning and the three lists again, exactly in the required format."
             )));
-            let (second, usage2, stop_reason2) = self.ask(&system, messages, constraint, &mut deltas).await?;
+            let second = self.ask(&system, messages, constraint, &mut deltas, meter).await?;
             let mut total = usage;
-            total += usage2;
-            match baton_plan::parse(&second, &limits(&ctx)) {
-                Ok(plan) => Ok(Planned { raw: second, plan, usage: total, stop_reason: stop_reason2 }),
+            total += second.usage;
+            let cost_usd = cost_usd.zip(second.cost_usd).map(|(a, b)| a + b);
+            match baton_plan::parse(&second.text, &limits(&ctx)) {
+                Ok(plan) => {
+                    Ok(Planned { raw: second.text, plan, usage: total, cost_usd, stop_reason: second.stop_reason })
+                }
                 Err(e) => Err(PlannerError::new(format!(
                     "the conductor's plan could not be used twice: first {error}; then {e}"
                 ))),

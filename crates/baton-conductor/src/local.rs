@@ -357,7 +357,7 @@ impl LocalModel {
                         out.usage = Usage {
                             input_tokens: u.prompt_tokens as u64,
                             output_tokens: u.completion_tokens as u64,
-                            cached_input_tokens: 0,
+                            ..Usage::default()
                         };
                         out.prompt_tokens_per_sec = u.avg_prompt_tok_per_sec;
                         out.decode_tokens_per_sec = u.avg_compl_tok_per_sec;
@@ -370,7 +370,7 @@ impl LocalModel {
                     out.usage = Usage {
                         input_tokens: done.usage.prompt_tokens as u64,
                         output_tokens: done.usage.completion_tokens as u64,
-                        cached_input_tokens: 0,
+                        ..Usage::default()
                     };
                     break;
                 }
@@ -394,7 +394,7 @@ impl LocalModel {
             out.usage = Usage {
                 input_tokens: prompt_tokens.len() as u64,
                 output_tokens: answer_tokens.len() as u64 + end,
-                cached_input_tokens: 0,
+                ..Usage::default()
             };
             let reason = if out.cut_after_complete {
                 "complete"

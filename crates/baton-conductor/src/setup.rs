@@ -146,7 +146,8 @@ pub async fn attach_local_workers(
                 baton_engine::Worker {
                     info: pool.infos()[index].clone(),
                     model: Arc::new(local),
-                    price: spec.price(),
+                    pricing: spec.pricing(),
+                    output_cap: spec.max_tokens,
                     timeout: spec.timeout,
                     // One local engine runs its sequences itself; share one limit per model file.
                     endpoint: format!("local {}", spec.model),
@@ -203,14 +204,17 @@ pub async fn planner(
             ),
         };
         let settings = ModelSettings {
-            max_tokens: 4096,
+            max_tokens: crate::conductor::REMOTE_MAX_TOKENS,
             temperature: options.temperature.map(|t| t as f32),
             ..ModelSettings::new(&model_name)
         };
         let http = HttpModel::new(ProviderKind::OpenAiCompatible, &source, settings, key, HttpModel::http_client());
         let name = format!("{model_name} at {source}");
         let grammar = choice.grammar.unwrap_or(spec.grammar);
-        let conductor = crate::RemoteConductor::new(Arc::new(http), name, pool.infos(), &options).with_grammar(grammar);
+        let pricing = baton_engine::prices::lookup(ProviderKind::OpenAiCompatible, &source, &model_name);
+        let conductor = crate::RemoteConductor::new(Arc::new(http), name, pool.infos(), &options)
+            .with_grammar(grammar)
+            .with_pricing(pricing);
         return Ok(Arc::new(conductor));
     }
     local(pool, choice, &source, options, models, notify).await

@@ -6,6 +6,7 @@ use baton_plan::Plan;
 use baton_providers::{ErrorKind, Message, Usage};
 use serde::{Deserialize, Serialize};
 
+use crate::accounting::Figures;
 use crate::pool::WorkerInfo;
 
 /// Everything that happens in a run, in order.
@@ -175,6 +176,8 @@ pub enum StepErrorKind {
     Conductor,
     /// A recursion cap (depth or total steps) was reached.
     RecursionLimit,
+    /// The step's next call would not fit under a budget cap, so it was not made.
+    Budget,
 }
 
 impl From<ErrorKind> for StepErrorKind {
@@ -223,22 +226,49 @@ pub struct RunError {
     pub message: String,
 }
 
-/// Running totals of a run.
+/// What a run spent, in one shape for every surface.
+///
+/// `calls`, `usage`, `cost_usd` and `cost_complete` cover every request the run sent: the
+/// conductor's and the workers', retries and failed attempts included. `conductor` and
+/// `workers` split the same figures by who made the call (they add up to the whole).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ts_rs::TS)]
 pub struct Totals {
-    /// Provider calls, retries included.
+    /// Requests sent, retries and failed attempts included.
     pub calls: u32,
     pub usage: Usage,
-    /// Sum over steps with a known price.
+    /// Sum over calls with a known price.
     pub cost_usd: f64,
-    /// False when some step's price is unknown, so `cost_usd` is a lower bound.
+    /// False when some call's price is unknown, so `cost_usd` is a lower bound.
     pub cost_complete: bool,
+    /// The conductor's share: its calls writing plans (a local conductor costs $0, its tokens count).
+    #[serde(default)]
+    pub conductor: Figures,
+    /// The workers' share.
+    #[serde(default)]
+    pub workers: Figures,
+    /// Who made calls with no known price (worker names, or "the conductor").
+    #[serde(default)]
+    pub cost_unknown_for: Vec<String>,
     pub wall_ms: u64,
     /// Steps of round 0 that finished or failed (nested rounds are in the events).
     pub steps_finished: Vec<usize>,
     pub steps_failed: Vec<usize>,
     /// Plans written, recursive rounds included.
     pub rounds: u32,
+}
+
+impl Totals {
+    /// "cost unknown for a, b", when some price is unknown: what every surface shows beside
+    /// the dollar figure, which is then only a lower bound.
+    pub fn cost_unknown_note(&self) -> Option<String> {
+        (!self.cost_complete).then(|| {
+            if self.cost_unknown_for.is_empty() {
+                "cost unknown for some calls".to_owned()
+            } else {
+                format!("cost unknown for {}", self.cost_unknown_for.join(", "))
+            }
+        })
+    }
 }
 
 /// Checks a whole run's events against the contract documented on [`RunEvent`]; the error

@@ -27,11 +27,12 @@ use futures::stream::FuturesUnordered;
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
+use crate::accounting::{Caller, Ledger, Meter, Refused, WorstCase};
 use crate::event::{RerunOf, RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, StepRef, Totals};
 use crate::keys;
 use crate::planner::{Planner, PlanningContext};
-use crate::pool::{Budget, Pool, PoolOptions, WorkerInfo, WorkerSpec};
-use crate::pricing::Price;
+use crate::pool::{Pool, PoolOptions, WorkerInfo, WorkerSpec};
+use crate::prices::Pricing;
 
 /// Where a run's events go. Unbounded so a slow consumer never stalls the run.
 pub type EventSink = mpsc::UnboundedSender<RunEvent>;
@@ -40,7 +41,10 @@ pub type EventSink = mpsc::UnboundedSender<RunEvent>;
 pub struct Worker {
     pub info: WorkerInfo,
     pub model: Arc<dyn ChatModel>,
-    pub price: Option<Price>,
+    pub pricing: Pricing,
+    /// The most output tokens one call can produce (see `ModelSettings::output_cap`): what a
+    /// call reserves for its output.
+    pub output_cap: u32,
     /// Limit for one call, retries not included.
     pub timeout: Duration,
     /// Workers with the same endpoint share one concurrency limit.
@@ -163,7 +167,8 @@ impl Executor {
                 Worker {
                     info,
                     model: Arc::new(model),
-                    price: spec.price(),
+                    pricing: spec.pricing(),
+                    output_cap: spec.settings().output_cap(),
                     timeout: spec.timeout,
                     endpoint: format!("{} {base_url}", spec.provider),
                 }
@@ -269,10 +274,14 @@ impl Executor {
                 (round, plan)
             }
             None => match self.write_plan(&ctx, 0, None, Vec::new()).await {
-                Ok(written) => written,
+                Ok(written) => (written.round, written.plan),
                 Err(StepFailure::Stopped) => return ctx.finish_stopped(started),
                 Err(failure) => {
-                    let error = RunError { kind: RunErrorKind::Conductor, message: failure.message() };
+                    let kind = match failure {
+                        StepFailure::Budget(_) => RunErrorKind::BudgetExceeded,
+                        _ => RunErrorKind::Conductor,
+                    };
+                    let error = RunError { kind, message: failure.message() };
                     return ctx.finish(RunStatus::Failed, None, Some(error), started, &[], &[]);
                 }
             },
@@ -300,7 +309,7 @@ impl Executor {
         depth: u32,
         parent: Option<StepRef>,
         work: Vec<Message>,
-    ) -> Result<(u32, Plan), StepFailure> {
+    ) -> Result<Written, StepFailure> {
         let Some(planner) = &self.planner else {
             return Err(StepFailure::Conductor("no conductor is configured to write a plan".into()));
         };
@@ -325,12 +334,19 @@ impl Executor {
         let deltas = Box::new(move |text: &str| {
             let _ = events.send(RunEvent::PlanDelta { round, text: text.to_owned() });
         });
+        let meter = Meter { ledger: &ctx.ledger, stop: &ctx.stop };
         let planned = tokio::select! {
             biased;
             () = ctx.stop.cancelled() => return Err(StepFailure::Stopped),
-            planned = planner.plan(context, deltas) => planned,
+            planned = planner.plan(context, deltas, meter) => planned,
         };
-        let planned = planned.map_err(|e| StepFailure::Conductor(format!("the conductor failed: {}", e.message)))?;
+        let planned = planned.map_err(|e| {
+            if e.budget {
+                StepFailure::Budget(e.message)
+            } else {
+                StepFailure::Conductor(format!("the conductor failed: {}", e.message))
+            }
+        })?;
         // The conductor should only produce valid plans; check anyway, against this round.
         let limits = Limits { max_steps, pool_size: Some(self.workers.len() + usize::from(allow_self)), allow_stop };
         if let Err(e) = planned.plan.validate(&limits) {
@@ -345,7 +361,7 @@ impl Executor {
             usage: Some(planned.usage),
             stop_reason: planned.stop_reason,
         });
-        Ok((round, planned.plan))
+        Ok(Written { round, plan: planned.plan, usage: planned.usage, cost_usd: planned.cost_usd })
     }
 
     /// Runs one round's plan. `prefix` is context every step of the round sees first (the work
@@ -454,7 +470,8 @@ impl Executor {
                         states[i] = State::Failed;
                         let (kind, status) = match &failure {
                             StepFailure::Provider(e) => (e.kind.into(), e.status),
-                            StepFailure::Stopped | StepFailure::Budget(_) => (StepErrorKind::Cancelled, None),
+                            StepFailure::Stopped => (StepErrorKind::Cancelled, None),
+                            StepFailure::Budget(_) => (StepErrorKind::Budget, None),
                             StepFailure::Conductor(_) => (StepErrorKind::Conductor, None),
                             StepFailure::RecursionLimit(_) => (StepErrorKind::RecursionLimit, None),
                         };
@@ -524,18 +541,32 @@ impl Executor {
         });
         let started = Instant::now();
         let request = ChatRequest { system, messages, ..ChatRequest::default() };
+        // The same for every attempt: the messages do not change between retries.
+        let worst = WorstCase::of(request.system.as_deref(), &request.messages, worker.output_cap, &worker.pricing);
+        // Every attempt's usage, failed ones included: the step's figures are what it cost.
+        let mut spent = Usage::default();
+        let mut cost = Some(0.0);
         let mut retries = 0;
         loop {
-            if let Err(message) = ctx.ledger.begin_call() {
-                return (step, Err(StepFailure::Budget(message)));
-            }
+            let reservation = match ctx.ledger.reserve(Caller::Worker, &worker.info.name, worst, &ctx.stop).await {
+                Ok(reservation) => reservation,
+                Err(Refused::Stopped) => return (step, Err(StepFailure::Stopped)),
+                Err(Refused::Exceeded(e)) => return (step, Err(StepFailure::Budget(e.message))),
+            };
+            // What the provider reported before the call ended; a call cut short by the
+            // timeout below or by a stop still counts it.
+            let reported = Mutex::new(Usage::default());
             let attempt = tokio::time::timeout(
                 worker.timeout,
-                attempt(worker.model.as_ref(), request.clone(), round, step, ctx.events),
+                attempt(worker.model.as_ref(), request.clone(), round, step, ctx.events, &reported),
             );
             let result = tokio::select! {
                 biased;
-                () = ctx.stop.cancelled() => return (step, Err(StepFailure::Stopped)),
+                () = ctx.stop.cancelled() => {
+                    let usage = *reported.lock().unwrap_or_else(|p| p.into_inner());
+                    reservation.settle(usage, worker.pricing.cost(&usage));
+                    return (step, Err(StepFailure::Stopped));
+                }
                 result = attempt => result.unwrap_or_else(|_| {
                     Err(ProviderError::new(
                         ErrorKind::Timeout,
@@ -543,12 +574,18 @@ impl Executor {
                     ))
                 }),
             };
+            let usage = match &result {
+                Ok((_, usage)) => *usage,
+                Err(error) => error.usage.unwrap_or_else(|| *reported.lock().unwrap_or_else(|p| p.into_inner())),
+            };
+            let call_cost = worker.pricing.cost(&usage);
+            reservation.settle(usage, call_cost);
+            spent += usage;
+            cost = cost.zip(call_cost).map(|(a, b)| a + b);
             match result {
-                Ok((output, usage)) => {
-                    let cost_usd = worker.price.map(|p| p.cost(&usage));
-                    ctx.ledger.record(usage, cost_usd);
+                Ok((output, _)) => {
                     let latency = started.elapsed();
-                    return (step, Ok(StepDone { output, usage, cost_usd, latency, retries }));
+                    return (step, Ok(StepDone { output, usage: spent, cost_usd: cost, latency, retries }));
                 }
                 Err(error) => {
                     retries += 1;
@@ -598,10 +635,11 @@ impl Executor {
         // conductor and the next round's workers see.
         let work: Vec<Message> = messages[..messages.len().saturating_sub(1)].to_vec();
         let parent = Some(StepRef { round, step });
-        let (inner_round, plan) = match self.write_plan(ctx, depth + 1, parent, messages.clone()).await {
-            Ok(written) => written,
-            Err(failure) => return (step, Err(failure)),
-        };
+        let Written { round: inner_round, plan, usage, cost_usd } =
+            match self.write_plan(ctx, depth + 1, parent, messages.clone()).await {
+                Ok(written) => written,
+                Err(failure) => return (step, Err(failure)),
+            };
         let output = if plan.is_stop() {
             match work.iter().rev().find(|m| m.role == Role::Assistant) {
                 Some(latest) => latest.content.clone(),
@@ -621,8 +659,9 @@ impl Executor {
                 }
             }
         };
-        let done =
-            StepDone { output, usage: Usage::default(), cost_usd: Some(0.0), latency: started.elapsed(), retries: 0 };
+        // The step's own figures are the conductor's call that wrote its round; the round's
+        // steps report theirs.
+        let done = StepDone { output, usage, cost_usd, latency: started.elapsed(), retries: 0 };
         (step, Ok(done))
     }
 }
@@ -634,6 +673,7 @@ async fn attempt(
     round: u32,
     step: usize,
     events: &EventSink,
+    reported: &Mutex<Usage>,
 ) -> Result<(String, Usage), ProviderError> {
     let mut stream = model.stream(request).await?;
     let mut output = String::new();
@@ -643,6 +683,7 @@ async fn attempt(
                 output.push_str(&text);
                 let _ = events.send(RunEvent::StepDelta { round, step, text });
             }
+            ChatEvent::Usage(usage) => *reported.lock().unwrap_or_else(|p| p.into_inner()) = usage,
             ChatEvent::Done { usage, stop_reason } => {
                 // An empty answer would reach dependent steps as an empty assistant turn, which
                 // providers reject; say why here instead.
@@ -653,7 +694,8 @@ async fn attempt(
                         format!(
                             "the model finished without any text (stop reason: {stop}); if it ran out of tokens, raise max_tokens or lower thinking_budget"
                         ),
-                    ));
+                    )
+                    .with_usage(Some(usage)));
                 }
                 return Ok((output, usage));
             }
@@ -711,7 +753,21 @@ impl RunCtx<'_> {
         finished: &[usize],
         failed: &[usize],
     ) -> RunOutcome {
-        let totals = self.ledger.totals(started, finished, failed, self.rounds.load(Ordering::SeqCst));
+        let spent = self.ledger.spent();
+        let all = spent.total();
+        let totals = Totals {
+            calls: all.calls,
+            usage: all.usage,
+            cost_usd: all.cost_usd,
+            cost_complete: all.cost_complete,
+            conductor: spent.conductor,
+            workers: spent.workers,
+            cost_unknown_for: spent.cost_unknown_for,
+            wall_ms: started.elapsed().as_millis() as u64,
+            steps_finished: finished.to_vec(),
+            steps_failed: failed.to_vec(),
+            rounds: self.rounds.load(Ordering::SeqCst),
+        };
         let event = match (status, &answer) {
             (RunStatus::Finished, Some(a)) => RunEvent::RunFinished { answer: a.clone(), totals: totals.clone() },
             (RunStatus::Cancelled, _) => RunEvent::RunCancelled { totals: totals.clone() },
@@ -779,6 +835,14 @@ impl StepFailure {
     }
 }
 
+/// A plan the conductor wrote, and what writing it cost.
+struct Written {
+    round: u32,
+    plan: Plan,
+    usage: Usage,
+    cost_usd: Option<f64>,
+}
+
 enum RoundError {
     Stopped,
     Failed(String),
@@ -788,75 +852,6 @@ struct RoundOutcome {
     result: Result<String, RoundError>,
     finished: Vec<usize>,
     failed: Vec<usize>,
-}
-
-/// Counts calls, tokens and cost against the run's budget.
-struct Ledger {
-    budget: Budget,
-    inner: Mutex<LedgerInner>,
-}
-
-#[derive(Default)]
-struct LedgerInner {
-    calls: u32,
-    usage: Usage,
-    cost: f64,
-    unknown_cost: bool,
-}
-
-impl Ledger {
-    fn new(budget: Budget) -> Self {
-        Ledger { budget, inner: Mutex::default() }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, LedgerInner> {
-        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// Checks every cap, then counts a call.
-    fn begin_call(&self) -> Result<(), String> {
-        let mut l = self.lock();
-        if let Some(max) = self.budget.max_calls
-            && l.calls >= max
-        {
-            return Err(format!("budget cap reached: {} of at most {max} calls made", l.calls));
-        }
-        if let Some(max) = self.budget.max_tokens
-            && l.usage.total() >= max
-        {
-            return Err(format!("budget cap reached: {} of at most {max} tokens used", l.usage.total()));
-        }
-        if let Some(max) = self.budget.max_cost_usd
-            && l.cost >= max
-        {
-            return Err(format!("budget cap reached: ${:.4} of at most ${max:.4} spent", l.cost));
-        }
-        l.calls += 1;
-        Ok(())
-    }
-
-    fn record(&self, usage: Usage, cost: Option<f64>) {
-        let mut l = self.lock();
-        l.usage += usage;
-        match cost {
-            Some(c) => l.cost += c,
-            None => l.unknown_cost = true,
-        }
-    }
-
-    fn totals(&self, started: Instant, finished: &[usize], failed: &[usize], rounds: u32) -> Totals {
-        let l = self.lock();
-        Totals {
-            calls: l.calls,
-            usage: l.usage,
-            cost_usd: l.cost,
-            cost_complete: !l.unknown_cost,
-            wall_ms: started.elapsed().as_millis() as u64,
-            steps_finished: finished.to_vec(),
-            steps_failed: failed.to_vec(),
-            rounds,
-        }
-    }
 }
 
 /// A fresh run id: time-ordered, unique enough for one user's history.

@@ -4,12 +4,13 @@
 //! Nothing here knows about a UI or a terminal: the CLI and the desktop app are consumers of
 //! [`RunEvent`]s.
 
+pub mod accounting;
 pub mod event;
 pub mod executor;
 pub mod keys;
 pub mod planner;
 pub mod pool;
-pub mod pricing;
+pub mod prices;
 pub mod rerun;
 
 pub use event::{RerunOf, RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, StepRef, Totals};

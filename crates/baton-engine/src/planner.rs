@@ -5,6 +5,8 @@ use baton_plan::Plan;
 use baton_providers::{Message, Usage};
 use futures::future::BoxFuture;
 
+use crate::accounting::{Meter, Refused};
+
 /// What a conductor is asked to plan.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlanningContext {
@@ -46,7 +48,11 @@ impl PlanningContext {
 pub struct Planned {
     pub raw: String,
     pub plan: Plan,
+    /// The conductor's tokens for this plan, every call it made (a retry after an unusable
+    /// plan included).
     pub usage: Usage,
+    /// What those calls cost; `None` when the conductor's price is unknown.
+    pub cost_usd: Option<f64>,
     /// Why the conductor's generation ended (`stop`, `length`), as its model reported it.
     pub stop_reason: Option<String>,
 }
@@ -55,11 +61,21 @@ pub struct Planned {
 #[error("{message}")]
 pub struct PlannerError {
     pub message: String,
+    /// The conductor's next call would not fit under a budget cap, so it was not made.
+    pub budget: bool,
 }
 
 impl PlannerError {
     pub fn new(message: impl Into<String>) -> Self {
-        PlannerError { message: message.into() }
+        PlannerError { message: message.into(), budget: false }
+    }
+
+    /// Why the ledger refused a call: over a cap, or the run stopped while it waited.
+    pub fn refused(refused: Refused) -> Self {
+        match refused {
+            Refused::Exceeded(e) => PlannerError { message: e.message, budget: true },
+            Refused::Stopped => PlannerError::new("the run stopped"),
+        }
     }
 }
 
@@ -71,9 +87,12 @@ pub trait Planner: Send + Sync {
     /// Names the conductor for people (events, history): model and where it runs.
     fn describe(&self) -> String;
 
+    /// Writes a plan. Every model call goes through `meter` first: reserve its worst case, make
+    /// it only if the reservation is granted, settle it with the usage the call reported.
     fn plan<'a>(
         &'a self,
         context: PlanningContext,
         deltas: PlanDeltas<'a>,
+        meter: Meter<'a>,
     ) -> BoxFuture<'a, Result<Planned, PlannerError>>;
 }

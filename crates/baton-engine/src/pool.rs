@@ -11,7 +11,7 @@ use baton_plan::DEFAULT_MAX_STEPS;
 use baton_providers::{ModelSettings, ProviderKind, RetryPolicy, ServerGrammar};
 use serde::Serialize;
 
-use crate::pricing::{self, Price};
+use crate::prices::{self, Price, Pricing};
 
 /// A pool file, parsed and checked.
 #[derive(Debug, Clone, PartialEq)]
@@ -121,8 +121,13 @@ pub struct WorkerSpec {
     pub timeout: Duration,
     /// Longest silence allowed inside a streamed answer.
     pub idle_timeout: Duration,
+    /// $ per million input tokens; with `price_out`, replaces the price data's figures.
     pub price_in: Option<f64>,
     pub price_out: Option<f64>,
+    /// $ per million input tokens read from a prompt cache (default: `price_in`).
+    pub price_cached_in: Option<f64>,
+    /// Anthropic: set cache breakpoints on the shared prefix of a step's conversation.
+    pub prompt_cache: bool,
     /// What the conductor is told about this worker.
     pub description: Option<String>,
 }
@@ -133,15 +138,15 @@ impl WorkerSpec {
         self.base_url.as_deref().or(self.provider.default_base_url()).unwrap_or_default()
     }
 
-    /// $/1M-token prices: the pool's, else the built-in table's; `None` when unknown.
-    pub fn price(&self) -> Option<Price> {
-        if self.provider == ProviderKind::Local && self.price_in.is_none() && self.price_out.is_none() {
-            return Some(Price { input: 0.0, output: 0.0 });
+    /// How this worker's calls are priced: the pool's prices, else the price data's (see
+    /// [`prices`]); [`Pricing::Unknown`] when neither knows the model.
+    pub fn pricing(&self) -> Pricing {
+        match (self.price_in, self.price_out) {
+            (Some(input), Some(output)) => {
+                Pricing::Pool(Price { input, output, cached_input: self.price_cached_in })
+            }
+            _ => prices::lookup(self.provider, self.effective_base_url(), &self.model),
         }
-        let table = pricing::lookup(self.provider, &self.model);
-        let input = self.price_in.or(table.map(|p| p.input))?;
-        let output = self.price_out.or(table.map(|p| p.output))?;
-        Some(Price { input, output })
     }
 
     pub fn settings(&self) -> ModelSettings {
@@ -154,6 +159,7 @@ impl WorkerSpec {
             thinking_budget: self.thinking_budget,
             stream: self.stream,
             idle_timeout: self.idle_timeout,
+            prompt_cache: self.prompt_cache,
         }
     }
 }
@@ -233,6 +239,8 @@ const WORKER_KEYS: &[&str] = &[
     "idle_timeout_secs",
     "price_in",
     "price_out",
+    "price_cached_in",
+    "prompt_cache",
     "description",
 ];
 
@@ -596,6 +604,15 @@ fn worker(t: &toml::Table) -> Result<WorkerSpec, FieldError> {
             message: format!("{budget} is below Anthropic's minimum of 1024 tokens"),
         });
     }
+    let price_in = f.float("price_in", 0.0)?;
+    let price_out = f.float("price_out", 0.0)?;
+    let price_cached_in = f.float("price_cached_in", 0.0)?;
+    if price_in.is_some() != price_out.is_some() || (price_cached_in.is_some() && price_in.is_none()) {
+        return Err(FieldError {
+            field: if price_in.is_some() { "price_out" } else { "price_in" }.into(),
+            message: "price_in and price_out go together (and price_cached_in needs them): give both, or neither to use the price data".into(),
+        });
+    }
     Ok(WorkerSpec {
         name,
         provider,
@@ -610,8 +627,10 @@ fn worker(t: &toml::Table) -> Result<WorkerSpec, FieldError> {
         stream: f.bool("stream")?.unwrap_or(true),
         timeout: Duration::from_secs(f.int("timeout_secs", 1, 86_400)?.map_or(300, |n| n as u64)),
         idle_timeout: Duration::from_secs(f.int("idle_timeout_secs", 1, 86_400)?.map_or(120, |n| n as u64)),
-        price_in: f.float("price_in", 0.0)?,
-        price_out: f.float("price_out", 0.0)?,
+        price_in,
+        price_out,
+        price_cached_in,
+        prompt_cache: f.bool("prompt_cache")?.unwrap_or(true),
         description: f.string("description")?,
     })
 }
@@ -714,10 +733,13 @@ base_url = "http://localhost:11434/v1"
         assert_eq!(pool.options.budget.max_calls, Some(10));
         let gpt = &pool.workers[0];
         assert_eq!(gpt.effective_base_url(), "http://127.0.0.1:8080/v1");
-        assert_eq!(gpt.price(), Some(Price { input: 1.25, output: 10.0 }));
+        assert_eq!(gpt.pricing(), Pricing::Pool(Price { input: 1.25, output: 10.0, cached_input: None }));
         assert_eq!(pool.workers[1].effective_base_url(), "https://api.anthropic.com");
-        assert!(pool.workers[1].price().is_some(), "claude-sonnet-4-5 is in the price table");
-        assert_eq!(pool.workers[2].price(), None);
+        assert!(
+            matches!(pool.workers[1].pricing(), Pricing::Data { .. }),
+            "claude-sonnet-4-5 is in the price data"
+        );
+        assert_eq!(pool.workers[2].pricing(), Pricing::Unknown);
     }
 
     fn error(text: &str) -> String {

@@ -29,7 +29,44 @@ pub struct Request<'a> {
 #[derive(Debug, Serialize)]
 pub struct RequestMessage<'a> {
     pub role: &'static str,
-    pub content: &'a str,
+    pub content: Content<'a>,
+}
+
+/// A turn's content: plain text, or one text block carrying a cache breakpoint.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum Content<'a> {
+    Text(&'a str),
+    Blocks([TextBlock<'a>; 1]),
+}
+
+#[derive(Debug, Serialize)]
+pub struct TextBlock<'a> {
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub text: &'a str,
+    pub cache_control: CacheControl,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CacheControl {
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+}
+
+/// Below this many bytes before the last turn, no breakpoint is set. Anthropic caches prefixes
+/// of at least 1,024 tokens (more on some models) and ignores shorter ones; at roughly four
+/// bytes a token this is where caching starts to pay.
+pub const CACHE_MIN_PREFIX_BYTES: usize = 4096;
+
+/// Where the cache breakpoint goes: on the turn before the last one, so the prefix every later
+/// step that sees this work shares (system, earlier subtasks and answers) is written once and
+/// read after. `None` when caching is off or the prefix is too short to be cached.
+fn cache_breakpoint(req: &ChatRequest, enabled: bool) -> Option<usize> {
+    let last = req.messages.len().checked_sub(2)?;
+    let prefix: usize = req.system.as_ref().map_or(0, String::len)
+        + req.messages[..=last].iter().map(|m| m.content.len()).sum::<usize>();
+    (enabled && prefix >= CACHE_MIN_PREFIX_BYTES).then_some(last)
 }
 
 #[derive(Debug, Serialize)]
@@ -155,6 +192,7 @@ pub(crate) fn request_body<'a>(call: &Call<'a>, req: &'a ChatRequest) -> Request
     let s = call.settings;
     let thinking = s.thinking_budget.map(|budget_tokens| Thinking { kind: "enabled", budget_tokens });
     let max_tokens = req.max_tokens.unwrap_or(s.max_tokens);
+    let breakpoint = cache_breakpoint(req, s.prompt_cache);
     Request {
         model: &s.model,
         // With thinking on, max_tokens must exceed the thinking budget.
@@ -165,12 +203,21 @@ pub(crate) fn request_body<'a>(call: &Call<'a>, req: &'a ChatRequest) -> Request
         messages: req
             .messages
             .iter()
-            .map(|m| RequestMessage {
+            .enumerate()
+            .map(|(i, m)| RequestMessage {
                 role: match m.role {
                     Role::User => "user",
                     Role::Assistant => "assistant",
                 },
-                content: &m.content,
+                content: if Some(i) == breakpoint {
+                    Content::Blocks([TextBlock {
+                        kind: "text",
+                        text: &m.content,
+                        cache_control: CacheControl { kind: "ephemeral" },
+                    }])
+                } else {
+                    Content::Text(&m.content)
+                },
             })
             .collect(),
         system: req.system.as_deref(),
@@ -208,12 +255,16 @@ pub(crate) async fn stream(call: Call<'_>, req: &ChatRequest) -> Result<ChatStre
     }
 }
 
+/// Anthropic's `input_tokens` are only the tokens after the last cache breakpoint; cache reads
+/// and writes come apart. `Usage` counts all input, with reads and writes as parts of it.
 fn add_usage(usage: &mut Usage, wire: WireUsage) {
-    let input = wire.input_tokens.unwrap_or(0)
-        + wire.cache_creation_input_tokens.unwrap_or(0)
-        + wire.cache_read_input_tokens.unwrap_or(0);
+    let read = wire.cache_read_input_tokens.unwrap_or(0);
+    let written = wire.cache_creation_input_tokens.unwrap_or(0);
+    let input = wire.input_tokens.unwrap_or(0) + written + read;
     if input > 0 {
         usage.input_tokens = input;
+        usage.cached_input_tokens = read;
+        usage.cache_write_input_tokens = written;
     }
     // output_tokens in message_delta is cumulative.
     if let Some(out) = wire.output_tokens {
@@ -265,5 +316,9 @@ impl StreamParser for Parser {
 
     fn end_of_stream(&mut self) -> Result<ChatEvent, ProviderError> {
         Err(ProviderError::cut_stream())
+    }
+
+    fn usage_so_far(&self) -> Option<Usage> {
+        (self.usage != Usage::default()).then_some(self.usage)
     }
 }

@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::Usage;
+
 /// What went wrong with a model call, independent of the provider's own vocabulary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -69,11 +71,19 @@ pub struct ProviderError {
     pub status: Option<u16>,
     /// How long the provider asked us to wait before retrying.
     pub retry_after: Option<Duration>,
+    /// Tokens the provider reported before the call failed (a stream that broke after its
+    /// usage arrived), which it may bill; `None` when it reported none.
+    pub usage: Option<Usage>,
 }
 
 impl ProviderError {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        ProviderError { kind, message: message.into(), status: None, retry_after: None }
+        ProviderError { kind, message: message.into(), status: None, retry_after: None, usage: None }
+    }
+
+    pub fn with_usage(mut self, usage: Option<Usage>) -> Self {
+        self.usage = usage;
+        self
     }
 
     pub fn with_status(mut self, status: u16) -> Self {

@@ -47,7 +47,7 @@ impl ChatModel for FakeModel {
             me.busy_micros.fetch_add(start.elapsed().as_micros() as u64, Ordering::Relaxed);
             let text = FakeModel::answer_for(&me.name, &request);
             let input: u64 = request.messages.iter().map(|m| m.content.len() as u64 / 4 + 1).sum();
-            let usage = Usage { input_tokens: input, output_tokens: text.len() as u64 / 4 + 1, cached_input_tokens: 0 };
+            let usage = Usage { input_tokens: input, output_tokens: text.len() as u64 / 4 + 1, ..Usage::default() };
             let items =
                 vec![Ok(ChatEvent::Text(text)), Ok(ChatEvent::Done { usage, stop_reason: Some("stop".into()) })];
             Ok(futures::stream::iter(items).boxed())

@@ -95,6 +95,9 @@ pub struct UsageMetadata {
     pub candidates_token_count: u64,
     #[serde(default)]
     pub thoughts_token_count: u64,
+    /// Of the prompt, tokens served from a cache (implicit or explicit caching).
+    #[serde(default)]
+    pub cached_content_token_count: u64,
 }
 
 impl From<UsageMetadata> for Usage {
@@ -102,7 +105,8 @@ impl From<UsageMetadata> for Usage {
         Usage {
             input_tokens: u.prompt_token_count,
             output_tokens: u.candidates_token_count + u.thoughts_token_count,
-            cached_input_tokens: 0,
+            cached_input_tokens: u.cached_content_token_count.min(u.prompt_token_count),
+            cache_write_input_tokens: 0,
         }
     }
 }
@@ -222,7 +226,7 @@ pub(crate) async fn stream(call: Call<'_>, req: &ChatRequest) -> Result<ChatStre
             .into_iter()
             .filter_map(|e| match e {
                 ChatEvent::Text(t) => Some(t),
-                ChatEvent::Done { .. } => None,
+                ChatEvent::Usage(_) | ChatEvent::Done { .. } => None,
             })
             .collect();
         let done = parser
@@ -280,5 +284,9 @@ impl StreamParser for Parser {
             Some(reason) => Ok(ChatEvent::Done { usage: self.usage, stop_reason: Some(reason) }),
             None => Err(ProviderError::cut_stream()),
         }
+    }
+
+    fn usage_so_far(&self) -> Option<Usage> {
+        (self.usage != Usage::default()).then_some(self.usage)
     }
 }

@@ -11,7 +11,7 @@ use serde::de::DeserializeOwned;
 
 use crate::error::parse_retry_after;
 use crate::sse::{SseDecoder, SseEvent};
-use crate::{ApiKey, ChatEvent, ChatStream, ErrorKind, ModelSettings, ProviderError};
+use crate::{ApiKey, ChatEvent, ChatStream, ErrorKind, ModelSettings, ProviderError, Usage};
 
 /// Everything a wire module needs to make one call.
 pub(crate) struct Call<'a> {
@@ -138,6 +138,10 @@ pub(crate) trait StreamParser: Send + 'static {
     /// The connection closed before `event` returned `true`: either finish leniently (some
     /// compatible servers omit the terminator) or report a cut stream.
     fn end_of_stream(&mut self) -> Result<ChatEvent, ProviderError>;
+
+    /// The usage the provider has reported so far, if any: a stream that breaks after it
+    /// still counts those tokens (the provider may bill them).
+    fn usage_so_far(&self) -> Option<Usage>;
 }
 
 struct StreamState<P> {
@@ -147,6 +151,8 @@ struct StreamState<P> {
     queue: VecDeque<ChatEvent>,
     finished: bool,
     idle_timeout: Duration,
+    /// The usage last passed on as [`ChatEvent::Usage`].
+    usage_sent: Option<Usage>,
 }
 
 /// Turns an SSE response into a [`ChatStream`]. Ends after [`ChatEvent::Done`] or the first error.
@@ -162,6 +168,7 @@ pub(crate) fn sse_stream<P: StreamParser>(
         queue: VecDeque::new(),
         finished: false,
         idle_timeout,
+        usage_sent: None,
     };
     futures::stream::unfold(state, |mut s| async move {
         loop {
@@ -172,9 +179,10 @@ pub(crate) fn sse_stream<P: StreamParser>(
                 return None;
             }
             let next = tokio::time::timeout(s.idle_timeout, s.body.next()).await;
-            let fail = |mut s: StreamState<P>, e| {
+            let fail = |mut s: StreamState<P>, e: ProviderError| {
                 s.finished = true;
-                Some((Err(e), s))
+                let usage = e.usage.or_else(|| s.parser.usage_so_far());
+                Some((Err(e.with_usage(usage)), s))
             };
             match next {
                 Err(_) => {
@@ -191,7 +199,8 @@ pub(crate) fn sse_stream<P: StreamParser>(
                     } else {
                         s.parser.end_of_stream()
                     };
-                    return Some((end, s));
+                    let usage = s.parser.usage_so_far();
+                    return Some((end.map_err(|e| e.with_usage(usage)), s));
                 }
                 Ok(Some(Err(e))) => {
                     let mut err = ProviderError::from_reqwest(&e);
@@ -212,7 +221,13 @@ pub(crate) fn sse_stream<P: StreamParser>(
                                 s.finished = true;
                                 break;
                             }
-                            Ok(false) => {}
+                            Ok(false) => {
+                                let usage = s.parser.usage_so_far();
+                                if usage.is_some() && usage != s.usage_sent {
+                                    s.usage_sent = usage;
+                                    out.extend(usage.map(ChatEvent::Usage));
+                                }
+                            }
                             // The call fails as a whole; text before the error is moot.
                             Err(e) => return fail(s, e),
                         }

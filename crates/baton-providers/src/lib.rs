@@ -104,12 +104,17 @@ pub enum Constraint {
 /// Token counts as the provider reports them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ts_rs::TS)]
 pub struct Usage {
+    /// Every input token, whether served from a cache, written to one, or neither.
     pub input_tokens: u64,
     /// Includes reasoning ("thinking") tokens, which providers bill as output.
     pub output_tokens: u64,
-    /// Of `input_tokens`, those served from a prompt cache (a local model's prefix cache).
+    /// Of `input_tokens`, those read from a prompt cache (the provider's, or a local model's
+    /// prefix cache); providers bill them at a discount.
     #[serde(default)]
     pub cached_input_tokens: u64,
+    /// Of `input_tokens`, those written to a prompt cache (Anthropic bills them at a premium).
+    #[serde(default)]
+    pub cache_write_input_tokens: u64,
 }
 
 impl Usage {
@@ -123,6 +128,7 @@ impl std::ops::AddAssign for Usage {
         self.input_tokens += rhs.input_tokens;
         self.output_tokens += rhs.output_tokens;
         self.cached_input_tokens += rhs.cached_input_tokens;
+        self.cache_write_input_tokens += rhs.cache_write_input_tokens;
     }
 }
 
@@ -131,6 +137,9 @@ impl std::ops::AddAssign for Usage {
 pub enum ChatEvent {
     /// More answer text.
     Text(String),
+    /// The usage the provider has reported so far (cumulative), before the answer is complete;
+    /// a call cut short (a timeout, a cancelled run) still counts these tokens.
+    Usage(Usage),
     /// The answer is complete. Always the last item of a successful stream.
     Done { usage: Usage, stop_reason: Option<String> },
 }
@@ -238,6 +247,10 @@ pub struct ModelSettings {
     pub stream: bool,
     /// Longest silence allowed between two pieces of a streamed answer.
     pub idle_timeout: Duration,
+    /// Anthropic: mark the conversation's shared prefix with `cache_control` breakpoints so
+    /// that steps sending the same prefix read it from the cache. OpenAI and Gemini cache
+    /// long prefixes on their own.
+    pub prompt_cache: bool,
 }
 
 impl ModelSettings {
@@ -251,7 +264,15 @@ impl ModelSettings {
             thinking_budget: None,
             stream: true,
             idle_timeout: Duration::from_secs(120),
+            prompt_cache: true,
         }
+    }
+
+    /// An upper bound on the output tokens one call may produce. Providers differ on whether a
+    /// thinking budget counts inside `max_tokens` (Anthropic raises `max_tokens` above it;
+    /// Gemini's documentation leaves it open), so the bound counts both.
+    pub fn output_cap(&self) -> u32 {
+        self.max_tokens.saturating_add(self.thinking_budget.unwrap_or(0))
     }
 }
 

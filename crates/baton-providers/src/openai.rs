@@ -100,11 +100,27 @@ pub struct WireUsage {
     pub prompt_tokens: u64,
     #[serde(default)]
     pub completion_tokens: u64,
+    /// OpenAI's automatic prompt cache (and vLLM's prefix cache): `cached_tokens` of the prompt.
+    #[serde(default)]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+pub struct PromptTokensDetails {
+    #[serde(default)]
+    pub cached_tokens: Option<u64>,
 }
 
 impl From<WireUsage> for Usage {
     fn from(u: WireUsage) -> Self {
-        Usage { input_tokens: u.prompt_tokens, output_tokens: u.completion_tokens, cached_input_tokens: 0 }
+        let cached = u.prompt_tokens_details.and_then(|d| d.cached_tokens).unwrap_or(0);
+        Usage {
+            input_tokens: u.prompt_tokens,
+            output_tokens: u.completion_tokens,
+            // A server that reports more cached than prompt tokens is wrong; keep the parts within the whole.
+            cached_input_tokens: cached.min(u.prompt_tokens),
+            cache_write_input_tokens: 0,
+        }
     }
 }
 
@@ -275,5 +291,9 @@ impl StreamParser for Parser {
     fn end_of_stream(&mut self) -> Result<ChatEvent, ProviderError> {
         // Some compatible servers close after the finish reason without `[DONE]`.
         if self.finish_reason.is_some() { Ok(self.done()) } else { Err(ProviderError::cut_stream()) }
+    }
+
+    fn usage_so_far(&self) -> Option<Usage> {
+        self.usage
     }
 }

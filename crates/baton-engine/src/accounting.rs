@@ -1,0 +1,462 @@
+//! What a run spends, and the caps that bound it.
+//!
+//! Every request a run sends goes through one [`Ledger`]: the workers' calls, their retries and
+//! failed attempts, and the conductor's own calls (local or remote). Before a call, the ledger
+//! *reserves* the call's worst case — its input bounded by its UTF-8 bytes (no tokenizer yields
+//! more tokens than bytes) plus an allowance per message, its output by the call's token cap,
+//! both priced — and refuses a call that would not fit. When the call ends it is *settled* to
+//! what the provider reported, and the reservation is released. So the totals of a run never pass
+//! a cap, however many steps run at once: a call is only made when the spent figures, plus every
+//! call still in flight at its worst, plus this call at its worst, fit.
+//!
+//! A call that fits only once calls in flight settle waits for them instead of failing; one that
+//! would not fit even then fails its step with `budget`.
+//!
+//! The figures are kept per caller ([`Caller`]): the conductor's apart from the workers', so
+//! every surface can show what orchestration cost next to what the work cost.
+
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+
+use baton_providers::{Message, Usage};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::pool::Budget;
+use crate::prices::Pricing;
+
+/// Tokens allowed for each message's framing (role markers, the chat template) on top of its
+/// bytes, and once more for the request's own framing. Chat templates use a handful per turn.
+pub const FRAMING_TOKENS: u64 = 16;
+
+/// Who made a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Caller {
+    /// The conductor writing a plan (a retry after an unusable plan is a call too).
+    Conductor,
+    /// A worker answering a step.
+    Worker,
+}
+
+/// Calls, tokens and dollars: for a whole run, its conductor, or its workers. One shape, read
+/// by every surface (CLI, `--json`, app, history, exports).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ts_rs::TS)]
+pub struct Figures {
+    /// Requests sent, retries and failed attempts included.
+    pub calls: u32,
+    pub usage: Usage,
+    /// Sum over calls with a known price.
+    pub cost_usd: f64,
+    /// False when some call's price is unknown, so `cost_usd` is a lower bound.
+    pub cost_complete: bool,
+}
+
+impl Default for Figures {
+    fn default() -> Self {
+        Figures { calls: 0, usage: Usage::default(), cost_usd: 0.0, cost_complete: true }
+    }
+}
+
+impl Figures {
+    fn add(&mut self, usage: Usage, cost: Option<f64>) {
+        self.usage += usage;
+        match cost {
+            Some(c) => self.cost_usd += c,
+            None => self.cost_complete = false,
+        }
+    }
+
+    /// Both sides together.
+    pub fn plus(&self, other: &Figures) -> Figures {
+        let mut usage = self.usage;
+        usage += other.usage;
+        Figures {
+            calls: self.calls + other.calls,
+            usage,
+            cost_usd: self.cost_usd + other.cost_usd,
+            cost_complete: self.cost_complete && other.cost_complete,
+        }
+    }
+}
+
+/// The most one call can use.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WorstCase {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    /// `None` when the caller's price is unknown (the call then reserves no dollars, and the
+    /// run's cost is reported incomplete).
+    pub cost_usd: Option<f64>,
+}
+
+impl WorstCase {
+    /// The worst case of a call sending `system` and `messages` with at most `output_cap`
+    /// output tokens, priced by `pricing`.
+    pub fn of(system: Option<&str>, messages: &[Message], output_cap: u32, pricing: &Pricing) -> Self {
+        let bytes = system.map_or(0, str::len) + messages.iter().map(|m| m.content.len()).sum::<usize>();
+        let turns = messages.len() as u64 + u64::from(system.is_some()) + 1;
+        Self::of_size(bytes as u64 + turns * FRAMING_TOKENS, u64::from(output_cap), pricing)
+    }
+
+    /// A call whose input is at most `input_tokens` and output at most `output_tokens`.
+    pub fn of_size(input_tokens: u64, output_tokens: u64, pricing: &Pricing) -> Self {
+        WorstCase { input_tokens, output_tokens, cost_usd: pricing.worst_case(input_tokens, output_tokens) }
+    }
+
+    pub fn tokens(&self) -> u64 {
+        self.input_tokens + self.output_tokens
+    }
+}
+
+/// Which cap refused a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cap {
+    Calls,
+    Tokens,
+    Cost,
+}
+
+/// A call that would not fit under a cap, even once every call in flight has settled.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct BudgetExceeded {
+    pub cap: Cap,
+    /// Names the cap and the figures: spent, held by calls in flight, and what this call could use.
+    pub message: String,
+}
+
+/// Why [`Ledger::reserve`] gave no reservation.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Refused {
+    Exceeded(BudgetExceeded),
+    /// The run stopped while the call waited for room.
+    Stopped,
+}
+
+/// The run's figures so far, split by caller.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Spent {
+    pub conductor: Figures,
+    pub workers: Figures,
+    /// Who made calls without a known price, by name (worker names; "the conductor").
+    pub cost_unknown_for: Vec<String>,
+}
+
+impl Spent {
+    pub fn total(&self) -> Figures {
+        self.conductor.plus(&self.workers)
+    }
+}
+
+/// Counts every call of one run against its [`Budget`].
+#[derive(Debug)]
+pub struct Ledger {
+    budget: Budget,
+    inner: Mutex<Inner>,
+    /// Woken whenever a call settles, for calls waiting for room.
+    settled: Notify,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    conductor: Figures,
+    workers: Figures,
+    unknown: BTreeSet<String>,
+    /// Held by calls in flight.
+    reserved_tokens: u64,
+    reserved_cost: f64,
+    in_flight: u32,
+}
+
+impl Inner {
+    fn side(&mut self, caller: Caller) -> &mut Figures {
+        match caller {
+            Caller::Conductor => &mut self.conductor,
+            Caller::Worker => &mut self.workers,
+        }
+    }
+
+    fn calls(&self) -> u32 {
+        self.conductor.calls + self.workers.calls
+    }
+
+    fn tokens(&self) -> u64 {
+        self.conductor.usage.total() + self.workers.usage.total()
+    }
+
+    fn cost(&self) -> f64 {
+        self.conductor.cost_usd + self.workers.cost_usd
+    }
+}
+
+/// Whether a reservation may be made now, later, or never.
+enum Fit {
+    Now,
+    /// Would fit once the calls in flight settle (for less than their worst case, or at all).
+    Later,
+    Never(BudgetExceeded),
+}
+
+impl Ledger {
+    pub fn new(budget: Budget) -> Self {
+        Ledger { budget, inner: Mutex::default(), settled: Notify::new() }
+    }
+
+    pub fn budget(&self) -> &Budget {
+        &self.budget
+    }
+
+    /// Whether calls must declare an output cap to be reserved: a token or cost cap is set.
+    pub fn bounds_output(&self) -> bool {
+        self.budget.max_tokens.is_some() || self.budget.max_cost_usd.is_some()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn fit(&self, l: &Inner, who: &str, worst: &WorstCase) -> Fit {
+        if let Some(max) = self.budget.max_calls
+            && l.calls() >= max
+        {
+            let message = format!("budget cap reached: {} of at most {max} calls made", l.calls());
+            return Fit::Never(BudgetExceeded { cap: Cap::Calls, message });
+        }
+        let mut later = false;
+        if let Some(max) = self.budget.max_tokens {
+            let spent = l.tokens();
+            if spent.saturating_add(worst.tokens()) > max {
+                let message = format!(
+                    "budget cap reached: a call to {who} could use up to {} tokens ({} in, {} out), and {spent} of at most {max} tokens are used",
+                    worst.tokens(),
+                    worst.input_tokens,
+                    worst.output_tokens
+                );
+                return Fit::Never(BudgetExceeded { cap: Cap::Tokens, message });
+            }
+            later |= spent + l.reserved_tokens + worst.tokens() > max;
+        }
+        if let Some(max) = self.budget.max_cost_usd {
+            let call = worst.cost_usd.unwrap_or(0.0);
+            let spent = l.cost();
+            if spent + call > max {
+                let message = format!(
+                    "budget cap reached: a call to {who} could cost up to ${call:.4}, and ${spent:.4} of at most ${max:.4} is spent"
+                );
+                return Fit::Never(BudgetExceeded { cap: Cap::Cost, message });
+            }
+            later |= spent + l.reserved_cost + call > max;
+        }
+        if later { Fit::Later } else { Fit::Now }
+    }
+
+    /// Reserves a call's worst case, waiting while it fits only once calls in flight settle.
+    /// The call counts from here on, made or not.
+    pub async fn reserve(
+        &self,
+        caller: Caller,
+        who: &str,
+        worst: WorstCase,
+        stop: &CancellationToken,
+    ) -> Result<Reservation<'_>, Refused> {
+        loop {
+            // Registered before the check, so a settlement between the check and the wait
+            // still wakes this call.
+            let settled = self.settled.notified();
+            tokio::pin!(settled);
+            settled.as_mut().enable();
+            match self.try_reserve(caller, who, worst) {
+                Ok(reservation) => return Ok(reservation),
+                Err(Some(exceeded)) => return Err(Refused::Exceeded(exceeded)),
+                Err(None) => {}
+            }
+            tokio::select! {
+                biased;
+                () = stop.cancelled() => return Err(Refused::Stopped),
+                () = settled => {}
+            }
+        }
+    }
+
+    /// Reserves a call's worst case now: `Err(None)` when it would fit only after calls in
+    /// flight settle, `Err(Some(_))` when it will not fit.
+    pub fn try_reserve(
+        &self,
+        caller: Caller,
+        who: &str,
+        worst: WorstCase,
+    ) -> Result<Reservation<'_>, Option<BudgetExceeded>> {
+        let mut l = self.lock();
+        match self.fit(&l, who, &worst) {
+            Fit::Never(exceeded) => return Err(Some(exceeded)),
+            // With nothing in flight, waiting would never end; `fit` cannot say Later then.
+            Fit::Later if l.in_flight > 0 => return Err(None),
+            Fit::Later | Fit::Now => {}
+        }
+        l.side(caller).calls += 1;
+        l.in_flight += 1;
+        l.reserved_tokens += worst.tokens();
+        let cost = worst.cost_usd.unwrap_or(0.0);
+        l.reserved_cost += cost;
+        Ok(Reservation { ledger: self, caller, who: who.to_owned(), tokens: worst.tokens(), cost, settled: false })
+    }
+
+    fn settle(&self, r: &Reservation<'_>, usage: Usage, cost: Option<f64>) {
+        {
+            let mut l = self.lock();
+            l.in_flight -= 1;
+            l.reserved_tokens -= r.tokens;
+            l.reserved_cost = (l.reserved_cost - r.cost).max(0.0);
+            if cost.is_none() {
+                l.unknown.insert(r.who.clone());
+            }
+            l.side(r.caller).add(usage, cost);
+        }
+        self.settled.notify_waiters();
+    }
+
+    /// The figures so far.
+    pub fn spent(&self) -> Spent {
+        let l = self.lock();
+        Spent {
+            conductor: l.conductor.clone(),
+            workers: l.workers.clone(),
+            cost_unknown_for: l.unknown.iter().cloned().collect(),
+        }
+    }
+}
+
+/// A call's reserved worst case. Settle it with what the call used; dropped unsettled (the
+/// call's future was dropped: a cancelled run, a timeout), the call counts with the usage
+/// nobody reported, zero.
+#[derive(Debug)]
+pub struct Reservation<'a> {
+    ledger: &'a Ledger,
+    caller: Caller,
+    who: String,
+    tokens: u64,
+    cost: f64,
+    settled: bool,
+}
+
+impl Reservation<'_> {
+    /// Records the call's real usage and price (`None`: unknown) and frees its reservation.
+    pub fn settle(mut self, usage: Usage, cost: Option<f64>) {
+        self.settled = true;
+        self.ledger.settle(&self, usage, cost);
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.settled = true;
+            self.ledger.settle(self, Usage::default(), Some(0.0));
+        }
+    }
+}
+
+/// What a planner charges its calls to: the run's ledger, as the conductor, and the run's
+/// stop token (a call waiting for room stops with the run).
+#[derive(Debug, Clone, Copy)]
+pub struct Meter<'a> {
+    pub ledger: &'a Ledger,
+    pub stop: &'a CancellationToken,
+}
+
+impl<'a> Meter<'a> {
+    pub async fn reserve(&self, who: &str, worst: WorstCase) -> Result<Reservation<'a>, Refused> {
+        self.ledger.reserve(Caller::Conductor, who, worst, self.stop).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn usage(input: u64, output: u64) -> Usage {
+        Usage { input_tokens: input, output_tokens: output, ..Usage::default() }
+    }
+
+    fn worst(tokens: u64, cost: Option<f64>) -> WorstCase {
+        WorstCase { input_tokens: tokens / 2, output_tokens: tokens - tokens / 2, cost_usd: cost }
+    }
+
+    #[test]
+    fn a_call_that_cannot_fit_is_refused_and_names_the_cap() {
+        let ledger = Ledger::new(Budget { max_tokens: Some(100), ..Budget::default() });
+        let r = ledger.try_reserve(Caller::Worker, "a", worst(60, Some(0.0))).expect("fits");
+        r.settle(usage(30, 20), Some(0.0));
+        let refused = ledger.try_reserve(Caller::Worker, "b", worst(60, Some(0.0))).expect_err("50 + 60 > 100");
+        let refused = refused.expect("never fits");
+        assert_eq!(refused.cap, Cap::Tokens);
+        assert!(refused.message.contains("up to 60 tokens") && refused.message.contains("50 of at most 100"), "{refused}");
+    }
+
+    #[test]
+    fn calls_in_flight_hold_their_worst_case() {
+        let ledger = Ledger::new(Budget { max_tokens: Some(100), ..Budget::default() });
+        let first = ledger.try_reserve(Caller::Worker, "a", worst(60, Some(0.0))).expect("fits");
+        assert!(
+            matches!(ledger.try_reserve(Caller::Worker, "b", worst(60, Some(0.0))), Err(None)),
+            "fits only once the first settles"
+        );
+        first.settle(usage(10, 10), Some(0.0));
+        let second = ledger.try_reserve(Caller::Worker, "b", worst(60, Some(0.0))).expect("fits now");
+        drop(second);
+        let spent = ledger.spent();
+        assert_eq!(spent.workers.calls, 2, "a dropped reservation still counts its call");
+        assert_eq!(spent.total().usage.total(), 20);
+    }
+
+    #[test]
+    fn callers_are_counted_apart_and_unknown_prices_named() {
+        let ledger = Ledger::new(Budget::default());
+        ledger.try_reserve(Caller::Conductor, "the conductor", worst(10, Some(0.0))).unwrap().settle(usage(7, 3), Some(0.0));
+        ledger.try_reserve(Caller::Worker, "w", worst(10, None)).unwrap().settle(usage(4, 2), None);
+        let spent = ledger.spent();
+        assert_eq!((spent.conductor.calls, spent.conductor.usage.total()), (1, 10));
+        assert_eq!((spent.workers.calls, spent.workers.usage.total()), (1, 6));
+        assert!(spent.conductor.cost_complete && !spent.workers.cost_complete);
+        assert_eq!(spent.cost_unknown_for, vec!["w".to_owned()]);
+        assert_eq!(spent.total().calls, 2);
+    }
+
+    #[test]
+    fn the_calls_cap_counts_calls_in_flight() {
+        let ledger = Ledger::new(Budget { max_calls: Some(1), ..Budget::default() });
+        let _held = ledger.try_reserve(Caller::Worker, "a", worst(1, Some(0.0))).unwrap();
+        let refused = ledger.try_reserve(Caller::Conductor, "c", worst(1, Some(0.0))).expect_err("one call only");
+        assert_eq!(refused.map(|e| e.cap), Some(Cap::Calls));
+    }
+
+    #[test]
+    fn worst_case_counts_bytes_and_framing() {
+        let messages = [Message::user("héllo"), Message::assistant("ok"), Message::user("go")];
+        let w = WorstCase::of(Some("sys"), &messages, 50, &Pricing::Free);
+        assert_eq!(w.input_tokens, (3 + 6 + 2 + 2) + 5 * FRAMING_TOKENS);
+        assert_eq!(w.output_tokens, 50);
+        assert_eq!(w.cost_usd, Some(0.0));
+    }
+
+    #[tokio::test]
+    async fn a_waiting_call_proceeds_when_room_is_freed() {
+        let ledger = std::sync::Arc::new(Ledger::new(Budget { max_tokens: Some(100), ..Budget::default() }));
+        let stop = CancellationToken::new();
+        let first = ledger.try_reserve(Caller::Worker, "a", worst(80, Some(0.0))).unwrap();
+        let waiter = {
+            let ledger = ledger.clone();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let r = ledger.reserve(Caller::Worker, "b", worst(50, Some(0.0)), &stop).await;
+                r.map(|r| r.settle(usage(1, 1), Some(0.0))).is_ok()
+            })
+        };
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert!(!waiter.is_finished(), "waits while the first call holds 80");
+        first.settle(usage(20, 20), Some(0.0));
+        assert!(waiter.await.unwrap());
+        assert_eq!(ledger.spent().total().usage.total(), 42);
+    }
+}
