@@ -340,11 +340,14 @@ pub async fn draft_plan<R: Runtime>(
         // A closed window only stops the display.
         let _ = on_delta.send(text.to_owned());
     });
+    // A draft is not a run yet: no budget caps it (the run that follows has its own).
+    let ledger = baton_engine::accounting::Ledger::new(baton_engine::Budget::default());
+    let meter = baton_engine::accounting::Meter { ledger: &ledger, stop: &registration.token };
     // Dropping the planner's future stops generation (local and remote alike).
     let planned = tokio::select! {
         biased;
         () = registration.token.cancelled() => Err(cancelled()),
-        planned = planner.plan(ctx, deltas) => planned.map_err(|e| AppError::new(ErrorKind::Conductor, e.to_string())),
+        planned = planner.plan(ctx, deltas, meter) => planned.map_err(|e| AppError::new(ErrorKind::Conductor, e.to_string())),
     };
     let planned = planned?;
     Ok(Draft { plan: planned.plan, raw: planned.raw, workers: pool.infos(), max_steps: pool.options.max_steps as u32 })
@@ -383,6 +386,7 @@ pub async fn test_worker<R: Runtime>(
     while let Some(item) = stream.next().await {
         match item.map_err(provider)? {
             ChatEvent::Text(t) => reply.push_str(&t),
+            ChatEvent::Usage(_) => {}
             ChatEvent::Done { .. } => break,
         }
     }

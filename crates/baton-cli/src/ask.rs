@@ -64,7 +64,7 @@ pub async fn run(args: Args) -> Outcome {
 
     if pool.options.budget.max_cost_usd.is_some() {
         let unpriced: Vec<&str> =
-            pool.workers.iter().filter(|w| w.price().is_none()).map(|w| w.name.as_str()).collect();
+            pool.workers.iter().filter(|w| !w.pricing().is_known()).map(|w| w.name.as_str()).collect();
         if !unpriced.is_empty() {
             eprintln!(
                 "warning: budget.max_cost_usd does not count workers without a price ({}); set price_in and price_out for them",

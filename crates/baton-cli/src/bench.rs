@@ -9,7 +9,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use baton_engine::{Executor, PoolOptions, RunRequest, RunStatus, Worker, WorkerInfo};
+use baton_engine::prices::Pricing;
+use baton_engine::{Budget, Executor, PoolOptions, RunRequest, RunStatus, Worker, WorkerInfo};
 use baton_plan::{Limits, Plan};
 use baton_providers::ProviderKind;
 use baton_providers::fake::FakeModel;
@@ -189,12 +190,16 @@ async fn measure(plan: &Plan, latency: Duration) -> Result<Sample, Failure> {
                 description: None,
             },
             model: Arc::new(f.clone()),
-            price: None,
+            // Priced from the data set, and under caps that never bind (below), so every call
+            // takes the whole accounting path: reserve, price, settle.
+            pricing: Pricing::Data { provider: "openai".into(), model: "gpt-4o".into() },
+            output_cap: 4096,
             timeout: Duration::from_secs(60),
             endpoint: "fake".into(),
         })
         .collect();
-    let options = PoolOptions { max_concurrency_per_provider: 16, ..PoolOptions::default() };
+    let budget = Budget { max_calls: Some(u32::MAX), max_tokens: Some(u64::MAX / 4), max_cost_usd: Some(1e12) };
+    let options = PoolOptions { max_concurrency_per_provider: 16, budget, ..PoolOptions::default() };
     let executor = Executor::new(workers, options);
     let (tx, mut rx) = mpsc::unbounded_channel();
     // Drain events as a real consumer would, so their cost is in the measurement.
@@ -395,6 +400,7 @@ mod conductor {
         };
         let prompts = PromptBuilder::new(workers.clone());
         let conductor = LocalConductor::new(model.clone(), workers, options.clone());
+        let stop = tokio_util::sync::CancellationToken::new();
         let mut samples = Vec::with_capacity(a.runs);
         for i in 0..a.runs {
             let question = QUESTIONS[i % QUESTIONS.len()];
@@ -402,8 +408,12 @@ mod conductor {
             let started = Instant::now();
             let mut progress = LiveLine::new(format!("[{}/{}]", i + 1, a.runs));
             let mut on_text = |t: &str| progress.add(t);
-            let (planned, stats) =
-                conductor.plan_with_stats(&ctx, &mut on_text).await.map_err(|e| Failure::Failed(e.to_string()))?;
+            let ledger = baton_engine::accounting::Ledger::new(baton_engine::Budget::default());
+            let meter = baton_engine::accounting::Meter { ledger: &ledger, stop: &stop };
+            let (planned, stats) = conductor
+                .plan_with_stats(&ctx, &mut on_text, meter)
+                .await
+                .map_err(|e| Failure::Failed(e.to_string()))?;
             progress.clear();
             let sample = Sample::new(&stats, started.elapsed().as_secs_f64());
             eprintln!(

@@ -64,6 +64,9 @@ async fn write(
         ..baton_engine::PlanningContext::question(question, pool.workers.len(), pool.options.max_steps)
     };
     let stream_text = !json;
+    // Planning alone is not a run: no budget applies.
+    let ledger = baton_engine::accounting::Ledger::new(baton_engine::Budget::default());
+    let stop = tokio_util::sync::CancellationToken::new();
     let planned = planner
         .plan(
             context,
@@ -75,6 +78,7 @@ async fn write(
                     let _ = out.flush();
                 }
             }),
+            baton_engine::accounting::Meter { ledger: &ledger, stop: &stop },
         )
         .await
         .map_err(|e| Failure::Failed(e.to_string()))?;

@@ -2,6 +2,7 @@
 
 use std::time::{Duration, Instant};
 
+use baton_engine::prices::Pricing;
 use baton_engine::{Executor, Pool};
 use baton_providers::{ChatEvent, ChatRequest, ErrorKind, Message, ProviderError};
 use futures::StreamExt;
@@ -47,9 +48,15 @@ pub async fn run(cmd: Command) -> Outcome {
 
 fn show(pool: &Pool) {
     for (i, w) in pool.workers.iter().enumerate() {
-        let price = w
-            .price()
-            .map_or_else(|| "price unknown".to_owned(), |p| format!("${}/${} per 1M tokens", p.input, p.output));
+        let price = match w.pricing() {
+            Pricing::Pool(p) => match p.cached_input {
+                Some(c) => format!("${}/${} per 1M tokens, ${c} cached, from the pool file", p.input, p.output),
+                None => format!("${}/${} per 1M tokens, from the pool file", p.input, p.output),
+            },
+            Pricing::Data { provider, model } => format!("priced by the genai-prices data as {provider} {model}"),
+            Pricing::Free => "local, $0".to_owned(),
+            Pricing::Unknown => "price unknown: set price_in and price_out".to_owned(),
+        };
         println!("Model {i}: {} ({} {} at {}; {price})", w.name, w.provider, w.model, w.effective_base_url());
         if let Some(d) = &w.description {
             println!("         {d}");
@@ -78,6 +85,7 @@ async fn check(pool: &Pool, json: bool, timeout: Duration) -> Outcome {
             while let Some(item) = stream.next().await {
                 match item? {
                     ChatEvent::Text(t) => text.push_str(&t),
+                    ChatEvent::Usage(_) => {}
                     ChatEvent::Done { .. } => return Ok(text),
                 }
             }

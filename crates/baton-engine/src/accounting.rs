@@ -80,6 +80,23 @@ impl Figures {
     }
 }
 
+impl Figures {
+    /// One line for people, the same on every surface: "4 calls · 1200 in (800 cached) / 300
+    /// out tokens · $0.0123"; a cost that misses unpriced calls reads "≥ $…".
+    pub fn summary(&self) -> String {
+        let u = &self.usage;
+        let mut input = format!("{} in", u.input_tokens);
+        match (u.cached_input_tokens, u.cache_write_input_tokens) {
+            (0, 0) => {}
+            (read, 0) => input.push_str(&format!(" ({read} cached)")),
+            (read, written) => input.push_str(&format!(" ({read} cached, {written} written to cache)")),
+        }
+        let calls = if self.calls == 1 { "1 call".to_owned() } else { format!("{} calls", self.calls) };
+        let cost = if self.cost_complete { format!("${:.4}", self.cost_usd) } else { format!("≥ ${:.4}", self.cost_usd) };
+        format!("{calls} · {input} / {} out tokens · {cost}", u.output_tokens)
+    }
+}
+
 /// The most one call can use.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct WorstCase {

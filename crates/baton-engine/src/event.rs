@@ -258,6 +258,24 @@ pub struct Totals {
 }
 
 impl Totals {
+    /// The whole run's figures.
+    pub fn all(&self) -> Figures {
+        Figures { calls: self.calls, usage: self.usage, cost_usd: self.cost_usd, cost_complete: self.cost_complete }
+    }
+
+    /// The figures for people, one labelled line each: the whole run, the conductor's share,
+    /// the workers', and which prices are unknown. CLI progress and Markdown exports print
+    /// these; the app shows the same fields.
+    pub fn breakdown(&self) -> Vec<String> {
+        let mut lines = vec![
+            format!("total: {}", self.all().summary()),
+            format!("conductor: {}", self.conductor.summary()),
+            format!("workers: {}", self.workers.summary()),
+        ];
+        lines.extend(self.cost_unknown_note());
+        lines
+    }
+
     /// "cost unknown for a, b", when some price is unknown: what every surface shows beside
     /// the dollar figure, which is then only a lower bound.
     pub fn cost_unknown_note(&self) -> Option<String> {

@@ -7,13 +7,16 @@
 //!   `name`, `provider`, `model`, `description`), `status` (`running`, `finished`, `failed`,
 //!   `cancelled`, `interrupted`), `answer`, `error_kind`, `error`, `started_at`, `finished_at`
 //!   (Unix ms), `rounds`, `calls`, `input_tokens`, `output_tokens`, `cost_usd`,
-//!   `cost_complete`, `wall_ms`, `rerun_of` (`{run_id, step}` for a run that re-ran one step of
+//!   `cost_complete`, `totals` (the run's `Totals` as `run_finished` carries them: the conductor's
+//!   and the workers' shares, cached tokens, `cost_unknown_for`; null for runs recorded before
+//!   they were kept), `wall_ms`, `rerun_of` (`{run_id, step}` for a run that re-ran one step of
 //!   an earlier run with another worker, else null). Each plan: `round`, `depth`, `parent` (`{round, step}` or
 //!   null), `raw` (the conductor's text or null), `plan` (`model_id`, `subtasks`,
 //!   `access_list`, as `baton plan parse` prints). Each step: `round`, `step`, `worker_index`,
 //!   `worker`, `subtask`, `access` (`"all"` or step numbers), `request` (`system`, `messages`
 //!   with `role` and `content`: exactly what the worker was sent, or null), `status`,
-//!   `output`, `error_kind`, `error`, `input_tokens`, `output_tokens`, `cost_usd`,
+//!   `output`, `error_kind`, `error`, `input_tokens`, `cached_input_tokens`,
+//!   `cache_write_input_tokens`, `output_tokens`, `cost_usd`,
 //!   `latency_ms`, `retries`, `reused_from` (for a step a re-run kept rather than ran: the run
 //!   id its output comes from; else null). `events` are the run's `RunEvent`s without text deltas, as
 //!   `baton ask --json` prints them.
@@ -74,11 +77,24 @@ fn write_run(md: &mut String, tree: &RunTree, h: &str) {
     if let Some(ms) = r.wall_ms {
         facts.push(format!("{:.1} s", ms as f64 / 1000.0));
     }
-    facts.push(format!("{} calls", r.calls));
-    facts.push(format!("{} in / {} out tokens", r.input_tokens, r.output_tokens));
-    let cost = if r.cost_complete { format!("${:.4}", r.cost_usd) } else { format!("≥ ${:.4}", r.cost_usd) };
-    facts.push(cost);
-    let _ = writeln!(md, "*{}*\n", facts.join(" · "));
+    match &r.totals {
+        Some(totals) => {
+            let _ = writeln!(md, "*{}*\n", facts.join(" · "));
+            for line in totals.breakdown() {
+                let _ = writeln!(md, "- {line}");
+            }
+            md.push('\n');
+        }
+        // Recorded before the split was kept: the flat figures.
+        None => {
+            facts.push(format!("{} calls", r.calls));
+            facts.push(format!("{} in / {} out tokens", r.input_tokens, r.output_tokens));
+            let cost =
+                if r.cost_complete { format!("${:.4}", r.cost_usd) } else { format!("≥ ${:.4}", r.cost_usd) };
+            facts.push(cost);
+            let _ = writeln!(md, "*{}*\n", facts.join(" · "));
+        }
+    }
     if let Some(c) = &r.conductor {
         let _ = writeln!(md, "Conductor: {c}\n");
     }
@@ -113,7 +129,10 @@ fn write_run(md: &mut String, tree: &RunTree, h: &str) {
 fn write_step(md: &mut String, s: &StepRecord, h: &str) {
     let mut facts = vec![s.status.clone()];
     if let (Some(i), Some(o)) = (s.input_tokens, s.output_tokens) {
-        facts.push(format!("{i} in / {o} out tokens"));
+        match s.cached_input_tokens.filter(|c| *c > 0) {
+            Some(c) => facts.push(format!("{i} in ({c} cached) / {o} out tokens")),
+            None => facts.push(format!("{i} in / {o} out tokens")),
+        }
     }
     if let Some(ms) = s.latency_ms {
         facts.push(format!("{:.1} s", ms as f64 / 1000.0));

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
-use baton_engine::{RerunOf, StepRef, WorkerInfo};
+use baton_engine::{RerunOf, StepRef, Totals, WorkerInfo};
 use baton_plan::{Access, Plan};
 use baton_providers::{Message, Usage};
 use serde::Serialize;
@@ -166,6 +166,9 @@ pub struct RunRecord {
     pub cost_usd: f64,
     /// False when a worker had no price, so `cost_usd` is a lower bound.
     pub cost_complete: bool,
+    /// The engine's figures for the run (conductor and workers apart, cached tokens, who had
+    /// no price); `None` while it runs, and for runs recorded before they were kept.
+    pub totals: Option<Totals>,
     pub wall_ms: Option<i64>,
     /// The run and step this run re-ran with another worker, if it is a re-run.
     pub rerun_of: Option<RerunOf>,
@@ -202,6 +205,10 @@ pub struct StepRecord {
     pub error_kind: Option<String>,
     pub error: Option<String>,
     pub input_tokens: Option<i64>,
+    /// Of `input_tokens`, read from a prompt cache; `None` before this was kept.
+    pub cached_input_tokens: Option<i64>,
+    /// Of `input_tokens`, written to a prompt cache.
+    pub cache_write_input_tokens: Option<i64>,
     pub output_tokens: Option<i64>,
     pub cost_usd: Option<f64>,
     pub latency_ms: Option<i64>,
@@ -494,6 +501,11 @@ impl Store {
             output_tokens: r.get("output_tokens"),
             cost_usd: r.get("cost_usd"),
             cost_complete: r.get("cost_complete"),
+            totals: r
+                .get::<Option<String>, _>("totals")
+                .map(|t| serde_json::from_str(&t))
+                .transpose()
+                .map_err(|e| decode("runs.totals", e))?,
             wall_ms: r.get("wall_ms"),
             rerun_of: match (r.get::<Option<String>, _>("rerun_of"), r.get::<Option<i64>, _>("rerun_step")) {
                 (Some(run_id), Some(step)) => Some(RerunOf { run_id, step: step as usize }),
@@ -652,6 +664,7 @@ impl PlanRow {
                     input_tokens: input as u64,
                     output_tokens: output as u64,
                     cached_input_tokens: self.cached_input_tokens.unwrap_or(0) as u64,
+                    ..Usage::default()
                 }),
                 _ => None,
             },
@@ -674,6 +687,8 @@ struct StepRow {
     error_kind: Option<String>,
     error: Option<String>,
     input_tokens: Option<i64>,
+    cached_input_tokens: Option<i64>,
+    cache_write_input_tokens: Option<i64>,
     output_tokens: Option<i64>,
     cost_usd: Option<f64>,
     latency_ms: Option<i64>,
@@ -700,6 +715,8 @@ impl StepRow {
             error_kind: self.error_kind,
             error: self.error,
             input_tokens: self.input_tokens,
+            cached_input_tokens: self.cached_input_tokens,
+            cache_write_input_tokens: self.cache_write_input_tokens,
             output_tokens: self.output_tokens,
             cost_usd: self.cost_usd,
             latency_ms: self.latency_ms,

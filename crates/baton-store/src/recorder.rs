@@ -112,7 +112,8 @@ impl Recorder {
             RunEvent::StepFinished { round, step, output, usage, cost_usd, latency_ms, retries } => {
                 sqlx::query(
                     "UPDATE steps SET status = 'finished', output = ?4, input_tokens = ?5, output_tokens = ?6,
-                            cost_usd = ?7, latency_ms = ?8, retries = ?9
+                            cost_usd = ?7, latency_ms = ?8, retries = ?9, cached_input_tokens = ?10,
+                            cache_write_input_tokens = ?11
                      WHERE run_id = ?1 AND round = ?2 AND step = ?3",
                 )
                 .bind(run)
@@ -124,6 +125,8 @@ impl Recorder {
                 .bind(cost_usd)
                 .bind(*latency_ms as i64)
                 .bind(retries)
+                .bind(usage.cached_input_tokens as i64)
+                .bind(usage.cache_write_input_tokens as i64)
                 .execute(&mut *tx)
                 .await?;
             }
@@ -266,7 +269,7 @@ impl Recorder {
         sqlx::query(
             "UPDATE runs SET status = ?2, answer = ?3, error_kind = ?4, error = ?5, finished_at = ?6,
                     calls = ?7, input_tokens = ?8, output_tokens = ?9, cost_usd = ?10, cost_complete = ?11,
-                    wall_ms = ?12, rounds = max(rounds, ?13)
+                    wall_ms = ?12, rounds = max(rounds, ?13), totals = ?14
              WHERE id = ?1",
         )
         .bind(run)
@@ -282,6 +285,7 @@ impl Recorder {
         .bind(totals.cost_complete)
         .bind(totals.wall_ms as i64)
         .bind(totals.rounds)
+        .bind(serde_json::to_string(totals).unwrap_or_default())
         .execute(&mut *tx)
         .await?;
         Ok(())

@@ -330,6 +330,48 @@ async fn a_database_from_before_reruns_is_upgraded_and_keeps_its_runs() {
     assert_eq!((old.workers.as_deref(), old.review), (None, false), "all workers, no review");
 }
 
+/// A history made before accounting was split by caller (migration 3) opens: its runs keep
+/// their flat totals and have no split; a run recorded afterwards has both.
+#[tokio::test]
+async fn a_database_from_before_the_accounting_split_is_upgraded() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("old.sqlite");
+    {
+        let options = sqlx::sqlite::SqliteConnectOptions::new().filename(&path).create_if_missing(true);
+        let db = sqlx::SqlitePool::connect_with(options).await.expect("connect");
+        baton_store::MIGRATOR.run_to(3, &db).await.expect("migrations 1-3");
+        sqlx::query("INSERT INTO conversations (id, title, created_at, updated_at) VALUES (1, 'old', 0, 0)")
+            .execute(&db)
+            .await
+            .expect("conversation");
+        sqlx::query(
+            "INSERT INTO runs (id, uid, conversation_id, question, workers, status, started_at, answer,
+                               calls, input_tokens, output_tokens, cost_usd, cost_complete)
+             VALUES (1, 'u1', 1, 'Old question?', '[]', 'finished', 0, 'Old answer.', 3, 120, 40, 0.5, 1)",
+        )
+        .execute(&db)
+        .await
+        .expect("run");
+        db.close().await;
+    }
+    let server = TestServer::start().await.expect("server");
+    let pool = pool(&server, &[("physicist", "phys"), ("teacher", "teach"), ("judge", "judge")]);
+    let store = Store::open(&path).await.expect("opens and upgrades");
+    let old = store.run(1).await.expect("query").expect("the old run");
+    assert_eq!((old.run.calls, old.run.input_tokens, old.run.output_tokens), (3, 120, 40));
+    assert_eq!(old.run.totals, None, "no split was recorded for it");
+
+    let new = run_recorded(&store, &pool, Some(1), "Why is the sky blue?", FANOUT).await;
+    let tree = store.run(new).await.expect("query").expect("the new run");
+    let totals = tree.run.totals.expect("the split is recorded");
+    assert_eq!(totals.calls as i64, tree.run.calls);
+    assert_eq!((totals.workers.calls, totals.conductor.calls), (3, 0), "a given plan: no conductor calls");
+    assert_eq!(totals.usage.input_tokens as i64, tree.run.input_tokens);
+    let step_inputs: i64 = tree.steps.iter().filter_map(|s| s.input_tokens).sum();
+    assert_eq!(step_inputs, tree.run.input_tokens, "the steps add up to the run");
+    assert!(tree.steps.iter().all(|s| s.cached_input_tokens == Some(0)), "recorded, and none cached here");
+}
+
 #[tokio::test]
 async fn a_conversation_keeps_its_choice_of_workers_and_review() {
     let server = TestServer::start().await.expect("server");
