@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use baton_engine::prices::Pricing;
+use baton_engine::prices;
 use baton_engine::{Budget, Executor, PoolOptions, RunRequest, RunStatus, Worker, WorkerInfo};
 use baton_plan::{Limits, Plan};
 use baton_providers::ProviderKind;
@@ -192,7 +192,8 @@ async fn measure(plan: &Plan, latency: Duration) -> Result<Sample, Failure> {
             model: Arc::new(f.clone()),
             // Priced from the data set, and under caps that never bind (below), so every call
             // takes the whole accounting path: reserve, price, settle.
-            pricing: Pricing::Data { provider: "openai".into(), model: "gpt-4o".into() },
+            // (Looked up as a pool does, which also decodes the data before the first run.)
+            pricing: prices::lookup(ProviderKind::OpenAi, "", "gpt-4o"),
             output_cap: 4096,
             timeout: Duration::from_secs(60),
             endpoint: "fake".into(),

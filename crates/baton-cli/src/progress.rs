@@ -119,8 +119,13 @@ impl Progress {
             RunEvent::StepFinished { round, step, usage, cost_usd, latency_ms, retries, .. } => {
                 let cost = cost_usd.map_or_else(|| "$?".to_owned(), |c| format!("${c:.4}"));
                 let retries = if *retries > 0 { format!(", {retries} retries") } else { String::new() };
+                let cached = if usage.cached_input_tokens > 0 {
+                    format!(" ({} cached)", usage.cached_input_tokens)
+                } else {
+                    String::new()
+                };
                 let msg = format!(
-                    "{} finished   {}  {latency_ms} ms, {} in / {} out tokens, {cost}{retries}",
+                    "{} finished   {}  {latency_ms} ms, {} in{cached} / {} out tokens, {cost}{retries}",
                     Self::label(*round, *step),
                     self.worker(*round, *step),
                     usage.input_tokens,
@@ -151,19 +156,12 @@ impl Progress {
         }
     }
 
+    /// The engine's own lines for the figures (`Totals::breakdown`), so every surface shows
+    /// the same: the whole run, the conductor's share, the workers', and unknown prices.
     fn summary(&self, what: &str, t: &Totals) {
-        let cost = if t.cost_complete {
-            format!("${:.4}", t.cost_usd)
-        } else {
-            format!("≥ ${:.4} (some prices unknown)", t.cost_usd)
-        };
-        let msg = format!(
-            "{what} in {:.2} s · {} calls · {} in / {} out tokens · {cost}",
-            t.wall_ms as f64 / 1000.0,
-            t.calls,
-            t.usage.input_tokens,
-            t.usage.output_tokens
-        );
-        self.line(self.paint("1", &msg));
+        self.line(self.paint("1", &format!("{what} in {:.2} s", t.wall_ms as f64 / 1000.0)));
+        for line in t.breakdown() {
+            self.line(format!("  {line}"));
+        }
     }
 }

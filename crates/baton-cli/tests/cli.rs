@@ -404,3 +404,56 @@ async fn a_remote_conductor_gets_the_plan_grammar_its_server_reads() {
     assert_eq!(bad.code, Some(2));
     assert!(bad.stderr.contains("expected one of vllm, sglang, llama.cpp or none"), "{}", bad.stderr);
 }
+
+/// A recursive plan from a remote conductor, with a rate-limited worker and a broken stream:
+/// `--json` reports the conductor's and the workers' shares apart, and the totals are exactly
+/// the sum of what the server reported for every request it received, failed attempts
+/// included (from its own request log).
+#[tokio::test(flavor = "multi_thread")]
+async fn ask_json_totals_are_every_request_the_servers_answered() {
+    let s = server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let conductor = format!(
+        "[conductor]\nurl = \"{}\"\nmodel = \"big-conductor\"\napi_key_env = \"BATON_E2E_KEY\"\n\n[recursion]\nenabled = true\nmax_depth = 1\n",
+        s.base_url(baton_testserver::Wire::OpenAi)
+    );
+    let pool = write_pool(
+        dir.path(),
+        &s,
+        &conductor,
+        &[W("gpt", "openai", "gpt;fail=429x1;retry_after=0"), W("claude", "anthropic", "claude;stream_error=1")],
+    );
+    // Round 0 gives its last step to the conductor (Model 2); round 1 finishes the work.
+    let first = "```python\nmodel_id = [0, 2]\nsubtasks = [\"Draft.\", \"Improve the draft.\"]\naccess_list = [[], \"all\"]\n```";
+    let second = "```python\nmodel_id = [1]\nsubtasks = [\"Polish it.\"]\naccess_list = [\"all\"]\n```";
+    s.queue_replies("big-conductor", [first, second]);
+    let out = baton(&["ask", "--json", "--pool", path(&pool), "What is 2+2?"], None, TEST_KEY).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let last: Value = serde_json::from_str(out.stdout.lines().last().expect("events")).expect("json");
+    assert_eq!(last["type"], "run_finished", "{last}");
+    let totals = &last["totals"];
+
+    let requests = s.requests();
+    let sum = |conductor: bool| {
+        requests.iter().filter(|r| (r.model == "big-conductor") == conductor).fold((0u64, 0u64, 0u64), |acc, r| {
+            let u = r.reported();
+            (acc.0 + 1, acc.1 + u.input_tokens, acc.2 + u.output_tokens)
+        })
+    };
+    let figures = |v: &Value| {
+        (v["calls"].as_u64().unwrap(), v["usage"]["input_tokens"].as_u64().unwrap(), v["usage"]["output_tokens"].as_u64().unwrap())
+    };
+    let (conductor, workers) = (sum(true), sum(false));
+    assert_eq!(conductor.0, 2, "two plans");
+    assert_eq!(workers.0, 4, "gpt twice (a 429 first), claude twice (a broken stream first)");
+    assert_eq!(figures(&totals["conductor"]), conductor, "{totals}");
+    assert_eq!(figures(&totals["workers"]), workers, "{totals}");
+    assert_eq!(figures(totals), (conductor.0 + workers.0, conductor.1 + workers.1, conductor.2 + workers.2));
+    let broken = requests.iter().find(|r| r.model.starts_with("claude")).expect("claude's first call").reported();
+    assert!(broken.input_tokens > 0, "the broken stream's usage counts: {broken:?}");
+    // An unpriced conductor and workers named "gpt"/"claude" (test-server names, not in the price data):
+    assert_eq!(totals["cost_complete"], false);
+    let unknown: Vec<&str> = totals["cost_unknown_for"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    assert_eq!(unknown, ["claude", "gpt", "the conductor"]);
+    assert!(out.stderr.contains("cost unknown for claude, gpt, the conductor"), "{}", out.stderr);
+}

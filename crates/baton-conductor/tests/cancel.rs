@@ -60,6 +60,7 @@ async fn cancelling_a_plan_stops_generation() {
         Box::new(move |_t: &str| {
             let _ = tx.send(());
         }),
+        baton_engine::accounting::unmetered(),
     );
     tokio::select! {
         _ = &mut plan => panic!("the plan finished before any text arrived"),

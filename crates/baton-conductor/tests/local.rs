@@ -1,6 +1,7 @@
 //! The local conductor with a real (tiny, random) model through the real mistral.rs pipeline:
 //! loading, constrained plans that always parse, recursion and its caps, cancellation.
 
+use baton_engine::accounting::unmetered;
 use std::sync::Arc;
 
 use baton_conductor::local::{LoadError, LocalModel, LocalModelConfig};
@@ -69,7 +70,7 @@ async fn fifty_plans_for_fifty_questions_all_parse_and_validate() {
         let question = format!("Question {i}: what is {i} times {}?", i + 3);
         let mut deltas = String::new();
         let planned = conductor
-            .plan(context(&question, pool_size, max_steps), Box::new(|t: &str| deltas.push_str(t)))
+            .plan(context(&question, pool_size, max_steps), Box::new(|t: &str| deltas.push_str(t)), unmetered())
             .await
             .unwrap_or_else(|e| panic!("plan {i} (pool {pool_size}, max {max_steps}): {e}"));
         assert_eq!(deltas, planned.raw, "the deltas are the whole text, streamed");
@@ -243,6 +244,7 @@ async fn a_local_worker_streams_an_answer_and_stops_at_its_token_limit() {
         while let Some(item) = stream.next().await {
             match item.expect("no error") {
                 ChatEvent::Text(_) => pieces += 1,
+                ChatEvent::Usage(_) => {}
                 ChatEvent::Done { usage, .. } => done = Some(usage),
             }
         }
@@ -266,7 +268,7 @@ async fn a_gguf_conductor_writes_valid_plans_too() {
     for (i, pool_size) in [1usize, 3, 5].into_iter().enumerate() {
         let conductor = LocalConductor::new(model.clone(), workers(pool_size), options.clone());
         let planned = conductor
-            .plan(context(&format!("GGUF question {i}"), pool_size, 4), Box::new(|_: &str| {}))
+            .plan(context(&format!("GGUF question {i}"), pool_size, 4), Box::new(|_: &str| {}), unmetered())
             .await
             .unwrap_or_else(|e| panic!("GGUF plan {i}: {e}"));
         assert!(planned.plan.steps.iter().all(|s| s.model_id < pool_size));
@@ -286,7 +288,7 @@ async fn a_gguf_without_an_end_of_text_token_is_refused_with_what_to_do() {
     assert_eq!(no_end.end_tokens.end_of_turn, vec![baton_tinymodel::IM_END]);
     let conductor = LocalConductor::new(no_end, workers(2), ConductorOptions { no_examples: true, ..quick() });
     let started = std::time::Instant::now();
-    let e = conductor.plan(context("Any question", 2, 3), Box::new(|_: &str| {})).await.expect_err("refused");
+    let e = conductor.plan(context("Any question", 2, 3), Box::new(|_: &str| {}), unmetered()).await.expect_err("refused");
     assert!(started.elapsed() < std::time::Duration::from_secs(5), "refused before generating");
     assert!(e.message.starts_with(&file.display().to_string()), "names the file: {e}");
     assert!(e.message.contains("no end-of-text token (</s>, <|endoftext|>"), "{e}");
@@ -309,7 +311,7 @@ async fn a_plan_past_its_time_limit_fails_naming_the_limit() {
     };
     let conductor = LocalConductor::new(model().await, workers(2), options);
     let started = std::time::Instant::now();
-    let e = conductor.plan(context("A question", 2, 3), Box::new(|_: &str| {})).await.expect_err("times out");
+    let e = conductor.plan(context("A question", 2, 3), Box::new(|_: &str| {}), unmetered()).await.expect_err("times out");
     assert!(started.elapsed() < std::time::Duration::from_secs(5), "{:?}", started.elapsed());
     assert!(e.message.contains("did not finish its plan within the 0.3 s time limit"), "{e}");
     assert!(e.message.contains("plan_time_limit_secs"), "names the setting: {e}");
@@ -346,7 +348,7 @@ async fn quantized_and_typed_loads_still_write_valid_plans() {
         let model = LocalModel::load(&config).await.unwrap_or_else(|e| panic!("{isq:?} {dtype:?} loads: {e}"));
         let conductor = LocalConductor::new(Arc::new(model), workers(2), quick());
         let planned = conductor
-            .plan(context("Quantized?", 2, 3), Box::new(|_: &str| {}))
+            .plan(context("Quantized?", 2, 3), Box::new(|_: &str| {}), unmetered())
             .await
             .unwrap_or_else(|e| panic!("{isq:?} {dtype:?} plans: {e}"));
         assert!(planned.plan.steps.iter().all(|s| s.model_id < 2));

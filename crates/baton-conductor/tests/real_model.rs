@@ -5,6 +5,7 @@
 //! so), that a worker's answer ends on its end-of-turn token, that greedy plans repeat exactly,
 //! and that the second plan for a pool reuses the prompt prefix the first one computed.
 
+use baton_engine::accounting::unmetered;
 use std::sync::Arc;
 
 use baton_conductor::local::{Generated, LocalModel, LocalModelConfig, LocalWorker};
@@ -90,7 +91,7 @@ async fn plans_end_as_soon_as_their_grammar_is_complete() {
         let conductor = LocalConductor::new(model.clone(), workers(pool_size), options(0.3));
         let ctx = PlanningContext::question(question, pool_size, max_steps);
         let (planned, generated) = conductor
-            .plan_with_stats(&ctx, &mut |_| {})
+            .plan_with_stats(&ctx, &mut |_| {}, unmetered())
             .await
             .unwrap_or_else(|e| panic!("{question} (pool {pool_size}, max {max_steps}): {e}"));
         let what = format!("{question} (pool {pool_size}, max {max_steps})");
@@ -113,8 +114,8 @@ async fn greedy_plans_repeat_exactly_and_the_second_reuses_the_prompt_prefix() {
         .collect();
     let conductor = LocalConductor::new(model.clone(), pool, options(0.0));
     let ctx = PlanningContext::question("How many prime numbers are there below 50?", 3, 4);
-    let (first, cold) = conductor.plan_with_stats(&ctx, &mut |_| {}).await.expect("first plan");
-    let (second, warm) = conductor.plan_with_stats(&ctx, &mut |_| {}).await.expect("second plan");
+    let (first, cold) = conductor.plan_with_stats(&ctx, &mut |_| {}, unmetered()).await.expect("first plan");
+    let (second, warm) = conductor.plan_with_stats(&ctx, &mut |_| {}, unmetered()).await.expect("second plan");
     assert_ended_at_the_fence(&model, &cold, "first greedy plan").await;
     assert_ended_at_the_fence(&model, &warm, "second greedy plan").await;
     assert_eq!(first.raw, second.raw, "greedy plans for the same prompt are the same");
@@ -122,7 +123,7 @@ async fn greedy_plans_repeat_exactly_and_the_second_reuses_the_prompt_prefix() {
 
     // Another question for the same pool: only the question is new.
     let other = PlanningContext::question("What is the capital of Australia?", 3, 4);
-    let (_, next) = conductor.plan_with_stats(&other, &mut |_| {}).await.expect("third plan");
+    let (_, next) = conductor.plan_with_stats(&other, &mut |_| {}, unmetered()).await.expect("third plan");
     assert_ended_at_the_fence(&model, &next, "a plan for another question").await;
     let new_tokens = next.usage.input_tokens - next.usage.cached_input_tokens;
     assert!(new_tokens < 40, "only the question is prefilled again: {:?}", next.usage);
@@ -151,6 +152,7 @@ async fn a_local_worker_answer_ends_on_its_end_of_turn_token() {
     while let Some(item) = stream.next().await {
         match item.expect("no error") {
             ChatEvent::Text(t) => text.push_str(&t),
+            ChatEvent::Usage(_) => {}
             ChatEvent::Done { usage, stop_reason } => done = Some((usage, stop_reason)),
         }
     }

@@ -1,6 +1,7 @@
 //! A conductor behind an OpenAI-compatible endpoint: its answer is parsed; an unusable plan is
 //! retried once with the error fed back, then fails clearly.
 
+use baton_engine::accounting::unmetered;
 use std::sync::Arc;
 
 use baton_conductor::{ConductorOptions, RemoteConductor};
@@ -41,7 +42,7 @@ async fn a_good_plan_is_parsed_and_streamed() {
     server.queue_replies("big", [GOOD]);
     let mut streamed = String::new();
     let planned =
-        conductor(&server, "big").plan(context(), Box::new(|t: &str| streamed.push_str(t))).await.expect("plan");
+        conductor(&server, "big").plan(context(), Box::new(|t: &str| streamed.push_str(t)), unmetered()).await.expect("plan");
     assert_eq!(planned.plan.to_json(), r#"{"model_id":[1],"subtasks":["Compute 2+2."],"access_list":[[]]}"#);
     assert_eq!(streamed, GOOD);
     let request = &server.requests()[0];
@@ -56,7 +57,7 @@ async fn a_good_plan_is_parsed_and_streamed() {
 async fn an_unusable_plan_is_retried_once_with_the_error_fed_back() {
     let server = TestServer::start().await.expect("server");
     server.queue_replies("big", [BAD, GOOD]);
-    let planned = conductor(&server, "big").plan(context(), Box::new(|_: &str| {})).await.expect("second try works");
+    let planned = conductor(&server, "big").plan(context(), Box::new(|_: &str| {}), unmetered()).await.expect("second try works");
     assert_eq!(planned.plan.steps[0].model_id, 1);
     let retry = &server.requests()[1].body["messages"];
     let n = retry.as_array().map_or(0, Vec::len);
@@ -69,7 +70,7 @@ async fn an_unusable_plan_is_retried_once_with_the_error_fed_back() {
 async fn two_unusable_plans_fail_clearly() {
     let server = TestServer::start().await.expect("server");
     server.queue_replies("big", [BAD, "no lists at all"]);
-    let e = conductor(&server, "big").plan(context(), Box::new(|_: &str| {})).await.expect_err("fails");
+    let e = conductor(&server, "big").plan(context(), Box::new(|_: &str| {}), unmetered()).await.expect_err("fails");
     assert!(e.message.contains("could not be used twice"), "{e}");
     assert!(e.message.contains("model 7 is not in the pool") && e.message.contains("no plan found"), "{e}");
     assert_eq!(server.requests().len(), 2, "exactly one retry");
@@ -88,7 +89,7 @@ async fn each_server_gets_the_plan_grammar_in_its_own_field() {
         server.queue_replies(&model, [GOOD]);
         let conductor = conductor(&server, &model).with_grammar(Some(grammar));
         assert!(conductor.describe().contains(&format!("{} grammar", grammar.as_str())), "{}", conductor.describe());
-        conductor.plan(context(), Box::new(|_: &str| {})).await.expect("plan");
+        conductor.plan(context(), Box::new(|_: &str| {}), unmetered()).await.expect("plan");
         let request = server.requests().into_iter().find(|r| r.body["model"] == model.as_str()).expect("sent");
         let sent = request.body.pointer(field).and_then(|v| v.as_str()).unwrap_or_else(|| panic!("{field} missing"));
         let others = ["/structured_outputs", "/regex", "/grammar"].into_iter().filter(|f| !field.starts_with(f));
@@ -110,7 +111,7 @@ async fn each_server_gets_the_plan_grammar_in_its_own_field() {
 async fn without_a_grammar_no_extension_field_is_sent() {
     let server = TestServer::start().await.expect("server");
     server.queue_replies("big", [GOOD]);
-    conductor(&server, "big").plan(context(), Box::new(|_: &str| {})).await.expect("plan");
+    conductor(&server, "big").plan(context(), Box::new(|_: &str| {}), unmetered()).await.expect("plan");
     let body = &server.requests()[0].body;
     for field in ["structured_outputs", "regex", "grammar"] {
         assert!(body.get(field).is_none(), "{field} sent to a server that may reject unknown fields");

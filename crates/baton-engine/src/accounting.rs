@@ -388,6 +388,14 @@ impl<'a> Meter<'a> {
     }
 }
 
+/// A meter with no caps and no stop, for planning outside a run (tests, benchmarks). Its
+/// figures are kept nowhere anyone reads.
+pub fn unmetered() -> Meter<'static> {
+    static LEDGER: std::sync::LazyLock<Ledger> = std::sync::LazyLock::new(|| Ledger::new(Budget::default()));
+    static NEVER: std::sync::LazyLock<CancellationToken> = std::sync::LazyLock::new(CancellationToken::new);
+    Meter { ledger: &LEDGER, stop: &NEVER }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

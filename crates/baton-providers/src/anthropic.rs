@@ -54,19 +54,29 @@ pub struct CacheControl {
     pub kind: &'static str,
 }
 
-/// Below this many bytes before the last turn, no breakpoint is set. Anthropic caches prefixes
-/// of at least 1,024 tokens (more on some models) and ignores shorter ones; at roughly four
-/// bytes a token this is where caching starts to pay.
+/// A prefix shorter than this many bytes gets no breakpoint. Anthropic caches prefixes of at
+/// least 1,024 tokens (more on some models) and ignores shorter ones; at roughly four bytes a
+/// token this is where caching can start.
 pub const CACHE_MIN_PREFIX_BYTES: usize = 4096;
 
-/// Where the cache breakpoint goes: on the turn before the last one, so the prefix every later
-/// step that sees this work shares (system, earlier subtasks and answers) is written once and
-/// read after. `None` when caching is off or the prefix is too short to be cached.
-fn cache_breakpoint(req: &ChatRequest, enabled: bool) -> Option<usize> {
-    let last = req.messages.len().checked_sub(2)?;
-    let prefix: usize = req.system.as_ref().map_or(0, String::len)
-        + req.messages[..=last].iter().map(|m| m.content.len()).sum::<usize>();
-    (enabled && prefix >= CACHE_MIN_PREFIX_BYTES).then_some(last)
+/// Which turns carry a cache breakpoint: the last (a later step that sees this whole step,
+/// its subtask included, reads it: a chain, an `"all"` plan) and the one before it (steps that
+/// see the same earlier work read it: a fan-out). Both cost what one would: tokens are written
+/// once, at the first breakpoint that covers them. None when caching is off, and none on a
+/// prefix too short to be cached.
+fn cache_breakpoints(req: &ChatRequest, enabled: bool) -> [Option<usize>; 2] {
+    if !enabled {
+        return [None, None];
+    }
+    let mut bytes = req.system.as_ref().map_or(0, String::len);
+    let mut ends = Vec::with_capacity(req.messages.len());
+    for m in &req.messages {
+        bytes += m.content.len();
+        ends.push(bytes);
+    }
+    let at = |i: Option<usize>| i.filter(|&i| ends[i] >= CACHE_MIN_PREFIX_BYTES);
+    let n = req.messages.len();
+    [at(n.checked_sub(1)), at(n.checked_sub(2))]
 }
 
 #[derive(Debug, Serialize)]
@@ -192,7 +202,7 @@ pub(crate) fn request_body<'a>(call: &Call<'a>, req: &'a ChatRequest) -> Request
     let s = call.settings;
     let thinking = s.thinking_budget.map(|budget_tokens| Thinking { kind: "enabled", budget_tokens });
     let max_tokens = req.max_tokens.unwrap_or(s.max_tokens);
-    let breakpoint = cache_breakpoint(req, s.prompt_cache);
+    let breakpoints = cache_breakpoints(req, s.prompt_cache);
     Request {
         model: &s.model,
         // With thinking on, max_tokens must exceed the thinking budget.
@@ -209,7 +219,7 @@ pub(crate) fn request_body<'a>(call: &Call<'a>, req: &'a ChatRequest) -> Request
                     Role::User => "user",
                     Role::Assistant => "assistant",
                 },
-                content: if Some(i) == breakpoint {
+                content: if breakpoints.contains(&Some(i)) {
                     Content::Blocks([TextBlock {
                         kind: "text",
                         text: &m.content,

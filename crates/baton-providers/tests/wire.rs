@@ -52,6 +52,7 @@ async fn call(m: &HttpModel) -> Result<Answer, ProviderError> {
                 answer.pieces += 1;
                 answer.text.push_str(&t);
             }
+            ChatEvent::Usage(_) => assert!(!done, "usage after Done"),
             ChatEvent::Done { usage, stop_reason } => {
                 done = true;
                 answer.usage = usage;
@@ -84,6 +85,52 @@ async fn streamed_and_whole_answers_with_usage_in_every_format() {
             assert!(a.stop.is_some(), "{kind}");
         }
     }
+}
+
+/// Prompt caching as each provider reports it: OpenAI's `prompt_tokens_details.cached_tokens`,
+/// Gemini's `cachedContentTokenCount` (both automatic), Anthropic's `cache_read_input_tokens` and
+/// `cache_creation_input_tokens` at the `cache_control` breakpoints Baton sets on a long prefix.
+#[tokio::test]
+async fn cached_prompt_tokens_are_read_from_every_format() {
+    let server = TestServer::start().await.expect("server");
+    let long = "The measured figures, in full. ".repeat(200);
+    let first = ChatRequest { messages: vec![Message::user(long.clone())], ..request() };
+    let mut second = first.clone();
+    second.messages.push(Message::assistant("Noted."));
+    second.messages.push(Message::user("Now the summary."));
+    for (kind, wire) in KINDS {
+        for stream in [true, false] {
+            let name = format!("cache-{kind}-{stream}");
+            let m = model(&server, kind, wire, settings(&name, stream));
+            let mut m1 = Answer { text: String::new(), pieces: 0, usage: Usage::default(), stop: None };
+            let mut s1 = m.stream(first.clone()).await.expect("first");
+            while let Some(e) = s1.next().await {
+                if let ChatEvent::Done { usage, .. } = e.expect("event") {
+                    m1.usage = usage;
+                }
+            }
+            assert_eq!(m1.usage.cached_input_tokens, 0, "{kind} stream={stream}: nothing cached yet");
+            let mut s2 = m.stream(second.clone()).await.expect("second");
+            let mut usage = Usage::default();
+            while let Some(e) = s2.next().await {
+                if let ChatEvent::Done { usage: u, .. } = e.expect("event") {
+                    usage = u;
+                }
+            }
+            let prefix = ((long.len() + "Be brief.".len()) / 4) as u64;
+            assert_eq!(usage.cached_input_tokens, prefix, "{kind} stream={stream}: {usage:?}");
+            assert!(usage.input_tokens > usage.cached_input_tokens, "{kind}: cached tokens are part of the input");
+            if kind == ProviderKind::Anthropic {
+                assert_eq!(m1.usage.cache_write_input_tokens, prefix, "{kind}: the first call wrote the prefix");
+                assert!(usage.cache_write_input_tokens > 0, "{kind}: the second wrote its own longer prefix");
+            }
+        }
+    }
+    let anthropic: Vec<_> = server.requests().into_iter().filter(|r| r.wire == Wire::Anthropic).collect();
+    let last_turn = &anthropic[1].body["messages"][2]["content"];
+    assert_eq!(last_turn[0]["cache_control"]["type"], "ephemeral", "a breakpoint on the last turn: {last_turn}");
+    assert_eq!(anthropic[1].body["messages"][1]["content"][0]["cache_control"]["type"], "ephemeral", "and on the one before");
+    assert!(anthropic[1].body["messages"][0]["content"].is_string(), "two breakpoints at most: {}", anthropic[1].body);
 }
 
 #[tokio::test]

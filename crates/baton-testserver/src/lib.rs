@@ -43,6 +43,27 @@ pub struct RecordedRequest {
     pub model: String,
     /// Milliseconds since the server started.
     pub at_ms: u64,
+    /// The usage the server has reported for this request so far (what a client that read
+    /// every byte sent saw): zero for an error answer, the last usage a stream carried before
+    /// it was cut.
+    pub reported: Arc<Mutex<Reported>>,
+}
+
+impl RecordedRequest {
+    pub fn reported(&self) -> Reported {
+        self.reported.lock().map(|r| *r).unwrap_or_default()
+    }
+}
+
+/// Token counts as the server reported them, in Baton's terms: `input_tokens` is all input,
+/// `cached_input_tokens` and `cache_write_input_tokens` the parts read from and written to the
+/// prompt cache.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Reported {
+    pub input_tokens: u64,
+    pub cached_input_tokens: u64,
+    pub cache_write_input_tokens: u64,
+    pub output_tokens: u64,
 }
 
 #[derive(Debug, Default)]
@@ -54,6 +75,8 @@ struct Shared {
     hangups: Arc<std::sync::atomic::AtomicU32>,
     /// Replies queued per model name (the part before `;`), used before the script's own.
     replies: Mutex<HashMap<String, std::collections::VecDeque<String>>>,
+    /// Prompt prefixes cached so far, by hash (model name, system text and turns).
+    cache: Mutex<std::collections::HashSet<u64>>,
     /// When set, requests must carry this key in the wire's auth header.
     key: Option<String>,
     started: Option<Instant>,
@@ -190,8 +213,16 @@ async fn handle(
         .map(|(k, v)| (k.as_str().to_ascii_lowercase(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
         .collect();
     let at_ms = shared.started.map_or(0, |s| s.elapsed().as_millis() as u64);
-    let record =
-        RecordedRequest { wire, path, headers: header_map.clone(), body: json.clone(), model: model.clone(), at_ms };
+    let reported = Arc::new(Mutex::new(Reported::default()));
+    let record = RecordedRequest {
+        wire,
+        path,
+        headers: header_map.clone(),
+        body: json.clone(),
+        model: model.clone(),
+        at_ms,
+        reported: reported.clone(),
+    };
     if let Some(log) = &shared.log {
         let line = serde_json::json!({
             "wire": wire.as_str(), "path": record.path, "headers": record.headers,
@@ -228,5 +259,6 @@ async fn handle(
     if let Some(reply) = queued {
         script.reply = Some(reply);
     }
-    wire::respond(wire, &script, call_index, &json, stream, shared.hangups.clone()).await
+    let cache = wire::CacheView::new(&shared.cache, &script);
+    wire::respond(wire, &script, call_index, &json, stream, shared.hangups.clone(), cache, reported).await
 }

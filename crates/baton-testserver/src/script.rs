@@ -16,6 +16,8 @@ use std::time::Duration;
 /// | `garbage=N` | answer the first N calls with a 200 that is not the wire format |
 /// | `stream_error=N` | on the first N calls, send some text then an in-stream error event |
 /// | `chunks=N` | split the answer into N pieces (default: one per word) |
+/// | `usage=max` | report the most tokens an honest provider could: the prompt's bytes plus 3 per turn in, the request's output cap out |
+/// | `cache_min=N` | prompt-cache prefixes from N tokens (default 1024, the providers' documented minimum) |
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Script {
     pub name: String,
@@ -29,6 +31,8 @@ pub struct Script {
     pub garbage: u32,
     pub stream_error: u32,
     pub chunks: Option<usize>,
+    pub usage_max: bool,
+    pub cache_min: Option<u64>,
 }
 
 impl Script {
@@ -59,6 +63,8 @@ impl Script {
                 "garbage" => script.garbage = value.parse().unwrap_or(0),
                 "stream_error" => script.stream_error = value.parse().unwrap_or(0),
                 "chunks" => script.chunks = value.parse().ok().filter(|n| *n > 0),
+                "usage" => script.usage_max = value == "max",
+                "cache_min" => script.cache_min = value.parse().ok(),
                 _ => {}
             }
         }

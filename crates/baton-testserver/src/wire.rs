@@ -160,6 +160,68 @@ struct Conversation {
     prompt_chars: usize,
     thinking: bool,
     include_usage: bool,
+    system: String,
+    /// Role, text, and whether the turn carries an Anthropic `cache_control` breakpoint.
+    turns: Vec<(String, String, bool)>,
+    /// The request's output cap, in the wire's own field.
+    max_tokens: Option<u64>,
+}
+
+/// The prompt cache as one request sees it: prefixes (system and whole turns) the server has
+/// seen, as OpenAI and Gemini cache them on their own, and as Anthropic caches them at
+/// `cache_control` breakpoints. A prefix is cached from `min` tokens (a token is four characters
+/// here, as in the usage figures).
+pub(crate) struct CacheView<'a> {
+    set: &'a std::sync::Mutex<std::collections::HashSet<u64>>,
+    name: String,
+    min: u64,
+}
+
+impl<'a> CacheView<'a> {
+    pub(crate) fn new(set: &'a std::sync::Mutex<std::collections::HashSet<u64>>, script: &Script) -> Self {
+        CacheView { set, name: script.name.clone(), min: script.cache_min.unwrap_or(1024) }
+    }
+
+    /// Tokens read from and written to the cache by this request, and the cache updated.
+    fn apply(&self, wire: Wire, conv: &Conversation) -> (u64, u64) {
+        use std::hash::{Hash, Hasher};
+        let mut prefixes = Vec::with_capacity(conv.turns.len());
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        (wire.as_str(), &self.name, &conv.system).hash(&mut hasher);
+        let mut chars = conv.system.len();
+        for (role, text, breakpoint) in &conv.turns {
+            (role, text).hash(&mut hasher);
+            chars += text.len();
+            prefixes.push((hasher.finish(), chars as u64 / 4, *breakpoint));
+        }
+        let Ok(mut set) = self.set.lock() else { return (0, 0) };
+        let cacheable = |tokens: u64| tokens >= self.min && tokens > 0;
+        let hit = |upto: usize| {
+            prefixes[..upto].iter().filter(|(h, t, _)| cacheable(*t) && set.contains(h)).map(|p| p.1).max().unwrap_or(0)
+        };
+        match wire {
+            Wire::Anthropic => {
+                let Some(last) = prefixes.iter().rposition(|(_, t, b)| *b && cacheable(*t)) else { return (0, 0) };
+                let read = hit(last + 1);
+                let written = prefixes[last].1 - read;
+                for (h, t, b) in &prefixes {
+                    if *b && cacheable(*t) {
+                        set.insert(*h);
+                    }
+                }
+                (read, written)
+            }
+            Wire::OpenAi | Wire::Gemini => {
+                let read = hit(prefixes.len());
+                for (h, t, _) in &prefixes {
+                    if cacheable(*t) {
+                        set.insert(*h);
+                    }
+                }
+                (read, 0)
+            }
+        }
+    }
 }
 
 fn text_of(content: &Value) -> String {
@@ -179,22 +241,41 @@ fn conversation(wire: Wire, body: &Value) -> Conversation {
     let mut last_user = String::new();
     let mut answers_seen = 0;
     let mut prompt_chars = 0;
+    let mut system = match wire {
+        Wire::OpenAi => String::new(),
+        Wire::Anthropic => text_of(&body["system"]),
+        Wire::Gemini => text_of(&body["systemInstruction"]["parts"]),
+    };
+    prompt_chars += system.len();
+    let mut kept = Vec::new();
     for turn in turns {
         let text = text_of(&turn[content_key]);
         prompt_chars += text.len();
+        let breakpoint = turn[content_key]
+            .as_array()
+            .is_some_and(|blocks| blocks.iter().any(|b| b.get("cache_control").is_some()));
         if turn["role"] == assistant_role {
             answers_seen += 1;
-        } else if turn["role"] != "system" {
-            last_user = text;
+        } else if turn["role"] == "system" {
+            system.push_str(&text);
+            continue;
+        } else {
+            last_user = text.clone();
         }
+        kept.push((turn["role"].as_str().unwrap_or_default().to_owned(), text, breakpoint));
     }
+    let max_tokens = match wire {
+        Wire::OpenAi => body["max_completion_tokens"].as_u64().or(body["max_tokens"].as_u64()),
+        Wire::Anthropic => body["max_tokens"].as_u64(),
+        Wire::Gemini => body["generationConfig"]["maxOutputTokens"].as_u64(),
+    };
     let thinking = match wire {
         Wire::OpenAi => body.get("reasoning_effort").is_some(),
         Wire::Anthropic => body.get("thinking").is_some(),
         Wire::Gemini => body["generationConfig"].get("thinkingConfig").is_some(),
     };
     let include_usage = body["stream_options"]["include_usage"].as_bool().unwrap_or(false);
-    Conversation { last_user, answers_seen, prompt_chars, thinking, include_usage }
+    Conversation { last_user, answers_seen, prompt_chars, thinking, include_usage, system, turns: kept, max_tokens }
 }
 
 /// `hangups` counts streams the client closed before their end.
@@ -205,6 +286,8 @@ pub(crate) async fn respond(
     body: &Value,
     stream: bool,
     hangups: std::sync::Arc<std::sync::atomic::AtomicU32>,
+    cache: CacheView<'_>,
+    reported: std::sync::Arc<std::sync::Mutex<crate::Reported>>,
 ) -> Response {
     let mut wait = script.ttfb;
     if let Some((slow, n)) = script.slow
@@ -230,9 +313,28 @@ pub(crate) async fn respond(
 
     let conv = conversation(wire, body);
     let text = script.answer(&conv.last_user, conv.answers_seen);
-    let pieces = script.pieces(&text);
-    let usage_in = conv.prompt_chars.div_ceil(4) as u64;
-    let usage_out = pieces.len() as u64 + if conv.thinking { 7 } else { 0 };
+    let thinking_tokens = if conv.thinking { 7 } else { 0 };
+    let mut pieces = script.pieces(&text);
+    // A provider stops at the request's output cap.
+    if let Some(cap) = conv.max_tokens {
+        pieces.truncate(cap.saturating_sub(thinking_tokens).max(1) as usize);
+    }
+    let text: String = pieces.concat();
+    let (usage_in, usage_out) = if script.usage_max {
+        let turns = conv.turns.len() as u64 + u64::from(!conv.system.is_empty());
+        (conv.prompt_chars as u64 + 3 * turns, conv.max_tokens.unwrap_or(4096).max(1))
+    } else {
+        (conv.prompt_chars.div_ceil(4) as u64, pieces.len() as u64 + thinking_tokens)
+    };
+    let (cached, written) = cache.apply(wire, &conv);
+    let full = crate::Reported {
+        input_tokens: usage_in,
+        cached_input_tokens: cached,
+        cache_write_input_tokens: written,
+        output_tokens: usage_out,
+    };
+    // Anthropic's input_tokens are only those after the last breakpoint.
+    let anthropic_in = usage_in - cached - written;
     let model = script.name.clone();
 
     if !stream {
@@ -241,7 +343,8 @@ pub(crate) async fn respond(
             Wire::OpenAi => json!({
                 "id": "chatcmpl-test", "object": "chat.completion", "created": 0, "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": null}, "logprobs": null, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": usage_in, "completion_tokens": usage_out, "total_tokens": usage_in + usage_out},
+                "usage": {"prompt_tokens": usage_in, "completion_tokens": usage_out, "total_tokens": usage_in + usage_out,
+                    "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0}},
             }),
             Wire::Anthropic => {
                 let mut content = vec![];
@@ -252,7 +355,8 @@ pub(crate) async fn respond(
                 json!({
                     "id": "msg_test", "type": "message", "role": "assistant", "model": model, "content": content,
                     "stop_reason": "end_turn", "stop_sequence": null,
-                    "usage": {"input_tokens": usage_in, "output_tokens": usage_out},
+                    "usage": {"input_tokens": anthropic_in, "output_tokens": usage_out,
+                        "cache_creation_input_tokens": written, "cache_read_input_tokens": cached},
                 })
             }
             Wire::Gemini => {
@@ -263,16 +367,19 @@ pub(crate) async fn respond(
                 parts.push(json!({"text": text}));
                 json!({
                     "candidates": [{"content": {"parts": parts, "role": "model"}, "finishReason": "STOP", "index": 0}],
-                    "usageMetadata": {"promptTokenCount": usage_in, "candidatesTokenCount": pieces.len(), "totalTokenCount": usage_in + usage_out,
-                        "thoughtsTokenCount": if conv.thinking { 7 } else { 0 }},
+                    "usageMetadata": {"promptTokenCount": usage_in, "candidatesTokenCount": usage_out - thinking_tokens, "totalTokenCount": usage_in + usage_out,
+                        "thoughtsTokenCount": thinking_tokens, "cachedContentTokenCount": cached},
                     "modelVersion": model,
                 })
             }
         };
+        if let Ok(mut r) = reported.lock() {
+            *r = full;
+        }
         return json_response(StatusCode::OK, body, None);
     }
 
-    let events = stream_events(wire, &model, &pieces, &conv, usage_in, usage_out);
+    let events = stream_events(wire, &model, &pieces, &conv, full, thinking_tokens);
     // The last piece of text arrives `latency` after the headers.
     let delay = script.latency / (pieces.len().max(1) as u32);
     let cut = call < script.cut;
@@ -290,6 +397,10 @@ pub(crate) async fn respond(
                 let partial: String = event.bytes.chars().take(event.bytes.len() / 2).collect();
                 let _ = tx.send(Ok(Bytes::from(partial))).await;
                 return;
+            }
+            // Recorded before it is sent, so a client that has read it never finds it missing.
+            if let (Some(usage), Ok(mut r)) = (event.usage, reported.lock()) {
+                *r = usage;
             }
             if tx.send(Ok(Bytes::from(event.bytes))).await.is_err() {
                 hangups.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -313,14 +424,21 @@ struct Event {
     bytes: String,
     /// Carries answer text (the scripted latency is spent after these).
     text: bool,
+    /// The usage a client has been told once this event is sent, when it carries usage.
+    usage: Option<crate::Reported>,
 }
 
 fn data(value: Value) -> Event {
-    Event { bytes: format!("data: {value}\n\n"), text: false }
+    Event { bytes: format!("data: {value}\n\n"), text: false, usage: None }
 }
 
 fn named(name: &str, value: Value) -> Event {
-    Event { bytes: format!("event: {name}\ndata: {value}\n\n"), text: false }
+    Event { bytes: format!("event: {name}\ndata: {value}\n\n"), text: false, usage: None }
+}
+
+fn with_usage(mut e: Event, usage: crate::Reported) -> Event {
+    e.usage = Some(usage);
+    e
 }
 
 fn text(mut e: Event) -> Event {
@@ -333,9 +451,13 @@ fn stream_events(
     model: &str,
     pieces: &[String],
     conv: &Conversation,
-    usage_in: u64,
-    usage_out: u64,
+    full: crate::Reported,
+    thinking_tokens: u64,
 ) -> Vec<Event> {
+    let usage_in = full.input_tokens;
+    let usage_out = full.output_tokens;
+    let cached = full.cached_input_tokens;
+    let written = full.cache_write_input_tokens;
     let mut out = Vec::new();
     match wire {
         Wire::OpenAi => {
@@ -349,15 +471,18 @@ fn stream_events(
             }
             out.push(data(chunk(json!({}), json!("stop"))));
             if conv.include_usage {
-                out.push(data(json!({"id": "chatcmpl-test", "object": "chat.completion.chunk", "created": 0, "model": model, "choices": [],
+                out.push(with_usage(data(json!({"id": "chatcmpl-test", "object": "chat.completion.chunk", "created": 0, "model": model, "choices": [],
                     "usage": {"prompt_tokens": usage_in, "completion_tokens": usage_out, "total_tokens": usage_in + usage_out,
-                        "completion_tokens_details": {"reasoning_tokens": if conv.thinking { 7 } else { 0 }}}})));
+                        "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
+                        "completion_tokens_details": {"reasoning_tokens": thinking_tokens}}})), full));
             }
-            out.push(Event { bytes: "data: [DONE]\n\n".to_owned(), text: false });
+            out.push(Event { bytes: "data: [DONE]\n\n".to_owned(), text: false, usage: None });
         }
         Wire::Anthropic => {
-            out.push(named("message_start", json!({"type": "message_start", "message": {"id": "msg_test", "type": "message", "role": "assistant",
-                "content": [], "model": model, "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": usage_in, "output_tokens": 1}}})));
+            let anthropic_in = usage_in - cached - written;
+            out.push(with_usage(named("message_start", json!({"type": "message_start", "message": {"id": "msg_test", "type": "message", "role": "assistant",
+                "content": [], "model": model, "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": anthropic_in, "output_tokens": 1,
+                    "cache_creation_input_tokens": written, "cache_read_input_tokens": cached}}})), crate::Reported { output_tokens: 1, ..full }));
             let mut index = 0;
             if conv.thinking {
                 out.push(named("content_block_start", json!({"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}})));
@@ -378,23 +503,31 @@ fn stream_events(
                 )));
             }
             out.push(named("content_block_stop", json!({"type": "content_block_stop", "index": index})));
-            out.push(named("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": usage_out}})));
+            out.push(with_usage(named("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": usage_out}})), full));
             out.push(named("message_stop", json!({"type": "message_stop"})));
         }
         Wire::Gemini => {
             if conv.thinking {
-                out.push(data(json!({"candidates": [{"content": {"parts": [{"text": "Let me think.", "thought": true}], "role": "model"}, "index": 0}],
-                    "usageMetadata": {"promptTokenCount": usage_in, "totalTokenCount": usage_in}, "modelVersion": model})));
+                out.push(with_usage(data(json!({"candidates": [{"content": {"parts": [{"text": "Let me think.", "thought": true}], "role": "model"}, "index": 0}],
+                    "usageMetadata": {"promptTokenCount": usage_in, "totalTokenCount": usage_in, "cachedContentTokenCount": cached}, "modelVersion": model})),
+                    crate::Reported { output_tokens: 0, ..full }));
             }
             let last = pieces.len().saturating_sub(1);
             for (i, p) in pieces.iter().enumerate() {
                 let mut candidate = json!({"content": {"parts": [{"text": p}], "role": "model"}, "index": 0});
-                let mut usage = json!({"promptTokenCount": usage_in, "candidatesTokenCount": i + 1, "totalTokenCount": usage_in + i as u64 + 1});
+                let candidates = if i == last { usage_out - thinking_tokens } else { i as u64 + 1 };
+                let mut usage = json!({"promptTokenCount": usage_in, "candidatesTokenCount": candidates,
+                    "totalTokenCount": usage_in + candidates, "cachedContentTokenCount": cached});
+                let mut seen = crate::Reported { output_tokens: candidates, ..full };
                 if i == last {
                     candidate["finishReason"] = json!("STOP");
-                    usage["thoughtsTokenCount"] = json!(if conv.thinking { 7 } else { 0 });
+                    usage["thoughtsTokenCount"] = json!(thinking_tokens);
+                    seen = full;
                 }
-                out.push(text(data(json!({"candidates": [candidate], "usageMetadata": usage, "modelVersion": model, "responseId": "resp-test"}))));
+                out.push(with_usage(
+                    text(data(json!({"candidates": [candidate], "usageMetadata": usage, "modelVersion": model, "responseId": "resp-test"}))),
+                    seen,
+                ));
             }
         }
     }
