@@ -222,6 +222,7 @@ impl Executor {
             user_cancel: cancel.clone(),
             stop: cancel.child_token(),
             stop_reason: Mutex::new(None),
+            exhausted: std::sync::atomic::AtomicBool::new(false),
             rounds: AtomicU32::new(0),
             steps_started: AtomicUsize::new(0),
             step_cap: AtomicUsize::new(usize::MAX),
@@ -480,14 +481,16 @@ impl Executor {
                             other => other.message(),
                         };
                         if let StepFailure::Budget(message) = &failure {
-                            ctx.stop_for(RunError { kind: RunErrorKind::BudgetExceeded, message: message.clone() });
+                            ctx.exhaust(RunError { kind: RunErrorKind::BudgetExceeded, message: message.clone() });
                         }
                         ctx.step_failed(round, i, kind, message, status);
                     }
                 }
-                // Once stopping, no new step starts; the ones in flight notice the stop token
-                // and finish promptly with their own StepFailed.
-                stopping |= ctx.stop.is_cancelled();
+                // Once stopping, no new step starts. On a cancel, the steps in flight notice the
+                // stop token and finish promptly with their own StepFailed; once the budget is
+                // used up, calls in flight (which fit when they were made, and which providers
+                // bill whether or not their answer is read) finish, and nothing new starts.
+                stopping |= ctx.stop.is_cancelled() || ctx.is_exhausted();
             }
 
             let finished =
@@ -709,10 +712,12 @@ struct RunCtx<'a> {
     events: &'a EventSink,
     ledger: Ledger,
     user_cancel: CancellationToken,
-    /// Cancelled when the user cancels or a budget cap stops the run.
+    /// Cancelled when the user cancels (a budget cap only stops new steps: see `exhausted`).
     stop: CancellationToken,
     /// Why the run stopped, when it was not the user.
     stop_reason: Mutex<Option<RunError>>,
+    /// A budget cap refused a call: no new step starts.
+    exhausted: std::sync::atomic::AtomicBool,
     rounds: AtomicU32,
     steps_started: AtomicUsize,
     /// Steps allowed in the whole run, recursive rounds included.
@@ -731,10 +736,15 @@ impl RunCtx<'_> {
         self.emit(RunEvent::StepFailed { round, step, error: StepError { kind, message, status } });
     }
 
-    fn stop_for(&self, error: RunError) {
+    /// A cap refused a call: the run starts nothing new and ends failed for this reason.
+    fn exhaust(&self, error: RunError) {
         let mut reason = self.stop_reason.lock().unwrap_or_else(|p| p.into_inner());
         reason.get_or_insert(error);
-        self.stop.cancel();
+        self.exhausted.store(true, Ordering::SeqCst);
+    }
+
+    fn is_exhausted(&self) -> bool {
+        self.exhausted.load(Ordering::SeqCst)
     }
 
     fn stop_message(&self) -> String {

@@ -100,82 +100,91 @@ async fn a_fan_out_under_a_token_cap_never_overshoots() {
 async fn no_run_ends_above_a_cap() {
     let cases: u64 = std::env::var("BATON_ACCOUNTING_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
     let server = TestServer::start().await.expect("server");
+    // Cases run 16 at a time (each mostly waits on the server); a case's requests are told
+    // apart by their model names.
+    let seeds: Vec<u64> = (0..cases).collect();
     let mut made = 0u64;
-    for seed in 0..cases {
-        let mut rng = fastrand::Rng::with_seed(seed);
-        let n_workers = rng.usize(1..=3);
-        let workers: Vec<W<'_>> = (0..n_workers)
-            .map(|i| {
-                let provider = ["openai", "anthropic", "gemini"][rng.usize(0..3)];
-                let mut model = format!("s{seed}w{i};latency={}", rng.u32(0..4));
-                if rng.bool() {
-                    model.push_str(";usage=max");
-                }
-                match rng.u32(0..6) {
-                    0 => model.push_str(";fail=429x1;retry_after=0"),
-                    1 => model.push_str(";stream_error=1"),
-                    2 => model.push_str(";cut=1"),
-                    _ => {}
-                }
-                let price = if rng.u32(0..4) == 0 {
-                    String::new() // unknown price: counted in tokens, cost incomplete
-                } else {
-                    format!("price_in = {}\nprice_out = {}\n", rng.u32(1..20), rng.u32(1..80))
-                };
-                let extra = format!("max_tokens = {}\n{price}", rng.u32(1..300));
-                W(["a", "b", "c"][i], provider, model, extra)
-            })
-            .collect();
-        let max_calls = rng.bool().then(|| rng.u32(1..12));
-        let max_tokens = rng.bool().then(|| rng.u64(50..4000));
-        let max_cost = rng.bool().then(|| rng.u32(1..200) as f64 / 100_000.0);
-        let mut top = String::from("[budget]\n");
-        if let Some(c) = max_calls {
-            top.push_str(&format!("max_calls = {c}\n"));
-        }
-        if let Some(t) = max_tokens {
-            top.push_str(&format!("max_tokens = {t}\n"));
-        }
-        if let Some(c) = max_cost {
-            top.push_str(&format!("max_cost_usd = {c}\n"));
-        }
-        let p = pool(&server, &top, &workers);
-        let steps = rng.usize(1..=5);
-        let plan = Plan {
-            steps: (0..steps)
-                .map(|i| Step {
-                    model_id: rng.usize(0..n_workers),
-                    subtask: "x".repeat(rng.usize(1..200)),
-                    access: match rng.u32(0..3) {
-                        0 => Access::All,
-                        1 => Access::Steps(Vec::new()),
-                        _ => Access::Steps((0..i).filter(|_| rng.bool()).collect()),
-                    },
-                })
-                .collect(),
-        };
-        let before = server.requests().len();
-        let (outcome, _) = run(&executor(&p), plan.clone()).await;
-        let t = &outcome.totals;
-        let context = format!("seed {seed}: caps {max_calls:?} {max_tokens:?} {max_cost:?}; totals {t:?}; plan {plan:?}");
-        if let Some(c) = max_calls {
-            assert!(t.calls <= c, "{context}");
-        }
-        if let Some(m) = max_tokens {
-            assert!(t.usage.total() <= m, "{context}");
-        }
-        if let Some(c) = max_cost {
-            assert!(t.cost_usd <= c + 1e-12, "{context}");
-        }
-        let requests = &server.requests()[before..];
-        assert_eq!(requests.len() as u32, t.calls, "{context}");
-        let (input, output) =
-            requests.iter().map(|r| r.reported()).fold((0, 0), |(i, o), u| (i + u.input_tokens, o + u.output_tokens));
-        assert_eq!((t.usage.input_tokens, t.usage.output_tokens), (input, output), "{context}");
-        assert_eq!(t.workers.calls, t.calls, "{context}: no conductor here");
-        made += u64::from(t.calls);
+    for chunk in seeds.chunks(16) {
+        let results = futures::future::join_all(chunk.iter().map(|&seed| one_case(&server, seed))).await;
+        made += results.iter().sum::<u64>();
     }
     assert!(made > cases, "the cases made calls ({made}), not just refusals");
+}
+
+/// One random case; returns the calls it made.
+async fn one_case(server: &TestServer, seed: u64) -> u64 {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let n_workers = rng.usize(1..=3);
+    let workers: Vec<W<'_>> = (0..n_workers)
+        .map(|i| {
+            let provider = ["openai", "anthropic", "gemini"][rng.usize(0..3)];
+            let mut model = format!("s{seed}w{i};latency={}", rng.u32(0..4));
+            if rng.bool() {
+                model.push_str(";usage=max");
+            }
+            match rng.u32(0..6) {
+                0 => model.push_str(";fail=429x1;retry_after=0"),
+                1 => model.push_str(";stream_error=1"),
+                2 => model.push_str(";cut=1"),
+                _ => {}
+            }
+            let price = if rng.u32(0..4) == 0 {
+                String::new() // unknown price: counted in tokens, cost incomplete
+            } else {
+                format!("price_in = {}\nprice_out = {}\n", rng.u32(1..20), rng.u32(1..80))
+            };
+            let extra = format!("max_tokens = {}\n{price}", rng.u32(1..300));
+            W(["a", "b", "c"][i], provider, model, extra)
+        })
+        .collect();
+    let max_calls = rng.bool().then(|| rng.u32(1..12));
+    let max_tokens = rng.bool().then(|| rng.u64(50..4000));
+    let max_cost = rng.bool().then(|| rng.u32(1..200) as f64 / 100_000.0);
+    let mut top = String::from("[budget]\n");
+    if let Some(c) = max_calls {
+        top.push_str(&format!("max_calls = {c}\n"));
+    }
+    if let Some(t) = max_tokens {
+        top.push_str(&format!("max_tokens = {t}\n"));
+    }
+    if let Some(c) = max_cost {
+        top.push_str(&format!("max_cost_usd = {c}\n"));
+    }
+    let p = pool(server, &top, &workers);
+    let steps = rng.usize(1..=5);
+    let plan = Plan {
+        steps: (0..steps)
+            .map(|i| Step {
+                model_id: rng.usize(0..n_workers),
+                subtask: "x".repeat(rng.usize(1..200)),
+                access: match rng.u32(0..3) {
+                    0 => Access::All,
+                    1 => Access::Steps(Vec::new()),
+                    _ => Access::Steps((0..i).filter(|_| rng.bool()).collect()),
+                },
+            })
+            .collect(),
+    };
+    let (outcome, _) = run(&executor(&p), plan.clone()).await;
+    let t = &outcome.totals;
+    let context = format!("seed {seed}: caps {max_calls:?} {max_tokens:?} {max_cost:?}; totals {t:?}; plan {plan:?}");
+    if let Some(c) = max_calls {
+        assert!(t.calls <= c, "{context}");
+    }
+    if let Some(m) = max_tokens {
+        assert!(t.usage.total() <= m, "{context}");
+    }
+    if let Some(c) = max_cost {
+        assert!(t.cost_usd <= c + 1e-12, "{context}");
+    }
+    let prefix = format!("s{seed}w");
+    let requests: Vec<_> = server.requests().into_iter().filter(|r| r.model.starts_with(&prefix)).collect();
+    assert_eq!(requests.len() as u32, t.calls, "{context}");
+    let (input, output) =
+        requests.iter().map(|r| r.reported()).fold((0, 0), |(i, o), u| (i + u.input_tokens, o + u.output_tokens));
+    assert_eq!((t.usage.input_tokens, t.usage.output_tokens), (input, output), "{context}");
+    assert_eq!(t.workers.calls, t.calls, "{context}: no conductor here");
+    u64::from(t.calls)
 }
 
 /// A four-step "all" plan, whose every step sends the one before's conversation and more (and

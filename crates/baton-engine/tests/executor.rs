@@ -343,17 +343,33 @@ async fn budget_caps_end_the_run_and_keep_what_finished() {
     assert_eq!(outcome.totals.steps_finished, vec![0, 1], "finished steps are kept");
     assert_eq!(events.iter().filter(|e| matches!(e, RunEvent::StepFinished { .. })).count(), 2);
 
-    let p = pool(&server, "[budget]\nmax_tokens = 5", &[compat("w", "w")]);
+    // A call reserves its worst case: step 0 (at most 1 byte + 2 × 16 framing in, 20 out = 53
+    // tokens) fits under 80; step 1 sees step 0's answer and cannot fit beside what step 0 used.
+    let mut p = pool(&server, "[budget]\nmax_tokens = 80", &[compat("w", "w")]);
+    p.workers[0].max_tokens = 20;
     let (outcome, _) = run(&executor(&p), chain, None).await;
-    assert_eq!(outcome.error.map(|e| e.kind), Some(RunErrorKind::BudgetExceeded));
+    let error = outcome.error.expect("error");
+    assert_eq!(error.kind, RunErrorKind::BudgetExceeded);
+    assert!(error.message.contains("of at most 80 tokens"), "{}", error.message);
     assert_eq!(outcome.totals.steps_finished, vec![0]);
+    assert!(outcome.totals.usage.total() <= 80);
 
-    let mut p = pool(&server, "[budget]\nmax_cost_usd = 0.000001", &[compat("w", "w")]);
+    // The same in dollars: $0.001 a token, at most $0.053 for step 0, under a cap of $0.08.
+    let mut p = pool(&server, "[budget]\nmax_cost_usd = 0.08", &[compat("w", "w")]);
+    p.workers[0].max_tokens = 20;
     p.workers[0].price_in = Some(1000.0);
     p.workers[0].price_out = Some(1000.0);
     let (outcome, _) = run(&executor(&p), chain, None).await;
     assert_eq!(outcome.error.map(|e| e.kind), Some(RunErrorKind::BudgetExceeded));
-    assert!(outcome.totals.cost_usd > 0.0 && outcome.totals.cost_complete);
+    assert_eq!(outcome.totals.steps_finished, vec![0]);
+    assert!(outcome.totals.cost_usd > 0.0 && outcome.totals.cost_usd <= 0.08 && outcome.totals.cost_complete);
+
+    // A call whose worst case alone passes the cap is never made.
+    let p = pool(&server, "[budget]\nmax_tokens = 5", &[compat("w", "w")]);
+    let before = server.requests().len();
+    let (outcome, _) = run(&executor(&p), chain, None).await;
+    assert_eq!(outcome.error.map(|e| e.kind), Some(RunErrorKind::BudgetExceeded));
+    assert_eq!((outcome.totals.calls, server.requests().len()), (0, before), "no call made");
 }
 
 #[tokio::test]
