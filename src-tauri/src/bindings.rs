@@ -22,6 +22,7 @@ pub fn typescript() -> String {
         baton_engine::StepError::decl(&cfg),
         baton_engine::RunErrorKind::decl(&cfg),
         baton_engine::RunError::decl(&cfg),
+        baton_engine::accounting::Figures::decl(&cfg),
         baton_engine::Totals::decl(&cfg),
         baton_engine::RunEvent::decl(&cfg),
         baton_store::RunStatus::decl(&cfg),

@@ -32,6 +32,8 @@ pub struct WorkerForm {
     /// $ per million input tokens.
     pub price_in: Option<f64>,
     pub price_out: Option<f64>,
+    /// $ per million input tokens read from a prompt cache (default: `price_in`).
+    pub price_cached_in: Option<f64>,
     pub description: Option<String>,
 }
 
@@ -78,6 +80,9 @@ pub struct Settings {
     pub conductor_configured: bool,
     /// Whether this build runs local models (mistral.rs).
     pub local_models: bool,
+    /// Workers with no known price (neither the pool nor the price data has one): a cost cap
+    /// cannot count them, and their runs' costs are lower bounds.
+    pub unpriced: Vec<String>,
 }
 
 #[tauri::command]
@@ -104,6 +109,10 @@ pub fn settings(paths: &crate::state::Paths) -> Settings {
             (Err(e), _) | (_, Err(e)) => Some(e.clone()),
             _ => None,
         },
+        unpriced: pool
+            .as_ref()
+            .map(|p| p.workers.iter().filter(|w| !w.pricing().is_known()).map(|w| w.name.clone()).collect())
+            .unwrap_or_default(),
         form: form.ok(),
         conductor_configured,
         local_models: cfg!(feature = "local"),
@@ -185,6 +194,7 @@ fn worker_form(index: usize, t: &Table) -> Result<WorkerForm, String> {
         thinking_budget: int("thinking_budget"),
         price_in: t.get("price_in").and_then(float),
         price_out: t.get("price_out").and_then(float),
+        price_cached_in: t.get("price_cached_in").and_then(float),
         description: string("description"),
     })
 }
@@ -216,6 +226,7 @@ pub fn apply_form(text: &str, form: &PoolForm, file: &str) -> AppResult<String> 
         set_int(&mut t, "thinking_budget", w.thinking_budget.map(i64::from));
         set_float(&mut t, "price_in", w.price_in);
         set_float(&mut t, "price_out", w.price_out);
+        set_float(&mut t, "price_cached_in", w.price_cached_in);
         set_str(&mut t, "description", w.description.as_deref());
         workers.push(t);
     }
@@ -346,6 +357,7 @@ timeout_secs = 90
             thinking_budget: None,
             price_in: Some(0.0),
             price_out: Some(0.0),
+            price_cached_in: None,
             description: None,
         });
         form.conductor.model = Some("/models/qwen.gguf".into());

@@ -9,15 +9,24 @@ export type Role = "user" | "assistant";
 
 export type Message = { role: Role, content: string, };
 
-export type Usage = { input_tokens: number, 
+export type Usage = { 
+/**
+ * Every input token, whether served from a cache, written to one, or neither.
+ */
+input_tokens: number, 
 /**
  * Includes reasoning ("thinking") tokens, which providers bill as output.
  */
 output_tokens: number, 
 /**
- * Of `input_tokens`, those served from a prompt cache (a local model's prefix cache).
+ * Of `input_tokens`, those read from a prompt cache (the provider's, or a local model's
+ * prefix cache); providers bill them at a discount.
  */
-cached_input_tokens: number, };
+cached_input_tokens: number, 
+/**
+ * Of `input_tokens`, those written to a prompt cache (Anthropic bills them at a premium).
+ */
+cache_write_input_tokens: number, };
 
 export type Plan = { model_id: Array<number>, subtasks: Array<string>, access_list: Array<Access> };
 
@@ -29,7 +38,7 @@ export type StepRef = { round: number, step: number, };
 
 export type RerunOf = { run_id: string, step: number, };
 
-export type StepErrorKind = "auth" | "rate_limited" | "overloaded" | "bad_request" | "context_too_long" | "network" | "timeout" | "malformed_response" | "empty_answer" | "cancelled" | "dependency_failed" | "conductor" | "recursion_limit";
+export type StepErrorKind = "auth" | "rate_limited" | "overloaded" | "bad_request" | "context_too_long" | "network" | "timeout" | "malformed_response" | "empty_answer" | "cancelled" | "dependency_failed" | "conductor" | "recursion_limit" | "budget";
 
 export type StepError = { kind: StepErrorKind, message: string, 
 /**
@@ -41,19 +50,45 @@ export type RunErrorKind = "invalid_plan" | "step_failed" | "budget_exceeded" | 
 
 export type RunError = { kind: RunErrorKind, message: string, };
 
-export type Totals = { 
+export type Figures = { 
 /**
- * Provider calls, retries included.
+ * Requests sent, retries and failed attempts included.
  */
 calls: number, usage: Usage, 
 /**
- * Sum over steps with a known price.
+ * Sum over calls with a known price.
  */
 cost_usd: number, 
 /**
- * False when some step's price is unknown, so `cost_usd` is a lower bound.
+ * False when some call's price is unknown, so `cost_usd` is a lower bound.
  */
-cost_complete: boolean, wall_ms: number, 
+cost_complete: boolean, };
+
+export type Totals = { 
+/**
+ * Requests sent, retries and failed attempts included.
+ */
+calls: number, usage: Usage, 
+/**
+ * Sum over calls with a known price.
+ */
+cost_usd: number, 
+/**
+ * False when some call's price is unknown, so `cost_usd` is a lower bound.
+ */
+cost_complete: boolean, 
+/**
+ * The conductor's share: its calls writing plans (a local conductor costs $0, its tokens count).
+ */
+conductor: Figures, 
+/**
+ * The workers' share.
+ */
+workers: Figures, 
+/**
+ * Who made calls with no known price (worker names, or "the conductor").
+ */
+cost_unknown_for: Array<string>, wall_ms: number, 
 /**
  * Steps of round 0 that finished or failed (nested rounds are in the events).
  */
@@ -145,7 +180,12 @@ export type RunRecord = { id: number, uid: string, conversation_id: number, ques
 /**
  * False when a worker had no price, so `cost_usd` is a lower bound.
  */
-cost_complete: boolean, wall_ms: number | null, 
+cost_complete: boolean, 
+/**
+ * The engine's figures for the run (conductor and workers apart, cached tokens, who had
+ * no price); `None` while it runs, and for runs recorded before they were kept.
+ */
+totals: Totals | null, wall_ms: number | null, 
 /**
  * The run and step this run re-ran with another worker, if it is a re-run.
  */
@@ -174,7 +214,15 @@ request: SentRequest | null,
 /**
  * `running`, `finished`, `failed` or `interrupted`.
  */
-status: string, output: string | null, error_kind: string | null, error: string | null, input_tokens: number | null, output_tokens: number | null, cost_usd: number | null, latency_ms: number | null, retries: number, 
+status: string, output: string | null, error_kind: string | null, error: string | null, input_tokens: number | null, 
+/**
+ * Of `input_tokens`, read from a prompt cache; `None` before this was kept.
+ */
+cached_input_tokens: number | null, 
+/**
+ * Of `input_tokens`, written to a prompt cache.
+ */
+cache_write_input_tokens: number | null, output_tokens: number | null, cost_usd: number | null, latency_ms: number | null, retries: number, 
 /**
  * For a step a re-run kept rather than ran: the run its output comes from.
  */
@@ -195,7 +243,11 @@ original: number | null, name: string, provider: ProviderKind, model: string, ba
 /**
  * $ per million input tokens.
  */
-price_in: number | null, price_out: number | null, description: string | null, };
+price_in: number | null, price_out: number | null, 
+/**
+ * $ per million input tokens read from a prompt cache (default: `price_in`).
+ */
+price_cached_in: number | null, description: string | null, };
 
 export type ConductorForm = { 
 /**
@@ -238,7 +290,12 @@ conductor_configured: boolean,
 /**
  * Whether this build runs local models (mistral.rs).
  */
-local_models: boolean, };
+local_models: boolean, 
+/**
+ * Workers with no known price (neither the pool nor the price data has one): a cost cap
+ * cannot count them, and their runs' costs are lower bounds.
+ */
+unpriced: Array<string>, };
 
 export type KeyRow = { 
 /**

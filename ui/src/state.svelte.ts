@@ -2,6 +2,9 @@
 // news from the backend (model loading, history warnings).
 import { api, asAppError } from "./api";
 import type { AppError, ConversationSummary, ModelLoad, Settings } from "./bindings";
+import { formatCost } from "./lib/figures";
+
+export { figuresLine, formatCost, totalsBreakdown } from "./lib/figures";
 import { choiceOf, namesOf } from "./lib/choices";
 
 export type View = "chat" | "history" | "workers" | "conductor" | "welcome";
@@ -140,10 +143,6 @@ export async function savePrefs(conversation: number | null, prefs: Conversation
   }
 }
 
-export function formatCost(usd: number, complete = true): string {
-  const s = usd === 0 ? "$0" : usd < 0.01 ? `$${usd.toFixed(4)}` : `$${usd.toFixed(2)}`;
-  return complete ? s : `≥ ${s}`;
-}
 
 export function formatMs(ms: number): string {
   return ms < 1000 ? `${ms} ms` : `${(ms / 1000).toFixed(1)} s`;

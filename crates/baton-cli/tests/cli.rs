@@ -455,5 +455,4 @@ async fn ask_json_totals_are_every_request_the_servers_answered() {
     assert_eq!(totals["cost_complete"], false);
     let unknown: Vec<&str> = totals["cost_unknown_for"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
     assert_eq!(unknown, ["claude", "gpt", "the conductor"]);
-    assert!(out.stderr.contains("cost unknown for claude, gpt, the conductor"), "{}", out.stderr);
 }

@@ -47,7 +47,7 @@ pub fn worker(name: &str, model: &str, base_url: &str) -> Value {
     json!({
         "original": null, "name": name, "provider": "openai-compatible", "model": model,
         "base_url": base_url, "api_key_env": null, "max_tokens": null, "temperature": null,
-        "reasoning_effort": null, "thinking_budget": null, "price_in": 0.0, "price_out": 0.0,
+        "reasoning_effort": null, "thinking_budget": null, "price_in": 0.0, "price_out": 0.0, "price_cached_in": null,
         "description": format!("{name} worker"),
     })
 }

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import type { Access, Plan, RunEvent, RunTree, StepRecord, Totals, WorkerInfo } from "../bindings";
+import type { Access, Figures, Plan, RunEvent, RunTree, StepRecord, Totals, WorkerInfo } from "../bindings";
 import {
   ANSWER_ID,
   applyEvent,
@@ -31,11 +31,21 @@ const WORKERS: WorkerInfo[] = ["alpha", "beta", "gamma"].map((name, index) => ({
 }));
 const CONDUCTOR = WORKERS.length;
 
-const TOTALS: Totals = {
+const NONE: Figures = {
   calls: 0,
-  usage: { input_tokens: 0, output_tokens: 0, cached_input_tokens: 0 },
+  usage: { input_tokens: 0, output_tokens: 0, cached_input_tokens: 0, cache_write_input_tokens: 0 },
   cost_usd: 0,
   cost_complete: true,
+};
+
+const TOTALS: Totals = {
+  calls: 0,
+  usage: { input_tokens: 0, output_tokens: 0, cached_input_tokens: 0, cache_write_input_tokens: 0 },
+  cost_usd: 0,
+  cost_complete: true,
+  conductor: NONE,
+  workers: NONE,
+  cost_unknown_for: [],
   wall_ms: 0,
   steps_finished: [],
   steps_failed: [],
@@ -73,7 +83,7 @@ function roundEvents(round: number, p: Plan, depth = 0, parent?: { round: number
         round,
         step,
         output: `answer ${round}.${step}`,
-        usage: { input_tokens: 10, output_tokens: 5, cached_input_tokens: 0 },
+        usage: { input_tokens: 10, output_tokens: 5, cached_input_tokens: 0, cache_write_input_tokens: 0 },
         cost_usd: 0.001,
         latency_ms: 100,
         retries: 0,
@@ -134,7 +144,7 @@ describe("applyEvent and graphOf", () => {
       subtask: "subtask 0",
       status: "done",
       output: "answer 0.0",
-      usage: { input_tokens: 10, output_tokens: 5, cached_input_tokens: 0 },
+      usage: { input_tokens: 10, output_tokens: 5, cached_input_tokens: 0, cache_write_input_tokens: 0 },
       cost_usd: 0.001,
       latency_ms: 100,
       retries: 0,
@@ -296,7 +306,7 @@ describe("fromRunTree", () => {
       round: 0,
       step: 1,
       output: "answer 1.1",
-      usage: { input_tokens: 0, output_tokens: 0, cached_input_tokens: 0 },
+      usage: { input_tokens: 0, output_tokens: 0, cached_input_tokens: 0, cache_write_input_tokens: 0 },
       cost_usd: 0,
       latency_ms: 300,
       retries: 0,
@@ -320,6 +330,8 @@ describe("fromRunTree", () => {
     error_kind: null,
     error: null,
     input_tokens: 10,
+    cached_input_tokens: 0,
+    cache_write_input_tokens: 0,
     output_tokens: 5,
     cost_usd: 0.001,
     latency_ms: 100,
@@ -348,6 +360,7 @@ describe("fromRunTree", () => {
       output_tokens: 15,
       cost_usd: 0.003,
       cost_complete: true,
+      totals: null,
       wall_ms: 900,
       rerun_of: null,
     },
@@ -394,7 +407,7 @@ describe("fromRunTree", () => {
     expect(t.rounds.map((r) => r.round)).toEqual([0, 1]);
     expect(findStep(t, 0, 2)).toMatchObject({ status: "failed", usage: null, cost_usd: null, error: { kind: "timeout" } });
     expect(findStep(t, 1, 1)).toMatchObject({ status: "done", output: "answer 1.1" });
-    expect(findStep(t, 1, 1)?.usage).toEqual({ input_tokens: 10, output_tokens: 5, cached_input_tokens: 0 });
+    expect(findStep(t, 1, 1)?.usage).toEqual({ input_tokens: 10, output_tokens: 5, cached_input_tokens: 0, cache_write_input_tokens: 0 });
     expect(t.totals).toMatchObject({ calls: 4, wall_ms: 900, steps_finished: [0, 1], steps_failed: [2], rounds: 2 });
   });
 
@@ -567,7 +580,7 @@ describe("re-runs", () => {
     round: 0,
     step,
     output: `new ${step}`,
-    usage: { input_tokens: 3, output_tokens: 2, cached_input_tokens: 0 },
+    usage: { input_tokens: 3, output_tokens: 2, cached_input_tokens: 0, cache_write_input_tokens: 0 },
     cost_usd: 0,
     latency_ms: 50,
     retries: 0,
@@ -604,6 +617,8 @@ describe("re-runs", () => {
       error_kind: null,
       error: null,
       input_tokens: 3,
+      cached_input_tokens: 0,
+      cache_write_input_tokens: 0,
       output_tokens: 2,
       cost_usd: 0,
       latency_ms: 50,
@@ -631,6 +646,7 @@ describe("re-runs", () => {
         output_tokens: 4,
         cost_usd: 0,
         cost_complete: true,
+        totals: null,
         wall_ms: 100,
         rerun_of: rerunOf,
       },

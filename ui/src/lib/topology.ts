@@ -281,7 +281,12 @@ function overlayStoredStep(s: TopologyStep, rec: StepRecord, workers: WorkerInfo
   s.usage =
     rec.input_tokens === null && rec.output_tokens === null
       ? null
-      : { input_tokens: rec.input_tokens ?? 0, output_tokens: rec.output_tokens ?? 0, cached_input_tokens: 0 };
+      : {
+          input_tokens: rec.input_tokens ?? 0,
+          output_tokens: rec.output_tokens ?? 0,
+          cached_input_tokens: rec.cached_input_tokens ?? 0,
+          cache_write_input_tokens: rec.cache_write_input_tokens ?? 0,
+        };
   s.cost_usd = rec.cost_usd;
   s.latency_ms = rec.latency_ms;
   s.retries = rec.retries;
@@ -322,17 +327,17 @@ export function fromRunTree(tree: RunTree): Topology {
   t.error = run.error_kind || run.error ? ({ kind: run.error_kind ?? "", message: run.error ?? "" } as RunError) : null;
   const top = topRound(t);
   const topIndices = (status: StepStatus) => top?.steps.filter((s) => s.status === status).map((s) => s.step) ?? [];
-  t.totals = {
-    calls: run.calls,
-    usage: { input_tokens: run.input_tokens, output_tokens: run.output_tokens, cached_input_tokens: 0 },
-    cost_usd: run.cost_usd,
-    cost_complete: run.cost_complete,
-    wall_ms: run.wall_ms ?? 0,
-    // As in the live totals: the round-0 steps that finished or failed.
-    steps_finished: topIndices("done"),
-    steps_failed: topIndices("failed"),
-    rounds: run.rounds,
-  };
+  // As in the live totals: the round-0 steps that finished or failed.
+  const steps = { steps_finished: topIndices("done"), steps_failed: topIndices("failed") };
+  if (run.totals) {
+    t.totals = { ...run.totals, ...steps };
+  } else {
+    // Recorded before the split by caller was kept: the whole run's figures, not split.
+    const usage = { input_tokens: run.input_tokens, output_tokens: run.output_tokens, cached_input_tokens: 0, cache_write_input_tokens: 0 };
+    const all = { calls: run.calls, usage, cost_usd: run.cost_usd, cost_complete: run.cost_complete };
+    const none = { calls: 0, usage: { ...usage, input_tokens: 0, output_tokens: 0 }, cost_usd: 0, cost_complete: true };
+    t.totals = { ...all, conductor: none, workers: all, cost_unknown_for: [], wall_ms: run.wall_ms ?? 0, rounds: run.rounds, ...steps };
+  }
   return t;
 }
 

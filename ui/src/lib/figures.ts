@@ -1,0 +1,32 @@
+// A run's figures as people read them: the same lines the engine writes for the CLI and
+// exports (`Figures::summary`, `Totals::breakdown`), so every surface says the same.
+
+import type { Figures, Totals } from "../bindings";
+
+export function formatCost(usd: number, complete = true): string {
+  const s = usd === 0 ? "$0" : usd < 0.01 ? `$${usd.toFixed(4)}` : `$${usd.toFixed(2)}`;
+  return complete ? s : `≥ ${s}`;
+}
+
+/** One line for a share of a run's figures, as the engine's `Figures::summary` writes it. */
+export function figuresLine(f: Figures): string {
+  const u = f.usage;
+  let input = `${u.input_tokens} in`;
+  if (u.cache_write_input_tokens > 0) {
+    input += ` (${u.cached_input_tokens} cached, ${u.cache_write_input_tokens} written to cache)`;
+  } else if (u.cached_input_tokens > 0) {
+    input += ` (${u.cached_input_tokens} cached)`;
+  }
+  const calls = `${f.calls} call${f.calls === 1 ? "" : "s"}`;
+  return `${calls} · ${input} / ${u.output_tokens} out tokens · ${formatCost(f.cost_usd, f.cost_complete)}`;
+}
+
+/** The conductor's and the workers' shares and unknown prices, as `Totals::breakdown` lists them. */
+export function totalsBreakdown(t: Totals): string[] {
+  const lines = [`conductor: ${figuresLine(t.conductor)}`, `workers: ${figuresLine(t.workers)}`];
+  if (!t.cost_complete) {
+    lines.push(t.cost_unknown_for.length ? `cost unknown for ${t.cost_unknown_for.join(", ")}` : "cost unknown for some calls");
+  }
+  return lines;
+}
+
