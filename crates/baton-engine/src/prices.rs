@@ -147,6 +147,40 @@ mod tests {
         assert!((plain.cost(&usage) - 7.0).abs() < 1e-9, "without a cached price, cached input is plain input");
     }
 
+    /// A handful of models pinned to the data set's published figures ($ per million tokens),
+    /// so a data update that changes them, or a matching that picks the wrong entry, is seen.
+    #[test]
+    fn models_are_priced_as_the_data_says() {
+        let million = |kind, model: &str, input, cached, written, output| {
+            let pricing = lookup(kind, "", model);
+            assert!(matches!(pricing, Pricing::Data { .. }), "{model}: {pricing:?}");
+            per_million(&pricing, input, cached, written, output)
+        };
+        let close = |a: f64, b: f64, what: &str| assert!((a - b).abs() < 1e-9, "{what}: {a} != {b}");
+        let m = 1_000_000;
+        // `-pro` variants have their own, far higher prices.
+        close(million(ProviderKind::OpenAi, "gpt-5", m, 0, 0, m), 1.25 + 10.0, "gpt-5");
+        close(million(ProviderKind::OpenAi, "gpt-5-pro", m, 0, 0, m), 15.0 + 120.0, "gpt-5-pro");
+        close(million(ProviderKind::OpenAi, "o3-pro", m, 0, 0, m), 20.0 + 80.0, "o3-pro");
+        // A dated snapshot finds its model; cached input at its own rate.
+        close(million(ProviderKind::OpenAi, "gpt-4o-2024-08-06", m, m / 2, 0, 0), 0.5 * 2.5 + 0.5 * 1.25, "gpt-4o");
+        // Anthropic cache reads and writes, and a dated id (below the 200k-token tier)...
+        close(
+            million(ProviderKind::Anthropic, "claude-sonnet-4-5-20250929", 100_000, 25_000, 25_000, 0),
+            0.05 * 3.0 + 0.025 * 0.3 + 0.025 * 3.75,
+            "claude-sonnet-4-5",
+        );
+        // ...and above it, where every part costs its higher rate.
+        close(
+            million(ProviderKind::Anthropic, "claude-sonnet-4-5", m, m / 4, m / 4, 0),
+            0.5 * 6.0 + 0.25 * 0.6 + 0.25 * 7.5,
+            "claude-sonnet-4-5, long prompt",
+        );
+        // Gemini's `models/` prefix; prompts above 200k tokens are priced at the higher tier.
+        close(million(ProviderKind::Gemini, "models/gemini-2.5-pro", 100_000, 0, 0, 0), 0.1 * 1.25, "gemini small");
+        close(million(ProviderKind::Gemini, "gemini-2.5-pro", 300_000, 0, 0, 0), 0.3 * 2.5, "gemini large");
+    }
+
     #[test]
     fn unknown_and_local_models() {
         assert_eq!(lookup(ProviderKind::OpenAi, "", "no-such-model-xyz"), Pricing::Unknown);
