@@ -441,7 +441,11 @@ async fn ask_json_totals_are_every_request_the_servers_answered() {
         })
     };
     let figures = |v: &Value| {
-        (v["calls"].as_u64().unwrap(), v["usage"]["input_tokens"].as_u64().unwrap(), v["usage"]["output_tokens"].as_u64().unwrap())
+        (
+            v["calls"].as_u64().unwrap(),
+            v["usage"]["input_tokens"].as_u64().unwrap(),
+            v["usage"]["output_tokens"].as_u64().unwrap(),
+        )
     };
     let (conductor, workers) = (sum(true), sum(false));
     assert_eq!(conductor.0, 2, "two plans");

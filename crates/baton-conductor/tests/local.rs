@@ -288,7 +288,8 @@ async fn a_gguf_without_an_end_of_text_token_is_refused_with_what_to_do() {
     assert_eq!(no_end.end_tokens.end_of_turn, vec![baton_tinymodel::IM_END]);
     let conductor = LocalConductor::new(no_end, workers(2), ConductorOptions { no_examples: true, ..quick() });
     let started = std::time::Instant::now();
-    let e = conductor.plan(context("Any question", 2, 3), Box::new(|_: &str| {}), unmetered()).await.expect_err("refused");
+    let e =
+        conductor.plan(context("Any question", 2, 3), Box::new(|_: &str| {}), unmetered()).await.expect_err("refused");
     assert!(started.elapsed() < std::time::Duration::from_secs(5), "refused before generating");
     assert!(e.message.starts_with(&file.display().to_string()), "names the file: {e}");
     assert!(e.message.contains("no end-of-text token (</s>, <|endoftext|>"), "{e}");
@@ -311,7 +312,8 @@ async fn a_plan_past_its_time_limit_fails_naming_the_limit() {
     };
     let conductor = LocalConductor::new(model().await, workers(2), options);
     let started = std::time::Instant::now();
-    let e = conductor.plan(context("A question", 2, 3), Box::new(|_: &str| {}), unmetered()).await.expect_err("times out");
+    let e =
+        conductor.plan(context("A question", 2, 3), Box::new(|_: &str| {}), unmetered()).await.expect_err("times out");
     assert!(started.elapsed() < std::time::Duration::from_secs(5), "{:?}", started.elapsed());
     assert!(e.message.contains("did not finish its plan within the 0.3 s time limit"), "{e}");
     assert!(e.message.contains("plan_time_limit_secs"), "names the setting: {e}");

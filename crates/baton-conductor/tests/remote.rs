@@ -41,8 +41,10 @@ async fn a_good_plan_is_parsed_and_streamed() {
     let server = TestServer::start().await.expect("server");
     server.queue_replies("big", [GOOD]);
     let mut streamed = String::new();
-    let planned =
-        conductor(&server, "big").plan(context(), Box::new(|t: &str| streamed.push_str(t)), unmetered()).await.expect("plan");
+    let planned = conductor(&server, "big")
+        .plan(context(), Box::new(|t: &str| streamed.push_str(t)), unmetered())
+        .await
+        .expect("plan");
     assert_eq!(planned.plan.to_json(), r#"{"model_id":[1],"subtasks":["Compute 2+2."],"access_list":[[]]}"#);
     assert_eq!(streamed, GOOD);
     let request = &server.requests()[0];
@@ -57,7 +59,8 @@ async fn a_good_plan_is_parsed_and_streamed() {
 async fn an_unusable_plan_is_retried_once_with_the_error_fed_back() {
     let server = TestServer::start().await.expect("server");
     server.queue_replies("big", [BAD, GOOD]);
-    let planned = conductor(&server, "big").plan(context(), Box::new(|_: &str| {}), unmetered()).await.expect("second try works");
+    let planned =
+        conductor(&server, "big").plan(context(), Box::new(|_: &str| {}), unmetered()).await.expect("second try works");
     assert_eq!(planned.plan.steps[0].model_id, 1);
     let retry = &server.requests()[1].body["messages"];
     let n = retry.as_array().map_or(0, Vec::len);

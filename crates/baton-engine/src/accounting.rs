@@ -92,7 +92,8 @@ impl Figures {
             (read, written) => input.push_str(&format!(" ({read} cached, {written} written to cache)")),
         }
         let calls = if self.calls == 1 { "1 call".to_owned() } else { format!("{} calls", self.calls) };
-        let cost = if self.cost_complete { format!("${:.4}", self.cost_usd) } else { format!("≥ ${:.4}", self.cost_usd) };
+        let cost =
+            if self.cost_complete { format!("${:.4}", self.cost_usd) } else { format!("≥ ${:.4}", self.cost_usd) };
         format!("{calls} · {input} / {} out tokens · {cost}", u.output_tokens)
     }
 }
@@ -416,7 +417,10 @@ mod tests {
         let refused = ledger.try_reserve(Caller::Worker, "b", worst(60, Some(0.0))).expect_err("50 + 60 > 100");
         let refused = refused.expect("never fits");
         assert_eq!(refused.cap, Cap::Tokens);
-        assert!(refused.message.contains("up to 60 tokens") && refused.message.contains("50 of at most 100"), "{refused}");
+        assert!(
+            refused.message.contains("up to 60 tokens") && refused.message.contains("50 of at most 100"),
+            "{refused}"
+        );
     }
 
     #[test]
@@ -438,7 +442,10 @@ mod tests {
     #[test]
     fn callers_are_counted_apart_and_unknown_prices_named() {
         let ledger = Ledger::new(Budget::default());
-        ledger.try_reserve(Caller::Conductor, "the conductor", worst(10, Some(0.0))).unwrap().settle(usage(7, 3), Some(0.0));
+        ledger
+            .try_reserve(Caller::Conductor, "the conductor", worst(10, Some(0.0)))
+            .unwrap()
+            .settle(usage(7, 3), Some(0.0));
         ledger.try_reserve(Caller::Worker, "w", worst(10, None)).unwrap().settle(usage(4, 2), None);
         let spent = ledger.spent();
         assert_eq!((spent.conductor.calls, spent.conductor.usage.total()), (1, 10));

@@ -142,9 +142,7 @@ impl WorkerSpec {
     /// [`prices`]); [`Pricing::Unknown`] when neither knows the model.
     pub fn pricing(&self) -> Pricing {
         match (self.price_in, self.price_out) {
-            (Some(input), Some(output)) => {
-                Pricing::Pool(Price { input, output, cached_input: self.price_cached_in })
-            }
+            (Some(input), Some(output)) => Pricing::Pool(Price { input, output, cached_input: self.price_cached_in }),
             _ => prices::lookup(self.provider, self.effective_base_url(), &self.model),
         }
     }
@@ -735,10 +733,7 @@ base_url = "http://localhost:11434/v1"
         assert_eq!(gpt.effective_base_url(), "http://127.0.0.1:8080/v1");
         assert_eq!(gpt.pricing(), Pricing::Pool(Price { input: 1.25, output: 10.0, cached_input: None }));
         assert_eq!(pool.workers[1].effective_base_url(), "https://api.anthropic.com");
-        assert!(
-            matches!(pool.workers[1].pricing(), Pricing::Data { .. }),
-            "claude-sonnet-4-5 is in the price data"
-        );
+        assert!(matches!(pool.workers[1].pricing(), Pricing::Data { .. }), "claude-sonnet-4-5 is in the price data");
         assert_eq!(pool.workers[2].pricing(), Pricing::Unknown);
     }
 

@@ -141,7 +141,8 @@ mod tests {
     #[test]
     fn pool_prices_charge_cached_input_at_their_own_rate() {
         let p = Price { input: 2.0, output: 10.0, cached_input: Some(0.5) };
-        let usage = Usage { input_tokens: 1_000_000, cached_input_tokens: 400_000, output_tokens: 500_000, ..Usage::default() };
+        let usage =
+            Usage { input_tokens: 1_000_000, cached_input_tokens: 400_000, output_tokens: 500_000, ..Usage::default() };
         assert!((p.cost(&usage) - (0.6 * 2.0 + 0.4 * 0.5 + 5.0)).abs() < 1e-9);
         let plain = Price { cached_input: None, ..p };
         assert!((plain.cost(&usage) - 7.0).abs() < 1e-9, "without a cached price, cached input is plain input");

@@ -129,7 +129,10 @@ async fn cached_prompt_tokens_are_read_from_every_format() {
     let anthropic: Vec<_> = server.requests().into_iter().filter(|r| r.wire == Wire::Anthropic).collect();
     let last_turn = &anthropic[1].body["messages"][2]["content"];
     assert_eq!(last_turn[0]["cache_control"]["type"], "ephemeral", "a breakpoint on the last turn: {last_turn}");
-    assert_eq!(anthropic[1].body["messages"][1]["content"][0]["cache_control"]["type"], "ephemeral", "and on the one before");
+    assert_eq!(
+        anthropic[1].body["messages"][1]["content"][0]["cache_control"]["type"], "ephemeral",
+        "and on the one before"
+    );
     assert!(anthropic[1].body["messages"][0]["content"].is_string(), "two breakpoints at most: {}", anthropic[1].body);
 }
 

@@ -89,8 +89,7 @@ fn write_run(md: &mut String, tree: &RunTree, h: &str) {
         None => {
             facts.push(format!("{} calls", r.calls));
             facts.push(format!("{} in / {} out tokens", r.input_tokens, r.output_tokens));
-            let cost =
-                if r.cost_complete { format!("${:.4}", r.cost_usd) } else { format!("≥ ${:.4}", r.cost_usd) };
+            let cost = if r.cost_complete { format!("${:.4}", r.cost_usd) } else { format!("≥ ${:.4}", r.cost_usd) };
             facts.push(cost);
             let _ = writeln!(md, "*{}*\n", facts.join(" · "));
         }

@@ -259,6 +259,10 @@ async fn handle(
     if let Some(reply) = queued {
         script.reply = Some(reply);
     }
-    let cache = wire::CacheView::new(&shared.cache, &script);
-    wire::respond(wire, &script, call_index, &json, stream, shared.hangups.clone(), cache, reported).await
+    let state = wire::CallState {
+        hangups: shared.hangups.clone(),
+        cache: wire::CacheView::new(&shared.cache, &script),
+        reported,
+    };
+    wire::respond(wire, &script, call_index, &json, stream, state).await
 }

@@ -251,9 +251,8 @@ fn conversation(wire: Wire, body: &Value) -> Conversation {
     for turn in turns {
         let text = text_of(&turn[content_key]);
         prompt_chars += text.len();
-        let breakpoint = turn[content_key]
-            .as_array()
-            .is_some_and(|blocks| blocks.iter().any(|b| b.get("cache_control").is_some()));
+        let breakpoint =
+            turn[content_key].as_array().is_some_and(|blocks| blocks.iter().any(|b| b.get("cache_control").is_some()));
         if turn["role"] == assistant_role {
             answers_seen += 1;
         } else if turn["role"] == "system" {
@@ -278,17 +277,23 @@ fn conversation(wire: Wire, body: &Value) -> Conversation {
     Conversation { last_user, answers_seen, prompt_chars, thinking, include_usage, system, turns: kept, max_tokens }
 }
 
-/// `hangups` counts streams the client closed before their end.
+/// What a call shares with the server: `hangups` counts streams the client closed before their
+/// end, `cache` is the prompt cache, `reported` the usage this call has reported so far.
+pub(crate) struct CallState<'a> {
+    pub(crate) hangups: std::sync::Arc<std::sync::atomic::AtomicU32>,
+    pub(crate) cache: CacheView<'a>,
+    pub(crate) reported: std::sync::Arc<std::sync::Mutex<crate::Reported>>,
+}
+
 pub(crate) async fn respond(
     wire: Wire,
     script: &Script,
     call: u32,
     body: &Value,
     stream: bool,
-    hangups: std::sync::Arc<std::sync::atomic::AtomicU32>,
-    cache: CacheView<'_>,
-    reported: std::sync::Arc<std::sync::Mutex<crate::Reported>>,
+    state: CallState<'_>,
 ) -> Response {
+    let CallState { hangups, cache, reported } = state;
     let mut wait = script.ttfb;
     if let Some((slow, n)) = script.slow
         && call < n
