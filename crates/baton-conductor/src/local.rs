@@ -130,8 +130,9 @@ pub struct GenerateOptions {
     /// `None` uses the model's generation defaults; `Some(0.0)` is greedy.
     pub temperature: Option<f64>,
     /// Text that can only end a complete answer (a plan's closing fence): once the text ends
-    /// with it, the model gets a short grace to stop by itself, then the stream is dropped. A
-    /// guard behind the stop tokens, for a model whose end token Baton did not find.
+    /// with it, after an earlier fence (the opening one, which passes through the same text as
+    /// it is written), the model gets a short grace to stop by itself, then the stream is
+    /// dropped. A guard behind the stop tokens, for a model whose end token Baton did not find.
     pub complete_at: Option<String>,
 }
 
@@ -315,7 +316,11 @@ impl LocalModel {
         // chunk for each) cannot keep a finished answer alive; reset only by more text.
         let mut deadline: Option<tokio::time::Instant> = None;
         loop {
-            let complete = options.complete_at.as_deref().is_some_and(|end| out.text.ends_with(end));
+            // The opening fence (`\n```python\n`) passes through `\n```` on its way; only a
+            // fence after an earlier one closes the plan (reasoning holds no backticks).
+            let complete = options.complete_at.as_deref().is_some_and(|end| {
+                out.text.strip_suffix(end).is_some_and(|before| before.contains(end.trim_start()))
+            });
             if !complete {
                 deadline = None;
             } else if deadline.is_none() {
