@@ -318,9 +318,10 @@ impl LocalModel {
         loop {
             // The opening fence (`\n```python\n`) passes through `\n```` on its way; only a
             // fence after an earlier one closes the plan (reasoning holds no backticks).
-            let complete = options.complete_at.as_deref().is_some_and(|end| {
-                out.text.strip_suffix(end).is_some_and(|before| before.contains(end.trim_start()))
-            });
+            let complete = options
+                .complete_at
+                .as_deref()
+                .is_some_and(|end| out.text.strip_suffix(end).is_some_and(|before| before.contains(end.trim_start())));
             if !complete {
                 deadline = None;
             } else if deadline.is_none() {
