@@ -60,3 +60,42 @@ async fn baton_plan_ends_as_soon_as_the_plan_is_written() {
         assert!(written <= text.len() as u64 + 1, "{question}: {written} tokens for {} bytes", text.len());
     }
 }
+
+/// `baton ask` under a token cap with the real conductor: the grammar's bound on a plan (its
+/// longest text in bytes, ~17k tokens) would not fit under a cap of 6000, yet the plan is
+/// written (in the room the cap leaves), ends on the model's end token and runs, and the
+/// conductor's tokens are in the totals, apart from the workers'.
+#[tokio::test(flavor = "multi_thread")]
+async fn ask_under_a_token_cap_plans_runs_and_counts_the_conductor() {
+    let Some(model) = baton_tests::real_model() else { return };
+    let server = baton_testserver::TestServer::start().await.expect("server");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut text =
+        format!("[conductor]\nmodel = \"{}\"\ndevice = \"cpu\"\n\n[budget]\nmax_tokens = 6000\n", model.display());
+    for (name, description) in [("solver", "strong at math"), ("checker", "a careful reviewer")] {
+        text.push_str(&format!(
+            "\n[[worker]]\nname = \"{name}\"\nprovider = \"openai-compatible\"\nmodel = \"{name}\"\nbase_url = \"{}\"\nmax_tokens = 256\ndescription = \"{description}\"\n",
+            server.base_url(baton_testserver::Wire::OpenAi)
+        ));
+    }
+    let pool = dir.path().join("pool.toml");
+    std::fs::write(&pool, text).expect("write pool");
+    let question = "A train travels 120 km in 1.5 hours. What is its average speed in km/h?";
+    let args = ["ask", "--no-history", "--json", "--pool", pool.to_str().expect("utf-8"), question];
+    let out = baton(&args, None).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let events: Vec<serde_json::Value> =
+        out.stdout.lines().map(|l| serde_json::from_str(l).expect("a JSON event")).collect();
+    let plan = events.iter().find(|e| e["type"] == "plan_ready").expect("a plan");
+    assert_eq!(plan["stop_reason"], "stop", "{plan}");
+    let last = events.last().expect("events");
+    assert_eq!(last["type"], "run_finished", "{last}");
+    let totals = &last["totals"];
+    let tokens = |f: &serde_json::Value| {
+        f["usage"]["input_tokens"].as_u64().expect("input") + f["usage"]["output_tokens"].as_u64().expect("output")
+    };
+    assert_eq!(totals["conductor"]["calls"], 1);
+    assert_eq!(tokens(&totals["conductor"]), tokens(plan), "the plan's tokens are the conductor's");
+    assert_eq!(totals["workers"]["calls"].as_u64(), Some(server.requests().len() as u64));
+    assert!(tokens(totals) <= 6000, "{totals}");
+}

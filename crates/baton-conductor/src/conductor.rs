@@ -8,8 +8,7 @@ use baton_engine::accounting::{Meter, WorstCase};
 use baton_engine::prices::Pricing;
 use baton_engine::{PlanDeltas, Planned, Planner, PlannerError, PlanningContext, WorkerInfo};
 use baton_plan::Limits;
-use baton_providers::{ChatEvent, ChatModel, ChatRequest, Constraint, Message, ServerGrammar, Usage};
-use futures::StreamExt;
+use baton_providers::{ChatModel, ChatRequest, Constraint, Message, ServerGrammar, Usage, read_answer};
 use futures::future::BoxFuture;
 
 use crate::grammar::PlanGrammar;
@@ -95,6 +94,10 @@ pub fn grammar_for(ctx: &PlanningContext, options: &ConductorOptions) -> PlanGra
     }
 }
 
+/// The fewest plan tokens a run's token cap may leave the local conductor; below this, the
+/// plan is refused as over budget rather than started and cut.
+const MIN_BUDGETED_PLAN_TOKENS: usize = 256;
+
 /// A conductor running in process on a local model, constrained to valid plans.
 #[cfg(feature = "local")]
 pub struct LocalConductor {
@@ -126,14 +129,24 @@ impl LocalConductor {
     ) -> Result<(Planned, crate::local::Generated), PlannerError> {
         self.model.check_can_end_a_grammar().map_err(PlannerError::new)?;
         let grammar = grammar_for(ctx, &self.options);
+        let system = self.prompts.system(ctx);
+        let messages = self.prompts.messages(ctx);
+        // The grammar's bound (its longest plan, in bytes: ~17k tokens for the defaults) is far
+        // above any real plan. Under a run's token cap the plan gets the room that is left
+        // instead, so a cap a user would set does not refuse every plan; one that runs into it
+        // ends with stop reason `length`, which the error below names.
+        let full = grammar.max_tokens();
+        let input = WorstCase::of(Some(&system), &messages, 0, &Pricing::Free).input_tokens;
+        let max_tokens = match meter.output_room(input) {
+            Some(room) => full.min(usize::try_from(room).unwrap_or(usize::MAX).max(MIN_BUDGETED_PLAN_TOKENS)),
+            None => full,
+        };
         let options = crate::local::GenerateOptions {
             grammar: Some(grammar.to_lark()),
-            max_tokens: grammar.max_tokens(),
+            max_tokens,
             temperature: self.options.temperature,
             complete_at: Some(crate::grammar::FENCE_CLOSE.to_owned()),
         };
-        let system = self.prompts.system(ctx);
-        let messages = self.prompts.messages(ctx);
         let output_cap = u32::try_from(options.max_tokens).unwrap_or(u32::MAX);
         let worst = WorstCase::of(Some(&system), &messages, output_cap, &Pricing::Free);
         let reservation = meter.reserve("the conductor", worst).await.map_err(PlannerError::refused)?;
@@ -148,8 +161,13 @@ impl LocalConductor {
         reservation.settle(generated.as_ref().map(|g| g.usage).unwrap_or_default(), Some(0.0));
         let generated = generated?;
         let plan = baton_plan::parse(&generated.text, &limits(ctx)).map_err(|e| {
+            let budget = if max_tokens < full && generated.finish_reason.as_deref() == Some("length") {
+                format!("; the run's token cap (budget.max_tokens) left room for only {max_tokens} tokens of plan")
+            } else {
+                String::new()
+            };
             PlannerError::new(format!(
-                "the constrained plan did not parse ({e}); stop reason {:?}",
+                "the constrained plan did not parse ({e}); stop reason {:?}{budget}",
                 generated.finish_reason
             ))
         })?;
@@ -255,45 +273,16 @@ impl RemoteConductor {
         let worst = WorstCase::of(Some(system), &messages, output_cap, &self.pricing);
         let reservation = meter.reserve("the conductor", worst).await.map_err(PlannerError::refused)?;
         let request = ChatRequest { system: Some(system.to_owned()), messages, max_tokens, constraint };
-        let mut reported = Usage::default();
-        let answer = async {
-            let mut stream = match self.model.stream(request).await {
-                Ok(stream) => stream,
-                Err(e) => {
-                    reported = e.usage.unwrap_or_default();
-                    return Err(e);
-                }
-            };
-            let mut text = String::new();
-            while let Some(item) = stream.next().await {
-                match item {
-                    Ok(ChatEvent::Text(t)) => {
-                        deltas(&t);
-                        text.push_str(&t);
-                    }
-                    Ok(ChatEvent::Usage(u)) => reported = u,
-                    Ok(ChatEvent::Done { usage, stop_reason }) => {
-                        reported = usage;
-                        return Ok((text, stop_reason));
-                    }
-                    Err(e) => {
-                        if let Some(u) = e.usage {
-                            reported = u;
-                        }
-                        return Err(e);
-                    }
-                }
-            }
-            Err(baton_providers::ProviderError::new(
-                baton_providers::ErrorKind::Network,
-                "the conductor's answer ended early",
-            ))
-        }
-        .await;
-        let cost_usd = self.pricing.cost(&reported);
-        reservation.settle(reported, cost_usd);
-        let (text, stop_reason) = answer.map_err(|e| PlannerError::new(e.to_string()))?;
-        Ok(Asked { text, usage: reported, cost_usd, stop_reason })
+        let reported = std::sync::Mutex::new(Usage::default());
+        let answer = read_answer(self.model.as_ref(), request, &mut |t: &str| deltas(t), &reported).await;
+        let usage = match &answer {
+            Ok(a) => a.usage,
+            Err(e) => e.usage.unwrap_or_default(),
+        };
+        let cost_usd = self.pricing.cost(&usage);
+        reservation.settle(usage, cost_usd);
+        let answer = answer.map_err(|e| PlannerError::new(e.to_string()))?;
+        Ok(Asked { text: answer.text, usage, cost_usd, stop_reason: answer.stop_reason })
     }
 }
 

@@ -221,13 +221,13 @@ impl Ledger {
         Ledger { budget, inner: Mutex::default(), settled: Notify::new() }
     }
 
-    pub fn budget(&self) -> &Budget {
-        &self.budget
-    }
-
-    /// Whether calls must declare an output cap to be reserved: a token or cost cap is set.
-    pub fn bounds_output(&self) -> bool {
-        self.budget.max_tokens.is_some() || self.budget.max_cost_usd.is_some()
+    /// The output tokens a call with at most `input_tokens` of input could reserve now,
+    /// under the token cap; `None` without one. For a caller that sets its own output cap
+    /// (the local conductor, whose grammar's bound is far above any real plan).
+    pub fn output_room(&self, input_tokens: u64) -> Option<u64> {
+        let max = self.budget.max_tokens?;
+        let l = self.lock();
+        Some(max.saturating_sub(l.tokens() + l.reserved_tokens + input_tokens))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -384,6 +384,11 @@ pub struct Meter<'a> {
 }
 
 impl<'a> Meter<'a> {
+    /// See [`Ledger::output_room`].
+    pub fn output_room(&self, input_tokens: u64) -> Option<u64> {
+        self.ledger.output_room(input_tokens)
+    }
+
     pub async fn reserve(&self, who: &str, worst: WorstCase) -> Result<Reservation<'a>, Refused> {
         self.ledger.reserve(Caller::Conductor, who, worst, self.stop).await
     }
@@ -470,6 +475,17 @@ mod tests {
         assert_eq!(w.input_tokens, (3 + 6 + 2 + 2) + 5 * FRAMING_TOKENS);
         assert_eq!(w.output_tokens, 50);
         assert_eq!(w.cost_usd, Some(0.0));
+    }
+
+    #[test]
+    fn output_room_is_what_is_left_after_spent_held_and_input() {
+        let ledger = Ledger::new(Budget { max_tokens: Some(100), ..Budget::default() });
+        assert_eq!(Ledger::new(Budget::default()).output_room(10), None);
+        let held = ledger.try_reserve(Caller::Worker, "a", worst(30, Some(0.0))).unwrap();
+        assert_eq!(ledger.output_room(20), Some(50));
+        held.settle(usage(5, 5), Some(0.0));
+        assert_eq!(ledger.output_room(20), Some(70));
+        assert_eq!(ledger.output_room(500), Some(0));
     }
 
     #[tokio::test]

@@ -18,9 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use baton_plan::{Limits, Plan};
-use baton_providers::{
-    ChatEvent, ChatModel, ChatRequest, ErrorKind, HttpModel, KeySource, Message, ProviderError, Role, Usage,
-};
+use baton_providers::{ChatModel, ChatRequest, ErrorKind, HttpModel, KeySource, Message, ProviderError, Role, Usage};
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
@@ -579,6 +577,7 @@ impl Executor {
             };
             let usage = match &result {
                 Ok((_, usage)) => *usage,
+                // Our own timeout dropped the call: what had been reported by then.
                 Err(error) => error.usage.unwrap_or_else(|| *reported.lock().unwrap_or_else(|p| p.into_inner())),
             };
             let call_cost = worker.pricing.cost(&usage);
@@ -678,33 +677,23 @@ async fn attempt(
     events: &EventSink,
     reported: &Mutex<Usage>,
 ) -> Result<(String, Usage), ProviderError> {
-    let mut stream = model.stream(request).await?;
-    let mut output = String::new();
-    while let Some(item) = stream.next().await {
-        match item? {
-            ChatEvent::Text(text) => {
-                output.push_str(&text);
-                let _ = events.send(RunEvent::StepDelta { round, step, text });
-            }
-            ChatEvent::Usage(usage) => *reported.lock().unwrap_or_else(|p| p.into_inner()) = usage,
-            ChatEvent::Done { usage, stop_reason } => {
-                // An empty answer would reach dependent steps as an empty assistant turn, which
-                // providers reject; say why here instead.
-                if output.trim().is_empty() {
-                    let stop = stop_reason.unwrap_or_else(|| "none given".to_owned());
-                    return Err(ProviderError::new(
-                        ErrorKind::EmptyAnswer,
-                        format!(
-                            "the model finished without any text (stop reason: {stop}); if it ran out of tokens, raise max_tokens or lower thinking_budget"
-                        ),
-                    )
-                    .with_usage(Some(usage)));
-                }
-                return Ok((output, usage));
-            }
-        }
+    let mut forward = |text: &str| {
+        let _ = events.send(RunEvent::StepDelta { round, step, text: text.to_owned() });
+    };
+    let answer = baton_providers::read_answer(model, request, &mut forward, reported).await?;
+    // An empty answer would reach dependent steps as an empty assistant turn, which providers
+    // reject; say why here instead.
+    if answer.text.trim().is_empty() {
+        let stop = answer.stop_reason.unwrap_or_else(|| "none given".to_owned());
+        return Err(ProviderError::new(
+            ErrorKind::EmptyAnswer,
+            format!(
+                "the model finished without any text (stop reason: {stop}); if it ran out of tokens, raise max_tokens or lower thinking_budget"
+            ),
+        )
+        .with_usage(Some(answer.usage)));
     }
-    Err(ProviderError::new(ErrorKind::Network, "the answer stream ended without completing"))
+    Ok((answer.text, answer.usage))
 }
 
 /// Shared state of one run.

@@ -65,16 +65,6 @@ impl Pricing {
     pub fn is_known(&self) -> bool {
         !matches!(self, Pricing::Unknown)
     }
-
-    /// Where the price comes from, for people (`baton pool show`, the app's worker list).
-    pub fn source(&self) -> &'static str {
-        match self {
-            Pricing::Pool(_) => "pool file",
-            Pricing::Data { .. } => "genai-prices data",
-            Pricing::Free => "local model",
-            Pricing::Unknown => "unknown",
-        }
-    }
 }
 
 /// The data's provider id for a worker, when the data has one: the three providers by kind,

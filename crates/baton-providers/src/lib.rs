@@ -146,6 +146,46 @@ pub enum ChatEvent {
 
 pub type ChatStream = BoxStream<'static, Result<ChatEvent, ProviderError>>;
 
+/// A whole answer, read to its end.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Answer {
+    pub text: String,
+    pub usage: Usage,
+    pub stop_reason: Option<String>,
+}
+
+/// Calls `model` and reads the answer to its end, passing text to `on_text` as it arrives.
+/// `reported` holds the usage the provider has reported so far, so a caller that drops this
+/// future (a timeout, a cancel) still knows what the call used; an error carries it too.
+pub async fn read_answer(
+    model: &dyn ChatModel,
+    request: ChatRequest,
+    on_text: &mut (dyn FnMut(&str) + Send),
+    reported: &std::sync::Mutex<Usage>,
+) -> Result<Answer, ProviderError> {
+    let so_far = || *reported.lock().unwrap_or_else(|p| p.into_inner());
+    let with_usage = |e: ProviderError| {
+        let usage = e.usage.unwrap_or_else(so_far);
+        e.with_usage(Some(usage))
+    };
+    let mut stream = model.stream(request).await.map_err(with_usage)?;
+    let mut text = String::new();
+    while let Some(item) = stream.next().await {
+        match item.map_err(with_usage)? {
+            ChatEvent::Text(t) => {
+                on_text(&t);
+                text.push_str(&t);
+            }
+            ChatEvent::Usage(usage) => *reported.lock().unwrap_or_else(|p| p.into_inner()) = usage,
+            ChatEvent::Done { usage, stop_reason } => {
+                *reported.lock().unwrap_or_else(|p| p.into_inner()) = usage;
+                return Ok(Answer { text, usage, stop_reason });
+            }
+        }
+    }
+    Err(with_usage(ProviderError::new(ErrorKind::Network, "the answer stream ended without completing")))
+}
+
 /// Anything that answers a conversation as a stream: a provider over HTTP, a local model, a fake.
 ///
 /// Dropping the future or the stream cancels the call (the HTTP connection is closed).
