@@ -2,16 +2,12 @@
 //! the run's own IPC channel in order, after the history has recorded it.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
-use std::time::Instant;
 
 use baton_conductor::setup::{self, ConductorChoice, LoadNotice};
 use baton_engine::rerun::{self, Source};
 use baton_engine::{Executor, Pool, RunEvent, RunRequest, RunStatus, new_run_id};
 use baton_plan::{Limits, Plan};
-use baton_providers::{ChatEvent, ChatRequest, Message};
 use baton_store::Store;
-use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use tauri::ipc::Channel;
 use tauri::{AppHandle, Emitter, Runtime, State};
@@ -119,13 +115,13 @@ fn notifier<R: Runtime>(app: &AppHandle<R>) -> impl Fn(LoadNotice<'_>) + Send + 
 async fn executor<R: Runtime>(app: &AppHandle<R>, state: &AppState, pool: &Pool, planner: bool) -> AppResult<Executor> {
     let notify = notifier(app);
     let mut executor = Executor::from_pool(pool);
-    let mut models = state.models.lock().await;
+    let models = &state.models;
     if planner {
-        let planner = setup::planner(pool, &ConductorChoice::default(), &mut models, &notify).await?;
+        let planner = setup::planner(pool, &ConductorChoice::default(), models, &notify).await?;
         executor = executor.with_planner(planner);
     }
     let force_cpu = pool.options.conductor.device.as_deref() == Some("cpu");
-    setup::attach_local_workers(&mut executor, pool, &mut models, force_cpu, &notify).await?;
+    setup::attach_local_workers(&mut executor, pool, models, force_cpu, &notify).await?;
     Ok(executor)
 }
 
@@ -133,8 +129,7 @@ async fn executor<R: Runtime>(app: &AppHandle<R>, state: &AppState, pool: &Pool,
 #[tauri::command]
 pub async fn load_conductor<R: Runtime>(app: AppHandle<R>, state: State<'_, AppState>) -> AppResult<String> {
     let pool = state.pool()?;
-    let mut models = state.models.lock().await;
-    let planner = setup::planner(&pool, &ConductorChoice::default(), &mut models, &notifier(&app)).await?;
+    let planner = setup::planner(&pool, &ConductorChoice::default(), &state.models, &notifier(&app)).await?;
     Ok(planner.describe())
 }
 
@@ -327,10 +322,7 @@ pub async fn draft_plan<R: Runtime>(
         Some(id) => state.store().await?.messages(id).await?,
         None => Vec::new(),
     };
-    let planner = {
-        let mut models = state.models.lock().await;
-        setup::planner(&pool, &ConductorChoice::default(), &mut models, &notifier(&app)).await?
-    };
+    let planner = setup::planner(&pool, &ConductorChoice::default(), &state.models, &notifier(&app)).await?;
     if registration.token.is_cancelled() {
         return Err(cancelled());
     }
@@ -358,37 +350,36 @@ pub struct ConnectionCheck {
     /// The first words of the answer.
     pub reply: String,
     pub latency_ms: u64,
+    /// Retries it took (rate limits, overload, timeouts), as a run's step would make them.
+    pub retries: u32,
 }
 
-/// Sends worker `index` a tiny request with its real settings and key.
+/// Sends worker `index` a tiny request with its real settings and key, under the same time
+/// limit and retries as a run's step (the `baton pool check` implementation);
+/// `cancel_run(stop_id)` stops it, and the error kind is then `cancelled`.
 #[tauri::command]
 pub async fn test_worker<R: Runtime>(
     app: AppHandle<R>,
     state: State<'_, AppState>,
     index: u32,
+    stop_id: String,
 ) -> AppResult<ConnectionCheck> {
+    let registration = state.register(&stop_id)?;
     let pool = state.pool()?;
     if index as usize >= pool.workers.len() {
         return Err(AppError::not_found(format!("there is no worker {index} in the pool")));
     }
     let pool = subset(pool, Some(&[index]))?;
     let executor = executor(&app, &state, &pool, false).await?;
-    let started = Instant::now();
-    let provider = |e: baton_providers::ProviderError| AppError::new(ErrorKind::Provider, e.to_string());
-    let request = ChatRequest {
-        messages: vec![Message::user("Reply with the single word OK.")],
-        max_tokens: Some(16),
-        ..ChatRequest::default()
-    };
-    let model = Arc::clone(&executor.workers()[0].model);
-    let mut stream = model.stream(request).await.map_err(provider)?;
-    let mut reply = String::new();
-    while let Some(item) = stream.next().await {
-        match item.map_err(provider)? {
-            ChatEvent::Text(t) => reply.push_str(&t),
-            ChatEvent::Usage(_) => {}
-            ChatEvent::Done { .. } => break,
-        }
-    }
-    Ok(ConnectionCheck { reply: reply.chars().take(80).collect(), latency_ms: started.elapsed().as_millis() as u64 })
+    let checked = baton_engine::calls::check_worker(&executor.workers()[0], &pool.options.retry, &registration.token)
+        .await
+        .map_err(|e| match e.kind {
+            baton_providers::ErrorKind::Cancelled => AppError::new(ErrorKind::Cancelled, "the test was stopped"),
+            _ => AppError::new(ErrorKind::Provider, e.to_string()),
+        })?;
+    Ok(ConnectionCheck {
+        reply: checked.reply,
+        latency_ms: checked.latency.as_millis() as u64,
+        retries: checked.retries,
+    })
 }

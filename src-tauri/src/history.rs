@@ -2,7 +2,8 @@
 
 use baton_store::{ConversationSummary, RunSummary, RunTree, SearchHit, export};
 use serde::{Deserialize, Serialize};
-use tauri::State;
+use tauri::{AppHandle, Runtime, State};
+use tauri_plugin_dialog::DialogExt;
 
 use crate::error::{AppError, AppResult, ErrorKind};
 use crate::state::AppState;
@@ -112,17 +113,41 @@ pub enum ExportTarget {
     Conversation(i64),
 }
 
-/// Writes an export to `path` (chosen in the native save dialog).
+/// Asks where to save an export in the native save dialog, opened here rather than by the
+/// window, so the window cannot choose a path (say `~/.ssh/authorized_keys`); writes it there.
+/// Returns the path written, or `null` when the user cancelled.
 #[tauri::command]
-pub async fn export_history(
+pub async fn export_history<R: Runtime>(
+    app: AppHandle<R>,
     state: State<'_, AppState>,
     target: ExportTarget,
     format: ExportFormat,
-    path: String,
-) -> AppResult<()> {
+) -> AppResult<Option<String>> {
+    // The export is made first: a run that is not there fails before the dialog opens.
     let text = export_text(state.store().await?, target, format).await?;
+    let (kind, id) = match target {
+        ExportTarget::Run(id) => ("run", id),
+        ExportTarget::Conversation(id) => ("conversation", id),
+    };
+    let (label, ext) = match format {
+        ExportFormat::Markdown => ("Markdown", "md"),
+        ExportFormat::Json => ("JSON", "json"),
+    };
+    let name = format!("baton-{kind}-{id}.{ext}");
+    let chosen = match &state.save_dialog {
+        Some(dialog) => dialog(name).await,
+        None => {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            app.dialog().file().set_file_name(name).add_filter(label, &[ext]).save_file(move |path| {
+                let _ = tx.send(path.and_then(|p| p.into_path().ok()));
+            });
+            rx.await.ok().flatten()
+        }
+    };
+    let Some(path) = chosen else { return Ok(None) };
     std::fs::write(&path, text)
-        .map_err(|e| AppError::new(ErrorKind::Io, format!("{path}: cannot write the export: {e}")))
+        .map_err(|e| AppError::new(ErrorKind::Io, format!("{}: cannot write the export: {e}", path.display())))?;
+    Ok(Some(path.display().to_string()))
 }
 
 pub async fn export_text(store: &baton_store::Store, target: ExportTarget, format: ExportFormat) -> AppResult<String> {

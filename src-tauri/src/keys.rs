@@ -15,7 +15,8 @@ pub struct KeyRow {
     /// The keychain account (`openai`, `openai-compatible:<url>`, …).
     pub account: String,
     pub provider: ProviderKind,
-    /// For `openai-compatible` keys: the server they are for.
+    /// The server the key is for, when that is not the provider's official host (always for
+    /// `openai-compatible` keys).
     pub base_url: Option<String>,
     /// The pool's workers (and the conductor) that use this key.
     pub used_by: Vec<String>,
@@ -45,8 +46,8 @@ pub async fn list_keys(state: State<'_, AppState>) -> AppResult<KeysView> {
                 rows.push(KeyRow {
                     account: account.clone(),
                     provider,
-                    base_url: (provider == ProviderKind::OpenAiCompatible)
-                        .then(|| base_url.unwrap_or_default().to_owned()),
+                    // Set for every entry bound to an address other than the provider's own.
+                    base_url: account.split_once(':').map(|(_, url)| url.to_owned()),
                     used_by: Vec::new(),
                     stored: false,
                     last4: None,
@@ -97,8 +98,7 @@ fn account(provider: ProviderKind, base_url: Option<&str>) -> AppResult<String> 
         (ProviderKind::OpenAiCompatible, None) => {
             Err(AppError::bad_input("an openai-compatible key is stored per server: give its base URL"))
         }
-        (ProviderKind::OpenAiCompatible, url) => Ok(baton_secrets::account(provider, url)),
-        (provider, _) => Ok(baton_secrets::account(provider, None)),
+        (provider, url) => Ok(baton_secrets::account(provider, url)),
     }
 }
 

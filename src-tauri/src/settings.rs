@@ -106,7 +106,11 @@ pub fn settings(paths: &crate::state::Paths) -> Settings {
         pool_exists: exists,
         workers: pool.as_ref().map(Pool::infos).unwrap_or_default(),
         pool_error: match (&form, &pool) {
-            (Err(e), _) | (_, Err(e)) => Some(e.clone()),
+            (Err(e), _) => Some(e.clone()),
+            // No pool file, or one with a conductor and no worker yet, is how every user
+            // starts: the screens ask for a worker, nothing is wrong.
+            (Ok(f), Err(_)) if f.workers.is_empty() => None,
+            (_, Err(e)) => Some(e.clone()),
             _ => None,
         },
         unpriced: pool
@@ -132,8 +136,11 @@ pub async fn save_settings(state: State<'_, AppState>, form: PoolForm) -> AppRes
     };
     let new = apply_form(&text, &form, &path.display().to_string())?;
     write_atomically(path, &new)?;
-    // A changed conductor or local worker is loaded afresh on the next run.
-    state.models.lock().await.clear();
+    // A conductor or local worker whose settings changed is loaded afresh on the next run; the
+    // others stay loaded. This never waits for a model being loaded.
+    if let Ok(pool) = Pool::parse(&new, &path.display().to_string()) {
+        state.models.keep_only(&pool);
+    }
     Ok(settings(&state.paths))
 }
 
@@ -215,11 +222,11 @@ pub fn apply_form(text: &str, form: &PoolForm, file: &str) -> AppResult<String> 
     let mut workers = ArrayOfTables::new();
     for w in &form.workers {
         let mut t = w.original.and_then(|i| old.get(i as usize).cloned()).unwrap_or_default();
+        keeps_env_key_where_it_was(&t, w, file)?;
         set_str(&mut t, "name", Some(w.name.trim()));
         set_str(&mut t, "provider", Some(w.provider.as_str()));
         set_str(&mut t, "model", Some(w.model.trim()));
         set_str(&mut t, "base_url", w.base_url.as_deref());
-        set_str(&mut t, "api_key_env", w.api_key_env.as_deref());
         set_int(&mut t, "max_tokens", w.max_tokens.map(i64::from));
         set_float(&mut t, "temperature", w.temperature);
         set_str(&mut t, "reasoning_effort", w.reasoning_effort.as_deref());
@@ -263,6 +270,35 @@ pub fn apply_form(text: &str, form: &PoolForm, file: &str) -> AppResult<String> 
         return Err(AppError::bad_input(e.to_string()));
     }
     Ok(text)
+}
+
+/// Refuses a form that would change where an environment variable's value goes.
+///
+/// `api_key_env` names a variable whose value Baton sends to the worker's server, whatever the
+/// variable holds. The window is untrusted: if it could set that name, or move a worker that has
+/// one to another server, a script there could send `AWS_SECRET_ACCESS_KEY` (say) to a host of
+/// its choosing. So the user sets it, and the server it goes to, in the pool file itself.
+fn keeps_env_key_where_it_was(old: &Table, w: &WorkerForm, file: &str) -> AppResult<()> {
+    let text = |k: &str| old.get(k).and_then(Item::as_str).map(str::trim).filter(|s| !s.is_empty());
+    let env = text("api_key_env");
+    let asked = w.api_key_env.as_deref().map(str::trim).filter(|s| !s.is_empty());
+    let name = w.name.trim();
+    if asked != env {
+        return Err(AppError::bad_input(format!(
+            "worker \"{name}\": api_key_env can only be set in the pool file itself ({file}): it names an environment variable whose value is sent to the worker's server"
+        )));
+    }
+    let moved = text("provider") != Some(w.provider.as_str())
+        || text("base_url").map(|u| u.trim_end_matches('/'))
+            != w.base_url.as_deref().map(|u| u.trim().trim_end_matches('/')).filter(|u| !u.is_empty());
+    if let Some(var) = env
+        && moved
+    {
+        return Err(AppError::bad_input(format!(
+            "worker \"{name}\" takes its key from the environment variable {var}: change its provider or base_url in the pool file itself ({file}), so that the key goes only where you send it"
+        )));
+    }
+    Ok(())
 }
 
 fn table<'a>(doc: &'a mut DocumentMut, name: &str) -> &'a mut Table {

@@ -33,15 +33,27 @@ impl Paths {
     }
 }
 
-#[derive(Debug)]
+/// Asks the user where to save a file (given a suggested name); `None` when they cancel.
+pub type SaveDialog =
+    std::sync::Arc<dyn Fn(String) -> futures::future::BoxFuture<'static, Option<PathBuf>> + Send + Sync>;
+
 pub struct AppState {
     pub paths: Paths,
     store: tokio::sync::OnceCell<Store>,
-    /// Held while a model loads, so two runs never load the same model twice.
-    pub models: tokio::sync::Mutex<LocalModels>,
+    /// Local models loaded so far; a load blocks only other uses of the same model file.
+    pub models: LocalModels,
     /// Cancel switches of the runs and plan drafts in flight, by the id the window gave each.
     /// Entries live exactly as long as their [`Registration`].
     pub runs: Mutex<HashMap<String, CancellationToken>>,
+    /// Where exports go: the native save dialog, opened from here so the webview cannot name a
+    /// path. Tests that run without a window answer it themselves ([`AppState::with_save_dialog`]).
+    pub save_dialog: Option<SaveDialog>,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState").field("paths", &self.paths).field("models", &self.models).finish_non_exhaustive()
+    }
 }
 
 impl AppState {
@@ -49,9 +61,16 @@ impl AppState {
         AppState {
             paths,
             store: tokio::sync::OnceCell::new(),
-            models: tokio::sync::Mutex::new(LocalModels::default()),
+            models: LocalModels::default(),
             runs: Mutex::new(HashMap::new()),
+            save_dialog: None,
         }
+    }
+
+    /// Answers the save dialog with `dialog` instead of asking the user (no window to ask in).
+    pub fn with_save_dialog(mut self, dialog: SaveDialog) -> AppState {
+        self.save_dialog = Some(dialog);
+        self
     }
 
     /// The history, opened on first use; an error (damaged file, …) is retried on the next call.

@@ -16,6 +16,8 @@ fn a_new_user_has_no_pool_and_no_conductor() {
     assert_eq!(s["conductor_configured"], false);
     assert_eq!(s["form"]["workers"], json!([]));
     assert_eq!(s["workers"], json!([]));
+    // No pool yet is how everyone starts, not a problem to show in red.
+    assert_eq!(s["pool_error"], Value::Null, "{s}");
 }
 
 #[test]
@@ -130,9 +132,10 @@ fn a_reviewed_plan_runs_over_loopback_and_is_recorded() {
     let empty = json!({ "id": result["conversation_id"], "workers": [], "review": false });
     assert_eq!(invoke(&h, "set_conversation_choices", empty).unwrap_err()["kind"], "bad_input");
 
-    let out = dir.path().join("export.md");
     let target = json!({ "kind": "run", "id": result["run_id"] });
-    invoke(&h, "export_history", json!({ "target": target, "format": "markdown", "path": out })).unwrap();
+    let written = invoke(&h, "export_history", json!({ "target": target, "format": "markdown" })).unwrap();
+    let out = dir.path().join("saved").join(format!("baton-run-{}.md", result["run_id"]));
+    assert_eq!(written, json!(out.display().to_string()), "written where the save dialog said");
     assert!(std::fs::read_to_string(&out).unwrap().contains("q?"));
     invoke(&h, "delete_conversation", json!({ "id": result["conversation_id"] })).unwrap();
     assert_eq!(invoke(&h, "list_runs", json!({ "before": null })).unwrap(), json!([]));
@@ -281,4 +284,72 @@ fn a_run_stops_by_the_id_the_window_gave_it() {
     assert!(started.elapsed().as_secs() < 5, "stopped long before the server answered: {:?}", started.elapsed());
     assert_eq!(invoke(h, "get_run", json!({ "id": result["run_id"] })).unwrap()["run"]["status"], "cancelled");
     assert_eq!(invoke(h, "cancel_run", json!({ "runId": "live-1" })).unwrap(), json!(false), "forgotten once over");
+}
+
+/// Runs `command` on another thread and fails the test unless it answers within `secs`.
+fn answers_within(h: &Harness, secs: u64, command: &'static str, args: Value) -> Result<Value, Value> {
+    let window = h.window.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(invoke_in(&window, command, args));
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(secs))
+        .unwrap_or_else(|_| panic!("{command} waited for the model being loaded"))
+}
+
+#[test]
+fn nothing_waits_on_a_model_load_and_a_save_keeps_a_model_whose_settings_did_not_change() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let server = rt.block_on(baton_testserver::TestServer::start()).unwrap();
+    let base = server.base_url(baton_testserver::Wire::OpenAi);
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("conductor");
+    baton_tinymodel::write_safetensors_model(&model, &baton_tinymodel::TinySpec::default()).unwrap();
+    // The conductor's chat template is a named pipe: loading the model reads it, and so takes
+    // exactly as long as this test keeps the pipe's other end closed (a 7B model on a CPU
+    // takes minutes).
+    let template = dir.path().join("template.jinja");
+    assert!(std::process::Command::new("mkfifo").arg(&template).status().unwrap().success());
+    let h = app(dir.path(), "main");
+    let mut c = conductor();
+    c["model"] = json!(model);
+    c["device"] = json!("cpu");
+    let form = json!({ "workers": [worker("w", "w;reply=fine", &base)], "conductor": c });
+    invoke(&h, "save_settings", json!({ "form": form })).unwrap();
+    let pool = dir.path().join("pool.toml");
+    let text = std::fs::read_to_string(&pool).unwrap();
+    let text = text.replace("[conductor]\n", &format!("[conductor]\nchat_template = {:?}\n", template.display()));
+    std::fs::write(&pool, text).unwrap();
+
+    let window = h.window.clone();
+    let loading = std::thread::spawn(move || invoke_in(&window, "load_conductor", json!({})));
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(!loading.is_finished(), "the load should be waiting on the template");
+
+    // While it loads: a settings save, a plan check, a connection test and a reviewed plan's run.
+    let mut f = invoke(&h, "get_settings", json!({})).unwrap()["form"].clone();
+    f["workers"][0]["description"] = json!("changed while the conductor loads");
+    answers_within(&h, 10, "save_settings", json!({ "form": f })).unwrap();
+    let plan = json!({ "model_id": [0], "subtasks": ["x"], "access_list": [[]] });
+    answers_within(&h, 10, "validate_plan", json!({ "plan": plan, "workers": null })).unwrap();
+    let test = answers_within(&h, 10, "test_worker", json!({ "index": 0, "stopId": "t" })).unwrap();
+    assert_eq!(test["reply"], "fine");
+    let request = json!({ "question": "q", "conversation_id": null, "workers": null, "plan": plan });
+    let run = answers_within(&h, 20, "ask", json!({ "request": request, "stopId": "r", "onEvent": "__CHANNEL__:1" }));
+    assert_eq!(run.unwrap()["status"], "finished");
+
+    // Let the load finish.
+    std::fs::write(&template, baton_tinymodel::CHATML_TEMPLATE).unwrap();
+    let described = loading.join().unwrap().expect("the conductor loads");
+    assert!(described.as_str().unwrap().contains("conductor"), "{described}");
+    assert!(h.state().models.is_loaded(&model));
+
+    // A save that changes nothing about the conductor keeps it loaded; one that does drops it.
+    let mut f = invoke(&h, "get_settings", json!({})).unwrap()["form"].clone();
+    f["workers"][0]["description"] = json!("changed again");
+    invoke(&h, "save_settings", json!({ "form": f.clone() })).unwrap();
+    assert!(h.state().models.is_loaded(&model), "nothing about the conductor changed");
+    f["conductor"]["device"] = json!("auto");
+    invoke(&h, "save_settings", json!({ "form": f })).unwrap();
+    assert!(!h.state().models.is_loaded(&model), "the conductor's device changed: loaded afresh next time");
 }

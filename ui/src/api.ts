@@ -40,7 +40,8 @@ export const api = {
   setKey: (provider: ProviderKind, baseUrl: string | null, key: string) =>
     invoke<null>("set_key", { provider, baseUrl, key }),
   deleteKey: (provider: ProviderKind, baseUrl: string | null) => invoke<null>("delete_key", { provider, baseUrl }),
-  testWorker: (index: number) => invoke<ConnectionCheck>("test_worker", { index }),
+  /** A tiny request to worker `index` with a run's timeout and retries; `cancelRun(stopId)` stops it. */
+  testWorker: (index: number, stopId: string) => invoke<ConnectionCheck>("test_worker", { index, stopId }),
   /** The conductor's plan for review; its text streams to `onDelta`; `cancelRun(draftId)` stops it. */
   draftPlan: (
     question: string,
@@ -79,8 +80,9 @@ export const api = {
   getRun: (id: number) => invoke<RunTree>("get_run", { id }),
   deleteRun: (id: number) => invoke<null>("delete_run", { id }),
   deleteConversation: (id: number) => invoke<null>("delete_conversation", { id }),
-  exportHistory: (target: ExportTarget, format: ExportFormat, path: string) =>
-    invoke<null>("export_history", { target, format, path }),
+  /** Asks where in the native save dialog and writes the export there; the path, or null if cancelled. */
+  exportHistory: (target: ExportTarget, format: ExportFormat) =>
+    invoke<string | null>("export_history", { target, format }),
 };
 
 export function onModelLoad(handler: (status: ModelLoad) => void): Promise<UnlistenFn> {

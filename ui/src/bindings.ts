@@ -303,7 +303,8 @@ export type KeyRow = {
  */
 account: string, provider: ProviderKind, 
 /**
- * For `openai-compatible` keys: the server they are for.
+ * The server the key is for, when that is not the provider's official host (always for
+ * `openai-compatible` keys).
  */
 base_url: string | null, 
 /**
@@ -368,7 +369,11 @@ export type ConnectionCheck = {
 /**
  * The first words of the answer.
  */
-reply: string, latency_ms: number, };
+reply: string, latency_ms: number, 
+/**
+ * Retries it took (rate limits, overload, timeouts), as a run's step would make them.
+ */
+retries: number, };
 
 export type ExportFormat = "markdown" | "json";
 

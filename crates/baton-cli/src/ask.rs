@@ -86,13 +86,13 @@ pub async fn run(args: Args) -> Outcome {
     let mut recorder = store.as_ref().map(|s| s.recorder(args.conversation));
 
     let mut executor = Executor::from_pool(&pool);
-    let mut models = crate::conductor_setup::LocalModels::default();
+    let models = crate::conductor_setup::LocalModels::default();
     if plan.is_none() {
-        let planner = crate::conductor_setup::planner(&pool, &args.conductor, &mut models, args.json).await?;
+        let planner = crate::conductor_setup::planner(&pool, &args.conductor, &models, args.json).await?;
         executor = executor.with_planner(planner);
     }
     let force_cpu = args.conductor.cpu || pool.options.conductor.device.as_deref() == Some("cpu");
-    crate::conductor_setup::attach_local_workers(&mut executor, &pool, &mut models, force_cpu, args.json).await?;
+    crate::conductor_setup::attach_local_workers(&mut executor, &pool, &models, force_cpu, args.json).await?;
     let (tx, mut rx) = mpsc::unbounded_channel();
     let cancel = CancellationToken::new();
     let ctrl_c = {

@@ -87,7 +87,7 @@ fn failure(e: SetupError) -> Failure {
 pub async fn attach_local_workers(
     executor: &mut baton_engine::Executor,
     pool: &Pool,
-    models: &mut LocalModels,
+    models: &LocalModels,
     force_cpu: bool,
     quiet: bool,
 ) -> Result<(), Failure> {
@@ -100,7 +100,7 @@ pub async fn attach_local_workers(
 pub async fn planner(
     pool: &Pool,
     args: &ConductorArgs,
-    models: &mut LocalModels,
+    models: &LocalModels,
     quiet: bool,
 ) -> Result<Arc<dyn Planner>, Failure> {
     baton_conductor::setup::planner(pool, &args.choice(), models, &progress(quiet)).await.map_err(failure)

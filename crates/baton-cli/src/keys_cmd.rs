@@ -32,10 +32,11 @@ pub enum Command {
 /// Whose key: a provider, and for OpenAI-compatible servers the server.
 #[derive(Debug, clap::Args)]
 pub struct Target {
-    /// openai, anthropic, gemini or openai-compatible (also `openai-compatible:URL`).
+    /// openai, anthropic, gemini or openai-compatible (also `PROVIDER:URL`).
     #[arg(value_name = "PROVIDER")]
     provider: String,
-    /// The server's base URL; OpenAI-compatible servers each have their own key.
+    /// The server's base URL: each OpenAI-compatible server has its own key, and so does a
+    /// hosted provider pointed at any host but its official one.
     #[arg(long, value_name = "URL")]
     base_url: Option<String>,
 }
@@ -73,7 +74,7 @@ impl Target {
     /// The keychain account this target names, or why it names none.
     fn account(&self) -> Result<String, Failure> {
         let (name, url) = match self.provider.split_once(':') {
-            Some((name, url)) if name == ProviderKind::OpenAiCompatible.as_str() => {
+            Some((name, url)) if ProviderKind::ALL.iter().any(|p| p.as_str() == name) => {
                 if self.base_url.is_some() {
                     return Err(Failure::BadInput(format!(
                         "give the server's URL once: either {name}:URL or --base-url URL"
@@ -94,11 +95,7 @@ impl Target {
             ProviderKind::OpenAiCompatible if url.is_none() => Err(Failure::BadInput(
                 "each OpenAI-compatible server has its own key: give its --base-url URL".to_owned(),
             )),
-            ProviderKind::OpenAiCompatible => Ok(baton_secrets::account(provider, url)),
-            _ if url.is_some() => Err(Failure::BadInput(format!(
-                "--base-url is only for openai-compatible servers; {provider} has one key whatever its base URL"
-            ))),
-            _ => Ok(baton_secrets::account(provider, None)),
+            _ => Ok(baton_secrets::account(provider, url)),
         }
     }
 }

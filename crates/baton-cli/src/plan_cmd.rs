@@ -57,8 +57,8 @@ async fn write(
     json: bool,
 ) -> Outcome {
     let pool = pool.load()?;
-    let mut models = crate::conductor_setup::LocalModels::default();
-    let planner = crate::conductor_setup::planner(&pool, conductor, &mut models, json).await?;
+    let models = crate::conductor_setup::LocalModels::default();
+    let planner = crate::conductor_setup::planner(&pool, conductor, &models, json).await?;
     let context = baton_engine::PlanningContext {
         allow_self: pool.options.recursion.enabled,
         ..baton_engine::PlanningContext::question(question, pool.workers.len(), pool.options.max_steps)

@@ -2,10 +2,9 @@
 
 use std::time::{Duration, Instant};
 
+use baton_engine::calls::check_worker;
 use baton_engine::prices::Pricing;
 use baton_engine::{Executor, Pool};
-use baton_providers::{ChatEvent, ChatRequest, ErrorKind, Message, ProviderError};
-use futures::StreamExt;
 
 use crate::{Failure, Outcome, PoolArg};
 
@@ -22,9 +21,10 @@ pub enum Command {
         /// One JSON object per worker on stdout.
         #[arg(long)]
         json: bool,
-        /// Give up on a worker after this many seconds.
-        #[arg(long, default_value_t = 30)]
-        timeout_secs: u64,
+        /// Give up on one attempt after this many seconds (default: each worker's
+        /// `timeout_secs`); failed attempts are retried as the pool's `[retry]` table says.
+        #[arg(long)]
+        timeout_secs: Option<u64>,
     },
 }
 
@@ -41,7 +41,7 @@ pub async fn run(cmd: Command) -> Outcome {
         }
         Command::Check { pool, json, timeout_secs } => {
             let pool = pool.load()?;
-            check(&pool, json, Duration::from_secs(timeout_secs)).await
+            check(&pool, json, timeout_secs.map(Duration::from_secs)).await
         }
     }
 }
@@ -69,32 +69,20 @@ fn show(pool: &Pool) {
     );
 }
 
-async fn check(pool: &Pool, json: bool, timeout: Duration) -> Outcome {
-    let executor = Executor::from_pool(pool);
-    let checks = executor.workers().iter().map(|worker| async move {
-        let started = Instant::now();
-        let request = ChatRequest {
-            system: None,
-            messages: vec![Message::user("Reply with the single word OK.")],
-            max_tokens: Some(16),
-            constraint: None,
-        };
-        let call = async {
-            let mut stream = worker.model.stream(request).await?;
-            let mut text = String::new();
-            while let Some(item) = stream.next().await {
-                match item? {
-                    ChatEvent::Text(t) => text.push_str(&t),
-                    ChatEvent::Usage(_) => {}
-                    ChatEvent::Done { .. } => return Ok(text),
-                }
-            }
-            Err(ProviderError::new(ErrorKind::Network, "the stream ended without completing"))
-        };
-        let result = tokio::time::timeout(timeout, call).await.unwrap_or_else(|_| {
-            Err(ProviderError::new(ErrorKind::Timeout, format!("no answer within {} s", timeout.as_secs())))
-        });
-        (worker, result, started.elapsed())
+async fn check(pool: &Pool, json: bool, timeout: Option<Duration>) -> Outcome {
+    let mut pool = pool.clone();
+    for w in pool.workers.iter_mut() {
+        w.timeout = timeout.unwrap_or(w.timeout);
+    }
+    let executor = Executor::from_pool(&pool);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let checks = executor.workers().iter().map(|worker| {
+        let (retry, stop) = (&pool.options.retry, &stop);
+        async move {
+            let started = Instant::now();
+            let result = check_worker(worker, retry, stop).await;
+            (worker, result, started.elapsed())
+        }
     });
     let results = futures::future::join_all(checks).await;
     let mut failures = 0;

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use baton_engine::accounting::{Meter, WorstCase};
+use baton_engine::calls::{CallPolicy, with_retries};
 use baton_engine::prices::Pricing;
 use baton_engine::{PlanDeltas, Planned, Planner, PlannerError, PlanningContext, WorkerInfo};
 use baton_plan::Limits;
@@ -30,6 +31,8 @@ pub struct ConductorOptions {
     pub no_examples: bool,
     /// Longest a plan may take, from the request to its last token (retries included).
     pub plan_time_limit: Duration,
+    /// A remote conductor's time limit per request and its retries: the workers' policy.
+    pub call: CallPolicy,
 }
 
 /// The default for [`ConductorOptions::plan_time_limit`]: generous for a small model on a
@@ -46,6 +49,7 @@ impl Default for ConductorOptions {
             force_self: false,
             no_examples: false,
             plan_time_limit: DEFAULT_PLAN_TIME_LIMIT,
+            call: CallPolicy::default(),
         }
     }
 }
@@ -258,7 +262,8 @@ impl RemoteConductor {
         })
     }
 
-    /// One call to the server, charged to `meter` with its worst case: the prompt's bytes, and
+    /// One request to the server, tried under the workers' time limit and retries; each
+    /// attempt is charged to `meter` with its worst case: the prompt's bytes, and
     /// [`REMOTE_MAX_TOKENS`] of output, which the request carries.
     async fn ask(
         &self,
@@ -269,19 +274,45 @@ impl RemoteConductor {
         meter: Meter<'_>,
     ) -> Result<Asked, PlannerError> {
         let output_cap = REMOTE_MAX_TOKENS;
-        let max_tokens = Some(output_cap);
         let worst = WorstCase::of(Some(system), &messages, output_cap, &self.pricing);
-        let reservation = meter.reserve("the conductor", worst).await.map_err(PlannerError::refused)?;
-        let request = ChatRequest { system: Some(system.to_owned()), messages, max_tokens, constraint };
-        let reported = std::sync::Mutex::new(Usage::default());
-        let answer = read_answer(self.model.as_ref(), request, &mut |t: &str| deltas(t), &reported).await;
-        let usage = match &answer {
-            Ok(a) => a.usage,
-            Err(e) => e.usage.unwrap_or_default(),
+        let request =
+            ChatRequest { system: Some(system.to_owned()), messages, max_tokens: Some(output_cap), constraint };
+        // Both the attempts and the retry notes write to the plan's text.
+        let deltas = std::sync::Mutex::new(deltas);
+        let write = |text: &str| (deltas.lock().unwrap_or_else(std::sync::PoisonError::into_inner))(text);
+        // Every attempt's usage counts toward the plan's, failed ones included.
+        let spent = std::sync::Mutex::new((Usage::default(), Some(0.0)));
+        let attempt = || async {
+            // A budget refusal is not a provider error: it ends the retries (inner `Err`).
+            let reservation = match meter.reserve("the conductor", worst).await {
+                Ok(r) => r,
+                Err(refused) => return Ok(Err(PlannerError::refused(refused))),
+            };
+            let reported = std::sync::Mutex::new(Usage::default());
+            let answer = read_answer(self.model.as_ref(), request.clone(), &mut |t: &str| write(t), &reported).await;
+            let usage = match &answer {
+                Ok(a) => a.usage,
+                Err(e) => {
+                    e.usage.unwrap_or_else(|| *reported.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+                }
+            };
+            let cost_usd = self.pricing.cost(&usage);
+            reservation.settle(usage, cost_usd);
+            let mut total = spent.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            total.0 += usage;
+            total.1 = total.1.zip(cost_usd).map(|(a, b)| a + b);
+            answer.map(Ok)
         };
-        let cost_usd = self.pricing.cost(&usage);
-        reservation.settle(usage, cost_usd);
-        let answer = answer.map_err(|e| PlannerError::new(e.to_string()))?;
+        let on_retry = |r: baton_engine::calls::Retrying<'_>| {
+            write(&format!(
+                "\n\n[the conductor's server failed: {}; trying again in {:.1} s]\n\n",
+                r.error,
+                r.delay.as_secs_f64()
+            ));
+        };
+        let answer = with_retries(&self.options.call, meter.stop, attempt, on_retry).await;
+        let (usage, cost_usd) = *spent.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let answer = answer.map_err(|e| PlannerError::new(format!("the conductor's server: {e}")))??;
         Ok(Asked { text: answer.text, usage, cost_usd, stop_reason: answer.stop_reason })
     }
 }

@@ -18,8 +18,8 @@ use mistralrs::{
     TextMessages, TextModelBuilder, TokenSource,
 };
 
-/// Where and how to load a local model.
-#[derive(Debug, Clone, PartialEq, Default)]
+/// Where and how to load a local model. Two configs that differ in anything load two models.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub struct LocalModelConfig {
     /// A `.gguf` file or a safetensors model directory.
     pub path: PathBuf,

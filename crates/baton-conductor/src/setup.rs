@@ -51,28 +51,36 @@ pub enum LoadNotice<'a> {
 /// Receives [`LoadNotice`]s; `&|_| {}` for none.
 pub type Notify<'a> = &'a (dyn Fn(LoadNotice<'_>) + Send + Sync);
 
-/// Local models loaded so far, by path: a model used as conductor and worker (or by several
-/// workers, or by many runs of the app) is loaded once.
+/// Local models loaded so far, by their config: a model used as conductor and worker (or by
+/// several workers, or by many runs of the app) is loaded once.
+///
+/// Shared by reference: loads of one model file wait for each other (the second use gets the
+/// first's model), but nothing else waits on a load: not another model's load, not a run that
+/// needs no local model, not a settings save (which only drops the models the new settings no
+/// longer ask for, see [`LocalModels::keep_only`]).
 #[derive(Default)]
 pub struct LocalModels {
     #[cfg(feature = "local")]
-    loaded: std::collections::HashMap<PathBuf, Arc<crate::local::LocalModel>>,
+    loaded: std::sync::Mutex<std::collections::HashMap<crate::local::LocalModelConfig, Arc<crate::local::LocalModel>>>,
+    /// One gate per model file, held while it loads.
+    #[cfg(feature = "local")]
+    loading: std::sync::Mutex<std::collections::HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl std::fmt::Debug for LocalModels {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mut d = f.debug_struct("LocalModels");
         #[cfg(feature = "local")]
-        d.field("loaded", &self.loaded.keys().collect::<Vec<_>>());
+        d.field("loaded", &self.loaded_paths());
         d.finish()
     }
 }
 
 impl LocalModels {
-    /// Whether the model at `path` is loaded.
+    /// Whether a model from `path` is loaded (with any settings).
     pub fn is_loaded(&self, path: &Path) -> bool {
         #[cfg(feature = "local")]
-        return self.loaded.contains_key(path);
+        return self.loaded_paths().iter().any(|p| p == path);
         #[cfg(not(feature = "local"))]
         {
             let _ = path;
@@ -80,21 +88,43 @@ impl LocalModels {
         }
     }
 
-    /// Forgets every loaded model (they are freed once no run uses them).
-    pub fn clear(&mut self) {
+    #[cfg(feature = "local")]
+    fn loaded_paths(&self) -> Vec<PathBuf> {
+        lock(&self.loaded).keys().map(|c| c.path.clone()).collect()
+    }
+
+    /// Drops every loaded model that `pool` no longer asks for (as conductor or local worker,
+    /// with the same settings); each is freed once no run uses it. Never waits for a load.
+    pub fn keep_only(&self, pool: &Pool) {
         #[cfg(feature = "local")]
-        self.loaded.clear();
+        {
+            let wanted = wanted_models(pool);
+            lock(&self.loaded).retain(|config, _| wanted.contains(config));
+        }
+        #[cfg(not(feature = "local"))]
+        let _ = pool;
+    }
+
+    #[cfg(feature = "local")]
+    fn get(&self, config: &crate::local::LocalModelConfig) -> Option<Arc<crate::local::LocalModel>> {
+        lock(&self.loaded).get(config).cloned()
     }
 
     #[cfg(feature = "local")]
     pub async fn load(
-        &mut self,
+        &self,
         config: crate::local::LocalModelConfig,
         what: &str,
         notify: Notify<'_>,
     ) -> Result<Arc<crate::local::LocalModel>, SetupError> {
-        if let Some(m) = self.loaded.get(&config.path) {
-            return Ok(m.clone());
+        if let Some(m) = self.get(&config) {
+            return Ok(m);
+        }
+        // Two runs that need the same file load it once: the second waits here, then finds it.
+        let gate = lock(&self.loading).entry(config.path.clone()).or_default().clone();
+        let _loading = gate.lock().await;
+        if let Some(m) = self.get(&config) {
+            return Ok(m);
         }
         notify(LoadNotice::Loading { what, path: &config.path });
         let model = crate::local::LocalModel::load(&config).await.map_err(|e| {
@@ -109,8 +139,50 @@ impl LocalModels {
             device: &device,
         });
         let model = Arc::new(model);
-        self.loaded.insert(config.path.clone(), model.clone());
+        lock(&self.loaded).insert(config, model.clone());
         Ok(model)
+    }
+}
+
+/// A poisoned lock only means a thread panicked while it held it; the map is still whole.
+#[cfg(feature = "local")]
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The local models `pool` uses with its own settings (no command-line overrides): its
+/// conductor, when that is a local model, and its `local` workers.
+#[cfg(feature = "local")]
+fn wanted_models(pool: &Pool) -> Vec<crate::local::LocalModelConfig> {
+    let spec = &pool.options.conductor;
+    let mut wanted = Vec::new();
+    if spec.url.is_none()
+        && let Some(model) = &spec.model
+    {
+        wanted.push(conductor_config(pool, &ConductorChoice::default(), model));
+    }
+    let force_cpu = spec.device.as_deref() == Some("cpu");
+    wanted.extend(
+        pool.workers.iter().filter(|w| w.provider == ProviderKind::Local).map(|w| worker_config(&w.model, force_cpu)),
+    );
+    wanted
+}
+
+#[cfg(feature = "local")]
+fn worker_config(model: &str, force_cpu: bool) -> crate::local::LocalModelConfig {
+    crate::local::LocalModelConfig { path: PathBuf::from(model), force_cpu, ..Default::default() }
+}
+
+#[cfg(feature = "local")]
+fn conductor_config(pool: &Pool, choice: &ConductorChoice, path: &str) -> crate::local::LocalModelConfig {
+    let spec = &pool.options.conductor;
+    crate::local::LocalModelConfig {
+        path: PathBuf::from(path),
+        lora: choice.lora.clone().or_else(|| spec.lora.as_ref().map(PathBuf::from)),
+        chat_template: choice.chat_template.clone().or_else(|| spec.chat_template.as_ref().map(PathBuf::from)),
+        force_cpu: choice.force_cpu || spec.device.as_deref() == Some("cpu"),
+        isq: spec.isq.clone(),
+        dtype: spec.dtype.clone(),
     }
 }
 
@@ -118,7 +190,7 @@ impl LocalModels {
 pub async fn attach_local_workers(
     executor: &mut Executor,
     pool: &Pool,
-    models: &mut LocalModels,
+    models: &LocalModels,
     force_cpu: bool,
     notify: Notify<'_>,
 ) -> Result<(), SetupError> {
@@ -133,9 +205,9 @@ pub async fn attach_local_workers(
         }
         #[cfg(feature = "local")]
         {
-            let config =
-                crate::local::LocalModelConfig { path: PathBuf::from(&spec.model), force_cpu, ..Default::default() };
-            let model = models.load(config, &format!("worker \"{}\"", spec.name), notify).await?;
+            let model = models
+                .load(worker_config(&spec.model, force_cpu), &format!("worker \"{}\"", spec.name), notify)
+                .await?;
             let local = crate::local::LocalWorker {
                 model,
                 max_tokens: spec.max_tokens as usize,
@@ -167,7 +239,7 @@ pub fn is_remote(source: &str) -> bool {
 pub async fn planner(
     pool: &Pool,
     choice: &ConductorChoice,
-    models: &mut LocalModels,
+    models: &LocalModels,
     notify: Notify<'_>,
 ) -> Result<Arc<dyn Planner>, SetupError> {
     let spec = &pool.options.conductor;
@@ -177,6 +249,10 @@ pub async fn planner(
         max_subtask_chars: spec.max_subtask_chars.unwrap_or(defaults.max_subtask_chars),
         temperature: spec.temperature.or(defaults.temperature),
         plan_time_limit: spec.plan_time_limit_secs.map_or(defaults.plan_time_limit, std::time::Duration::from_secs),
+        call: baton_engine::calls::CallPolicy {
+            timeout: spec.timeout_secs.map_or(defaults.call.timeout, std::time::Duration::from_secs),
+            retry: pool.options.retry.clone(),
+        },
         ..ConductorOptions::default()
     };
     let source = match (&choice.source, &spec.url, &spec.model) {
@@ -226,19 +302,10 @@ async fn local(
     choice: &ConductorChoice,
     path: &str,
     options: ConductorOptions,
-    models: &mut LocalModels,
+    models: &LocalModels,
     notify: Notify<'_>,
 ) -> Result<Arc<dyn Planner>, SetupError> {
-    let spec = &pool.options.conductor;
-    let config = crate::local::LocalModelConfig {
-        path: PathBuf::from(path),
-        lora: choice.lora.clone().or_else(|| spec.lora.as_ref().map(PathBuf::from)),
-        chat_template: choice.chat_template.clone().or_else(|| spec.chat_template.as_ref().map(PathBuf::from)),
-        force_cpu: choice.force_cpu || spec.device.as_deref() == Some("cpu"),
-        isq: spec.isq.clone(),
-        dtype: spec.dtype.clone(),
-    };
-    let model = models.load(config, "the conductor", notify).await?;
+    let model = models.load(conductor_config(pool, choice, path), "the conductor", notify).await?;
     Ok(Arc::new(crate::LocalConductor::new(model, pool.infos(), options)))
 }
 
@@ -248,7 +315,7 @@ async fn local(
     _choice: &ConductorChoice,
     path: &str,
     _options: ConductorOptions,
-    _models: &mut LocalModels,
+    _models: &LocalModels,
     _notify: Notify<'_>,
 ) -> Result<Arc<dyn Planner>, SetupError> {
     Err(SetupError::NoLocalSupport(path.to_owned()))

@@ -10,6 +10,10 @@ use baton_providers::{HttpModel, ModelSettings, ProviderKind};
 use baton_testserver::{TestServer, Wire};
 
 fn conductor(server: &TestServer, model: &str) -> RemoteConductor {
+    conductor_with(server, model, &ConductorOptions::default())
+}
+
+fn conductor_with(server: &TestServer, model: &str, options: &ConductorOptions) -> RemoteConductor {
     let http = HttpModel::new(
         ProviderKind::OpenAiCompatible,
         &server.base_url(Wire::OpenAi),
@@ -26,7 +30,7 @@ fn conductor(server: &TestServer, model: &str) -> RemoteConductor {
             description: None,
         })
         .collect();
-    RemoteConductor::new(Arc::new(http), "big-conductor".into(), workers, &ConductorOptions::default())
+    RemoteConductor::new(Arc::new(http), "big-conductor".into(), workers, options)
 }
 
 fn context() -> PlanningContext {
@@ -119,4 +123,49 @@ async fn without_a_grammar_no_extension_field_is_sent() {
     for field in ["structured_outputs", "regex", "grammar"] {
         assert!(body.get(field).is_none(), "{field} sent to a server that may reject unknown fields");
     }
+}
+
+#[tokio::test]
+async fn rate_limits_and_overload_are_retried_like_a_worker_s() {
+    let server = TestServer::start().await.expect("server");
+    // A failed call takes its queued reply too.
+    server.queue_replies("busy", [GOOD, GOOD, GOOD]);
+    let mut streamed = String::new();
+    // Two failures, each with "come back in 0 s", then the plan.
+    let planned = conductor(&server, "busy;fail=503x2;retry_after=0")
+        .plan(context(), Box::new(|t: &str| streamed.push_str(t)), unmetered())
+        .await
+        .expect("the third attempt plans");
+    assert_eq!(planned.plan.to_json(), r#"{"model_id":[1],"subtasks":["Compute 2+2."],"access_list":[[]]}"#);
+    assert_eq!(server.requests().len(), 3);
+    assert!(streamed.contains("trying again"), "the retries show in the conductor's text: {streamed}");
+
+    let server = TestServer::start().await.expect("server");
+    let err = conductor(&server, "gone;fail=401x*").plan(context(), Box::new(|_| {}), unmetered()).await.unwrap_err();
+    assert_eq!(server.requests().len(), 1, "an auth error is never retried");
+    assert!(err.to_string().contains("auth"), "{err}");
+}
+
+#[tokio::test]
+async fn each_request_has_the_workers_time_limit() {
+    let server = TestServer::start().await.expect("server");
+    let options = ConductorOptions {
+        call: baton_engine::calls::CallPolicy {
+            timeout: std::time::Duration::from_millis(300),
+            retry: baton_providers::RetryPolicy {
+                max_retries: 1,
+                initial_delay: std::time::Duration::from_millis(1),
+                ..Default::default()
+            },
+        },
+        ..ConductorOptions::default()
+    };
+    let started = std::time::Instant::now();
+    let err = conductor_with(&server, "stuck;ttfb=20000", &options)
+        .plan(context(), Box::new(|_| {}), unmetered())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("within 0.3 s"), "{err}");
+    assert_eq!(server.requests().len(), 2, "the first attempt and one retry");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5), "{:?}", started.elapsed());
 }

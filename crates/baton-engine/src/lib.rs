@@ -5,6 +5,7 @@
 //! [`RunEvent`]s.
 
 pub mod accounting;
+pub mod calls;
 pub mod event;
 pub mod executor;
 pub mod keys;

@@ -58,6 +58,8 @@ pub struct ConductorSpec {
     pub max_subtask_chars: Option<usize>,
     /// Longest a plan may take, in seconds, before it fails with an error naming this limit.
     pub plan_time_limit_secs: Option<u64>,
+    /// A remote conductor's limit per request, in seconds (retries follow `[retry]`).
+    pub timeout_secs: Option<u64>,
 }
 
 /// The conductor as its own worker ("Model k: yourself").
@@ -218,6 +220,7 @@ const CONDUCTOR_KEYS: &[&str] = &[
     "max_reasoning_chars",
     "max_subtask_chars",
     "plan_time_limit_secs",
+    "timeout_secs",
 ];
 const BUDGET_KEYS: &[&str] = &["max_calls", "max_tokens", "max_cost_usd"];
 const RETRY_KEYS: &[&str] = &["max_retries", "initial_delay_ms", "max_delay_ms", "max_retry_after_secs"];
@@ -400,6 +403,7 @@ impl Pool {
             spec.max_reasoning_chars = c.int("max_reasoning_chars", 0, 100_000).map_err(field_err)?.map(|n| n as usize);
             spec.max_subtask_chars = c.int("max_subtask_chars", 1, 100_000).map_err(field_err)?.map(|n| n as usize);
             spec.plan_time_limit_secs = c.int("plan_time_limit_secs", 1, 86_400).map_err(field_err)?.map(|n| n as u64);
+            spec.timeout_secs = c.int("timeout_secs", 1, 86_400).map_err(field_err)?.map(|n| n as u64);
         }
 
         let raw_workers = match table.get("worker") {

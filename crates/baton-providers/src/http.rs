@@ -35,6 +35,16 @@ pub(crate) async fn send(
     if status.is_success() {
         return Ok(response);
     }
+    if status.is_redirection() {
+        let to = response.headers().get(reqwest::header::LOCATION).and_then(|v| v.to_str().ok()).unwrap_or("?");
+        return Err(ProviderError::new(
+            ErrorKind::BadRequest,
+            format!(
+                "the server redirected the request to {to}, another host; Baton does not follow it, since the key is only for the host it was saved for. If that address is right, make it the base_url (and store its key)"
+            ),
+        )
+        .with_status(status.as_u16()));
+    }
     let headers = response.headers().clone();
     let body = read_bounded(response).await;
     Err(classify(status.as_u16(), &headers, &body))

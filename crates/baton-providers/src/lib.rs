@@ -358,6 +358,18 @@ impl HttpModel {
     pub fn http_client() -> reqwest::Client {
         reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
+            // Keys travel in headers reqwest does not strip on a redirect (`x-api-key`,
+            // `x-goog-api-key`): a redirect to another host is never followed, so a key reaches
+            // only the host it was saved for. `http::send` turns the 3xx into an error.
+            .redirect(reqwest::redirect::Policy::custom(|attempt| {
+                let same_origin = attempt.previous().first().is_some_and(|first| {
+                    let (a, b) = (first, attempt.url());
+                    a.scheme() == b.scheme()
+                        && a.host_str() == b.host_str()
+                        && a.port_or_known_default() == b.port_or_known_default()
+                });
+                if same_origin && attempt.previous().len() < 5 { attempt.follow() } else { attempt.stop() }
+            }))
             .user_agent(concat!("baton/", env!("CARGO_PKG_VERSION")))
             .build()
             .unwrap_or_else(|_| reqwest::Client::new())

@@ -314,3 +314,58 @@ async fn an_unreachable_server_is_a_network_error() {
     let e = call(&m).await.err().expect("fails");
     assert_eq!(e.kind, ErrorKind::Network, "{e}");
 }
+
+/// A loopback server that answers every request on `listener` with `response` and reports
+/// each request's head on `seen`.
+fn raw_server(listener: std::net::TcpListener, response: String, seen: std::sync::mpsc::Sender<String>) {
+    use std::io::{BufRead, BufReader, Write};
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let mut head = String::new();
+            let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+                head.push_str(&line);
+            }
+            let _ = seen.send(head);
+            let _ = stream.write_all(response.as_bytes());
+        }
+    });
+}
+
+#[tokio::test]
+async fn a_redirect_to_another_host_is_not_followed_so_the_key_stays_home() {
+    let other = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let other_port = other.local_addr().unwrap().port();
+    let (other_seen, other_heard) = std::sync::mpsc::channel();
+    raw_server(other, "HTTP/1.1 500 Oops\r\ncontent-length: 0\r\n\r\n".into(), other_seen);
+    let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let base = format!("http://127.0.0.1:{}/v1", first.local_addr().unwrap().port());
+    let (first_seen, first_heard) = std::sync::mpsc::channel();
+    // "localhost" names the same machine, but not the host the key was given for.
+    let redirect = format!(
+        "HTTP/1.1 307 Temporary Redirect\r\nlocation: http://localhost:{other_port}/v1/elsewhere\r\ncontent-length: 0\r\n\r\n"
+    );
+    raw_server(first, redirect, first_seen);
+
+    for kind in [ProviderKind::OpenAi, ProviderKind::Anthropic, ProviderKind::Gemini] {
+        let key = Arc::new(|| Ok(Some(ApiKey::new("canary-key-that-must-stay-home"))));
+        let model = HttpModel::new(kind, &base, ModelSettings::new("m"), key, HttpModel::http_client());
+        let err = match model.stream(request()).await {
+            Ok(_) => panic!("{kind}: a redirect is not an answer"),
+            Err(e) => e,
+        };
+        assert_eq!(err.kind, ErrorKind::BadRequest, "{kind}: {err}");
+        assert!(err.message.contains("redirected") && err.message.contains("localhost"), "{kind}: {err}");
+        let head = first_heard.recv_timeout(Duration::from_secs(5)).expect("the first host was asked");
+        assert!(head.contains("canary-key-that-must-stay-home"), "{kind}: the key went to its own host:\n{head}");
+    }
+    assert!(
+        other_heard.recv_timeout(Duration::from_millis(300)).is_err(),
+        "the other host must never be contacted (it would have received the key header)"
+    );
+}

@@ -18,18 +18,34 @@ pub const SERVICE: &str = "baton";
 /// The providers that have one key each, whatever their base URL.
 pub const KEYED_PROVIDERS: [ProviderKind; 3] = [ProviderKind::OpenAi, ProviderKind::Anthropic, ProviderKind::Gemini];
 
-/// The keychain account holding `provider`'s key.
+/// The keychain account holding `provider`'s key for requests to `base_url`.
 ///
-/// OpenAI, Anthropic and Gemini have one key per provider, even when a pool points them at
-/// another base URL (a proxy still wants the user's provider key). OpenAI-compatible servers are
-/// unrelated to each other, so each base URL gets its own entry; the URL is normalised so that
+/// A key is bound to the host it was saved for. OpenAI, Anthropic and Gemini keys are saved for
+/// the provider's official host: a pool that points one of them at any other address (a proxy,
+/// or a server a rogue edit slipped in) gets that address's own entry, `openai:https://…`,
+/// which holds nothing until the user stores a key for it. OpenAI-compatible servers are
+/// unrelated to each other, so each base URL has its own entry. URLs are normalised so that
 /// `http://host/v1/` and `http://host/v1` share one.
 pub fn account(provider: ProviderKind, base_url: Option<&str>) -> String {
-    match (provider, base_url) {
-        (ProviderKind::OpenAiCompatible, Some(url)) => {
-            format!("{}:{}", provider.as_str(), url.trim().trim_end_matches('/'))
-        }
+    let url = base_url.map(|u| u.trim().trim_end_matches('/')).filter(|u| !u.is_empty());
+    match (provider, url) {
+        (ProviderKind::OpenAiCompatible, Some(url)) => format!("{}:{url}", provider.as_str()),
+        (_, Some(url)) if !is_official_host(provider, url) => format!("{}:{url}", provider.as_str()),
         _ => provider.as_str().to_owned(),
+    }
+}
+
+/// Whether `url` is on `provider`'s official host (same scheme, host and port as its default
+/// base URL). Anything unusual (user info, another port, plain http) is not.
+pub fn is_official_host(provider: ProviderKind, url: &str) -> bool {
+    let origin = |u: &str| -> Option<String> {
+        let (scheme, rest) = u.trim().split_once("://")?;
+        let authority = rest.split(['/', '?', '#']).next()?;
+        Some(format!("{}://{}", scheme.to_ascii_lowercase(), authority.to_ascii_lowercase()))
+    };
+    match provider.default_base_url() {
+        Some(official) => origin(url).is_some_and(|o| Some(o) == origin(official)),
+        None => false,
     }
 }
 
@@ -204,7 +220,9 @@ mod tests {
     #[test]
     fn accounts_are_provider_names_and_compatible_servers_are_told_apart_by_url() {
         assert_eq!(account(ProviderKind::OpenAi, None), "openai");
-        assert_eq!(account(ProviderKind::OpenAi, Some("http://proxy/v1")), "openai", "one key per provider");
+        assert_eq!(account(ProviderKind::OpenAi, Some("https://api.openai.com/v1/")), "openai");
+        assert_eq!(account(ProviderKind::OpenAi, Some("https://API.openai.com/v2")), "openai", "same host");
+        assert_eq!(account(ProviderKind::Anthropic, Some("https://api.anthropic.com")), "anthropic");
         assert_eq!(account(ProviderKind::Anthropic, None), "anthropic");
         assert_eq!(account(ProviderKind::Gemini, None), "gemini");
         assert_eq!(
@@ -219,6 +237,21 @@ mod tests {
             account(ProviderKind::OpenAiCompatible, Some("http://a/v1")),
             account(ProviderKind::OpenAiCompatible, Some("http://b/v1"))
         );
+    }
+
+    #[test]
+    fn a_hosted_provider_pointed_elsewhere_gets_that_address_s_own_entry() {
+        assert_eq!(account(ProviderKind::OpenAi, Some("http://proxy/v1/")), "openai:http://proxy/v1");
+        for elsewhere in [
+            "http://api.openai.com/v1",                         // plain http
+            "https://api.openai.com:8443/v1",                   // another port
+            "https://api.openai.com@evil.example/v1",           // user info: the host is evil.example
+            "https://api.openai.com.evil.example/v1",           // a look-alike host
+            "https://generativelanguage.googleapis.com/v1beta", // another provider's host
+        ] {
+            assert_ne!(account(ProviderKind::OpenAi, Some(elsewhere)), "openai", "{elsewhere}");
+        }
+        assert_eq!(account(ProviderKind::Gemini, Some("https://generativelanguage.googleapis.com/v1beta")), "gemini");
     }
 
     #[test]

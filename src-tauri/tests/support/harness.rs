@@ -16,9 +16,25 @@ pub struct Harness {
     pub window: WebviewWindow<MockRuntime>,
 }
 
+impl Harness {
+    /// What the app keeps between commands (to look at the models it holds).
+    pub fn state(&self) -> tauri::State<'_, AppState> {
+        tauri::Manager::state::<AppState>(&self._app)
+    }
+}
+
+/// The app over files in `dir`. There is no user to answer the save dialog: it answers
+/// `dir/saved/<the name it suggests>`.
 pub fn app(dir: &Path, label: &str) -> Harness {
     let paths = Paths { pool: dir.join("pool.toml"), db: dir.join("history.sqlite") };
-    let app = baton_desktop::builder(mock_builder(), AppState::new(paths)).build(baton_desktop::context()).unwrap();
+    let saved = dir.join("saved");
+    std::fs::create_dir_all(&saved).unwrap();
+    let dialog: baton_desktop::state::SaveDialog = std::sync::Arc::new(move |name: String| {
+        let path = saved.join(name);
+        Box::pin(async move { Some(path) })
+    });
+    let state = AppState::new(paths).with_save_dialog(dialog);
+    let app = baton_desktop::builder(mock_builder(), state).build(baton_desktop::context()).unwrap();
     let window = WebviewWindowBuilder::new(&app, label, Default::default()).build().unwrap();
     Harness { _app: app, window }
 }
