@@ -32,4 +32,5 @@ const COMMANDS: &[&str] = &[
     "export_history",
     "validate_plan",
     "app_info",
+    "open_logs_folder",
 ];

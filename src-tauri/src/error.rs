@@ -34,8 +34,12 @@ pub struct AppError {
 }
 
 impl AppError {
+    /// Every error a command returns passes here, so each is in the log (messages never hold
+    /// a key: see the invariants).
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        AppError { kind, message: message.into() }
+        let message = message.into();
+        tracing::info!(?kind, "a command refused or failed: {message}");
+        AppError { kind, message }
     }
 
     pub fn bad_input(message: impl Into<String>) -> Self {

@@ -24,6 +24,8 @@ pub struct AppInfo {
     pub local_models: bool,
     /// Whether local models can use a GPU in this build.
     pub gpu: bool,
+    /// Where the app (and the command line) write their logs.
+    pub log_dir: String,
 }
 
 #[tauri::command]
@@ -32,7 +34,27 @@ fn app_info() -> AppInfo {
         version: env!("CARGO_PKG_VERSION").to_owned(),
         local_models: cfg!(feature = "local"),
         gpu: cfg!(any(feature = "cuda", feature = "metal")),
+        log_dir: baton_engine::logs::log_dir().display().to_string(),
     }
+}
+
+/// Opens the log directory in the desktop's file manager (what to attach to a problem report).
+#[tauri::command]
+fn open_logs_folder() -> Result<String, error::AppError> {
+    let dir = baton_engine::logs::log_dir();
+    let io = |e: std::io::Error| {
+        error::AppError::new(error::ErrorKind::Io, format!("{}: cannot open the logs folder: {e}", dir.display()))
+    };
+    std::fs::create_dir_all(&dir).map_err(io)?;
+    let opener = if cfg!(target_os = "macos") {
+        "open"
+    } else if cfg!(windows) {
+        "explorer"
+    } else {
+        "xdg-open"
+    };
+    std::process::Command::new(opener).arg(&dir).spawn().map_err(io)?;
+    Ok(dir.display().to_string())
 }
 
 /// The app on top of `base`: `run` starts from the real webview's builder, the command tests
@@ -40,6 +62,7 @@ fn app_info() -> AppInfo {
 pub fn builder<R: Runtime>(base: tauri::Builder<R>, state: AppState) -> tauri::Builder<R> {
     base.plugin(tauri_plugin_dialog::init()).manage(state).invoke_handler(tauri::generate_handler![
         app_info,
+        open_logs_folder,
         settings::get_settings,
         settings::save_settings,
         chat::load_conductor,
@@ -73,6 +96,8 @@ pub fn context<R: Runtime>() -> tauri::Context<R> {
 
 /// Opens the main window; returns when the app quits.
 pub fn run() {
+    // Without a log the app still works; the reason goes to stderr.
+    let _log = baton_engine::logs::init("baton-desktop").map_err(|e| eprintln!("warning: no log file: {e}")).ok();
     builder(tauri::Builder::default(), AppState::new(Paths::from_env()))
         .run(context())
         .expect("Baton could not start its window (is a display available?)");

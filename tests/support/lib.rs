@@ -76,6 +76,8 @@ pub async fn run_within(
     // Runs are recorded by default: into a history of the test process's own, never the
     // user's (a test's explicit --db or env entry wins over this).
     command.env("BATON_DB", test_history());
+    // Logs likewise, beside that history.
+    command.env("BATON_LOG_DIR", test_history().with_file_name("logs"));
     for (name, value) in env {
         match value {
             Some(value) => command.env(name, value),

@@ -33,6 +33,8 @@ export function asAppError(e: unknown): AppError {
 
 export const api = {
   appInfo: () => invoke<AppInfo>("app_info"),
+  /** Opens the log directory in the file manager; returns its path. */
+  openLogsFolder: () => invoke<string>("open_logs_folder"),
   getSettings: () => invoke<Settings>("get_settings"),
   saveSettings: (form: PoolForm) => invoke<Settings>("save_settings", { form }),
   loadConductor: () => invoke<string>("load_conductor"),

@@ -387,4 +387,8 @@ local_models: boolean,
 /**
  * Whether local models can use a GPU in this build.
  */
-gpu: boolean, };
+gpu: boolean, 
+/**
+ * Where the app (and the command line) write their logs.
+ */
+log_dir: string, };

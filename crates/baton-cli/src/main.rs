@@ -42,6 +42,15 @@ enum Command {
     /// Store, list and delete provider API keys in the OS keychain.
     #[command(subcommand)]
     Keys(keys_cmd::Command),
+    /// Baton's log files (what to attach to a problem report).
+    #[command(subcommand)]
+    Logs(LogsCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum LogsCommand {
+    /// Print the directory the command line and the app write their logs to.
+    Path,
 }
 
 /// How a command ended, mapped to the documented exit codes.
@@ -96,6 +105,12 @@ fn run() -> ExitCode {
     unsafe {
         baton_conductor::setup::keep_model_caches_in_baton_data_dir();
     }
+    if let Command::Logs(LogsCommand::Path) = cli.command {
+        println!("{}", baton_engine::logs::log_dir().display());
+        return ExitCode::SUCCESS;
+    }
+    // Without a log the command still works; it says why there is none.
+    let _log = baton_engine::logs::init("baton").map_err(|e| eprintln!("warning: no log file: {e}")).ok();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -111,8 +126,12 @@ fn run() -> ExitCode {
             Command::Bench(cmd) => bench::run(cmd).await,
             Command::History(args) => history_cmd::run(args).await,
             Command::Keys(cmd) => keys_cmd::run(cmd).await,
+            Command::Logs(LogsCommand::Path) => Ok(()),
         }
     });
+    if let Err(failure) = &result {
+        tracing::warn!("the command failed: {failure:?}");
+    }
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::BadInput(message)) => {

@@ -460,3 +460,25 @@ async fn ask_json_totals_are_every_request_the_servers_answered() {
     let unknown: Vec<&str> = totals["cost_unknown_for"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
     assert_eq!(unknown, ["claude", "gpt", "the conductor"]);
 }
+
+#[tokio::test]
+async fn logs_path_prints_where_the_logs_go_and_a_command_writes_there() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let logs = dir.path().join("my-logs");
+    let logs_str = logs.to_str().expect("utf-8");
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_baton"));
+    let env = [("BATON_LOG_DIR", Some(logs_str))];
+    let out = baton_tests::run_with(bin, &["logs", "path"], None, &env).await;
+    assert_eq!((out.code, out.stdout.trim()), (Some(0), logs_str), "{}", out.stderr);
+    assert!(!logs.exists(), "printing the path writes nothing");
+    // A command that fails leaves its reason in the log.
+    let missing = dir.path().join("no-pool.toml");
+    let out = baton_tests::run_with(bin, &["pool", "check", "--pool", missing.to_str().unwrap()], None, &env).await;
+    assert_eq!(out.code, Some(2), "{}", out.stderr);
+    let files: Vec<_> = std::fs::read_dir(&logs).expect("the log directory").flatten().collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let name = files[0].file_name().into_string().unwrap();
+    assert!(name.starts_with("baton.") && name.ends_with(".log"), "{name}");
+    let log = std::fs::read_to_string(files[0].path()).unwrap();
+    assert!(log.contains("the command failed") && log.contains("no-pool.toml"), "{log}");
+}

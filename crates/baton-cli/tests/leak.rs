@@ -1,13 +1,15 @@
 //! A distinctive key goes into requests and nowhere else: not the history database (its WAL
-//! included), not the output, not the exports — even when a server echoes it in an error.
+//! included), not the output, not the exports, not the log — even when a server echoes it in an error.
 
 use baton_tests::{Output, W, fixture, write_pool};
 use baton_testserver::{Options, TestServer};
 
 const KEY: &str = "sk-baton-LEAK-canary-5c1e9a77d3b24f08";
 
-async fn baton(args: &[&str], key: &str) -> Output {
-    baton_tests::run(std::path::Path::new(env!("CARGO_BIN_EXE_baton")), args, None, key).await
+/// Runs `baton` with `key` in the environment and its log files in `logs`.
+async fn baton(args: &[&str], key: &str, logs: &std::path::Path) -> Output {
+    let env = [("BATON_E2E_KEY", Some(key)), ("BATON_LOG_DIR", Some(path(logs)))];
+    baton_tests::run_with(std::path::Path::new(env!("CARGO_BIN_EXE_baton")), args, None, &env).await
 }
 
 fn path(p: &std::path::Path) -> &str {
@@ -27,6 +29,8 @@ async fn the_key_reaches_the_servers_and_nothing_else() {
         .expect("server");
     let dir = tempfile::tempdir().expect("tempdir");
     let db = dir.path().join("history.sqlite");
+    // Inside `dir`: the log files are scanned with everything else below.
+    let logs = dir.path().join("logs");
     let ok_pool =
         write_pool(dir.path(), &good, "", &[W("a", "openai", "a"), W("b", "anthropic", "b"), W("c", "gemini", "c")]);
     let ok_pool = {
@@ -45,7 +49,7 @@ async fn the_key_reaches_the_servers_and_nothing_else() {
             args.push("--json");
         }
         args.push("Which key do you use?");
-        outputs.push(baton(&args, KEY).await);
+        outputs.push(baton(&args, KEY, &logs).await);
     }
     assert_eq!(outputs[0].code, Some(0), "{}", outputs[0].stderr);
     assert_eq!(outputs[2].code, Some(1), "the echoing server refuses the key: {}", outputs[2].stderr);
@@ -56,10 +60,10 @@ async fn the_key_reaches_the_servers_and_nothing_else() {
     for what in [&["history", "list"][..], &["history", "show", "1"], &["history", "show", "3", "--json"]] {
         let mut args = what.to_vec();
         args.extend(["--db", path(&db)]);
-        outputs.push(baton(&args, "").await);
+        outputs.push(baton(&args, "", &logs).await);
     }
     for (run, format) in [("1", "md"), ("3", "json"), ("4", "json")] {
-        outputs.push(baton(&["history", "export", run, "--format", format, "--db", path(&db)], "").await);
+        outputs.push(baton(&["history", "export", run, "--format", format, "--db", path(&db)], "", &logs).await);
     }
     let show_failed = &outputs[6];
     assert!(show_failed.stdout.contains("<redacted>"), "the echoed key was cut out: {}", show_failed.stdout);
@@ -82,6 +86,9 @@ async fn the_key_reaches_the_servers_and_nothing_else() {
         files += 1;
     }
     assert!(files >= 1, "the database was written");
+    // The log is there and tells of the failure the echoing server caused, without its key.
+    let log: String = walk(&logs).iter().map(|f| std::fs::read_to_string(f).expect("read log")).collect();
+    assert!(log.contains("run failed") && log.contains("<redacted>"), "the log tells what happened:\n{log}");
 }
 
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {

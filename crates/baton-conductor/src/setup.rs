@@ -127,11 +127,14 @@ impl LocalModels {
             return Ok(m);
         }
         notify(LoadNotice::Loading { what, path: &config.path });
+        tracing::info!(path = %config.path.display(), "loading {what}");
         let model = crate::local::LocalModel::load(&config).await.map_err(|e| {
+            tracing::warn!(path = %config.path.display(), "{what} did not load: {e}");
             notify(LoadNotice::Failed { what, path: &config.path });
             SetupError::Load(e.to_string())
         })?;
         let device = model.device.to_string();
+        tracing::info!(path = %config.path.display(), seconds = model.load_time.as_secs_f64(), %device, "loaded {what}");
         notify(LoadNotice::Loaded {
             what,
             path: &config.path,

@@ -717,6 +717,7 @@ struct RunCtx<'a> {
 
 impl RunCtx<'_> {
     fn emit(&self, event: RunEvent) {
+        crate::logs::log_event(&event);
         // A consumer that went away must not stop the run.
         let _ = self.events.send(event);
     }

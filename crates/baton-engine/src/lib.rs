@@ -9,6 +9,7 @@ pub mod calls;
 pub mod event;
 pub mod executor;
 pub mod keys;
+pub mod logs;
 pub mod planner;
 pub mod pool;
 pub mod prices;
