@@ -53,7 +53,13 @@ impl AppError {
 
 impl From<baton_store::StoreError> for AppError {
     fn from(e: baton_store::StoreError) -> Self {
-        AppError::new(ErrorKind::History, e.to_string())
+        use baton_store::StoreError;
+        // Deleting a run that is still going is a request to refuse, not a broken history.
+        let kind = match e {
+            StoreError::RunStillGoing { .. } | StoreError::ConversationStillGoing { .. } => ErrorKind::BadInput,
+            _ => ErrorKind::History,
+        };
+        AppError::new(kind, e.to_string())
     }
 }
 

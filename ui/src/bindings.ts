@@ -212,9 +212,14 @@ export type StepRecord = { round: number, step: number, worker_index: number, wo
  */
 request: SentRequest | null, 
 /**
- * `running`, `finished`, `failed` or `interrupted`.
+ * `running`, `finished`, `failed`, `cancelled` (the run stopped while the step waited or
+ * answered) or `interrupted`.
  */
-status: string, output: string | null, error_kind: string | null, error: string | null, input_tokens: number | null, 
+status: string, 
+/**
+ * The answer; for a `cancelled` step, the text that had arrived when the run stopped.
+ */
+output: string | null, error_kind: string | null, error: string | null, input_tokens: number | null, 
 /**
  * Of `input_tokens`, read from a prompt cache; `None` before this was kept.
  */

@@ -204,9 +204,15 @@ async fn command(store: &Store, command: Command) -> Outcome {
             }
         }
         Command::Delete { run, conversation, json } => {
+            // A run still going is refused: stop it first (exit 2, like other bad input).
+            let refused = |e: baton_store::StoreError| match e {
+                baton_store::StoreError::RunStillGoing { .. }
+                | baton_store::StoreError::ConversationStillGoing { .. } => Failure::BadInput(e.to_string()),
+                e => failed(e),
+            };
             let (what, id, deleted) = match (run, conversation) {
-                (Some(run), _) => ("run", run, store.delete_run(run).await.map_err(failed)?),
-                (None, Some(c)) => ("conversation", c, store.delete_conversation(c).await.map_err(failed)?),
+                (Some(run), _) => ("run", run, store.delete_run(run).await.map_err(refused)?),
+                (None, Some(c)) => ("conversation", c, store.delete_conversation(c).await.map_err(refused)?),
                 (None, None) => return Err(Failure::BadInput("name a run or --conversation ID".into())),
             };
             if !deleted {

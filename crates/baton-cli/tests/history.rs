@@ -177,3 +177,143 @@ async fn a_damaged_history_stops_ask_before_any_call() {
             .await;
     assert_eq!(out.code, Some(0), "--no-history still answers: {}", out.stderr);
 }
+
+/// A conductor whose chat template refuses two user turns in a row (as Mistral's, Gemma's and
+/// many GGUF templates do) still plans the next question of a conversation whose last run
+/// failed: the unanswered question reaches it followed by a turn saying what became of it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_follow_up_to_a_failed_run_gets_a_plan_from_a_conductor_that_needs_alternating_turns() {
+    let s = server(TEST_KEY).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("history.sqlite");
+    let model = dir.path().join("strict-conductor");
+    let spec = baton_tinymodel::TinySpec { alternating_turns: true, ..Default::default() };
+    baton_tinymodel::write_safetensors_model(&model, &spec).expect("write model");
+    // Worker 0 refuses its first call (a 400, never retried): the first run fails.
+    let workers = [W("a", "openai", "a;fail=400x1"), W("b", "openai", "b"), W("c", "openai", "c")];
+    let conductor = format!(
+        "[conductor]\nmodel = \"{}\"\ndevice = \"cpu\"\nmax_reasoning_chars = 24\nmax_subtask_chars = 16\ntemperature = 1.0\n",
+        model.display()
+    );
+    let pool = write_pool(dir.path(), &s, &conductor, &workers);
+    let plan = dir.path().join("plan.txt");
+    std::fs::write(&plan, "model_id = [0]\nsubtasks = [\"Answer.\"]\naccess_list = [[]]").unwrap();
+
+    let first = baton(
+        &["ask", "--pool", path(&pool), "--plan", path(&plan), "--db", path(&db), "What is 6 times 7?"],
+        TEST_KEY,
+    )
+    .await;
+    assert_eq!(first.code, Some(1), "the first run fails: {}", first.stderr);
+    let again = baton(
+        &["ask", "--pool", path(&pool), "--db", path(&db), "--conversation", "1", "--json", "Try again."],
+        TEST_KEY,
+    )
+    .await;
+    assert_eq!(again.code, Some(0), "{}", again.stderr);
+    let events = json_lines(&again);
+    assert!(events.iter().any(|e| e["type"] == "plan_ready"), "the conductor wrote a plan: {}", again.stdout);
+    assert_eq!(events.last().map(|e| e["type"].clone()), Some(Value::from("run_finished")), "{}", again.stdout);
+}
+
+/// While `baton ask` records a run, `baton history delete` refuses it (and its conversation)
+/// and says what to do; once the run is stopped, its step keeps the text that had streamed,
+/// `history show` prints it marked as cut short, and the run can be deleted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_in_progress_cannot_be_deleted_and_a_stopped_one_keeps_its_partial_answer() {
+    use tokio::io::AsyncBufReadExt;
+
+    let s = server(TEST_KEY).await;
+    s.queue_replies("slow", ["Short wavelengths scatter more than long ones, which is why the sky looks blue to us."]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("history.sqlite");
+    let pool = write_pool(dir.path(), &s, "", &[W("slow", "openai", "slow;latency=8000")]);
+    let plan = dir.path().join("plan.txt");
+    std::fs::write(&plan, "model_id = [0]\nsubtasks = [\"Explain.\"]\naccess_list = [[]]").unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["ask", "--json", "--pool", path(&pool), "--plan", path(&plan), "--db", path(&db), "Why blue?"])
+        .env("BATON_E2E_KEY", TEST_KEY)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let mut streamed = String::new();
+    let mut deltas = 0;
+    while deltas < 3 {
+        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+            .await
+            .expect("the answer streams")
+            .expect("read")
+            .expect("a line");
+        let event: Value = serde_json::from_str(&line).expect("an event");
+        if event["type"] == "step_delta" {
+            streamed.push_str(event["text"].as_str().expect("text"));
+            deltas += 1;
+        }
+    }
+
+    let refused = baton(&["history", "delete", "1", "--db", path(&db)], "").await;
+    assert_eq!(refused.code, Some(2), "{}", refused.stderr);
+    assert!(refused.stderr.contains("run 1 is still going; stop it first, then delete it"), "{}", refused.stderr);
+    let refused = baton(&["history", "delete", "--conversation", "1", "--db", path(&db)], "").await;
+    assert_eq!(refused.code, Some(2), "{}", refused.stderr);
+    assert!(refused.stderr.contains("stop it first, then delete the conversation"), "{}", refused.stderr);
+
+    let pid = child.id().expect("pid").to_string();
+    assert!(std::process::Command::new("kill").args(["-INT", &pid]).status().expect("kill").success());
+    while lines.next_line().await.ok().flatten().is_some() {}
+    let status = tokio::time::timeout(Duration::from_secs(10), child.wait()).await.expect("exits").expect("status");
+    assert_eq!(status.code(), Some(130));
+
+    let show = baton(&["history", "show", "1", "--db", path(&db)], "").await;
+    assert_eq!(show.code, Some(0), "{}", show.stderr);
+    assert!(show.stdout.contains("### Step 0 · slow (cancelled"), "{}", show.stdout);
+    let kept = show
+        .stdout
+        .split("Subtask: Explain.\n\n")
+        .nth(1)
+        .and_then(|rest| rest.split("\n\n*(cut short: the run stopped while this step was answering)*").next())
+        .unwrap_or_else(|| panic!("the partial answer, marked: {}", show.stdout));
+    assert!(kept.starts_with(streamed.trim_end()), "{kept:?} keeps {streamed:?}");
+    let deleted = baton(&["history", "delete", "1", "--db", path(&db)], "").await;
+    assert_eq!(deleted.code, Some(0), "stopped, it can go: {}", deleted.stderr);
+}
+
+/// The history keeps each text once, yet gives back exactly what happened: for a run with a
+/// retried step and a round of its own (a step given to the conductor, whose round is sent the
+/// work before it), `history show --json` has the very events `ask --json` printed, deltas
+/// aside, field for field and in order.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_history_gives_back_the_events_a_run_printed() {
+    let s = server(TEST_KEY).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("history.sqlite");
+    let conductor = format!(
+        "[conductor]\nurl = \"{}\"\nmodel = \"big-conductor\"\napi_key_env = \"BATON_E2E_KEY\"\n\n[recursion]\nenabled = true\nmax_depth = 1\n",
+        s.base_url(baton_testserver::Wire::OpenAi)
+    );
+    let pool =
+        write_pool(dir.path(), &s, &conductor, &[W("gpt", "openai", "gpt;fail=429x1"), W("claude", "anthropic", "c")]);
+    let first = "```python\nmodel_id = [0, 1, 2]\nsubtasks = [\"Draft.\", \"Review.\", \"Improve the draft.\"]\naccess_list = [[], \"all\", \"all\"]\n```";
+    let second =
+        "```python\nmodel_id = [1, 0]\nsubtasks = [\"Polish it.\", \"Check.\"]\naccess_list = [\"all\", \"all\"]\n```";
+    s.queue_replies("big-conductor", [first, second]);
+    let out = baton(&["ask", "--json", "--pool", path(&pool), "--db", path(&db), "What is 2+2?"], TEST_KEY).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let printed: Vec<String> = json_lines(&out)
+        .into_iter()
+        .filter(|e| e["type"] != "step_delta" && e["type"] != "plan_delta")
+        .map(|e| e.to_string())
+        .collect();
+    assert!(printed.iter().any(|e| e.contains("\"step_retrying\"")), "a retry");
+    assert!(printed.iter().any(|e| e.contains("\"round\":1")), "a second round");
+
+    let show = baton(&["history", "show", "1", "--db", path(&db), "--json"], "").await;
+    assert_eq!(show.code, Some(0), "{}", show.stderr);
+    let tree: Value = serde_json::from_str(show.stdout.trim()).expect("one JSON object");
+    let stored: Vec<String> = tree["events"].as_array().expect("events").iter().map(Value::to_string).collect();
+    assert_eq!(stored, printed);
+}

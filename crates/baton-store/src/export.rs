@@ -14,14 +14,18 @@
 //!   null), `raw` (the conductor's text or null), `plan` (`model_id`, `subtasks`,
 //!   `access_list`, as `baton plan parse` prints). Each step: `round`, `step`, `worker_index`,
 //!   `worker`, `subtask`, `access` (`"all"` or step numbers), `request` (`system`, `messages`
-//!   with `role` and `content`: exactly what the worker was sent, or null), `status`,
+//!   with `role` and `content`: exactly what the worker was sent, or null), `status`
+//!   (`running`, `finished`, `failed`, `cancelled`: the run stopped while the step waited or
+//!   answered, and `output` is the text that had arrived, cut short; `interrupted`),
 //!   `output`, `error_kind`, `error`, `input_tokens`, `cached_input_tokens`,
 //!   `cache_write_input_tokens`, `output_tokens`, `cost_usd`,
 //!   `latency_ms`, `retries`, `reused_from` (for a step a re-run kept rather than ran: the run
 //!   id its output comes from; else null). `events` are the run's `RunEvent`s without text deltas, as
 //!   `baton ask --json` prints them.
 //! - `{"format": "baton-conversation/1", "id", "title", "messages": [{role, content}],
-//!   "runs": [<baton-run/1 objects>]}`.
+//!   "runs": [<baton-run/1 objects>]}`. `messages` alternate user and assistant: a question
+//!   whose run gave no answer is followed by an assistant turn saying so ("(no answer: the run
+//!   was stopped before it finished)").
 
 use std::fmt::Write;
 
@@ -154,6 +158,9 @@ fn write_step(md: &mut String, s: &StepRecord, h: &str) {
     let _ = writeln!(md, "Sees {access}. Subtask: {}\n", one_line(&s.subtask));
     if let Some(output) = &s.output {
         let _ = writeln!(md, "{}\n", output.trim_end());
+        if s.status == "cancelled" {
+            let _ = writeln!(md, "*(cut short: the run stopped while this step was answering)*\n");
+        }
     }
     if let Some(error) = &s.error {
         let kind = s.error_kind.as_deref().unwrap_or("error");

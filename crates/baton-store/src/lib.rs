@@ -11,9 +11,11 @@
 
 pub mod export;
 mod recorder;
+mod stored;
 pub mod synthetic;
 pub mod time;
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
@@ -51,6 +53,10 @@ pub enum StoreError {
         "{path}: the history database could not be brought up to date: {message}; it was written by another version of Baton"
     )]
     Migrate { path: String, message: String },
+    #[error("run {run} is still going; stop it first, then delete it")]
+    RunStillGoing { run: i64 },
+    #[error("run {run} of conversation {conversation} is still going; stop it first, then delete the conversation")]
+    ConversationStillGoing { conversation: i64, run: i64 },
     #[error("history database: {0}")]
     Sql(#[from] sqlx::Error),
 }
@@ -199,8 +205,10 @@ pub struct StepRecord {
     pub access: Access,
     /// Exactly what the worker was sent; `None` when the step never ran.
     pub request: Option<SentRequest>,
-    /// `running`, `finished`, `failed` or `interrupted`.
+    /// `running`, `finished`, `failed`, `cancelled` (the run stopped while the step waited or
+    /// answered) or `interrupted`.
     pub status: String,
+    /// The answer; for a `cancelled` step, the text that had arrived when the run stopped.
     pub output: Option<String>,
     pub error_kind: Option<String>,
     pub error: Option<String>,
@@ -385,30 +393,35 @@ impl Store {
         Ok(done.rows_affected() == 1)
     }
 
-    /// The conversation's messages, oldest first (the history a follow-up question is asked with).
+    /// The conversation's messages, oldest first (the history a follow-up question is asked
+    /// with), as turns that alternate: see [`alternating`].
     pub async fn messages(&self, conversation: i64) -> Result<Vec<Message>, StoreError> {
-        let rows: Vec<(String, String)> =
-            sqlx::query_as("SELECT role, content FROM messages WHERE conversation_id = ?1 ORDER BY id")
-                .bind(conversation)
-                .fetch_all(&self.pool)
-                .await?;
-        Ok(to_messages(rows))
+        let rows: Vec<MessageRow> = sqlx::query_as(
+            "SELECT m.run_id, m.role, m.content, r.status, r.error_kind
+             FROM messages m LEFT JOIN runs r ON r.id = m.run_id
+             WHERE m.conversation_id = ?1 ORDER BY m.id",
+        )
+        .bind(conversation)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(alternating(rows))
     }
 
     /// The conversation's messages before run `run` was asked, oldest first: the conversation
-    /// as that run's conductor saw it.
+    /// as that run's conductor saw it (turns that alternate, like [`Self::messages`]).
     pub async fn messages_before_run(&self, conversation: i64, run: i64) -> Result<Vec<Message>, StoreError> {
-        let rows: Vec<(String, String)> = sqlx::query_as(
-            "SELECT role, content FROM messages
-             WHERE conversation_id = ?1
-               AND id < coalesce((SELECT min(id) FROM messages WHERE run_id = ?2), 9223372036854775807)
-             ORDER BY id",
+        let rows: Vec<MessageRow> = sqlx::query_as(
+            "SELECT m.run_id, m.role, m.content, r.status, r.error_kind
+             FROM messages m LEFT JOIN runs r ON r.id = m.run_id
+             WHERE m.conversation_id = ?1
+               AND m.id < coalesce((SELECT min(id) FROM messages WHERE run_id = ?2), 9223372036854775807)
+             ORDER BY m.id",
         )
         .bind(conversation)
         .bind(run)
         .fetch_all(&self.pool)
         .await?;
-        Ok(to_messages(rows))
+        Ok(alternating(rows))
     }
 
     pub async fn conversation_title(&self, conversation: i64) -> Result<Option<String>, StoreError> {
@@ -512,35 +525,78 @@ impl Store {
                 _ => None,
             },
         };
-        let plans = sqlx::query_as::<_, PlanRow>("SELECT * FROM plans WHERE run_id = ?1 ORDER BY round")
-            .bind(id)
-            .fetch_all(&self.pool)
-            .await?
-            .into_iter()
-            .map(PlanRow::into_record)
-            .collect::<Result<_, _>>()?;
-        let steps = sqlx::query_as::<_, StepRow>("SELECT * FROM steps WHERE run_id = ?1 ORDER BY round, step")
-            .bind(id)
-            .fetch_all(&self.pool)
-            .await?
-            .into_iter()
-            .map(StepRow::into_record)
-            .collect::<Result<_, _>>()?;
-        let events: Vec<String> = sqlx::query_scalar("SELECT event FROM events WHERE run_id = ?1 ORDER BY seq")
+        let plans: Vec<PlanRecord> =
+            sqlx::query_as::<_, PlanRow>("SELECT * FROM plans WHERE run_id = ?1 ORDER BY round")
+                .bind(id)
+                .fetch_all(&self.pool)
+                .await?
+                .into_iter()
+                .map(PlanRow::into_record)
+                .collect::<Result<_, _>>()?;
+        let rows = sqlx::query_as::<_, StepRow>("SELECT * FROM steps WHERE run_id = ?1 ORDER BY round, step")
             .bind(id)
             .fetch_all(&self.pool)
             .await?;
+        let events: Vec<(String, Option<String>)> =
+            sqlx::query_as("SELECT event, elided FROM events WHERE run_id = ?1 ORDER BY seq")
+                .bind(id)
+                .fetch_all(&self.pool)
+                .await?;
+
+        // Requests and events refer to texts the rows hold; they are put back here.
+        let texts = stored::Texts {
+            run: &run,
+            plans: plans
+                .iter()
+                .map(|p| (p.round, (serde_json::to_value(&p.plan).unwrap_or_default(), p.raw.as_deref())))
+                .collect(),
+            steps: rows
+                .iter()
+                .map(|r| ((r.round as u32, r.step as usize), (r.subtask.as_str(), r.output.as_deref())))
+                .collect(),
+        };
+        let mut requests = HashMap::new();
+        for r in &rows {
+            if let Some(request) = &r.request {
+                let request = serde_json::from_str(request).map_err(|e| decode("steps.request", e))?;
+                requests.insert((r.round as u32, r.step as usize), texts.request(request)?);
+            }
+        }
         let events = events
-            .iter()
-            .map(|e| serde_json::from_str(e).map_err(|e| decode("events", e)))
+            .into_iter()
+            .map(|(event, elided)| {
+                let mut event: serde_json::Value = serde_json::from_str(&event).map_err(|e| decode("events", e))?;
+                if let Some(elided) = elided {
+                    texts.fill(&mut event, &elided, &requests)?;
+                }
+                Ok(event)
+            })
+            .collect::<Result<_, StoreError>>()?;
+        let steps = rows
+            .into_iter()
+            .map(|r| {
+                let request = requests.remove(&(r.round as u32, r.step as usize));
+                r.into_record(request)
+            })
             .collect::<Result<_, _>>()?;
         Ok(Some(RunTree { run, plans, steps, events }))
     }
 
     /// Deletes a run with its plans, steps, events and its question and answer in the conversation.
-    /// False when there was no such run.
+    /// False when there was no such run. A run that is still being recorded (here or by another
+    /// process) is refused with [`StoreError::RunStillGoing`]: its recorder would go on writing
+    /// rows of a run that is gone.
     pub async fn delete_run(&self, id: i64) -> Result<bool, StoreError> {
-        let mut tx = self.pool.begin().await?;
+        // IMMEDIATE: no recorder can start or end a run between the check and the delete.
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let running: Vec<(i64, String)> =
+            sqlx::query_as("SELECT id, uid FROM runs WHERE id = ?1 AND status = 'running'")
+                .bind(id)
+                .fetch_all(&mut *tx)
+                .await?;
+        if let Some((run, _)) = running.iter().find(|(_, uid)| recorder::is_live(&self.path, uid)) {
+            return Err(StoreError::RunStillGoing { run: *run });
+        }
         // Its question and answer go with it, so later runs in the conversation stop seeing them.
         sqlx::query("DELETE FROM messages WHERE run_id = ?1").bind(id).execute(&mut *tx).await?;
         let done = sqlx::query("DELETE FROM runs WHERE id = ?1").bind(id).execute(&mut *tx).await?;
@@ -548,9 +604,18 @@ impl Store {
         Ok(done.rows_affected() > 0)
     }
 
-    /// Deletes a conversation with all its runs and messages.
+    /// Deletes a conversation with all its runs and messages; refused, like [`Self::delete_run`],
+    /// while one of its runs is still being recorded.
     pub async fn delete_conversation(&self, id: i64) -> Result<bool, StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let running: Vec<(i64, String)> =
+            sqlx::query_as("SELECT id, uid FROM runs WHERE conversation_id = ?1 AND status = 'running'")
+                .bind(id)
+                .fetch_all(&mut *tx)
+                .await?;
+        if let Some((run, _)) = running.iter().find(|(_, uid)| recorder::is_live(&self.path, uid)) {
+            return Err(StoreError::ConversationStillGoing { conversation: id, run: *run });
+        }
         let done = sqlx::query("DELETE FROM conversations WHERE id = ?1").bind(id).execute(&mut *tx).await?;
         tx.commit().await?;
         Ok(done.rows_affected() > 0)
@@ -570,11 +635,76 @@ fn classify_open_error(path: &str, e: &sqlx::Error) -> StoreError {
     }
 }
 
-/// `(role, content)` rows of the messages table, as chat messages.
-fn to_messages(rows: Vec<(String, String)>) -> Vec<Message> {
-    rows.into_iter()
-        .map(|(role, content)| if role == "user" { Message::user(content) } else { Message::assistant(content) })
-        .collect()
+/// A row of the messages table, with the state of the run it belongs to.
+#[derive(FromRow)]
+struct MessageRow {
+    run_id: Option<i64>,
+    role: String,
+    content: String,
+    status: Option<String>,
+    error_kind: Option<String>,
+}
+
+/// A conversation's messages as chat turns that alternate user, assistant, user, ...
+///
+/// A run that ended without an answer (failed, stopped, interrupted, or still going) leaves its
+/// question alone in the table. Sent as it is, the next question would follow it as a second
+/// user turn in a row, which many chat templates refuse (Mistral's, Gemma's, many GGUFs'), and
+/// the conductor would not know the question went unanswered. So each question is followed by
+/// its own run's answer, or by an assistant turn saying plainly what became of it; and any
+/// other turns of the same role in a row (which no recorder writes) are joined into one.
+fn alternating(rows: Vec<MessageRow>) -> Vec<Message> {
+    let answers: HashMap<i64, usize> = rows
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.role == "assistant")
+        .filter_map(|(i, m)| Some((m.run_id?, i)))
+        .collect();
+    let mut used = vec![false; rows.len()];
+    let mut turns: Vec<Message> = Vec::with_capacity(rows.len() + 1);
+    let mut push = |turn: Message| match turns.last_mut() {
+        Some(last) if last.role == turn.role => {
+            last.content.push_str("\n\n");
+            last.content.push_str(&turn.content);
+        }
+        _ => turns.push(turn),
+    };
+    for (i, row) in rows.iter().enumerate() {
+        if used[i] {
+            continue;
+        }
+        used[i] = true;
+        if row.role != "user" {
+            push(Message::assistant(row.content.clone()));
+            continue;
+        }
+        push(Message::user(row.content.clone()));
+        let Some(run) = row.run_id else { continue };
+        match answers.get(&run) {
+            Some(&a) if !used[a] => {
+                used[a] = true;
+                push(Message::assistant(rows[a].content.clone()));
+            }
+            _ => push(Message::assistant(unanswered(row.status.as_deref(), row.error_kind.as_deref()))),
+        }
+    }
+    turns
+}
+
+/// The assistant turn that stands for a question's missing answer. It names no worker, model
+/// or error text: the conductor sees workers only as numbers.
+fn unanswered(status: Option<&str>, error_kind: Option<&str>) -> String {
+    let why = match (status, error_kind) {
+        (Some("running"), _) => "(no answer yet: the question is still being worked on)",
+        (Some("cancelled"), _) => "(no answer: the run was stopped before it finished)",
+        (Some("interrupted"), _) => "(no answer: the run was interrupted before it finished)",
+        (Some("failed"), Some("invalid_plan")) => "(no answer: the run failed: its plan was not valid for the workers)",
+        (Some("failed"), Some("budget_exceeded")) => "(no answer: the run failed: a budget cap was reached)",
+        (Some("failed"), Some("conductor")) => "(no answer: the run failed: no plan could be written)",
+        (Some("failed"), _) => "(no answer: the run failed: a step of its plan failed)",
+        _ => "(no answer)",
+    };
+    why.to_owned()
 }
 
 fn conversation_summary(r: &sqlx::sqlite::SqliteRow) -> Result<ConversationSummary, StoreError> {
@@ -697,7 +827,8 @@ struct StepRow {
 }
 
 impl StepRow {
-    fn into_record(self) -> Result<StepRecord, StoreError> {
+    /// The record, with the request as it was sent (`self.request` read back by the caller).
+    fn into_record(self, request: Option<SentRequest>) -> Result<StepRecord, StoreError> {
         Ok(StepRecord {
             round: self.round as u32,
             step: self.step as u32,
@@ -705,11 +836,7 @@ impl StepRow {
             worker: self.worker,
             subtask: self.subtask,
             access: recorder::access_from_json(&self.access).map_err(|e| decode("steps.access", e))?,
-            request: self
-                .request
-                .map(|r| serde_json::from_str(&r))
-                .transpose()
-                .map_err(|e| decode("steps.request", e))?,
+            request,
             status: self.status,
             output: self.output,
             error_kind: self.error_kind,

@@ -5,16 +5,23 @@
 //! beside the database (`<db>.locks/<run uid>.lock`); the lock dies with the process, which is
 //! how [`crate::Store::open`] tells a run that is still going in another process from one whose
 //! process was killed.
+//!
+//! Each text is stored once. A step's answer is in its row; the requests of later steps that
+//! saw it refer to that row (see [`crate::stored`]), and events leave out the texts a row holds
+//! (`events.elided` names them), so a run's history grows with its texts, not with how many
+//! steps saw each. Text deltas are not stored; a step the run stopped mid-answer keeps the text
+//! that had arrived, with status `cancelled`.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use baton_engine::{RerunOf, RunEvent, WorkerInfo};
+use baton_engine::{RerunOf, RunEvent, StepErrorKind, WorkerInfo};
 use baton_plan::{Access, Plan};
 
+use crate::stored::{self, StoredRequest, TextRef};
 use crate::time::now_ms;
-use crate::{SentRequest, Store, StoreError};
+use crate::{Store, StoreError};
 
 /// Records one run. Feed it every event of the run in order with [`Recorder::record`].
 #[derive(Debug)]
@@ -25,12 +32,26 @@ pub struct Recorder {
     seq: i64,
     workers: Vec<WorkerInfo>,
     plans: HashMap<u32, Plan>,
+    /// Texts already in this run's step rows, and where: what a later request refers to.
+    texts: HashMap<String, TextRef>,
+    /// The text each running step has streamed since its last attempt began.
+    partial: HashMap<(u32, usize), String>,
     lock: Option<(File, PathBuf)>,
 }
 
 impl Recorder {
     pub(crate) fn new(store: Store, conversation: Option<i64>) -> Self {
-        Recorder { store, conversation, run: None, seq: 0, workers: Vec::new(), plans: HashMap::new(), lock: None }
+        Recorder {
+            store,
+            conversation,
+            run: None,
+            seq: 0,
+            workers: Vec::new(),
+            plans: HashMap::new(),
+            texts: HashMap::new(),
+            partial: HashMap::new(),
+            lock: None,
+        }
     }
 
     /// The run's id in the history, once `RunStarted` was recorded.
@@ -48,13 +69,21 @@ impl Recorder {
             return self.start(event, run_id, question, workers, conductor.as_deref(), rerun_of.as_ref()).await;
         }
         // Text deltas are not stored: the finished texts arrive with PlanReady and StepFinished.
-        if matches!(event, RunEvent::PlanDelta { .. } | RunEvent::StepDelta { .. }) {
-            return Ok(());
+        // A step's text so far is kept in memory, for a stop that cuts it short.
+        match event {
+            RunEvent::PlanDelta { .. } => return Ok(()),
+            RunEvent::StepDelta { round, step, text } => {
+                self.partial.entry((*round, *step)).or_default().push_str(text);
+                return Ok(());
+            }
+            _ => {}
         }
         let Some(run) = self.run else {
             return Err(StoreError::Sql(sqlx::Error::Protocol("an event arrived before run_started".into())));
         };
         let mut tx = self.store.pool().begin().await?;
+        // Texts this event puts in step rows; later requests may refer to them once committed.
+        let mut stored_texts: Vec<(String, TextRef)> = Vec::new();
         match event {
             RunEvent::PlanReady { round, depth, parent, plan, raw, usage, stop_reason } => {
                 sqlx::query(
@@ -84,7 +113,12 @@ impl Recorder {
             }
             RunEvent::StepStarted { round, step, worker, system, messages } => {
                 let (subtask, access) = self.planned(*round, *step);
-                let request = SentRequest { system: system.clone(), messages: messages.clone() };
+                // The step's own subtask is in the row made here, so its request can refer to it.
+                let own = TextRef::Subtask(*round, *step);
+                let request = StoredRequest::refer(system.clone(), messages, |text| {
+                    self.texts.get(text).copied().or((text == subtask).then_some(own))
+                });
+                stored_texts.push((subtask.clone(), own));
                 sqlx::query(
                     "INSERT INTO steps (run_id, round, step, worker_index, worker, subtask, access, request, status)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 'running')",
@@ -101,6 +135,8 @@ impl Recorder {
                 .await?;
             }
             RunEvent::StepRetrying { round, step, attempt, .. } => {
+                // The next attempt starts its text over.
+                self.partial.remove(&(*round, *step));
                 sqlx::query("UPDATE steps SET retries = ?4 WHERE run_id = ?1 AND round = ?2 AND step = ?3")
                     .bind(run)
                     .bind(round)
@@ -129,6 +165,8 @@ impl Recorder {
                 .bind(usage.cache_write_input_tokens as i64)
                 .execute(&mut *tx)
                 .await?;
+                self.partial.remove(&(*round, *step));
+                stored_texts.push((output.clone(), TextRef::Output(*round, *step)));
             }
             RunEvent::StepFailed { round, step, error } => {
                 // A step can fail without having started (a dependency failed): then its row is
@@ -137,10 +175,18 @@ impl Recorder {
                 let worker = planned.map_or(0, |s| s.model_id);
                 let (subtask, access) = self.planned(*round, *step);
                 let kind = serde_json::to_value(error.kind).ok().and_then(|v| v.as_str().map(str::to_owned));
+                // Stopped: the step keeps what it had written, cut short. Any other failure voids
+                // it (the provider broke off, or refused).
+                let partial = self.partial.remove(&(*round, *step)).filter(|t| !t.is_empty());
+                let (status, output) = match error.kind {
+                    StepErrorKind::Cancelled => ("cancelled", partial),
+                    _ => ("failed", None),
+                };
                 sqlx::query(
-                    "INSERT INTO steps (run_id, round, step, worker_index, worker, subtask, access, status, error_kind, error)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'failed', ?8, ?9)
-                     ON CONFLICT (run_id, round, step) DO UPDATE SET status = 'failed', error_kind = ?8, error = ?9",
+                    "INSERT INTO steps (run_id, round, step, worker_index, worker, subtask, access, status, output,
+                                        error_kind, error)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
+                     ON CONFLICT (run_id, round, step) DO UPDATE SET status = ?8, output = ?9, error_kind = ?10, error = ?11",
                 )
                 .bind(run)
                 .bind(round)
@@ -149,6 +195,8 @@ impl Recorder {
                 .bind(self.worker_name(worker))
                 .bind(subtask)
                 .bind(access)
+                .bind(status)
+                .bind(output)
                 .bind(kind)
                 .bind(&error.message)
                 .execute(&mut *tx)
@@ -156,6 +204,8 @@ impl Recorder {
             }
             RunEvent::StepReused { round, step, worker, output, from_run } => {
                 let (subtask, access) = self.planned(*round, *step);
+                stored_texts.push((subtask.clone(), TextRef::Subtask(*round, *step)));
+                stored_texts.push((output.clone(), TextRef::Output(*round, *step)));
                 sqlx::query(
                     "INSERT INTO steps (run_id, round, step, worker_index, worker, subtask, access, status, output, reused_from)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'finished', ?8, ?9)",
@@ -190,6 +240,9 @@ impl Recorder {
         }
         self.append_event(&mut tx, run, event).await?;
         tx.commit().await?;
+        for (text, at) in stored_texts {
+            self.texts.entry(text).or_insert(at);
+        }
         if event.is_terminal()
             && let Some((file, path)) = self.lock.take()
         {
@@ -297,11 +350,12 @@ impl Recorder {
         run: i64,
         event: &RunEvent,
     ) -> Result<(), StoreError> {
-        let json = serde_json::to_string(event).unwrap_or_default();
-        sqlx::query("INSERT INTO events (run_id, seq, event) VALUES (?1, ?2, ?3)")
+        let (event, elided) = stored::elide(event);
+        sqlx::query("INSERT INTO events (run_id, seq, event, elided) VALUES (?1, ?2, ?3, ?4)")
             .bind(run)
             .bind(self.seq)
-            .bind(json)
+            .bind(event.to_string())
+            .bind(elided)
             .execute(&mut *tx)
             .await?;
         self.seq += 1;

@@ -74,6 +74,8 @@ async fn migrations_apply_to_an_empty_file_and_released_ones_never_change() {
         (1, "89a08f03767746845efb4936d1fface9315bbe04d0b54e459e4f1858711270934aadb624aa603f9b2f0f201bf5dec62a"),
         (2, "b97755a42f4e4dfb71ad8f55fd67b58466a4f5012e53a674024c6e570d5d83f491a9412f7baf6b5a5e50a0d1ea1cb313"),
         (3, "a92e0e8b46c3c8a8cbbab20d2f5e8f8b679b5542ef9eb324d91d24f603599ce634535ebe1cde99343c81ad355989e7e7"),
+        (4, "4d18937e6a272e06829067468bb819194496efd22374e5ee226cd823195bdb476af8cc3d14302c548c25accd2326650e"),
+        (5, "da128e48cf98e44b5c44ee75f31017ceeb720f372972a2a44e87cbcaadc03cc7cf631315476fc492a2d5029caf7af9ca"),
     ];
     let actual: Vec<(i64, String)> = baton_store::MIGRATOR
         .iter()
@@ -226,7 +228,9 @@ async fn failed_steps_and_their_dependents_are_recorded() {
     assert_eq!(kinds, vec![("finished", None), ("failed", Some("auth")), ("failed", Some("dependency_failed"))]);
     assert!(tree.steps[2].request.is_none(), "the judge never ran");
     assert_eq!(tree.steps[2].subtask, "Judge.");
-    assert_eq!(store.messages(tree.run.conversation_id).await.unwrap().len(), 1, "no answer message");
+    let messages = store.messages(tree.run.conversation_id).await.unwrap();
+    assert_eq!(messages.len(), 2, "the question, and a turn that says it has no answer");
+    assert_eq!(messages[1].content, "(no answer: the run failed: a step of its plan failed)");
 }
 
 #[tokio::test]
@@ -445,4 +449,350 @@ async fn a_rerun_is_recorded_with_the_steps_it_kept() {
     let json = baton_store::export::run_json(&tree);
     assert_eq!(json["run"]["rerun_of"]["step"], 1);
     assert_eq!(json["steps"][0]["reused_from"], old.run.uid.as_str());
+}
+
+/// `page_count × page_size` of the database at `path`, its write-ahead log folded in.
+async fn database_bytes(path: &std::path::Path) -> i64 {
+    let raw = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display())).await.expect("raw connection");
+    sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)").execute(&raw).await.expect("checkpoint");
+    let pages: i64 = sqlx::query_scalar("PRAGMA page_count").fetch_one(&raw).await.expect("page_count");
+    let size: i64 = sqlx::query_scalar("PRAGMA page_size").fetch_one(&raw).await.expect("page_size");
+    raw.close().await;
+    pages * size
+}
+
+/// Deterministic prose of `bytes` bytes, different for each `seed`.
+fn prose(seed: u64, bytes: usize) -> String {
+    const WORDS: &[&str] = &[
+        "light",
+        "scatters",
+        "molecules",
+        "wavelength",
+        "shorter",
+        "blue",
+        "violet",
+        "sun",
+        "atmosphere",
+        "nitrogen",
+        "oxygen",
+        "intensity",
+        "inverse",
+        "fourth",
+        "power",
+        "observer",
+        "horizon",
+        "red",
+        "sunset",
+        "path",
+        "longer",
+        "photons",
+        "eye",
+        "cones",
+        "sensitive",
+        "sky",
+        "appears",
+        "because",
+        "the",
+        "of",
+        "and",
+        "a",
+        "is",
+        "in",
+    ];
+    let mut rng = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut out = String::with_capacity(bytes + 16);
+    while out.len() < bytes {
+        rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let word = WORDS[(rng >> 33) as usize % WORDS.len()];
+        out.push_str(word);
+        out.push(if (rng >> 20).is_multiple_of(13) { '\n' } else { ' ' });
+    }
+    out.truncate(bytes);
+    out
+}
+
+/// Every step of an "all" plan is sent every earlier step's answer; the history keeps each
+/// answer once rather than once per step that saw it, so it grows with the outputs, not their
+/// square. Measured: bytes the run adds to the database file against the bytes of its outputs.
+#[tokio::test]
+async fn a_five_step_all_plan_stores_each_output_once() {
+    let server = TestServer::start().await.expect("server");
+    let pool = pool(&server, &[("writer", "long")]);
+    let outputs: Vec<String> = (0..5).map(|i| prose(i, 20_000)).collect();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("h.sqlite");
+    let store = Store::open(&path).await.expect("opens");
+    // One run first, so the measured one adds rows to tables that already have pages.
+    server.queue_replies("long", (10..15).map(|i| prose(i, 20_000)));
+    let plan = "model_id = [0, 0, 0, 0, 0]\nsubtasks = [\"Draft.\", \"Extend.\", \"Check.\", \"Improve.\", \"Finish.\"]\naccess_list = [[], \"all\", \"all\", \"all\", \"all\"]";
+    run_recorded(&store, &pool, None, "Warm-up", plan).await;
+
+    let before = database_bytes(&path).await;
+    server.queue_replies("long", outputs.clone());
+    let executor = Executor::from_pool_with_keys(&pool, |_| Arc::new(|| Ok(Some(ApiKey::new("test-key")))));
+    let (id, emitted) = record_collecting(&store, &executor, given("Why is the sky blue?", plan)).await;
+    let after = database_bytes(&path).await;
+
+    let tree = store.run(id).await.expect("query").expect("run");
+    let stored: Vec<&str> = tree.steps.iter().filter_map(|s| s.output.as_deref()).collect();
+    assert_eq!(stored, outputs.iter().map(String::as_str).collect::<Vec<_>>(), "the outputs as answered");
+    let judge = tree.steps[4].request.as_ref().expect("what step 4 was sent");
+    assert_eq!(judge.messages.len(), 9, "four subtask/answer pairs and its own subtask");
+    assert_eq!(judge.messages[7].content, outputs[3]);
+    // What the history gives back is what happened: every event but the deltas, as emitted,
+    // and every request as the step's `step_started` carried it.
+    let whole: Vec<serde_json::Value> = emitted
+        .iter()
+        .filter(|e| !matches!(e, RunEvent::StepDelta { .. }))
+        .map(|e| serde_json::to_value(e).expect("json"))
+        .collect();
+    // (Compared as text: the fields in the order they were emitted, too.)
+    let text = |v: &[serde_json::Value]| serde_json::to_string(v).expect("json");
+    assert!(text(&tree.events) == text(&whole), "the stored events are the emitted ones");
+    for e in &emitted {
+        if let RunEvent::StepStarted { step, system, messages, .. } = e {
+            let sent = tree.steps[*step].request.as_ref().expect("a request");
+            assert!(sent.system == *system && sent.messages == *messages, "step {step}'s request");
+        }
+    }
+
+    let output_bytes: usize = outputs.iter().map(String::len).sum();
+    let grown = after - before;
+    println!(
+        "a 5-step \"all\" plan with {output_bytes} bytes of outputs grew the history by {grown} bytes ({:.2}x)",
+        grown as f64 / output_bytes as f64
+    );
+    assert!(grown <= 3 * output_bytes as i64, "{grown} bytes for {output_bytes} bytes of outputs");
+}
+
+/// Runs `request`, recording it, and stops the run once `deltas` text deltas have arrived;
+/// returns the run's id and the text streamed before the stop.
+async fn record_stopped_after(
+    store: &Store,
+    executor: &Executor,
+    conversation: Option<i64>,
+    request: RunRequest,
+    deltas: usize,
+) -> (i64, String) {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let cancel = CancellationToken::new();
+    let mut recorder = store.recorder(conversation);
+    let mut streamed = String::new();
+    let record = async {
+        let mut seen = 0;
+        while let Some(event) = rx.recv().await {
+            if let RunEvent::StepDelta { text, .. } = &event
+                && !cancel.is_cancelled()
+            {
+                streamed.push_str(text);
+                seen += 1;
+                if seen == deltas {
+                    cancel.cancel();
+                }
+            }
+            recorder.record(&event).await.expect("recorded");
+        }
+    };
+    let run = async {
+        executor.run(request, &tx, &cancel).await;
+        drop(tx);
+    };
+    tokio::join!(run, record);
+    (recorder.run_id().expect("a run id"), streamed)
+}
+
+/// Runs `request` in a new conversation, recording it; returns the run's id and every event
+/// the executor emitted.
+async fn record_collecting(store: &Store, executor: &Executor, request: RunRequest) -> (i64, Vec<RunEvent>) {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let mut recorder = store.recorder(None);
+    let mut emitted = Vec::new();
+    let record = async {
+        while let Some(event) = rx.recv().await {
+            recorder.record(&event).await.expect("recorded");
+            emitted.push(event);
+        }
+    };
+    let run = async {
+        executor.run(request, &tx, &CancellationToken::new()).await;
+        drop(tx);
+    };
+    tokio::join!(run, record);
+    (recorder.run_id().expect("a run id"), emitted)
+}
+
+fn given(question: &str, plan: &str) -> RunRequest {
+    RunRequest {
+        run_id: baton_engine::new_run_id(),
+        question: question.into(),
+        plan: Some(baton_plan::parse(plan, &Limits::default()).expect("plan parses")),
+        ..RunRequest::default()
+    }
+}
+
+/// A question whose run failed, was stopped, or was interrupted has no answer in the
+/// conversation; the history a follow-up is asked with still alternates user and assistant,
+/// each such question followed by a turn that says what became of it.
+#[tokio::test]
+async fn unanswered_questions_keep_the_conversation_alternating() {
+    let server = TestServer::start().await.expect("server");
+    let pool =
+        pool(&server, &[("ok", "fine"), ("refused", "refused;fail=400"), ("slow", "slow;latency=5000;chunks=50")]);
+    let executor = Executor::from_pool_with_keys(&pool, |_| Arc::new(|| Ok(Some(ApiKey::new("test-key")))));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("h.sqlite");
+    let store = Store::open(&path).await.expect("opens");
+
+    let failed =
+        run_recorded(&store, &pool, None, "First: fails", "model_id=[1]\nsubtasks=['x']\naccess_list=[[]]").await;
+    let conversation = store.run(failed).await.unwrap().unwrap().run.conversation_id;
+    let slow = given("Second: stopped", "model_id=[2]\nsubtasks=['x']\naccess_list=[[]]");
+    let (stopped, _) = record_stopped_after(&store, &executor, Some(conversation), slow, 2).await;
+    // A run whose process died: its recorder is dropped before the run ends.
+    {
+        let events: Vec<RunEvent> = store
+            .run(failed)
+            .await
+            .unwrap()
+            .unwrap()
+            .events
+            .into_iter()
+            .map(|e| serde_json::from_value(e).unwrap())
+            .take_while(|e| !matches!(e, RunEvent::StepStarted { .. }))
+            .collect();
+        let mut dead = store.recorder(Some(conversation));
+        for mut e in events {
+            if let RunEvent::RunStarted { run_id, question, .. } = &mut e {
+                *run_id = "dead0002".into();
+                *question = "Third: interrupted".into();
+            }
+            dead.record(&e).await.unwrap();
+        }
+    }
+    let store = Store::open(&path).await.expect("reopens, marking the dead run");
+    let answered = run_recorded(
+        &store,
+        &pool,
+        Some(conversation),
+        "Fourth: answered",
+        "model_id=[0]\nsubtasks=['y']\naccess_list=[[]]",
+    )
+    .await;
+    let statuses: Vec<RunStatus> =
+        store.conversation_runs(conversation).await.unwrap().into_iter().map(|r| r.status).collect();
+    assert_eq!(
+        statuses,
+        [RunStatus::Failed, RunStatus::Cancelled, RunStatus::Interrupted, RunStatus::Finished],
+        "run {stopped} was stopped"
+    );
+
+    let turns: Vec<(String, String)> = store
+        .messages(conversation)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| (format!("{:?}", m.role).to_lowercase(), m.content))
+        .collect();
+    let expected = [
+        ("user", "First: fails"),
+        ("assistant", "(no answer: the run failed: a step of its plan failed)"),
+        ("user", "Second: stopped"),
+        ("assistant", "(no answer: the run was stopped before it finished)"),
+        ("user", "Third: interrupted"),
+        ("assistant", "(no answer: the run was interrupted before it finished)"),
+        ("user", "Fourth: answered"),
+        ("assistant", "fine (saw 0 earlier answers) answers: y"),
+    ];
+    let expected: Vec<(String, String)> = expected.iter().map(|(r, c)| (r.to_string(), c.to_string())).collect();
+    assert_eq!(turns, expected);
+    // What the fourth run's conductor saw: the three unanswered questions, each answered.
+    let before = store.messages_before_run(conversation, answered).await.unwrap();
+    assert_eq!(before.len(), 6);
+    assert!(before.windows(2).all(|w| w[0].role != w[1].role), "{before:?}");
+    // The conversation's export shows the same turns.
+    let title = store.conversation_title(conversation).await.unwrap().unwrap();
+    let json =
+        baton_store::export::conversation_json(conversation, &title, &store.messages(conversation).await.unwrap(), &[]);
+    assert_eq!(json["messages"][3]["content"], "(no answer: the run was stopped before it finished)");
+}
+
+/// Stopping a run while a step streams its answer keeps the text that had arrived: the step is
+/// stored `cancelled` with it, and reads back so from a reopened history and in exports.
+#[tokio::test]
+async fn a_step_stopped_mid_answer_keeps_what_it_had_streamed() {
+    let server = TestServer::start().await.expect("server");
+    let full = "Rayleigh scattering makes short wavelengths scatter far more than long ones, so the sky looks blue";
+    server.queue_replies("slow", [full]);
+    let pool = pool(&server, &[("slow", "slow;latency=4000")]);
+    let executor = Executor::from_pool_with_keys(&pool, |_| Arc::new(|| Ok(Some(ApiKey::new("test-key")))));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("h.sqlite");
+    let store = Store::open(&path).await.expect("opens");
+    let request = given("Why is the sky blue?", "model_id=[0]\nsubtasks=['Explain.']\naccess_list=[[]]");
+    let (id, streamed) = record_stopped_after(&store, &executor, None, request, 3).await;
+    store.close().await;
+
+    let store = Store::open(&path).await.expect("reopens");
+    let tree = store.run(id).await.expect("query").expect("run");
+    assert_eq!(tree.run.status, RunStatus::Cancelled);
+    let step = &tree.steps[0];
+    assert_eq!((step.status.as_str(), step.error_kind.as_deref()), ("cancelled", Some("cancelled")));
+    let kept = step.output.as_deref().expect("the text that had arrived");
+    assert!(kept.starts_with(&streamed) && !streamed.is_empty(), "{kept:?} keeps {streamed:?}");
+    assert!(full.starts_with(kept) && kept.len() < full.len(), "{kept:?} is a prefix of the answer");
+    assert!(tree.events.iter().all(|e| e["type"] != "step_delta"), "deltas are still not stored");
+
+    let json = baton_store::export::run_json(&tree);
+    assert_eq!(
+        (json["steps"][0]["status"].as_str(), json["steps"][0]["output"].as_str()),
+        (Some("cancelled"), Some(kept))
+    );
+    let md = baton_store::export::run_markdown(&tree);
+    assert!(
+        md.contains(&format!("{}\n\n*(cut short: the run stopped while this step was answering)*", kept.trim_end())),
+        "{md}"
+    );
+}
+
+/// A run whose recorder still holds its lock cannot be deleted, alone or with its
+/// conversation; once it ends, it can.
+#[tokio::test]
+async fn a_run_still_being_recorded_cannot_be_deleted() {
+    let server = TestServer::start().await.expect("server");
+    let pool = pool(&server, &[("a", "alpha")]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&dir.path().join("h.sqlite")).await.expect("opens");
+    let done = run_recorded(&store, &pool, None, "Done", "model_id=[0]\nsubtasks=['x']\naccess_list=[[]]").await;
+    let events: Vec<RunEvent> = store
+        .run(done)
+        .await
+        .unwrap()
+        .unwrap()
+        .events
+        .into_iter()
+        .map(|e| serde_json::from_value(e).unwrap())
+        .collect();
+    let (end, going) = events.split_last().expect("events");
+    let mut live = store.recorder(None);
+    for e in going {
+        let mut e = e.clone();
+        if let RunEvent::RunStarted { run_id, .. } = &mut e {
+            *run_id = "live0002".into();
+        }
+        live.record(&e).await.unwrap();
+    }
+    let (run, conversation) = (live.run_id().unwrap(), live.conversation_id().unwrap());
+
+    let e = store.delete_run(run).await.expect_err("refused");
+    assert!(matches!(e, StoreError::RunStillGoing { run: r } if r == run), "{e}");
+    assert_eq!(e.to_string(), format!("run {run} is still going; stop it first, then delete it"));
+    let e = store.delete_conversation(conversation).await.expect_err("refused");
+    assert!(matches!(e, StoreError::ConversationStillGoing { .. }), "{e}");
+    assert!(e.to_string().contains("stop it first, then delete the conversation"), "{e}");
+    assert!(store.run(run).await.unwrap().is_some(), "nothing was deleted");
+    assert!(store.delete_run(done).await.unwrap(), "a finished run still deletes");
+
+    live.record(end).await.unwrap();
+    assert!(store.delete_run(run).await.unwrap(), "ended: deleted");
+    assert!(store.delete_conversation(conversation).await.unwrap());
 }

@@ -1,7 +1,8 @@
 //! Writes a tiny random-weight chat model that loads through the real mistral.rs pipeline, so
 //! tests run a real model with no download: a Qwen2-architecture `model.safetensors`,
 //! `config.json`, a byte-level BPE `tokenizer.json` (256 byte tokens plus three specials), a
-//! ChatML chat template and `generation_config.json`. The same seed gives the same files.
+//! ChatML chat template (optionally one that refuses two turns of the same role in a row) and
+//! `generation_config.json`. The same seed gives the same files.
 //!
 //! The weights are random, so the text is noise; what the tests check is everything around it:
 //! loading, templating, constrained decoding, streaming, cancellation.
@@ -27,6 +28,9 @@ pub struct TinySpec {
     /// Whether token 256 is `<|endoftext|>`; without it (named `<|padding|>` instead) the
     /// vocabulary has no end-of-text token, which a constrained generation needs to end.
     pub end_of_text: bool,
+    /// Whether the chat template refuses two turns of the same role in a row (it raises, as
+    /// Mistral's, Gemma's and many GGUF templates do) instead of rendering them.
+    pub alternating_turns: bool,
 }
 
 impl Default for TinySpec {
@@ -40,6 +44,7 @@ impl Default for TinySpec {
             kv_heads: 2,
             init: 0.08,
             end_of_text: true,
+            alternating_turns: false,
         }
     }
 }
@@ -54,6 +59,15 @@ pub const VOCAB: usize = 259;
 
 pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
+/// ChatML that raises, with the words of Mistral's and Gemma's templates, when two messages in a
+/// row have the same role.
+pub const ALTERNATING_CHATML_TEMPLATE: &str = "{% for message in messages %}{% if loop.index0 > 0 and message['role'] == messages[loop.index0 - 1]['role'] %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// The chat template `spec` asks for.
+pub fn chat_template(spec: &TinySpec) -> &'static str {
+    if spec.alternating_turns { ALTERNATING_CHATML_TEMPLATE } else { CHATML_TEMPLATE }
+}
+
 /// Writes the model files into `dir` (created if missing).
 pub fn write_safetensors_model(dir: &Path, spec: &TinySpec) -> io::Result<()> {
     std::fs::create_dir_all(dir)?;
@@ -62,7 +76,7 @@ pub fn write_safetensors_model(dir: &Path, spec: &TinySpec) -> io::Result<()> {
     std::fs::write(
         dir.join("tokenizer_config.json"),
         json!({
-            "chat_template": CHATML_TEMPLATE,
+            "chat_template": chat_template(spec),
             "bos_token": null,
             "eos_token": "<|im_end|>",
             "pad_token": end_of_text_name(spec),
@@ -221,7 +235,7 @@ pub fn write_gguf_model(path: &Path, spec: &TinySpec) -> io::Result<()> {
     kv.push(("tokenizer.ggml.bos_token_id".into(), GgufValue::U32(ENDOFTEXT)));
     kv.push(("tokenizer.ggml.eos_token_id".into(), GgufValue::U32(IM_END)));
     kv.push(("tokenizer.ggml.padding_token_id".into(), GgufValue::U32(ENDOFTEXT)));
-    kv.push(("tokenizer.chat_template".into(), GgufValue::Str(CHATML_TEMPLATE.into())));
+    kv.push(("tokenizer.chat_template".into(), GgufValue::Str(chat_template(spec).into())));
 
     // Hugging Face names and shapes → GGUF names, with dimensions innermost first.
     let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = weights(spec)
