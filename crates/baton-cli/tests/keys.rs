@@ -165,9 +165,21 @@ async fn a_worker_without_api_key_env_gets_its_key_from_the_keychain() {
     let db = dir.path().join("history.sqlite");
     let ask = ["ask", "--pool", path(&pool), "--plan", path(&plan), "--db", path(&db), "What is 2+2?"];
 
+    // The workers' base_url is the loopback server, not Anthropic's host: the key a plain
+    // `keys set anthropic` stores is not sent there.
+    let url = s.base_url(Wire::Anthropic);
+    let account = format!("anthropic:{}", url.trim_end_matches('/'));
     let set = baton(&["keys", "set", "anthropic"], Some(&format!("{TEST_KEY}\n")), &[]).await;
     assert_eq!(set.code, Some(0), "{}", set.stderr);
+    let out = baton(&ask, None, &[]).await;
+    assert_ne!(out.code, Some(0), "{}", out.stderr);
+    assert!(out.stderr.contains(&format!("no anthropic key: run `baton keys set {account}`")), "{}", out.stderr);
+    assert_eq!(s.requests().len(), 0, "Anthropic's key went to another host");
+    let delete = baton(&["keys", "delete", "anthropic"], None, &[]).await;
+    assert_eq!(delete.code, Some(0), "{}", delete.stderr);
 
+    let set = baton(&["keys", "set", "anthropic", "--base-url", &url], Some(&format!("{TEST_KEY}\n")), &[]).await;
+    assert_eq!(set.code, Some(0), "{}", set.stderr);
     let out = baton(&ask, None, &[]).await;
     assert_eq!(out.code, Some(0), "{}", out.stderr);
     assert_eq!(out.stdout, "third (saw 2 earlier answers) answers: Write the final answer.\n");
@@ -181,12 +193,13 @@ async fn a_worker_without_api_key_env_gets_its_key_from_the_keychain() {
 
     // The key is read per request: once it is deleted, the next run has none and says how to
     // store one.
-    let delete = baton(&["keys", "delete", "anthropic"], None, &[]).await;
+    let delete = baton(&["keys", "delete", &account], None, &[]).await;
     assert_eq!(delete.code, Some(0), "{}", delete.stderr);
     let out = baton(&ask, None, &[]).await;
     assert_ne!(out.code, Some(0), "{}", out.stderr);
     assert!(
-        out.stderr.contains("no anthropic key: run `baton keys set anthropic` or set api_key_env in the pool"),
+        out.stderr
+            .contains(&format!("no anthropic key: run `baton keys set {account}` or set api_key_env in the pool")),
         "{}",
         out.stderr
     );
