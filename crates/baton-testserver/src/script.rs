@@ -16,6 +16,7 @@ use std::time::Duration;
 /// | `garbage=N` | answer the first N calls with a 200 that is not the wire format |
 /// | `stream_error=N` | on the first N calls, send some text then an in-stream error event |
 /// | `chunks=N` | split the answer into N pieces (default: one per word) |
+/// | `lines=N` | answer N lines of varied markdown (paragraphs, lists, tables, fenced code with and without a language; each line but blank and fence lines carries `(line I)`, I from 0), one piece per line, so with `latency=MS` one line every MS/N ms |
 /// | `usage=max` | report the most tokens an honest provider could: the prompt's bytes plus 3 per turn in, the request's output cap out |
 /// | `cache_min=N` | prompt-cache prefixes from N tokens (default 1024, the providers' documented minimum) |
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -31,6 +32,7 @@ pub struct Script {
     pub garbage: u32,
     pub stream_error: u32,
     pub chunks: Option<usize>,
+    pub lines: Option<usize>,
     pub usage_max: bool,
     pub cache_min: Option<u64>,
 }
@@ -63,6 +65,7 @@ impl Script {
                 "garbage" => script.garbage = value.parse().unwrap_or(0),
                 "stream_error" => script.stream_error = value.parse().unwrap_or(0),
                 "chunks" => script.chunks = value.parse().ok().filter(|n| *n > 0),
+                "lines" => script.lines = value.parse().ok().filter(|n| *n > 0),
                 "usage" => script.usage_max = value == "max",
                 "cache_min" => script.cache_min = value.parse().ok(),
                 _ => {}
@@ -74,9 +77,10 @@ impl Script {
     /// The answer text for a conversation whose last user turn is `last_user` and which holds
     /// `seen` earlier answers.
     pub fn answer(&self, last_user: &str, seen: usize) -> String {
-        match &self.reply {
-            Some(r) => r.clone(),
-            None => {
+        match (&self.reply, self.lines) {
+            (Some(r), _) => r.clone(),
+            (None, Some(n)) => long_markdown(n),
+            (None, None) => {
                 let gist: String = last_user.chars().take(80).collect();
                 format!("{} (saw {seen} earlier answers) answers: {gist}", self.name)
             }
@@ -85,6 +89,10 @@ impl Script {
 
     /// Splits the answer into the pieces that are streamed.
     pub fn pieces(&self, text: &str) -> Vec<String> {
+        if self.lines.is_some() {
+            // One line per piece, its newline included, like a model that streams line by line.
+            return text.split_inclusive('\n').map(str::to_owned).collect();
+        }
         match self.chunks {
             Some(n) => {
                 let chars: Vec<char> = text.chars().collect();
@@ -100,6 +108,70 @@ impl Script {
             }
         }
     }
+}
+
+/// `n` lines of the markdown a long answer is made of, in blocks separated by blank lines:
+/// paragraphs with inline markup, bullet lists with a nested item, numbered lists, tables, and
+/// fenced code with a language and without one (which a renderer must guess). The last block is
+/// cut where the `n` lines end, as a stream stopped there would be, and every line ends with a
+/// newline. Each line with text carries `(line I)`, its index from 0, so a client can tell how
+/// far what it shows has got.
+pub fn long_markdown(n: usize) -> String {
+    let mut lines: Vec<String> = Vec::with_capacity(n + 8);
+    let mut block: usize = 0;
+    while lines.len() < n {
+        let i = lines.len();
+        let at = |k: usize| format!("(line {})", i + k);
+        match block % 6 {
+            0 => {
+                lines.push(format!(
+                    "Part {block} {} explains **why step {block} matters** and how `value_{block}` is",
+                    at(0)
+                ));
+                lines.push(format!("computed from the previous part {} with *care*, then checked twice.", at(1)));
+                lines.push(format!("The result is kept for the next part {}.", at(2)));
+            }
+            1 => {
+                lines.push(format!("- first point of part {block} {}", at(0)));
+                lines.push(format!("- second point, with `inline code` {}", at(1)));
+                lines.push(format!("  - a nested detail {}", at(2)));
+                lines.push(format!("- third point, **in bold** {}", at(3)));
+            }
+            2 => {
+                lines.push("```python".to_owned());
+                lines.push(format!("def part_{block}(values):  # {}", at(1)));
+                lines.push(format!("    total = sum(v * {block} for v in values)  # {}", at(2)));
+                lines.push(format!("    return {{\"part\": {block}, \"total\": total}}  # {}", at(3)));
+                lines.push("```".to_owned());
+            }
+            3 => {
+                lines.push(format!("| part | value | note {} |", at(0)));
+                lines.push("|---:|---|---|".to_owned());
+                lines.push(format!("| {block} | {} | first row {} |", block * 7, at(2)));
+                lines.push(format!("| {} | {} | second row {} |", block + 1, block * 7 + 3, at(3)));
+            }
+            4 => {
+                lines.push("```".to_owned());
+                lines
+                    .push(format!("let total_{block} = values.iter().map(|v| v * {block}).sum::<i64>(); // {}", at(1)));
+                lines.push(format!(
+                    "if total_{block} > 100 {{ println!(\"large: {{}}\", total_{block}); }} // {}",
+                    at(2)
+                ));
+                lines.push(format!("SELECT part, value FROM parts WHERE part = {block}; -- {}", at(3)));
+                lines.push("```".to_owned());
+            }
+            _ => {
+                lines.push(format!("1. check the input of part {block} {}", at(0)));
+                lines.push(format!("2. run the step and compare with part {} {}", block.saturating_sub(1), at(1)));
+                lines.push(format!("3. write the result down {}", at(2)));
+            }
+        }
+        lines.push(String::new());
+        block += 1;
+    }
+    lines.truncate(n);
+    lines.iter().map(|l| format!("{l}\n")).collect()
 }
 
 #[cfg(test)]
@@ -118,5 +190,31 @@ mod tests {
         assert_eq!(s.slow, Some((Duration::from_millis(900), 1)));
         assert_eq!(Script::parse("m;fail=500").fail, Some((500, u32::MAX)));
         assert_eq!(s.pieces("a b c"), vec!["a", " b", " c"]);
+    }
+
+    #[test]
+    fn lines_streams_a_long_markdown_answer_one_line_per_piece() {
+        let s = Script::parse("long;lines=40;latency=2000");
+        assert_eq!(s.lines, Some(40));
+        let text = s.answer("anything", 0);
+        let pieces = s.pieces(&text);
+        assert_eq!(pieces.len(), 40);
+        assert_eq!(pieces.concat(), text);
+        assert!(pieces.iter().all(|p| p.ends_with('\n') && p.matches('\n').count() == 1));
+        // Every line that has text says which line it is.
+        for (i, p) in pieces.iter().enumerate() {
+            let line = p.trim_end();
+            if !(line.is_empty() || line.starts_with("```") || line.starts_with("|---")) {
+                assert!(line.contains(&format!("(line {i})")), "line {i}: {line}");
+            }
+        }
+        // The blocks a renderer has to handle are all there.
+        for needle in ["**", "\n- ", "\n  - ", "\n1. ", "| part |", "```python\n", "\n```\nlet "] {
+            assert!(text.contains(needle), "no {needle:?} in {text}");
+        }
+        assert_eq!(Script::parse("long;lines=4000").pieces(&long_markdown(4000)).len(), 4000);
+        // A scripted reply wins; without `lines` nothing changes.
+        assert_eq!(Script::parse("m;lines=5;reply=hi").answer("q", 0), "hi");
+        assert_eq!(Script::parse("m;lines=0").lines, None);
     }
 }

@@ -1,5 +1,6 @@
 import { describe, expect, it, vi } from "vitest";
-import { escapeHtml, renderMarkdown } from "./markdown";
+import hljs from "highlight.js/lib/core";
+import { escapeHtml, renderMarkdown, StreamingMarkdown, type RenderedBlock } from "./markdown";
 
 /** Parses the rendered HTML into an inert document (DOMParser never runs scripts). */
 function render(markdown: string): HTMLElement {
@@ -257,6 +258,309 @@ describe("renderMarkdown: streaming", () => {
 
   it("renders empty input as nothing", () => {
     expect(renderMarkdown("")).toBe("");
+  });
+});
+
+describe("StreamingMarkdown", () => {
+  // Documents with the blocks that only end when the next one begins (lists, fences, tables,
+  // paragraphs with lazy lines), blocks that merge when a later line arrives (setext headings,
+  // display math with blank lines inside), raw HTML, link definitions after their use, and a
+  // fence that is never closed.
+  const DOCUMENTS: Record<string, string> = {
+    fences: [
+      "Intro with `code`.",
+      "",
+      "```python",
+      "def f(x):",
+      "",
+      "    # - not a list",
+      "    return x  # ```not the end",
+      "```",
+      "```",
+      "no language { here: 1 } <b>x</b>",
+      "",
+      "SELECT * FROM t;",
+      "```",
+      "~~~rust",
+      "fn main() {}",
+      "~~~",
+      "    indented code",
+      "",
+      "    more of it",
+      "after",
+      "",
+    ].join("\n"),
+    lists: [
+      "- one",
+      "- two",
+      "  - nested **bold**",
+      "    1. deeper",
+      "    2. deeper still",
+      "",
+      "  still item two, after a blank line",
+      "- three",
+      "lazy line of three",
+      "",
+      "1. first",
+      "",
+      "2. loose second",
+      "",
+      "10) other marker",
+      "",
+      "* [ ] task",
+      "* [x] done",
+      "",
+      "Paragraph after.",
+      "",
+    ].join("\n"),
+    tables: [
+      "Text right before a table",
+      "| a | b |",
+      "|---|:-:|",
+      "| 1 | **2** |",
+      "| 3 | $x^2$ |",
+      "| pipe \\| inside | `c|d` |",
+      "",
+      "| only header |",
+      "not a delimiter row",
+      "",
+      "| h |",
+      "|---|",
+      "row without pipes",
+      "",
+    ].join("\n"),
+    math: [
+      "Inline $a+b$ and $$c$$ here.",
+      "",
+      "$$",
+      "\\int_0^1 x\\,dx",
+      "$$",
+      "",
+      "$$",
+      "x = 1",
+      "",
+      "- looks like a list",
+      "",
+      "y = 2",
+      "$$",
+      "",
+      "$",
+      "single dollar block",
+      "$",
+      "",
+      "$$ not alone on its line",
+      "",
+      "Cost is $5 and $6.",
+      "",
+    ].join("\n"),
+    html: [
+      "<div onclick=\"alert(1)\">",
+      "*inside a div*",
+      "</div>",
+      "",
+      "<script>alert(1)",
+      "",
+      "still script</script>",
+      "<!-- a comment",
+      "",
+      "over lines -->",
+      "Text <img src=x onerror=alert(1)> and <b>bold</b>.",
+      "",
+      "<pre>",
+      "",
+      "pre text",
+      "</pre>",
+      "",
+    ].join("\n"),
+    headings: [
+      "Title",
+      "=====",
+      "",
+      "Sub",
+      "and more",
+      "---",
+      "",
+      "# ATX #",
+      "> quote",
+      "lazy quote line",
+      "",
+      "> - list in quote",
+      ">",
+      "> ```",
+      "> code in quote",
+      "> ```",
+      "",
+      "***",
+      "",
+    ].join("\n"),
+    links: [
+      "See [the site][site] and [other].",
+      "",
+      "- [in a list][site]",
+      "",
+      "[site]: https://example.com \"Title\"",
+      "",
+      "Then <https://auto.example> and https://bare.example.",
+      "",
+      "[other]: https://other.example",
+      "",
+      "[site]: https://second.example",
+      "",
+    ].join("\n"),
+    unclosed: ["Before.", "", "```js", "const a = 1;", "", "const b = [", "  2,"].join("\n"),
+    long: longAnswer(60),
+  };
+
+  /** Like the test server's `lines=N` answer: paragraphs, lists, tables, code with and without a language. */
+  function longAnswer(n: number): string {
+    const lines: string[] = [];
+    for (let b = 0; lines.length < n; b++) {
+      const at = (k: number) => `(line ${lines.length + k})`;
+      const blocks = [
+        [`Part ${b} ${at(0)} explains **why** and \`value_${b}\``, `goes on ${at(1)} with *care*.`],
+        [`- first ${at(0)}`, `  - nested ${at(1)}`, `- second ${at(2)}`],
+        ["```python", `def part_${b}(v):  # ${at(1)}`, `    return v * ${b}`, "```"],
+        [`| part | note ${at(0)} |`, "|---:|---|", `| ${b} | row ${at(2)} |`],
+        ["```", `let total_${b} = ${b}; // ${at(1)}`, `SELECT ${b}; -- ${at(2)}`, "```"],
+        [`1. check ${at(0)}`, `2. run ${at(1)}`],
+      ];
+      lines.push(...blocks[b % blocks.length], "");
+    }
+    return lines.slice(0, n).join("\n") + "\n";
+  }
+
+  /** A small deterministic random source (mulberry32), so a failure names its seed. */
+  function random(seed: number): () => number {
+    return () => {
+      seed = (seed + 0x6d2b79f5) | 0;
+      let t = Math.imul(seed ^ (seed >>> 15), 1 | seed);
+      t = (t + Math.imul(t ^ (t >>> 7), 61 | t)) ^ t;
+      return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+    };
+  }
+
+  /** `text` cut into pieces of 1 to `max` characters, or whole lines, as a stream might send it. */
+  function chunks(text: string, seed: number): string[] {
+    const next = random(seed);
+    const byLine = seed % 3 === 0;
+    const max = [1, 3, 12, 40][seed % 4];
+    const out: string[] = [];
+    for (let at = 0; at < text.length; ) {
+      let end = at + 1 + Math.floor(next() * max);
+      if (byLine) end = text.indexOf("\n", at) + 1 || text.length;
+      out.push(text.slice(at, end));
+      at = end;
+    }
+    return out;
+  }
+
+  const joined = (blocks: RenderedBlock[]) => blocks.map((b) => b.html).join("");
+  // The same DOM written the same way: DOMPurify returns text without a tag as it came (`&quot;`
+  // stays), while inside markup it writes `"`.
+  const normal = (html: string) => new DOMParser().parseFromString(`<body>${html}</body>`, "text/html").body.innerHTML;
+  const textOf = (html: string) =>
+    new DOMParser().parseFromString(`<body>${html}</body>`, "text/html").body.textContent;
+
+  /** Streams `text` in `pieces`; calls `check` with the text so far and the blocks after each. */
+  function stream(pieces: string[], check?: (sofar: string, blocks: RenderedBlock[]) => void): StreamingMarkdown {
+    const renderer = new StreamingMarkdown();
+    let sofar = "";
+    for (const piece of pieces) {
+      sofar += piece;
+      const blocks = renderer.update(sofar);
+      check?.(sofar, blocks);
+    }
+    return renderer;
+  }
+
+  // jsdom's DOMPurify is slow; these render thousands of prefixes.
+  describe.each(Object.entries(DOCUMENTS))("%s", (_, text) => {
+    it("ends as the whole text rendered at once, however it was cut", { timeout: 60_000 }, () => {
+      const whole = renderMarkdown(text);
+      for (let seed = 1; seed <= 8; seed++) {
+        const renderer = stream(chunks(text, seed));
+        expect(normal(joined(renderer.update(text, true))), `seed ${seed}`).toBe(normal(whole));
+      }
+    });
+
+    it("shows the same text as the prefix rendered at once, at every step", { timeout: 60_000 }, () => {
+      for (const seed of [2, 7]) {
+        stream(chunks(text, seed), (sofar, blocks) => {
+          // Link definitions further on may still change how earlier blocks read.
+          if (text !== DOCUMENTS.links) expect(textOf(joined(blocks)), JSON.stringify(sofar)).toBe(textOf(renderMarkdown(sofar)));
+          expectInert(new DOMParser().parseFromString(`<body>${joined(blocks)}</body>`, "text/html").body);
+        });
+      }
+    });
+  });
+
+  it("renders finished blocks once and keeps them", () => {
+    const text = longAnswer(150);
+    const seen = new Map<number, string>();
+    let finishedSeen = 0;
+    const renderer = stream(chunks(text, 3), (_, blocks) => {
+      for (const block of blocks.slice(0, -1)) {
+        const html = seen.get(block.id);
+        if (html === undefined) finishedSeen++;
+        else expect(block.html).toBe(html);
+        seen.set(block.id, block.html);
+      }
+    });
+    // Blocks are finished as the stream goes, not at its end.
+    expect(finishedSeen).toBeGreaterThan(20);
+    const final = renderer.update(text, true);
+    expect(final.slice(0, -1).every((b) => seen.get(b.id) === b.html)).toBe(true);
+  });
+
+  it("guesses the language of a block without one only once it is finished", () => {
+    const text = longAnswer(150);
+    // Fences without a language: every other bare ``` line opens one (the others close).
+    let fences = 0;
+    let open = false;
+    for (const line of text.split("\n")) {
+      if (!line.startsWith("```")) continue;
+      if (!open && line === "```") fences++;
+      open = !open;
+    }
+    expect(fences).toBeGreaterThan(3);
+    const guessed = vi.spyOn(hljs, "highlightAuto");
+    try {
+      const renderer = stream(chunks(text, 1));
+      // The last block is a list, so every unlabelled fence finished during the stream.
+      expect(guessed).toHaveBeenCalledTimes(fences);
+      renderer.update(text, true);
+      expect(guessed).toHaveBeenCalledTimes(fences);
+    } finally {
+      guessed.mockRestore();
+    }
+  });
+
+  it("highlights a block with a language while it is still open", () => {
+    const renderer = new StreamingMarkdown();
+    const code = "```python\ndef f():\n    return 1\n";
+    const body = new DOMParser().parseFromString(joined(renderer.update(code)), "text/html").body;
+    expect(body.querySelector("code.language-python .hljs-keyword")?.textContent).toBe("def");
+    // Without a language it stays plain until finished.
+    const plain = new DOMParser().parseFromString(joined(renderer.update("```\ndef f():\n")), "text/html").body;
+    expect(plain.querySelector("code")?.innerHTML).toBe("def f():");
+  });
+
+  it("starts over when the text is replaced rather than extended", () => {
+    const renderer = new StreamingMarkdown();
+    renderer.update("first attempt\n\nwith two paragraphs\n\n");
+    expect(joined(renderer.update("second\n", true))).toBe(renderMarkdown("second\n"));
+    expect(renderer.update("", true)).toEqual([]);
+  });
+
+  it("shows raw HTML as text while it streams", () => {
+    const payload = "<img src=x onerror=alert(1)>\n\n<script>alert(1)</script>\n\ndone\n";
+    stream(chunks(payload, 5), (_, blocks) => {
+      const body = new DOMParser().parseFromString(`<body>${joined(blocks)}</body>`, "text/html").body;
+      expectInert(body);
+    });
+    const body = new DOMParser().parseFromString(joined(stream([payload]).update(payload, true)), "text/html").body;
+    expect(body.textContent).toContain("<img src=x onerror=alert(1)>");
+    expect(body.textContent).toContain("<script>alert(1)</script>");
   });
 });
 

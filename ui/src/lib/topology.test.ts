@@ -423,6 +423,62 @@ describe("fromRunTree", () => {
     expect(findStep(t, 0, 1)?.status).toBe("waiting");
     expect(t.error).toBeNull();
   });
+
+  it("keeps a stopped step's partial output, as stopped", () => {
+    const stopped: RunTree = {
+      ...tree,
+      run: { ...tree.run, status: "cancelled", answer: null, error_kind: null, error: null },
+      steps: [
+        record(0, 0, 0, [], {}),
+        record(0, 1, CONDUCTOR, "all", { status: "cancelled", output: "half an ans", error_kind: "cancelled" }),
+        // As recorded before a stopped step had a status of its own.
+        record(0, 2, 1, [1], { status: "failed", output: "a start", error_kind: "cancelled", error: "stopped" }),
+      ],
+    };
+    const t = fromRunTree(stopped);
+    expect(t.status).toBe("cancelled");
+    expect(findStep(t, 0, 1)).toMatchObject({ status: "cancelled", output: "half an ans" });
+    expect(findStep(t, 0, 2)).toMatchObject({ status: "cancelled", output: "a start" });
+    expect(t.totals).toMatchObject({ steps_finished: [0], steps_failed: [1, 2] });
+    const answer = graphOf(t).nodes.find((n) => n.id === ANSWER_ID)!;
+    expect(nodeStatus(t, answer)).toBe("cancelled");
+    const node = graphOf(t).nodes.find((n) => n.id === stepId(0, 2))!;
+    expect(nodeStatus(t, node)).toBe("cancelled");
+  });
+});
+
+describe("a stopped run, live", () => {
+  it("keeps what a stopped step streamed, or the partial output its event carries", () => {
+    const t = fold([
+      started(),
+      { type: "plan_ready", round: 0, depth: 0, plan: plan([[0, []], [1, []]]) },
+      { type: "step_started", round: 0, step: 0, worker: 0, system: null, messages: [] },
+      { type: "step_started", round: 0, step: 1, worker: 1, system: null, messages: [] },
+      { type: "step_delta", round: 0, step: 0, text: "partial " },
+      { type: "step_delta", round: 0, step: 0, text: "text" },
+      { type: "step_delta", round: 0, step: 1, text: "so" },
+      { type: "step_failed", round: 0, step: 0, error: { kind: "cancelled", message: "stopped" } },
+      {
+        type: "step_failed",
+        round: 0,
+        step: 1,
+        error: { kind: "cancelled", message: "stopped" },
+        output: "so far",
+      } as RunEvent,
+      { type: "run_cancelled", totals: TOTALS },
+    ]);
+    expect(findStep(t, 0, 0)).toMatchObject({ status: "cancelled", output: "partial text" });
+    expect(findStep(t, 0, 1)).toMatchObject({ status: "cancelled", output: "so far" });
+    expect(t.status).toBe("cancelled");
+    // A step that failed for another reason is still failed.
+    applyEvent(t, { type: "step_failed", round: 0, step: 1, error: { kind: "timeout", message: "slow" } });
+    expect(findStep(t, 0, 1)?.status).toBe("failed");
+  });
+
+  it("shows a plan stopped while it was being written as stopped, not failed", () => {
+    const t = fold([started(), { type: "plan_started", round: 0, depth: 0 }, { type: "run_cancelled", totals: TOTALS }]);
+    expect(nodeStatus(t, graphOf(t).nodes[0])).toBe("cancelled");
+  });
 });
 
 // ---- Layout ---------------------------------------------------------------------------------

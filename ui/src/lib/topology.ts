@@ -20,7 +20,8 @@ import type {
   WorkerInfo,
 } from "../bindings";
 
-export type StepStatus = "waiting" | "running" | "done" | "failed";
+/** "cancelled": stopped by the user before it finished; its output is the text it had so far. */
+export type StepStatus = "waiting" | "running" | "done" | "failed" | "cancelled";
 export type RoundStatus = "planning" | "ready";
 /** "idle" only before run_started; a stored run that was interrupted reads as "failed". */
 export type RunState = "idle" | "running" | "finished" | "failed" | "cancelled";
@@ -231,11 +232,14 @@ export function applyEvent(t: Topology, e: RunEvent): Topology {
       break;
     }
     case "step_failed": {
-      // May come for a step that never started (a dependency failed, or the run stopped).
+      // May come for a step that never started (a dependency failed, or the run stopped). A
+      // stopped step keeps the text it streamed, or the partial output the event carries.
       const s = findStep(t, e.round, e.step);
       if (!s) break;
-      s.status = "failed";
+      s.status = e.error.kind === "cancelled" ? "cancelled" : "failed";
       s.error = { kind: e.error.kind, message: e.error.message };
+      const partial = (e as { output?: string | null }).output;
+      if (typeof partial === "string" && partial.length >= s.output.length) s.output = partial;
       break;
     }
     case "run_finished":
@@ -260,6 +264,7 @@ const STORED_STEP_STATUS: Record<string, StepStatus> = {
   running: "running",
   finished: "done",
   failed: "failed",
+  cancelled: "cancelled",
   interrupted: "failed",
 };
 
@@ -277,6 +282,8 @@ function overlayStoredStep(s: TopologyStep, rec: StepRecord, workers: WorkerInfo
   s.subtask = rec.subtask;
   s.access = resolveAccess(rec.access, rec.step);
   s.status = STORED_STEP_STATUS[rec.status] ?? "waiting";
+  // Recorded before stopped steps had a status of their own: a failure of kind "cancelled".
+  if (s.status === "failed" && rec.error_kind === "cancelled") s.status = "cancelled";
   s.output = rec.output ?? "";
   s.usage =
     rec.input_tokens === null && rec.output_tokens === null
@@ -328,7 +335,9 @@ export function fromRunTree(tree: RunTree): Topology {
   const top = topRound(t);
   const topIndices = (status: StepStatus) => top?.steps.filter((s) => s.status === status).map((s) => s.step) ?? [];
   // As in the live totals: the round-0 steps that finished or failed.
-  const steps = { steps_finished: topIndices("done"), steps_failed: topIndices("failed") };
+  // A stopped step did not finish: the engine counts it with the failed ones.
+  const failed = [...topIndices("failed"), ...topIndices("cancelled")].sort((a, b) => a - b);
+  const steps = { steps_finished: topIndices("done"), steps_failed: failed };
   if (run.totals) {
     t.totals = { ...run.totals, ...steps };
   } else {
@@ -481,7 +490,8 @@ export function graphKey(g: TopologyGraph): string {
 export function nodeStatus(t: Topology, node: GraphNode): NodeStatus {
   if (node.kind === "answer") {
     if (t.status === "finished") return "done";
-    return t.status === "failed" || t.status === "cancelled" ? "failed" : "waiting";
+    if (t.status === "cancelled") return "cancelled";
+    return t.status === "failed" ? "failed" : "waiting";
   }
   if (node.round === null) return "waiting";
   const r = findRound(t, node.round);
@@ -490,8 +500,9 @@ export function nodeStatus(t: Topology, node: GraphNode): NodeStatus {
   if (r.status === "ready") return "done";
   // Planning stops for good when the run ends or the step that asked for the plan failed.
   const parent = r.parent && findStep(t, r.parent.round, r.parent.step);
-  const over = t.status === "finished" || t.status === "failed" || t.status === "cancelled";
-  return over || parent?.status === "failed" ? "failed" : "running";
+  if (parent?.status === "failed") return "failed";
+  if (t.status === "cancelled" || parent?.status === "cancelled") return "cancelled";
+  return t.status === "finished" || t.status === "failed" ? "failed" : "running";
 }
 
 // ---- Layout ---------------------------------------------------------------------------------
