@@ -53,7 +53,9 @@ fn open_logs_folder() -> Result<String, error::AppError> {
     } else {
         "xdg-open"
     };
-    std::process::Command::new(opener).arg(&dir).spawn().map_err(io)?;
+    let mut opener = std::process::Command::new(opener).arg(&dir).spawn().map_err(io)?;
+    // Reaped off the command's thread so it leaves no zombie, whatever the opener takes.
+    std::thread::spawn(move || opener.wait());
     Ok(dir.display().to_string())
 }
 

@@ -36,6 +36,8 @@ const DB = join(WORK, "history.sqlite");
 const POOL = join(WORK, "pool.toml");
 // The app writes when each step's first text leaves the engine here (BATON_TIMING_LOG).
 const TIMING = join(WORK, "timing.jsonl");
+// What the app asked the desktop to open (see the fake xdg-open in `before`).
+const OPENED = join(WORK, "opened.txt");
 const REPLIES = {
   alpha: "Alpha says the answer is 42, after careful thought about the question",
   beta: "Beta agrees: the answer is **42**",
@@ -66,7 +68,12 @@ before(async () => {
   }));
   conductorModel = model;
   writePool(Object.fromEntries(Object.keys(REPLIES).map((name) => [name, wireName(name)])));
+  // The desktop's "open this folder" command, replaced by one that notes its argument.
+  const bin = join(WORK, "bin");
+  mkdirSync(bin);
+  writeFileSync(join(bin, "xdg-open"), `#!/bin/sh\nprintf '%s\\n' "$1" >> '${OPENED}'\n`, { mode: 0o755 });
   driverProcess = await startDriver(DRIVER_PORT, {
+    PATH: `${bin}:${process.env.PATH}`,
     BATON_POOL: POOL,
     BATON_DB: DB,
     BATON_LOG_DIR: join(WORK, "logs"),
@@ -477,6 +484,28 @@ api_key_env = "BATON_E2E_CONDUCTOR_KEY"
     const locks = join(WORK, "history.sqlite.locks");
     if (existsSync(locks)) for (const f of readdirSync(locks)) assert.ok(!readFileSync(join(locks, f)).includes(KEY));
     assert.ok(requests().every((r) => r.headers.authorization === `Bearer ${KEY}`), "every call carried the key");
+  });
+
+  await t.test("Open logs folder opens the app's log folder; the log has the runs and not the key", async () => {
+    await click(await find("nav-conductor"));
+    await click(await find("open-logs"));
+    // The desktop's opener on PATH is the test's own, which notes what it was asked to open.
+    await driver.wait(async () => existsSync(OPENED), 10000);
+    const logs = join(WORK, "logs");
+    assert.equal(readFileSync(OPENED, "utf8").trim(), logs);
+    assert.equal(await textOf(await find("logs-note")), logs);
+    // One file a day (two if the test ran over midnight).
+    const files = readdirSync(logs).filter((f) => /^baton-desktop\.\d{4}-\d\d-\d\d\.log$/.test(f));
+    assert.ok(files.length >= 1, `the app's log files: ${readdirSync(logs)}`);
+    const log = files.map((f) => readFileSync(join(logs, f), "utf8")).join("");
+    assert.match(log, /INFO .*started.*program="baton-desktop"/);
+    const runs = history("list").length;
+    assert.ok((log.match(/run started/g) ?? []).length >= runs, `each of the ${runs} recorded runs is logged`);
+    assert.match(log, /run finished: /);
+    assert.ok(!log.includes(KEY), "the log holds the key");
+    // The answers are in the history, not in the log.
+    assert.ok(!log.includes(REPLIES.alpha), "the log holds a worker's answer");
+    await click(await find("nav-chat"));
   });
 
   await t.test("after a restart the conversation and its runs are in the history", async () => {
