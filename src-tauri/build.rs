@@ -33,4 +33,8 @@ const COMMANDS: &[&str] = &[
     "validate_plan",
     "app_info",
     "open_logs_folder",
+    "model_catalog",
+    "pull_model",
+    "delete_model",
+    "loaded_models",
 ];

@@ -51,6 +51,11 @@ pub fn typescript() -> String {
         crate::history::ExportFormat::decl(&cfg),
         crate::history::ExportTarget::decl(&cfg),
         crate::AppInfo::decl(&cfg),
+        crate::models::ModelChoice::decl(&cfg),
+        crate::models::DownloadedModel::decl(&cfg),
+        crate::models::ModelCatalog::decl(&cfg),
+        crate::models::Download::decl(&cfg),
+        crate::models::LoadedModelView::decl(&cfg),
     ];
     let mut out = String::from(
         "// Generated from Baton's Rust types by `src-tauri/src/bindings.rs`; do not edit.\n\

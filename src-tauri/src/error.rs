@@ -22,8 +22,11 @@ pub enum ErrorKind {
     NotFound,
     /// Reading or writing a file failed.
     Io,
-    /// The user stopped the work (a plan being drafted).
+    /// The user stopped the work (a plan being drafted, a download).
     Cancelled,
+    /// A model download failed: the hub refused or could not be reached, the file was corrupt,
+    /// or the disk is full (the message says which, and what to do).
+    Download,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, ts_rs::TS, thiserror::Error)]

@@ -8,6 +8,7 @@ pub mod chat;
 pub mod error;
 pub mod history;
 pub mod keys;
+pub mod models;
 pub mod settings;
 pub mod state;
 pub mod timing;
@@ -26,6 +27,10 @@ pub struct AppInfo {
     pub gpu: bool,
     /// Where the app (and the command line) write their logs.
     pub log_dir: String,
+    /// What this build runs local models on: `cuda`, `metal` or `cpu`.
+    pub build_device: String,
+    /// On a machine with an NVIDIA GPU this build does not use: how to build for it.
+    pub gpu_advice: Option<String>,
 }
 
 #[tauri::command]
@@ -35,6 +40,8 @@ fn app_info() -> AppInfo {
         local_models: cfg!(feature = "local"),
         gpu: cfg!(any(feature = "cuda", feature = "metal")),
         log_dir: baton_engine::logs::log_dir().display().to_string(),
+        build_device: baton_conductor::setup::BUILD_DEVICE.to_owned(),
+        gpu_advice: baton_models::catalog::Machine::detect(baton_conductor::setup::BUILD_DEVICE != "cpu").gpu_advice(),
     }
 }
 
@@ -87,6 +94,10 @@ pub fn builder<R: Runtime>(base: tauri::Builder<R>, state: AppState) -> tauri::B
         history::delete_run,
         history::delete_conversation,
         history::export_history,
+        models::model_catalog,
+        models::pull_model,
+        models::delete_model,
+        models::loaded_models,
     ])
 }
 

@@ -18,6 +18,8 @@ use crate::error::{AppError, AppResult};
 pub struct Paths {
     pub pool: PathBuf,
     pub db: PathBuf,
+    /// Where model downloads go (`BATON_MODELS_DIR`, else the hub cache in Baton's data directory).
+    pub models: PathBuf,
 }
 
 impl Paths {
@@ -29,6 +31,7 @@ impl Paths {
             }),
             db: var("BATON_DB")
                 .unwrap_or_else(|| baton_store::default_path(&dirs::data_dir().unwrap_or_else(|| PathBuf::from(".")))),
+            models: baton_models::Cache::default_root(),
         }
     }
 }

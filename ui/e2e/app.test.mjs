@@ -9,11 +9,12 @@
 // edit a plan, check that untrusted HTML stays text, re-run one step with another worker,
 // reopen the app and find it all again, stream a 4,000-line answer while measuring frame time
 // and token to paint, and switch conversation while a run streams. A second session starts the
-// app on an empty profile. Figures (start times, memory, token to paint, the long answer's
+// app on an empty profile; a third, on a first run, downloads the recommended conductor from a
+// loopback Hugging Face hub and asks the first question with it. Figures (start times, memory, token to paint, the long answer's
 // frame times) go to target/e2e/figures.json.
 
 import { execFileSync, spawn } from "node:child_process";
-import { readFileSync, writeFileSync, mkdirSync, existsSync, readdirSync } from "node:fs";
+import { readFileSync, writeFileSync, mkdirSync, existsSync, readdirSync, symlinkSync } from "node:fs";
 import { join } from "node:path";
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
@@ -30,6 +31,8 @@ const SHOTS = env("BATON_E2E_SHOTS");
 const BATON = env("BATON_E2E_CLI");
 const TESTSERVER = env("BATON_E2E_TESTSERVER");
 const TINYMODEL = env("BATON_E2E_TINYMODEL");
+// The real test model (SmolLM2-135M-Instruct GGUF), served by a loopback hub for the first-run download.
+const REAL_MODEL = env("BATON_E2E_REAL_MODEL");
 
 const KEY = "sk-e2e-" + Math.random().toString(36).slice(2) + "-canary";
 const DB = join(WORK, "history.sqlite");
@@ -46,6 +49,7 @@ const REPLIES = {
 const figures = {};
 
 let server;
+let hub;
 let serverAddress;
 let serverLog;
 let driverProcess;
@@ -86,13 +90,16 @@ after(async () => {
   await driver?.quit().catch(() => {});
   driverProcess?.kill();
   emptyDriverProcess?.kill();
+  firstRunDriverProcess?.kill();
   server?.kill();
+  hub?.kill();
   writeFileSync(join(SHOTS, "figures.json"), JSON.stringify(figures, null, 2));
 });
 
 const DRIVER_PORT = 4444;
 let conductorModel;
 let emptyDriverProcess;
+let firstRunDriverProcess;
 
 /** Writes the pool: the tiny conductor and `workers` (name → model string) on the test server. */
 function writePool(workers, maxSteps = 3) {
@@ -823,9 +830,107 @@ test("an empty profile starts on the welcome screen, with nothing in red", async
   await openApp(DRIVER_PORT + 2);
   await find("welcome");
   await find("welcome-choose-model");
+  // The conductor models for this computer are offered, one of them recommended.
+  await find("recommended");
   assert.deepEqual(await driver.executeScript(RED_TEXT), [], "text shown in red, or in a box marked as a problem");
   assert.equal(existsSync(pool), false, "showing the welcome screen writes no pool file");
   await shot("16-empty-profile");
+});
+
+test("first run: the recommended conductor downloads with progress, loads, and answers the first question", async () => {
+  // The empty profile's app again, now with a loopback Hugging Face hub that serves the real
+  // test model (SmolLM2-135M, 98 MB) under the name of the model Baton recommends here.
+  await driver?.quit().catch(() => {});
+  driver = undefined;
+  const profile = join(WORK, "first-run");
+  mkdirSync(profile);
+  const pool = join(profile, "pool.toml");
+  const models = join(profile, "models");
+  const catalog = execFileSync(BATON, ["models", "catalog", "--json"], {
+    encoding: "utf8",
+    env: { ...process.env, BATON_MODELS_DIR: models },
+  });
+  const recommended = catalog.trim().split("\n").map((l) => JSON.parse(l)).find((l) => l.recommended).model;
+  const colon = recommended.reference.indexOf(":");
+  const [repo, file] = [recommended.reference.slice(0, colon), recommended.reference.slice(colon + 1)];
+  const hubDir = join(profile, "hub");
+  mkdirSync(join(hubDir, repo), { recursive: true });
+  symlinkSync(REAL_MODEL, join(hubDir, repo, file));
+  // A pause per 64 KiB chunk, so the download lasts long enough to watch its progress.
+  hub = spawn(TESTSERVER, ["--hub-dir", hubDir, "--hub-chunk-delay-ms", "10"], { stdio: ["ignore", "pipe", "inherit"] });
+  const endpoint = await new Promise((resolve, reject) => {
+    let out = "";
+    hub.stdout.on("data", (d) => {
+      out += String(d);
+      const line = out.split("\n").find((l) => l.startsWith("hub on "));
+      if (line) resolve(line.split(" ")[2]);
+    });
+    hub.once("exit", (code) => reject(new Error(`the hub exited with ${code}`)));
+  });
+  firstRunDriverProcess = await startDriver(DRIVER_PORT + 4, {
+    BATON_POOL: pool,
+    BATON_DB: join(profile, "history.sqlite"),
+    BATON_LOG_DIR: join(profile, "logs"),
+    BATON_MODELS_DIR: models,
+    HF_ENDPOINT: endpoint,
+  });
+  await openApp(DRIVER_PORT + 4);
+  await find("welcome");
+  const card = await find(`model-${recommended.id}`);
+  await card.findElement(byTest("recommended"));
+  await click(await card.findElement(byTest("download-model")));
+
+  // Bytes, speed and time left while it downloads.
+  const status = async () => textOf(await card.findElement(byTest("download-status")));
+  await driver.wait(async () => / of [\d.]+ MB, [\d.]+ [kMG]?B\/s, .+ left$/.test(await status().catch(() => "")), 60000);
+  const progress = await status();
+  await shot("17-first-run-download");
+  // Stopped half way, it keeps what it has; the same button then resumes from there.
+  await click(await card.findElement(byTest("stop-download")));
+  await driver.wait(async () => /^Stopped at /.test(await status().catch(() => "")), 20000);
+  const resume = await driver.wait(async () => {
+    const button = (await card.findElements(byTest("download-model")))[0];
+    return button && /^Resume \(/.test(await textOf(button)) ? button : null;
+  }, 20000);
+  await click(resume);
+  // Checked, saved as the conductor and loaded.
+  await driver.wait(async () => (await card.findElements(byTest("is-conductor"))).length === 1, 120000);
+  assert.match(await status(), /^[\d.]+ MB, resumed at [\d.]+ [kMG]?B, SHA-256 checked$/);
+  const saved = readFileSync(pool, "utf8");
+  const path = /model = "([^"]+)"/.exec(saved)?.[1];
+  assert.ok(path?.startsWith(join(models, `models--${repo.replace("/", "--")}`, "snapshots")), saved);
+  assert.equal(readFileSync(path).length, readFileSync(REAL_MODEL).length);
+  figures.first_run_download = { model: recommended.reference, progress_seen: progress, finished: await status() };
+  await shot("18-first-run-downloaded");
+
+  // Workers are the next step of the welcome screen (the main session covers that screen); one
+  // on the test server here, then the first question.
+  writeFileSync(
+    pool,
+    `max_steps = 1
+
+[conductor]
+model = "${path}"
+device = "cpu"
+max_reasoning_chars = 40
+max_subtask_chars = 60
+
+[[worker]]
+name = "alpha"
+provider = "openai"
+model = "${wireName("alpha")}"
+base_url = "${serverAddress}/v1"
+description = "answers questions"
+`,
+  );
+  await click(await find("nav-chat"));
+  const composer = await find("composer");
+  await composer.sendKeys("What is six times seven?");
+  await click(await find("send"));
+  const turn = await lastTurnEnds(240000);
+  assert.equal(await turn.getAttribute("data-status"), "finished", await turn.getText());
+  assert.ok((await textOf(await turn.findElement(byTest("answer")))).includes("Alpha says the answer is 42"));
+  await shot("19-first-run-answer");
 });
 
 /** The highest `(line I)` mark in a long answer's text (the test server writes them); -1 for none. */

@@ -9,10 +9,13 @@ import type {
   AskResult,
   ConnectionCheck,
   ConversationSummary,
+  Download,
   Draft,
   ExportFormat,
   ExportTarget,
   KeysView,
+  LoadedModelView,
+  ModelCatalog,
   ModelLoad,
   Plan,
   PoolForm,
@@ -85,7 +88,19 @@ export const api = {
   /** Asks where in the native save dialog and writes the export there; the path, or null if cancelled. */
   exportHistory: (target: ExportTarget, format: ExportFormat) =>
     invoke<string | null>("export_history", { target, format }),
+  /** The curated conductor models for this computer, and what is downloaded. */
+  modelCatalog: () => invoke<ModelCatalog>("model_catalog"),
+  /** Downloads a model file (`owner/name:file`) and resolves to its path; progress arrives on
+   * `onModelDownload`; `cancelRun(stopId)` stops it, keeping what is on disk for a resume. */
+  pullModel: (reference: string, stopId: string) => invoke<string>("pull_model", { reference, stopId }),
+  deleteModel: (reference: string) => invoke<null>("delete_model", { reference }),
+  /** The local models loaded now: device, memory, and the speed of their latest generation. */
+  loadedModels: () => invoke<LoadedModelView[]>("loaded_models"),
 };
+
+export function onModelDownload(handler: (download: Download) => void): Promise<UnlistenFn> {
+  return listen<Download>("model-download", (e) => handler(e.payload));
+}
 
 export function onModelLoad(handler: (status: ModelLoad) => void): Promise<UnlistenFn> {
   return listen<ModelLoad>("conductor-status", (e) => handler(e.payload));

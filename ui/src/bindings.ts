@@ -396,4 +396,12 @@ gpu: boolean,
 /**
  * Where the app (and the command line) write their logs.
  */
-log_dir: string, };
+log_dir: string, 
+/**
+ * What this build runs local models on: `cuda`, `metal` or `cpu`.
+ */
+build_device: string, 
+/**
+ * On a machine with an NVIDIA GPU this build does not use: how to build for it.
+ */
+gpu_advice: string | null, };

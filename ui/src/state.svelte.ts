@@ -1,7 +1,7 @@
 // App-wide state shared by the views: settings, the conversation list, the current view, and
 // news from the backend (model loading, history warnings).
 import { api, asAppError } from "./api";
-import type { AppError, ConversationSummary, ModelLoad, Settings } from "./bindings";
+import type { AppError, ConversationSummary, Download, ModelLoad, Settings } from "./bindings";
 import { formatCost } from "./lib/figures";
 
 export { figuresLine, formatCost, totalsBreakdown } from "./lib/figures";
@@ -18,6 +18,9 @@ export const app = $state({
   /** The open conversation; null for a new one. */
   conversationId: null as number | null,
   modelLoad: null as ModelLoad | null,
+  /** Model downloads by reference: the latest news of each (running, finished, failed, stopped),
+   * kept here so progress survives a look at another screen. */
+  downloads: {} as Record<string, Download>,
   warning: null as string | null,
   /** The screen with edits not saved yet ("Workers & keys", "Conductor"), if any. */
   unsaved: null as string | null,

@@ -32,7 +32,8 @@ pub enum Command {
 /// Whose key: a provider, and for OpenAI-compatible servers the server.
 #[derive(Debug, clap::Args)]
 pub struct Target {
-    /// openai, anthropic, gemini or openai-compatible (also `PROVIDER:URL`).
+    /// openai, anthropic, gemini or openai-compatible (also `PROVIDER:URL`); huggingface for a
+    /// hub access token (gated models).
     #[arg(value_name = "PROVIDER")]
     provider: String,
     /// The server's base URL: each OpenAI-compatible server has its own key, and so does a
@@ -74,7 +75,7 @@ impl Target {
     /// The keychain account this target names, or why it names none.
     fn account(&self) -> Result<String, Failure> {
         let (name, url) = match self.provider.split_once(':') {
-            Some((name, url)) if ProviderKind::ALL.iter().any(|p| p.as_str() == name) => {
+            Some((name, url)) if name == "huggingface" || ProviderKind::ALL.iter().any(|p| p.as_str() == name) => {
                 if self.base_url.is_some() {
                     return Err(Failure::BadInput(format!(
                         "give the server's URL once: either {name}:URL or --base-url URL"
@@ -84,9 +85,14 @@ impl Target {
             }
             _ => (self.provider.as_str(), self.base_url.as_deref()),
         };
+        if name == "huggingface" {
+            // A Hugging Face access token, for gated models: kept for the hub it was saved for
+            // (`--base-url` names a mirror, as HF_ENDPOINT does for `baton models pull`).
+            return Ok(baton_models::token_account(url.unwrap_or("https://huggingface.co")));
+        }
         let provider = ProviderKind::ALL.into_iter().find(|p| p.as_str() == name).ok_or_else(|| {
             Failure::BadInput(format!(
-                "unknown provider \"{name}\"; valid providers: openai, anthropic, gemini, openai-compatible (with --base-url URL)"
+                "unknown provider \"{name}\"; valid providers: openai, anthropic, gemini, openai-compatible (with --base-url URL), and huggingface (a hub token for gated models)"
             ))
         })?;
         let url = url.map(|u| u.trim().trim_end_matches('/')).filter(|u| !u.is_empty());

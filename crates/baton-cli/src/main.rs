@@ -9,6 +9,7 @@ mod bench;
 mod conductor_setup;
 mod history_cmd;
 mod keys_cmd;
+mod models_cmd;
 mod plan_cmd;
 mod pool_cmd;
 mod progress;
@@ -42,6 +43,10 @@ enum Command {
     /// Store, list and delete provider API keys in the OS keychain.
     #[command(subcommand)]
     Keys(keys_cmd::Command),
+    /// Model files from the Hugging Face hub: pull (resumable, verified), path, list, rm, and the
+    /// curated conductor models for this computer.
+    #[command(subcommand)]
+    Models(models_cmd::Command),
     /// Baton's log files (what to attach to a problem report).
     #[command(subcommand)]
     Logs(LogsCommand),
@@ -126,6 +131,7 @@ fn run() -> ExitCode {
             Command::Bench(cmd) => bench::run(cmd).await,
             Command::History(args) => history_cmd::run(args).await,
             Command::Keys(cmd) => keys_cmd::run(cmd).await,
+            Command::Models(cmd) => models_cmd::run(cmd).await,
             Command::Logs(LogsCommand::Path) => Ok(()),
         }
     });

@@ -88,7 +88,12 @@ pub struct LocalModel {
     path: PathBuf,
     pub load_time: Duration,
     pub device: String,
+    /// How much the process's resident memory grew while the model loaded (Linux; `None`
+    /// elsewhere). On a GPU the weights live in its memory instead and this stays small.
+    pub memory_bytes: Option<u64>,
     pub end_tokens: EndTokens,
+    /// The latest generation's speed, for whoever shows how fast the model runs.
+    last: std::sync::Mutex<Option<Speed>>,
     /// Token sequences mistral.rs's prefix cache holds, newest last, mirrored so each
     /// generation can report how much of its prompt came from the cache (mistral.rs does not).
     cached: std::sync::Mutex<std::collections::VecDeque<Vec<u32>>>,
@@ -119,6 +124,24 @@ pub struct Generated {
     pub time_to_first_token: Option<Duration>,
     pub prompt_tokens_per_sec: f32,
     pub decode_tokens_per_sec: f32,
+}
+
+/// How fast one generation ran.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Speed {
+    /// Prompt tokens the model computed (those the prefix cache did not hold) per second.
+    pub prompt_tokens_per_sec: f64,
+    pub decode_tokens_per_sec: f64,
+    pub prompt_tokens: u64,
+    pub cached_prompt_tokens: u64,
+    pub output_tokens: u64,
+}
+
+/// The process's resident memory, from `/proc/self/statm` (Linux).
+fn resident_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
 }
 
 /// Generation settings for one request.
@@ -166,6 +189,7 @@ impl LocalModel {
             });
         }
         let started = Instant::now();
+        let resident_before = resident_bytes();
         let template = match &config.chat_template {
             Some(t) if !t.exists() => {
                 return Err(LoadError::NotFound {
@@ -235,12 +259,15 @@ impl LocalModel {
         let model = built.map_err(|e| classify_load_error(&shown, &format!("{e:#}")))?;
         let device = if config.force_cpu { "cpu".to_owned() } else { device_name() };
         let end_tokens = find_end_tokens(&model).await;
+        let memory_bytes = resident_bytes().zip(resident_before).map(|(after, before)| after.saturating_sub(before));
         Ok(LocalModel {
             model,
             path,
             load_time: started.elapsed(),
             device,
+            memory_bytes,
             end_tokens,
+            last: std::sync::Mutex::new(None),
             cached: std::sync::Mutex::new(std::collections::VecDeque::new()),
         })
     }
@@ -412,6 +439,7 @@ impl LocalModel {
             out.finish_reason = Some(reason.to_owned());
         }
         out.usage.cached_input_tokens = cached_tokens.min(out.usage.input_tokens as usize) as u64;
+        self.note_speed(&mut out, started.elapsed());
         if !out.cut_after_complete {
             // mistral.rs caches a finished sequence's KV (not a dropped one), whether or not it
             // sent a last chunk.
@@ -420,6 +448,33 @@ impl LocalModel {
             self.remember_cached(sequence);
         }
         Ok(out)
+    }
+
+    /// The latest generation's speed (`None` before the first).
+    pub fn last_speed(&self) -> Option<Speed> {
+        *self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Fills in the rates mistral.rs did not report (it sends no usage chunk when a sequence
+    /// ends on a silent end token or is cut) from the timings, and keeps them as the latest.
+    fn note_speed(&self, out: &mut Generated, total: Duration) {
+        let fresh = out.usage.input_tokens.saturating_sub(out.usage.cached_input_tokens);
+        if let Some(first) = out.time_to_first_token {
+            if out.prompt_tokens_per_sec <= 0.0 && !first.is_zero() {
+                out.prompt_tokens_per_sec = fresh as f32 / first.as_secs_f32();
+            }
+            let decoding = total.saturating_sub(first);
+            if out.decode_tokens_per_sec <= 0.0 && !decoding.is_zero() {
+                out.decode_tokens_per_sec = out.usage.output_tokens.saturating_sub(1) as f32 / decoding.as_secs_f32();
+            }
+        }
+        *self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Speed {
+            prompt_tokens_per_sec: f64::from(out.prompt_tokens_per_sec),
+            decode_tokens_per_sec: f64::from(out.decode_tokens_per_sec),
+            prompt_tokens: out.usage.input_tokens,
+            cached_prompt_tokens: out.usage.cached_input_tokens,
+            output_tokens: out.usage.output_tokens,
+        });
     }
 
     /// How many tokens `text` is, as the model's tokenizer splits it (no special tokens added).

@@ -76,7 +76,51 @@ impl std::fmt::Debug for LocalModels {
     }
 }
 
+/// A loaded model: where it runs, what it took, and how fast it ran last.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadedModel {
+    pub path: PathBuf,
+    pub device: String,
+    pub load_seconds: f64,
+    /// How much the process's memory grew while it loaded (Linux).
+    pub memory_bytes: Option<u64>,
+    /// Its latest generation (a plan, for the conductor): prompt and decode rates, tokens.
+    pub prompt_tokens_per_sec: Option<f64>,
+    pub decode_tokens_per_sec: Option<f64>,
+    pub last_prompt_tokens: Option<u64>,
+    pub last_cached_prompt_tokens: Option<u64>,
+    pub last_output_tokens: Option<u64>,
+}
+
 impl LocalModels {
+    /// Every model loaded now, by path.
+    pub fn loaded(&self) -> Vec<LoadedModel> {
+        #[cfg(feature = "local")]
+        {
+            let mut out: Vec<LoadedModel> = lock(&self.loaded)
+                .iter()
+                .map(|(config, m)| {
+                    let last = m.last_speed();
+                    LoadedModel {
+                        path: config.path.clone(),
+                        device: m.device.clone(),
+                        load_seconds: m.load_time.as_secs_f64(),
+                        memory_bytes: m.memory_bytes,
+                        prompt_tokens_per_sec: last.map(|s| s.prompt_tokens_per_sec),
+                        decode_tokens_per_sec: last.map(|s| s.decode_tokens_per_sec),
+                        last_prompt_tokens: last.map(|s| s.prompt_tokens),
+                        last_cached_prompt_tokens: last.map(|s| s.cached_prompt_tokens),
+                        last_output_tokens: last.map(|s| s.output_tokens),
+                    }
+                })
+                .collect();
+            out.sort_by(|a, b| a.path.cmp(&b.path));
+            out
+        }
+        #[cfg(not(feature = "local"))]
+        Vec::new()
+    }
+
     /// Whether a model from `path` is loaded (with any settings).
     pub fn is_loaded(&self, path: &Path) -> bool {
         #[cfg(feature = "local")]
@@ -323,6 +367,16 @@ async fn local(
 ) -> Result<Arc<dyn Planner>, SetupError> {
     Err(SetupError::NoLocalSupport(path.to_owned()))
 }
+
+/// What this build runs local models on: `cuda`, `metal` or `cpu`, fixed when it was compiled
+/// (`scripts/app` builds for the GPU when it finds the CUDA toolkit or Apple silicon).
+pub const BUILD_DEVICE: &str = if cfg!(feature = "cuda") {
+    "cuda"
+} else if cfg!(feature = "metal") {
+    "metal"
+} else {
+    "cpu"
+};
 
 /// Points mistral.rs's Hugging Face cache into Baton's own data directory and keeps it offline.
 /// mistral.rs creates that cache even for local models; nothing should land in the user's home

@@ -13,6 +13,7 @@
 //!
 //! Every request is recorded (path, headers, JSON body) so tests can assert on the wire.
 
+pub mod hub;
 mod script;
 mod wire;
 

@@ -26,7 +26,7 @@ impl Harness {
 /// The app over files in `dir`. There is no user to answer the save dialog: it answers
 /// `dir/saved/<the name it suggests>`.
 pub fn app(dir: &Path, label: &str) -> Harness {
-    let paths = Paths { pool: dir.join("pool.toml"), db: dir.join("history.sqlite") };
+    let paths = Paths { pool: dir.join("pool.toml"), db: dir.join("history.sqlite"), models: dir.join("models") };
     let saved = dir.join("saved");
     std::fs::create_dir_all(&saved).unwrap();
     let dialog: baton_desktop::state::SaveDialog = std::sync::Arc::new(move |name: String| {
