@@ -172,7 +172,8 @@ pub async fn model_catalog(state: State<'_, AppState>) -> AppResult<ModelCatalog
     })
     .await
     .map_err(|e| AppError::new(ErrorKind::Io, format!("reading the model list failed: {e}")))?;
-    Ok(ModelCatalog { hub: hub().await.endpoint().to_owned(), ..catalog })
+    // The endpoint only: no token needed (and no keychain prompt) to say where downloads come from.
+    Ok(ModelCatalog { hub: Hub::from_env(|_| None).endpoint().to_owned(), ..catalog })
 }
 
 /// The hub from `HF_ENDPOINT`, with `HF_TOKEN` or a token kept with `baton keys set

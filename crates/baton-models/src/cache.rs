@@ -180,9 +180,7 @@ impl Cache {
                 }
             }
         }
-        entries.sort_by(|a, b| {
-            (a.reference.to_string(), !a.complete).cmp(&(b.reference.to_string(), !b.complete))
-        });
+        entries.sort_by_cached_key(|e| (e.reference.to_string(), !e.complete));
         Ok(entries)
     }
 
@@ -221,8 +219,7 @@ impl Cache {
                     && file.try_lock().is_err()
                 {
                     return Err(io::Error::other(format!(
-                        "{} is being downloaded right now; stop that download first",
-                        reference
+                        "{reference} is being downloaded right now; stop that download first"
                     )));
                 }
                 remove_if_there(&partial)?;
@@ -230,8 +227,10 @@ impl Cache {
                 removed = true;
             }
         }
-        // A repository with nothing left in it goes entirely (its refs mean nothing alone).
-        let has_files = std::fs::read_dir(repo_dir.join("blobs")).is_ok_and(|mut d| d.next().is_some());
+        // A repository with nothing left in it goes entirely (its refs mean nothing alone). Where
+        // files live in the snapshots themselves (no links), those count too.
+        let has_files = std::fs::read_dir(repo_dir.join("blobs")).is_ok_and(|mut d| d.next().is_some())
+            || files_under(&repo_dir.join("snapshots")).is_ok_and(|f| !f.is_empty());
         if removed && !has_files {
             std::fs::remove_dir_all(&repo_dir)?;
         }
@@ -276,6 +275,9 @@ fn files_under(dir: &Path) -> io::Result<Vec<(String, PathBuf)>> {
     let mut out = Vec::new();
     let mut pending = vec![(String::new(), dir.to_path_buf())];
     while let Some((prefix, dir)) = pending.pop() {
+        if !dir.is_dir() {
+            continue;
+        }
         let entries = match std::fs::read_dir(&dir) {
             Ok(entries) => entries,
             Err(e) if e.kind() == io::ErrorKind::NotFound => continue,

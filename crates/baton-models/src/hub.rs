@@ -38,7 +38,11 @@ const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 pub struct Hub {
     endpoint: String,
     token: Option<String>,
+    /// For the hub: redirects are read, not followed.
     http: reqwest::Client,
+    /// For the file host, which may redirect once more (mirrors do); reqwest drops credentials
+    /// on a redirect to another host, and the file host gets none anyway.
+    files: reqwest::Client,
 }
 
 impl std::fmt::Debug for Hub {
@@ -115,8 +119,15 @@ impl Hub {
             .user_agent(concat!("baton/", env!("CARGO_PKG_VERSION")))
             .build()
             .unwrap_or_else(|_| reqwest::Client::new());
+        let files = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(15))
+            .read_timeout(Duration::from_secs(60))
+            .redirect(reqwest::redirect::Policy::limited(5))
+            .user_agent(concat!("baton/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .unwrap_or_else(|_| reqwest::Client::new());
         let token = token.filter(|t| !t.trim().is_empty()).map(|t| t.trim().to_owned());
-        Hub { endpoint: endpoint.trim().trim_end_matches('/').to_owned(), token, http }
+        Hub { endpoint: endpoint.trim().trim_end_matches('/').to_owned(), token, http, files }
     }
 
     /// `$HF_ENDPOINT` (else the official hub) with `$HF_TOKEN` (or the older
@@ -141,7 +152,7 @@ impl Hub {
 
     /// The file's `resolve` address.
     pub fn resolve_url(&self, reference: &ModelRef) -> String {
-        let file: Vec<String> = reference.file.split('/').map(|s| encode(s)).collect();
+        let file: Vec<String> = reference.file.split('/').map(encode).collect();
         format!("{}/{}/resolve/{}/{}", self.endpoint, reference.repo, encode(&reference.revision), file.join("/"))
     }
 
@@ -155,7 +166,8 @@ impl Hub {
     }
 
     fn request(&self, method: reqwest::Method, url: reqwest::Url) -> reqwest::RequestBuilder {
-        let mut request = self.http.request(method, url.clone()).header(header::ACCEPT_ENCODING, "identity");
+        let client = if self.same_origin(&url) { &self.http } else { &self.files };
+        let mut request = client.request(method, url.clone()).header(header::ACCEPT_ENCODING, "identity");
         if let Some(token) = &self.token
             && self.same_origin(&url)
         {
@@ -184,20 +196,16 @@ impl Hub {
                     .map(|l| url.join(l))
                     .transpose()
                     .map_err(|e| PullError::Protocol { url: url.to_string(), what: format!("a bad Location: {e}") })?;
-                let has_meta = headers.contains_key("x-repo-commit");
-                if status.is_redirection() && !has_meta {
-                    // A renamed repository: the hub points at its new name on the same host.
-                    match location {
-                        Some(next) if next.host_str() == url.host_str() => {
-                            url = next;
-                            continue;
-                        }
-                        _ => {
-                            return Err(PullError::Protocol {
-                                url: url.to_string(),
-                                what: format!("a redirect ({status}) without the file's metadata"),
-                            });
-                        }
+                // A relative redirect stays on the hub (a renamed repository, a cached resolve):
+                // followed, as the hub's own clients do. An absolute one is the file host.
+                let relative = headers
+                    .get(header::LOCATION)
+                    .and_then(|l| l.to_str().ok())
+                    .is_some_and(|l| !l.contains("://") && !l.starts_with("//"));
+                if status.is_redirection() && relative {
+                    if let Some(next) = location {
+                        url = next;
+                        continue;
                     }
                 }
                 let target = if status.is_redirection() { location } else { Some(url.clone()) };
@@ -271,6 +279,14 @@ impl Hub {
         let blobs = cache.blobs_dir(repo);
         std::fs::create_dir_all(&blobs).map_err(io(&blobs))?;
         let partial = cache.incomplete(repo, &meta.etag);
+        // Space first, before a partial file (and its note) exists for a download that cannot
+        // finish: what a partial file holds already need not fit again.
+        let on_disk = std::fs::metadata(&partial).map_or(0, |m| m.len()).min(meta.size);
+        let free = fs2::available_space(&blobs).map_err(io(&blobs))?;
+        let need = meta.size - on_disk;
+        if free < need.saturating_add(SPACE_MARGIN) {
+            return Err(PullError::NoSpace { dir: blobs, need, free });
+        }
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -280,8 +296,15 @@ impl Hub {
             .map_err(io(&partial))?;
         // The lock lives as long as the file is open: one writer per partial file, across
         // processes (the app and the command line), and released by a crash.
-        if file.try_lock().is_err() {
-            return Err(PullError::Busy { reference: reference.to_string() });
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => return Err(PullError::Busy { reference: reference.to_string() }),
+            Err(std::fs::TryLockError::Error(e)) => return Err(io(&partial)(e)),
+        }
+        // Another pull may have finished it between our look and the lock (and renamed the
+        // partial file we opened into the blob).
+        if std::fs::metadata(&blob).is_ok_and(|m| m.len() == meta.size) {
+            return done(0, 0, true);
         }
         let note = PartialNote { reference: reference.clone(), commit: meta.commit.clone(), size: meta.size };
         let note_path = cache.note(repo, &meta.etag);
@@ -292,11 +315,6 @@ impl Hub {
         if have > meta.size {
             file.set_len(0).await.map_err(io(&partial))?;
             have = 0;
-        }
-        let free = fs2::available_space(&blobs).map_err(io(&blobs))?;
-        let need = meta.size - have;
-        if free < need.saturating_add(SPACE_MARGIN) {
-            return Err(PullError::NoSpace { dir: blobs, need, free });
         }
 
         // The hash covers the whole file, so a resumed pull first reads back what is there.
@@ -325,7 +343,7 @@ impl Hub {
             have = read;
             on_progress(Progress { phase: Phase::Checking, done: read, total: have });
         }
-        let resumed_from = have;
+        let mut resumed_from = have;
 
         let mut drops = 0u32;
         let mut url = meta.url.clone();
@@ -370,6 +388,7 @@ impl Hub {
                         file.set_len(0).await.map_err(io(&partial))?;
                         file.seek(std::io::SeekFrom::Start(0)).await.map_err(io(&partial))?;
                         have = 0;
+                        resumed_from = 0;
                         hasher = sha2::Sha256::new();
                     }
                 }
@@ -383,7 +402,21 @@ impl Hub {
                 // fresh one, once.
                 StatusCode::FORBIDDEN | StatusCode::UNAUTHORIZED if !refreshed && !self.same_origin(&url) => {
                     refreshed = true;
-                    url = self.metadata(reference).await?.url;
+                    let fresh = tokio::select! {
+                        m = self.metadata(reference) => m?,
+                        () = stop.cancelled() => return Err(PullError::Cancelled { have, size: meta.size }),
+                    };
+                    if fresh.etag != meta.etag || fresh.size != meta.size {
+                        // The revision moved on to another file while this one downloaded: the
+                        // part on disk stays for a pull of the old commit; this pull starts again.
+                        return Err(PullError::Protocol {
+                            url: host_of(&url),
+                            what: format!(
+                                "{reference} changed on the hub during the download; pull again to download the new version"
+                            ),
+                        });
+                    }
+                    url = fresh.url;
                     continue;
                 }
                 _ if status.is_server_error() => {

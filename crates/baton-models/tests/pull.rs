@@ -85,7 +85,7 @@ async fn a_stopped_pull_keeps_its_bytes_and_the_next_one_fetches_only_the_rest()
     assert_eq!(gets.last().and_then(|q| q.range.clone()), Some(format!("bytes={have}-")));
     assert_eq!(gets.len(), 2);
     assert_eq!(gets[1].sent(), 1_000_000 - have, "the second transfer starts at the first byte not on disk");
-    assert!(gets[0].sent() - have <= 64 * 1024, "sent twice: {} bytes in flight at the stop", gets[0].sent() - have);
+    assert!(gets[0].sent() - have <= 8 * 16 * 1024, "sent twice: {} bytes in flight at the stop", gets[0].sent() - have);
     assert!(cache.list().unwrap().iter().all(|e| e.complete), "no partial file is left");
 
     // Pulled again: found in the cache, nothing fetched.
@@ -119,7 +119,6 @@ async fn two_pulls_of_one_file_at_once_the_second_is_told_it_is_busy() {
     let e = second.unwrap_err();
     assert!(matches!(e, PullError::Busy { .. }), "{e}");
     assert!(e.to_string().contains("being downloaded already"), "{e}");
-    server.set_chunk_delay(Duration::ZERO);
     assert!(first.await.unwrap().is_ok());
 }
 

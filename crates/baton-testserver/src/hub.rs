@@ -375,7 +375,9 @@ fn body_response(shared: &Shared, head: Response, bytes: Bytes, start: u64, sent
             if let Some(cut) = cut
                 && offset as u64 >= cut
             {
-                // Ends the body with an error: hyper closes the connection mid-transfer.
+                // Ends the body with an error: hyper closes the connection mid-transfer. The pause
+                // first lets it flush what it holds, so the client gets every byte up to the cut.
+                tokio::time::sleep(Duration::from_millis(50)).await;
                 return Some((Err(std::io::Error::other("transfer cut")), (body.len(), body, 0)));
             }
             if !options.chunk_delay.is_zero() {
