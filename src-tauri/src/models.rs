@@ -155,7 +155,9 @@ pub async fn model_catalog(state: State<'_, AppState>) -> AppResult<ModelCatalog
                 complete: e.complete,
             })
             .collect();
-        let ram = machine.ram_bytes.map_or("memory unknown".to_owned(), |r| format!("{} memory", baton_models::human_bytes(r)));
+        let ram = machine
+            .ram_bytes
+            .map_or("memory unknown".to_owned(), |r| format!("{} memory", baton_models::human_bytes(r)));
         let line = match &machine.gpu {
             Some(g) => format!("{ram}, {} ({})", g.name, baton_models::human_bytes(g.memory_bytes)),
             None => format!("{ram}, no GPU found"),
@@ -278,7 +280,10 @@ pub async fn pull_model<R: Runtime>(
         }
         Err(PullError::Cancelled { have, size }) => {
             let message = PullError::Cancelled { have, size }.to_string();
-            (Download::Stopped { reference: name.clone(), have, size }, Err(AppError::new(ErrorKind::Cancelled, message)))
+            (
+                Download::Stopped { reference: name.clone(), have, size },
+                Err(AppError::new(ErrorKind::Cancelled, message)),
+            )
         }
         Err(e) => {
             let event = Download::Failed { reference: name.clone(), kind: e.kind().to_owned(), message: e.to_string() };

@@ -235,7 +235,7 @@ reused_from: string | null, };
 
 export type SentRequest = { system: string | null, messages: Array<Message>, };
 
-export type ErrorKind = "bad_input" | "pool" | "conductor" | "keychain" | "history" | "provider" | "not_found" | "io" | "cancelled";
+export type ErrorKind = "bad_input" | "pool" | "conductor" | "keychain" | "history" | "provider" | "not_found" | "io" | "cancelled" | "download";
 
 export type AppError = { kind: ErrorKind, message: string, };
 
@@ -405,3 +405,13 @@ build_device: string,
  * On a machine with an NVIDIA GPU this build does not use: how to build for it.
  */
 gpu_advice: string | null, };
+
+export type ModelChoice = { id: string, name: string, reference: string, quantization: string, size_gb: number, memory_gb: number, licence: string, licence_url: string, summary: string, fit: string, recommended: boolean, path: string | null, };
+
+export type DownloadedModel = { reference: string, path: string, bytes: number, size: number, complete: boolean, };
+
+export type ModelCatalog = { models: Array<ModelChoice>, machine: string, build_device: string, gpu_advice: string | null, models_dir: string, hub: string, downloaded: Array<DownloadedModel>, };
+
+export type Download = { "state": "running", reference: string, phase: string, done: number, total: number, bytes_per_sec: number, eta_secs: number | null, } | { "state": "finished", reference: string, path: string, size: number, sha256: string | null, resumed_from: number, cached: boolean, } | { "state": "failed", reference: string, kind: string, message: string, } | { "state": "stopped", reference: string, have: number, size: number, };
+
+export type LoadedModelView = { path: string, device: string, load_seconds: number, memory_bytes: number | null, prompt_tokens_per_sec: number | null, decode_tokens_per_sec: number | null, last_prompt_tokens: number | null, last_cached_prompt_tokens: number | null, last_output_tokens: number | null, };

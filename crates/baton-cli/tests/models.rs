@@ -68,7 +68,9 @@ async fn a_pull_lands_in_the_hub_layout_verified_and_the_token_stays_with_the_hu
 
     // The hub saw the token; the file host, another origin, never did.
     let requests = hub.requests();
-    assert!(requests.iter().filter(|r| r.host == "hub").all(|r| r.authorization.as_deref() == Some("Bearer hf_test_token")));
+    assert!(
+        requests.iter().filter(|r| r.host == "hub").all(|r| r.authorization.as_deref() == Some("Bearer hf_test_token"))
+    );
     let files: Vec<_> = requests.iter().filter(|r| r.host == "files").collect();
     assert_eq!(files.len(), 1);
     assert!(files.iter().all(|r| r.authorization.is_none()), "{files:?}");
@@ -99,9 +101,10 @@ async fn a_pull_lands_in_the_hub_layout_verified_and_the_token_stays_with_the_hu
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pull_killed_half_way_resumes_and_the_hub_sends_at_most_one_chunk_twice() {
     const CHUNK: usize = 64 * 1024;
-    let hub = TestHub::start(HubOptions { chunk: CHUNK, chunk_delay: Duration::from_millis(20), ..HubOptions::default() })
-        .await
-        .unwrap();
+    let hub =
+        TestHub::start(HubOptions { chunk: CHUNK, chunk_delay: Duration::from_millis(20), ..HubOptions::default() })
+            .await
+            .unwrap();
     let size = 4 * 1024 * 1024;
     let data = payload(size);
     hub.add(REPO, FILE, data.clone());
@@ -200,7 +203,11 @@ async fn gated_missing_unreachable_and_full_disk_each_say_what_to_do() {
     let dead = format!("http://{}", closed.local_addr().unwrap());
     drop(closed);
     let out = baton(dir.path(), &dead, &["models", "pull", &reference()], &[]).await;
-    failure(&out, 1, &[&format!("cannot reach {dead}/{REPO}/resolve/main/{FILE}"), "HF_ENDPOINT", "a model file already on disk"]);
+    failure(
+        &out,
+        1,
+        &[&format!("cannot reach {dead}/{REPO}/resolve/main/{FILE}"), "HF_ENDPOINT", "a model file already on disk"],
+    );
 
     // A file bigger than any disk: refused before a byte is fetched.
     hub.announce_size(REPO, FILE, 1 << 60);

@@ -73,7 +73,8 @@ impl ModelRef {
         }
         // The file becomes a path under the cache: nothing may climb out of it.
         let segments: Vec<&str> = self.file.split('/').collect();
-        if self.file.is_empty() || segments.iter().any(|s| s.is_empty() || *s == "." || *s == ".." || s.contains('\\')) {
+        if self.file.is_empty() || segments.iter().any(|s| s.is_empty() || *s == "." || *s == ".." || s.contains('\\'))
+        {
             return Err(format!("the file \"{}\" is not a path inside the repository", self.file));
         }
         Ok(self)
@@ -110,9 +111,13 @@ mod tests {
         assert_eq!((r.revision.as_str(), r.file.as_str(), r.file_name()), ("v1.0", "sub/dir/m.gguf", "m.gguf"));
         assert_eq!(ModelRef::parse(&r.to_string()).unwrap(), r);
 
-        let page = "https://huggingface.co/bartowski/Llama-3.2-3B-Instruct-GGUF/blob/main/Llama-3.2-3B-Instruct-Q4_K_M.gguf";
+        let page =
+            "https://huggingface.co/bartowski/Llama-3.2-3B-Instruct-GGUF/blob/main/Llama-3.2-3B-Instruct-Q4_K_M.gguf";
         let r = ModelRef::parse(page).unwrap();
-        assert_eq!(r, ModelRef::new("bartowski/Llama-3.2-3B-Instruct-GGUF", "main", "Llama-3.2-3B-Instruct-Q4_K_M.gguf"));
+        assert_eq!(
+            r,
+            ModelRef::new("bartowski/Llama-3.2-3B-Instruct-GGUF", "main", "Llama-3.2-3B-Instruct-Q4_K_M.gguf")
+        );
         let download = "https://hf-mirror.com/o/n/resolve/abc123/m.gguf?download=true";
         assert_eq!(ModelRef::parse(download).unwrap(), ModelRef::new("o/n", "abc123", "m.gguf"));
     }

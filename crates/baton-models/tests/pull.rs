@@ -85,7 +85,11 @@ async fn a_stopped_pull_keeps_its_bytes_and_the_next_one_fetches_only_the_rest()
     assert_eq!(gets.last().and_then(|q| q.range.clone()), Some(format!("bytes={have}-")));
     assert_eq!(gets.len(), 2);
     assert_eq!(gets[1].sent(), 1_000_000 - have, "the second transfer starts at the first byte not on disk");
-    assert!(gets[0].sent() - have <= 8 * 16 * 1024, "sent twice: {} bytes in flight at the stop", gets[0].sent() - have);
+    assert!(
+        gets[0].sent() - have <= 8 * 16 * 1024,
+        "sent twice: {} bytes in flight at the stop",
+        gets[0].sent() - have
+    );
     assert!(cache.list().unwrap().iter().all(|e| e.complete), "no partial file is left");
 
     // Pulled again: found in the cache, nothing fetched.
@@ -107,7 +111,9 @@ async fn two_pulls_of_one_file_at_once_the_second_is_told_it_is_busy() {
 
     let (first_hub, first_cache, first_ref) = (hub.clone(), cache.clone(), r.clone());
     let first =
-        tokio::spawn(async move { first_hub.pull(&first_cache, &first_ref, &mut |_| {}, &CancellationToken::new()).await });
+        tokio::spawn(
+            async move { first_hub.pull(&first_cache, &first_ref, &mut |_| {}, &CancellationToken::new()).await },
+        );
     // Until the first has its partial file open and locked.
     for _ in 0..200 {
         if cache.list().unwrap().iter().any(|e| !e.complete) {

@@ -112,7 +112,8 @@ impl TestHub {
         let files = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
         let hub_addr = hub.local_addr()?;
         *lock(&shared.files_addr) = Some(files.local_addr()?);
-        let hub_app = Router::new().route("/{owner}/{name}/resolve/{rev}/{*file}", any(resolve)).with_state(shared.clone());
+        let hub_app =
+            Router::new().route("/{owner}/{name}/resolve/{rev}/{*file}", any(resolve)).with_state(shared.clone());
         let files_app = Router::new().route("/blobs/{sha}", any(blob)).with_state(shared.clone());
         let tasks = vec![
             tokio::spawn(async move {
@@ -142,8 +143,10 @@ impl TestHub {
 
     fn insert(&self, repo: &str, file: &str, bytes: Bytes, lfs: bool) -> String {
         let sha256 = hex(&sha2::Sha256::digest(&bytes));
-        lock(&self.shared.files)
-            .insert((repo.to_owned(), file.to_owned()), HubFile { bytes, sha256: sha256.clone(), lfs, served: None, announced: None });
+        lock(&self.shared.files).insert(
+            (repo.to_owned(), file.to_owned()),
+            HubFile { bytes, sha256: sha256.clone(), lfs, served: None, announced: None },
+        );
         sha256
     }
 
@@ -215,7 +218,14 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn record(shared: &Shared, host: &'static str, method: &Method, path: String, headers: &HeaderMap, status: u16) -> Arc<AtomicU64> {
+fn record(
+    shared: &Shared,
+    host: &'static str,
+    method: &Method,
+    path: String,
+    headers: &HeaderMap,
+    status: u16,
+) -> Arc<AtomicU64> {
     let get = |name: header::HeaderName| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
     let sent = Arc::new(AtomicU64::new(0));
     lock(&shared.requests).push(HubRequest {
@@ -287,7 +297,10 @@ fn resolve_answer(
         return (hub_error(StatusCode::NOT_FOUND, "RevisionNotFound", &format!("Invalid rev id: {rev}")), None);
     }
     let Some(f) = files.get(&(repo.to_owned(), file.to_owned())) else {
-        return (hub_error(StatusCode::NOT_FOUND, "EntryNotFound", &format!("{file} does not exist on \"{rev}\"")), None);
+        return (
+            hub_error(StatusCode::NOT_FOUND, "EntryNotFound", &format!("{file} does not exist on \"{rev}\"")),
+            None,
+        );
     };
     let size = f.announced.unwrap_or(f.bytes.len() as u64);
     let git_etag = format!("\"{}\"", &hex(&sha2::Sha256::digest([f.sha256.as_bytes(), b"git"].concat()))[..40]);
@@ -295,7 +308,8 @@ fn resolve_answer(
     if f.lfs {
         let files_addr = lock(&shared.files_addr).unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9)));
         // Signed like a CDN's address: the signature is for this one file.
-        let location = format!("http://{files_addr}/blobs/{}?Expires=4102444800&Signature=sig-{}", f.sha256, &f.sha256[..8]);
+        let location =
+            format!("http://{files_addr}/blobs/{}?Expires=4102444800&Signature=sig-{}", f.sha256, &f.sha256[..8]);
         let r = builder
             .status(StatusCode::FOUND)
             .header(header::LOCATION, location)
@@ -353,7 +367,14 @@ fn range_start(headers: &HeaderMap) -> Option<u64> {
 }
 
 /// `bytes[start..]` as the body of `head`'s answer: paced, counted, and cut where a cut is due.
-fn body_response(shared: &Shared, head: Response, bytes: Bytes, start: u64, sent: Arc<AtomicU64>, may_cut: bool) -> Response {
+fn body_response(
+    shared: &Shared,
+    head: Response,
+    bytes: Bytes,
+    start: u64,
+    sent: Arc<AtomicU64>,
+    may_cut: bool,
+) -> Response {
     let (options, cut) = {
         let options = lock(&shared.options).clone().unwrap_or_default();
         let cut = if may_cut { lock(&shared.cuts).pop() } else { None };

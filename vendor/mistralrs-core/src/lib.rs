@@ -730,7 +730,10 @@ impl MistralRs {
             Self::create_engine_instance(pipeline.clone(), method, engine_config, reboot_state)
                 .expect("Failed to create engine instance");
 
-        let pipeline_name = pipeline.try_lock().unwrap().name();
+        // Baton: the engine thread started above may hold the pipeline already (it locks it as
+        // it starts), which made `try_lock().unwrap()` panic now and then when a model loaded;
+        // wait for it instead.
+        let pipeline_name = pipeline.lock().await.name();
         let (id, alias_map) = match model_id_override {
             Some(override_id) => {
                 let mut alias_map = HashMap::new();
