@@ -406,12 +406,76 @@ build_device: string,
  */
 gpu_advice: string | null, };
 
-export type ModelChoice = { id: string, name: string, reference: string, quantization: string, size_gb: number, memory_gb: number, licence: string, licence_url: string, summary: string, fit: string, recommended: boolean, path: string | null, };
+export type ModelChoice = { id: string, name: string, 
+/**
+ * `owner/name:file`.
+ */
+reference: string, quantization: string, size_gb: number, 
+/**
+ * What running it as the conductor takes.
+ */
+memory_gb: number, licence: string, licence_url: string, summary: string, 
+/**
+ * `gpu`, `cpu`, `slow` (fits, but slow on a CPU) or `too_big`.
+ */
+fit: string, recommended: boolean, 
+/**
+ * The downloaded file, when it is here.
+ */
+path: string | null, };
 
 export type DownloadedModel = { reference: string, path: string, bytes: number, size: number, complete: boolean, };
 
-export type ModelCatalog = { models: Array<ModelChoice>, machine: string, build_device: string, gpu_advice: string | null, models_dir: string, hub: string, downloaded: Array<DownloadedModel>, };
+export type ModelCatalog = { models: Array<ModelChoice>, 
+/**
+ * This computer in a line: memory and GPU.
+ */
+machine: string, 
+/**
+ * What this build runs local models on: `cuda`, `metal` or `cpu`.
+ */
+build_device: string, 
+/**
+ * On a machine with an NVIDIA GPU this build does not use: how to build for it.
+ */
+gpu_advice: string | null, 
+/**
+ * Where downloads go.
+ */
+models_dir: string, 
+/**
+ * The hub downloads come from (`HF_ENDPOINT` or huggingface.co).
+ */
+hub: string, downloaded: Array<DownloadedModel>, };
 
-export type Download = { "state": "running", reference: string, phase: string, done: number, total: number, bytes_per_sec: number, eta_secs: number | null, } | { "state": "finished", reference: string, path: string, size: number, sha256: string | null, resumed_from: number, cached: boolean, } | { "state": "failed", reference: string, kind: string, message: string, } | { "state": "stopped", reference: string, have: number, size: number, };
+export type Download = { "state": "running", reference: string, 
+/**
+ * `resolving`, `checking` (reading back an earlier part), `downloading`, `reconnecting`.
+ */
+phase: string, done: number, total: number, 
+/**
+ * Over the last few seconds; 0 until there is a measure.
+ */
+bytes_per_sec: number, eta_secs: number | null, } | { "state": "finished", reference: string, path: string, size: number, 
+/**
+ * The SHA-256 the file was checked against (`null` for a small non-LFS file).
+ */
+sha256: string | null, 
+/**
+ * Where it went on from (0: from the start).
+ */
+resumed_from: number, 
+/**
+ * It was downloaded already.
+ */
+cached: boolean, } | { "state": "failed", reference: string, 
+/**
+ * `gated`, `not_found`, `unreachable`, `hub`, `checksum`, `no_space`, `busy`, `io`.
+ */
+kind: string, message: string, } | { "state": "stopped", reference: string, have: number, size: number, };
 
-export type LoadedModelView = { path: string, device: string, load_seconds: number, memory_bytes: number | null, prompt_tokens_per_sec: number | null, decode_tokens_per_sec: number | null, last_prompt_tokens: number | null, last_cached_prompt_tokens: number | null, last_output_tokens: number | null, };
+export type LoadedModelView = { path: string, device: string, load_seconds: number, 
+/**
+ * How much the app's memory grew while it loaded (Linux; on a GPU the weights are there).
+ */
+memory_bytes: number | null, prompt_tokens_per_sec: number | null, decode_tokens_per_sec: number | null, last_prompt_tokens: number | null, last_cached_prompt_tokens: number | null, last_output_tokens: number | null, };
