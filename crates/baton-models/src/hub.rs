@@ -202,11 +202,12 @@ impl Hub {
                     .get(header::LOCATION)
                     .and_then(|l| l.to_str().ok())
                     .is_some_and(|l| !l.contains("://") && !l.starts_with("//"));
-                if status.is_redirection() && relative {
-                    if let Some(next) = location {
-                        url = next;
-                        continue;
-                    }
+                if status.is_redirection()
+                    && relative
+                    && let Some(next) = &location
+                {
+                    url = next.clone();
+                    continue;
                 }
                 let target = if status.is_redirection() { location } else { Some(url.clone()) };
                 return read_meta(&url, headers, target);
