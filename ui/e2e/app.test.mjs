@@ -512,7 +512,7 @@ api_key_env = "BATON_E2E_CONDUCTOR_KEY"
     assert.ok(!log.includes(KEY), "the log holds the key");
     // The answers are in the history, not in the log.
     assert.ok(!log.includes(REPLIES.alpha), "the log holds a worker's answer");
-    await click(await find("nav-chat"));
+    await click(await find("new-chat"));
   });
 
   await t.test("after a restart the conversation and its runs are in the history", async () => {
@@ -901,6 +901,8 @@ test("first run: the recommended conductor downloads with progress, loads, and a
   assert.ok(path?.startsWith(join(models, `models--${repo.replace("/", "--")}`, "snapshots")), saved);
   assert.equal(readFileSync(path).length, readFileSync(REAL_MODEL).length);
   figures.first_run_download = { model: recommended.reference, progress_seen: progress, finished: await status() };
+  // No workers yet: nothing in red, the conductor loads on the first question.
+  assert.deepEqual(await driver.executeScript(RED_TEXT), [], "text shown in red, or in a box marked as a problem");
   await shot("18-first-run-downloaded");
 
   // Workers are the next step of the welcome screen (the main session covers that screen); one
@@ -923,7 +925,7 @@ base_url = "${serverAddress}/v1"
 description = "answers questions"
 `,
   );
-  await click(await find("nav-chat"));
+  await click(await find("new-chat"));
   const composer = await find("composer");
   await composer.sendKeys("What is six times seven?");
   await click(await find("send"));
