@@ -933,6 +933,21 @@ description = "answers questions"
   assert.equal(await turn.getAttribute("data-status"), "finished", await turn.getText());
   assert.ok((await textOf(await turn.findElement(byTest("answer")))).includes("Alpha says the answer is 42"));
   await shot("19-first-run-answer");
+
+  // The Conductor screen: what the build runs on, where the conductor runs, the memory it took,
+  // and how fast its plan ran.
+  await click(await find("nav-conductor"));
+  assert.equal(await textOf(await find("build-device")), "This build of Baton runs local models on the CPU.");
+  const running = await driver.wait(async () => {
+    const el = (await driver.findElements(byTest("conductor-figures")))[0];
+    const text = el ? (await textOf(el)).replace(/\s+/g, " ") : "";
+    return /Last plan: \d+ prompt tokens \(\d+ from the cache\) at \d+ tokens\/s, \d+ tokens written at [\d.]+ tokens\/s/.test(text)
+      ? text
+      : null;
+  }, 15000);
+  assert.match(running, /^Running on cpu, [\d.]+ [kMG]?B of memory, loaded in [\d.]+ s\./);
+  figures.first_run_conductor = running;
+  await shot("20-first-run-conductor");
 });
 
 /** The highest `(line I)` mark in a long answer's text (the test server writes them); -1 for none. */
