@@ -55,7 +55,7 @@ pub fn typescript() -> String {
         crate::models::DownloadedModel::decl(&cfg),
         crate::models::ModelCatalog::decl(&cfg),
         crate::models::Download::decl(&cfg),
-        crate::models::LoadedModelView::decl(&cfg),
+        baton_conductor::setup::LoadedModel::decl(&cfg),
     ];
     let mut out = String::from(
         "// Generated from Baton's Rust types by `src-tauri/src/bindings.rs`; do not edit.\n\

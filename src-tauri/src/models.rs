@@ -306,39 +306,8 @@ pub async fn delete_model(state: State<'_, AppState>, reference: String) -> AppR
     }
 }
 
-/// A local model loaded now, as the Conductor screen shows it: where it runs, the memory it
-/// took, and how fast its latest generation (for the conductor, the last plan) ran.
-#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
-pub struct LoadedModelView {
-    pub path: String,
-    pub device: String,
-    pub load_seconds: f64,
-    /// How much the app's memory grew while it loaded (Linux; on a GPU the weights are there).
-    pub memory_bytes: Option<u64>,
-    pub prompt_tokens_per_sec: Option<f64>,
-    pub decode_tokens_per_sec: Option<f64>,
-    pub last_prompt_tokens: Option<u64>,
-    pub last_cached_prompt_tokens: Option<u64>,
-    pub last_output_tokens: Option<u64>,
-}
-
-/// The local models loaded now, with their speed.
+/// The local models loaded now: device, memory, and the speed of their latest generation.
 #[tauri::command]
-pub fn loaded_models(state: State<'_, AppState>) -> Vec<LoadedModelView> {
-    state
-        .models
-        .loaded()
-        .into_iter()
-        .map(|m| LoadedModelView {
-            path: m.path.display().to_string(),
-            device: m.device,
-            load_seconds: m.load_seconds,
-            memory_bytes: m.memory_bytes,
-            prompt_tokens_per_sec: m.prompt_tokens_per_sec,
-            decode_tokens_per_sec: m.decode_tokens_per_sec,
-            last_prompt_tokens: m.last_prompt_tokens,
-            last_cached_prompt_tokens: m.last_cached_prompt_tokens,
-            last_output_tokens: m.last_output_tokens,
-        })
-        .collect()
+pub fn loaded_models(state: State<'_, AppState>) -> Vec<baton_conductor::setup::LoadedModel> {
+    state.models.loaded()
 }

@@ -14,7 +14,7 @@ import type {
   ExportFormat,
   ExportTarget,
   KeysView,
-  LoadedModelView,
+  LoadedModel,
   ModelCatalog,
   ModelLoad,
   Plan,
@@ -95,7 +95,7 @@ export const api = {
   pullModel: (reference: string, stopId: string) => invoke<string>("pull_model", { reference, stopId }),
   deleteModel: (reference: string) => invoke<null>("delete_model", { reference }),
   /** The local models loaded now: device, memory, and the speed of their latest generation. */
-  loadedModels: () => invoke<LoadedModelView[]>("loaded_models"),
+  loadedModels: () => invoke<LoadedModel[]>("loaded_models"),
 };
 
 export function onModelDownload(handler: (download: Download) => void): Promise<UnlistenFn> {

@@ -474,8 +474,12 @@ cached: boolean, } | { "state": "failed", reference: string,
  */
 kind: string, message: string, } | { "state": "stopped", reference: string, have: number, size: number, };
 
-export type LoadedModelView = { path: string, device: string, load_seconds: number, 
+export type LoadedModel = { path: string, device: string, load_seconds: number, 
 /**
- * How much the app's memory grew while it loaded (Linux; on a GPU the weights are there).
+ * How much the process's memory grew while it loaded (Linux).
  */
-memory_bytes: number | null, prompt_tokens_per_sec: number | null, decode_tokens_per_sec: number | null, last_prompt_tokens: number | null, last_cached_prompt_tokens: number | null, last_output_tokens: number | null, };
+memory_bytes: number | null, 
+/**
+ * Its latest generation (a plan, for the conductor): prompt and decode rates, tokens.
+ */
+prompt_tokens_per_sec: number | null, decode_tokens_per_sec: number | null, last_prompt_tokens: number | null, last_cached_prompt_tokens: number | null, last_output_tokens: number | null, };

@@ -76,10 +76,11 @@ impl std::fmt::Debug for LocalModels {
     }
 }
 
-/// A loaded model: where it runs, what it took, and how fast it ran last.
-#[derive(Debug, Clone, PartialEq)]
+/// A loaded model: where it runs, what it took, and how fast it ran last (the app's Conductor
+/// screen shows it).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, ts_rs::TS)]
 pub struct LoadedModel {
-    pub path: PathBuf,
+    pub path: String,
     pub device: String,
     pub load_seconds: f64,
     /// How much the process's memory grew while it loaded (Linux).
@@ -102,7 +103,7 @@ impl LocalModels {
                 .map(|(config, m)| {
                     let last = m.last_speed();
                     LoadedModel {
-                        path: config.path.clone(),
+                        path: config.path.display().to_string(),
                         device: m.device.clone(),
                         load_seconds: m.load_time.as_secs_f64(),
                         memory_bytes: m.memory_bytes,

@@ -161,23 +161,16 @@ impl Cache {
                     }
                 }
             }
-            if let Ok(blobs) = std::fs::read_dir(repo_dir.join("blobs")) {
-                for blob in blobs {
-                    let note_path = blob?.path();
-                    if !note_path.to_string_lossy().ends_with(".incomplete.json") {
-                        continue;
-                    }
-                    let Some(note) = read_note(&note_path) else { continue };
-                    let partial = note_path.with_extension("");
-                    let bytes = std::fs::metadata(&partial).map(|m| m.len()).unwrap_or(0);
-                    entries.push(Entry {
-                        reference: note.reference,
-                        path: partial,
-                        bytes,
-                        size: note.size,
-                        complete: false,
-                    });
-                }
+            for (note_path, note) in partials(&repo_dir)? {
+                let partial = note_path.with_extension("");
+                let bytes = std::fs::metadata(&partial).map(|m| m.len()).unwrap_or(0);
+                entries.push(Entry {
+                    reference: note.reference,
+                    path: partial,
+                    bytes,
+                    size: note.size,
+                    complete: false,
+                });
             }
         }
         entries.sort_by_cached_key(|e| (e.reference.to_string(), !e.complete));
@@ -204,28 +197,21 @@ impl Cache {
                 remove_empty_dirs(link.parent(), &repo_dir.join("snapshots"));
             }
         }
-        if let Ok(blobs) = std::fs::read_dir(repo_dir.join("blobs")) {
-            for blob in blobs {
-                let note_path = blob?.path();
-                if !note_path.to_string_lossy().ends_with(".incomplete.json") {
-                    continue;
-                }
-                let Some(note) = read_note(&note_path) else { continue };
-                if note.reference.file != reference.file || note.reference.revision != reference.revision {
-                    continue;
-                }
-                let partial = note_path.with_extension("");
-                if let Ok(file) = std::fs::OpenOptions::new().write(true).open(&partial)
-                    && file.try_lock().is_err()
-                {
-                    return Err(io::Error::other(format!(
-                        "{reference} is being downloaded right now; stop that download first"
-                    )));
-                }
-                remove_if_there(&partial)?;
-                remove_if_there(&note_path)?;
-                removed = true;
+        for (note_path, note) in partials(&repo_dir)? {
+            if note.reference.file != reference.file || note.reference.revision != reference.revision {
+                continue;
             }
+            let partial = note_path.with_extension("");
+            if let Ok(file) = std::fs::OpenOptions::new().write(true).open(&partial)
+                && file.try_lock().is_err()
+            {
+                return Err(io::Error::other(format!(
+                    "{reference} is being downloaded right now; stop that download first"
+                )));
+            }
+            remove_if_there(&partial)?;
+            remove_if_there(&note_path)?;
+            removed = true;
         }
         // A repository with nothing left in it goes entirely (its refs mean nothing alone). Where
         // files live in the snapshots themselves (no links), those count too.
@@ -252,8 +238,27 @@ impl Cache {
     }
 }
 
-pub(crate) fn read_note(path: &Path) -> Option<PartialNote> {
+fn read_note(path: &Path) -> Option<PartialNote> {
     serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+}
+
+/// The partial downloads of a repository: each note beside a partial file, and what it says.
+fn partials(repo_dir: &Path) -> io::Result<Vec<(PathBuf, PartialNote)>> {
+    let mut out = Vec::new();
+    let blobs = match std::fs::read_dir(repo_dir.join("blobs")) {
+        Ok(blobs) => blobs,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(e),
+    };
+    for blob in blobs {
+        let path = blob?.path();
+        if path.to_string_lossy().ends_with(".incomplete.json")
+            && let Some(note) = read_note(&path)
+        {
+            out.push((path, note));
+        }
+    }
+    Ok(out)
 }
 
 fn read_refs(dir: &Path) -> Vec<(String, String)> {
