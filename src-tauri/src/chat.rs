@@ -219,6 +219,7 @@ pub async fn rerun_step<R: Runtime>(
         history,
         plan: Some(rerun.plan),
         reuse: Some(rerun.reuse),
+        budget: None,
     };
     run_recorded(&app, &registration, store, &executor, Some(conversation), run, on_event).await
 }

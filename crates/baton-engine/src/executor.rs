@@ -29,7 +29,7 @@ use crate::accounting::{Caller, Ledger, Meter, Refused, WorstCase};
 use crate::event::{RerunOf, RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, StepRef, Totals};
 use crate::keys;
 use crate::planner::{Planner, PlanningContext};
-use crate::pool::{Pool, PoolOptions, WorkerInfo, WorkerSpec};
+use crate::pool::{Budget, Pool, PoolOptions, WorkerInfo, WorkerSpec};
 use crate::prices::Pricing;
 
 /// Where a run's events go. Unbounded so a slow consumer never stalls the run.
@@ -84,6 +84,9 @@ pub struct RunRequest {
     /// Round-0 outputs to keep from an earlier run instead of calling again (a re-run; see
     /// [`crate::rerun`]). Needs `plan`.
     pub reuse: Option<Reuse>,
+    /// Caps for this run instead of the pool's (an evaluation gives each run its share of the
+    /// evaluation's spending cap). Each cap is the tighter of this and the pool's.
+    pub budget: Option<Budget>,
 }
 
 /// What a re-run keeps from the run it re-runs.
@@ -216,7 +219,7 @@ impl Executor {
         let started = Instant::now();
         let ctx = RunCtx {
             events,
-            ledger: Ledger::new(self.options.budget),
+            ledger: Ledger::new(tighter(self.options.budget, request.budget)),
             user_cancel: cancel.clone(),
             stop: cancel.child_token(),
             stop_reason: Mutex::new(None),
@@ -855,6 +858,22 @@ struct RoundOutcome {
 }
 
 /// A fresh run id: time-ordered, unique enough for one user's history.
+/// Each cap the tighter of the pool's and the run's own.
+fn tighter(pool: Budget, run: Option<Budget>) -> Budget {
+    let Some(run) = run else { return pool };
+    fn min<T: PartialOrd>(a: Option<T>, b: Option<T>) -> Option<T> {
+        match (a, b) {
+            (Some(a), Some(b)) => Some(if b < a { b } else { a }),
+            (a, b) => a.or(b),
+        }
+    }
+    Budget {
+        max_calls: min(pool.max_calls, run.max_calls),
+        max_tokens: min(pool.max_tokens, run.max_tokens),
+        max_cost_usd: min(pool.max_cost_usd, run.max_cost_usd),
+    }
+}
+
 pub fn new_run_id() -> String {
     let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
     format!("{ms:012x}{:06x}", fastrand::u32(..) & 0xff_ffff)

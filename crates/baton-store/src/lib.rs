@@ -9,6 +9,7 @@
 //!
 //! Keys never reach this crate: runs hold questions, plans, messages and answers only.
 
+pub mod evaluations;
 pub mod export;
 mod recorder;
 mod stored;
@@ -357,7 +358,8 @@ impl Store {
     ) -> Result<Vec<ConversationSummary>, StoreError> {
         let rows = sqlx::query(concat!(
             conversation_select!(),
-            " WHERE c.updated_at < ?1 ORDER BY c.updated_at DESC, c.id DESC LIMIT ?2"
+            // An evaluation's conversations are listed with the evaluation, not in the chat.
+            " WHERE c.updated_at < ?1 AND c.evaluation_id IS NULL ORDER BY c.updated_at DESC, c.id DESC LIMIT ?2"
         ))
         .bind(before.unwrap_or(i64::MAX))
         .bind(limit)
