@@ -7,6 +7,7 @@
 mod ask;
 mod bench;
 mod conductor_setup;
+mod eval_cmd;
 mod history_cmd;
 mod keys_cmd;
 mod models_cmd;
@@ -47,6 +48,9 @@ enum Command {
     /// curated conductor models for this computer.
     #[command(subcommand)]
     Models(models_cmd::Command),
+    /// Evaluations: does the conductor beat the best single worker, a lookup table, MoA or
+    /// best-of-n on this pool, and at what cost? run, list, show, export, delete, suites.
+    Eval(eval_cmd::Args),
     /// Baton's log files (what to attach to a problem report).
     #[command(subcommand)]
     Logs(LogsCommand),
@@ -132,6 +136,7 @@ fn run() -> ExitCode {
             Command::History(args) => history_cmd::run(args).await,
             Command::Keys(cmd) => keys_cmd::run(cmd).await,
             Command::Models(cmd) => models_cmd::run(cmd).await,
+            Command::Eval(args) => eval_cmd::run(args).await,
             Command::Logs(LogsCommand::Path) => Ok(()),
         }
     });

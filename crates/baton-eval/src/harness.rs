@@ -608,6 +608,7 @@ async fn run_one(
         split: if job.calibration { "calibration" } else { "test" }.into(),
         category: item.stratum().to_owned(),
         run_uid: Some(run_id),
+        run_id: None,
         answer,
         extracted: scored.extracted,
         correct: scored.correct,

@@ -42,6 +42,10 @@ pub struct EvalResult {
     pub split: String,
     pub category: String,
     pub run_uid: Option<String>,
+    /// The run's number in the history (`baton history show N`), while it is there; read, never
+    /// written.
+    #[serde(default)]
+    pub run_id: Option<i64>,
     pub answer: Option<String>,
     pub extracted: Option<String>,
     pub correct: bool,
@@ -185,10 +189,12 @@ impl Store {
     /// Every result of the evaluation, by strategy, item and repeat.
     pub async fn eval_results(&self, evaluation: &str) -> Result<Vec<EvalResult>, StoreError> {
         let rows = sqlx::query(
-            "SELECT strategy, item_id, repeat, split, category, run_uid, answer, extracted, correct, error, plan_valid,
-                    steps, calls, input_tokens, cached_input_tokens, output_tokens, conductor_input_tokens,
-                    conductor_cached_input_tokens, conductor_output_tokens, cost_usd, cost_complete, latency_ms
-             FROM eval_results WHERE evaluation_id = ?1 ORDER BY strategy, item_id, repeat",
+            "SELECT e.strategy, e.item_id, e.repeat, e.split, e.category, e.run_uid, r.id AS run_id, e.answer, e.extracted,
+                    e.correct, e.error, e.plan_valid, e.steps, e.calls, e.input_tokens, e.cached_input_tokens,
+                    e.output_tokens, e.conductor_input_tokens, e.conductor_cached_input_tokens,
+                    e.conductor_output_tokens, e.cost_usd, e.cost_complete, e.latency_ms
+             FROM eval_results e LEFT JOIN runs r ON r.uid = e.run_uid
+             WHERE e.evaluation_id = ?1 ORDER BY e.strategy, e.item_id, e.repeat",
         )
         .bind(evaluation)
         .fetch_all(&self.pool)
@@ -202,6 +208,7 @@ impl Store {
                     split: r.try_get("split")?,
                     category: r.try_get("category")?,
                     run_uid: r.try_get("run_uid")?,
+                    run_id: r.try_get("run_id")?,
                     answer: r.try_get("answer")?,
                     extracted: r.try_get("extracted")?,
                     correct: r.try_get("correct")?,

@@ -7,6 +7,7 @@ use std::time::Duration;
 /// | directive | effect |
 /// |---|---|
 /// | `reply=TEXT` | answer TEXT (`_` stands for a space) instead of the default echo |
+/// | `knows=PATH` | a JSON object `{needle: reply}`: answer the reply of the needle found in the last user turn (needles must not overlap; else as without it), so a worker can be right on exactly the questions a test chooses |
 /// | `latency=MS` | spread the answer over MS milliseconds |
 /// | `ttfb=MS` | wait MS before sending the response headers |
 /// | `slow=MSxN` | like `ttfb` but only for the first N calls |
@@ -23,6 +24,7 @@ use std::time::Duration;
 pub struct Script {
     pub name: String,
     pub reply: Option<String>,
+    pub knows: Option<std::path::PathBuf>,
     pub latency: Duration,
     pub ttfb: Duration,
     pub slow: Option<(Duration, u32)>,
@@ -54,6 +56,7 @@ impl Script {
             };
             match key {
                 "reply" => script.reply = Some(value.replace('_', " ")),
+                "knows" => script.knows = Some(value.into()),
                 "latency" => script.latency = ms(value).unwrap_or_default(),
                 "ttfb" => script.ttfb = ms(value).unwrap_or_default(),
                 "slow" => {
@@ -77,6 +80,9 @@ impl Script {
     /// The answer text for a conversation whose last user turn is `last_user` and which holds
     /// `seen` earlier answers.
     pub fn answer(&self, last_user: &str, seen: usize) -> String {
+        if let Some(known) = self.knows.as_deref().and_then(|path| known_reply(path, last_user)) {
+            return known;
+        }
         match (&self.reply, self.lines) {
             (Some(r), _) => r.clone(),
             (None, Some(n)) => long_markdown(n),
@@ -108,6 +114,13 @@ impl Script {
             }
         }
     }
+}
+
+/// The reply of a needle that `last_user` contains.
+fn known_reply(path: &std::path::Path, last_user: &str) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let table: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text).ok()?;
+    table.iter().find(|(needle, _)| last_user.contains(needle.as_str())).and_then(|(_, r)| r.as_str().map(str::to_owned))
 }
 
 /// `n` lines of the markdown a long answer is made of, in blocks separated by blank lines:

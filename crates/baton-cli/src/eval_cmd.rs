@@ -1,0 +1,328 @@
+//! `baton eval`: run strategies side by side on a suite of checkable questions and say which
+//! is better, at what cost (see `baton_eval`). Results live in the history database.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use baton_engine::Executor;
+use baton_eval::report::{self, Report};
+use baton_eval::{Ended, Harness, Progress, Spec, Strategy};
+use indicatif::{ProgressBar, ProgressStyle};
+use tokio_util::sync::CancellationToken;
+
+use crate::{Failure, Outcome, PoolArg};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    command: Command,
+    #[command(flatten)]
+    db: crate::history_cmd::DbArg,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Command {
+    /// Run (or resume) an evaluation: every strategy on the same items.
+    Run(RunArgs),
+    /// The evaluations in the history.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// An evaluation's results table (or JSON).
+    Show {
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write an evaluation's report: ID.md, ID.html, ID.svg (the cost–accuracy chart),
+    /// ID.json (the summary) and ID.results.jsonl (every item's result).
+    Export {
+        id: String,
+        /// Directory to write into (default: the current one).
+        #[arg(short = 'o', long, value_name = "DIR", default_value = ".")]
+        out: PathBuf,
+    },
+    /// Delete an evaluation, its results and its runs.
+    Delete { id: String },
+    /// The built-in suites and where they come from.
+    Suites,
+}
+
+#[derive(Debug, clap::Args)]
+struct RunArgs {
+    /// A built-in suite (humaneval, math500, mmlu) or a JSONL file of items.
+    suite: String,
+    #[command(flatten)]
+    pool: PoolArg,
+    #[command(flatten)]
+    conductor: crate::conductor_setup::ConductorArgs,
+    /// Comma-separated: conductor, single:WORKER (all-singles for every worker), moa,
+    /// router:lookup, router:random, best-of-n:WORKER[:N], oracle.
+    #[arg(long, default_value = "conductor,all-singles,router:lookup,oracle")]
+    strategies: String,
+    /// Names the evaluation; running again with the same id resumes it (default: the suite's
+    /// name and the time).
+    #[arg(long)]
+    id: Option<String>,
+    /// Evaluate this many items, drawn stratified by category (default: all).
+    #[arg(long, value_name = "N")]
+    limit: Option<usize>,
+    /// Run every strategy this many times per item.
+    #[arg(long, default_value_t = 1)]
+    repeats: u32,
+    /// Runs in flight at once.
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    /// Spend at most this much in total (resumes included); unpriced calls count as $0.
+    #[arg(long, value_name = "USD")]
+    max_cost_usd: Option<f64>,
+    /// Share of items kept to calibrate the lookup router and choose MoA's aggregator
+    /// (default 0.3 when one of them is asked for).
+    #[arg(long, value_name = "FRACTION")]
+    calibration: Option<f64>,
+    /// Seed for sampling, splits and the random router.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Print the result as one JSON object on the last line instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn run(args: Args) -> Outcome {
+    match args.command {
+        Command::Suites => {
+            for (name, provenance) in baton_eval::suite::builtins() {
+                println!("{name:10} {provenance}");
+            }
+            Ok(())
+        }
+        Command::Run(run_args) => run_eval(run_args, &args.db).await,
+        Command::List { json } => {
+            let store = args.db.open().await?;
+            let list = store.evaluations().await.map_err(|e| Failure::Failed(e.to_string()))?;
+            for e in &list {
+                if json {
+                    println!("{}", serde_json::to_string(e).unwrap_or_default());
+                } else {
+                    let strategies = e.config["strategies"]
+                        .as_array()
+                        .map(|a| a.iter().filter_map(|s| s.as_str()).collect::<Vec<_>>().join(","))
+                        .unwrap_or_default();
+                    println!(
+                        "{}  {}  {}  {} results  ${:.4}  {}",
+                        e.id, e.suite, e.status, e.results, e.spent_usd, strategies
+                    );
+                }
+            }
+            Ok(())
+        }
+        Command::Show { id, json } => {
+            let store = args.db.open().await?;
+            let report = load_report(&store, &id).await?;
+            if json {
+                println!("{}", serde_json::to_string(&report).unwrap_or_default());
+            } else {
+                print!("{}", report::table(&report));
+            }
+            Ok(())
+        }
+        Command::Export { id, out } => {
+            let store = args.db.open().await?;
+            let report = load_report(&store, &id).await?;
+            let results = store.eval_results(&id).await.map_err(|e| Failure::Failed(e.to_string()))?;
+            std::fs::create_dir_all(&out).map_err(|e| Failure::Failed(format!("{}: {e}", out.display())))?;
+            let base = safe_name(&id);
+            let write = |name: String, text: String| {
+                let path = out.join(name);
+                std::fs::write(&path, text).map_err(|e| Failure::Failed(format!("{}: {e}", path.display())))?;
+                println!("{}", path.display());
+                Ok::<(), Failure>(())
+            };
+            let jsonl: String =
+                results.iter().map(|r| serde_json::to_string(r).unwrap_or_default() + "\n").collect();
+            write(format!("{base}.md"), report::markdown(&report, &format!("{base}.svg")))?;
+            write(format!("{base}.svg"), report::svg(&report))?;
+            write(format!("{base}.html"), report::html(&report))?;
+            write(format!("{base}.json"), serde_json::to_string_pretty(&report).unwrap_or_default())?;
+            write(format!("{base}.results.jsonl"), jsonl)?;
+            Ok(())
+        }
+        Command::Delete { id } => {
+            let store = args.db.open().await?;
+            if store.delete_evaluation(&id).await.map_err(|e| Failure::Failed(e.to_string()))? {
+                eprintln!("deleted evaluation {id}");
+                Ok(())
+            } else {
+                Err(Failure::BadInput(format!("there is no evaluation {id:?} (baton eval list)")))
+            }
+        }
+    }
+}
+
+/// A file name from an evaluation id (ids are the user's words).
+fn safe_name(id: &str) -> String {
+    id.chars().map(|c| if c.is_alphanumeric() || matches!(c, '-' | '_' | '.') { c } else { '_' }).collect()
+}
+
+async fn load_report(store: &baton_store::Store, id: &str) -> Result<Report, Failure> {
+    let evaluation = store
+        .evaluation(id)
+        .await
+        .map_err(|e| Failure::Failed(e.to_string()))?
+        .ok_or_else(|| Failure::BadInput(format!("there is no evaluation {id:?} (baton eval list)")))?;
+    let results = store.eval_results(id).await.map_err(|e| Failure::Failed(e.to_string()))?;
+    Ok(report::summarize(&evaluation, &results))
+}
+
+async fn run_eval(args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome {
+    let suite = baton_eval::suite::load(&args.suite).map_err(|e| Failure::BadInput(e.to_string()))?;
+    let pool = args.pool.load()?;
+    let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
+    let strategies = Strategy::parse_list(&args.strategies, &workers).map_err(Failure::BadInput)?;
+    if args.repeats == 0 || args.concurrency == 0 {
+        return Err(Failure::BadInput("--repeats and --concurrency must be at least 1".into()));
+    }
+    if args.max_cost_usd.is_some_and(|c| !(c > 0.0)) {
+        return Err(Failure::BadInput("--max-cost-usd must be above 0".into()));
+    }
+    if args.max_cost_usd.is_some() {
+        let unpriced: Vec<&str> =
+            pool.workers.iter().filter(|w| !w.pricing().is_known()).map(|w| w.name.as_str()).collect();
+        if !unpriced.is_empty() {
+            eprintln!(
+                "warning: --max-cost-usd does not count workers without a price ({}); set price_in and price_out for them",
+                unpriced.join(", ")
+            );
+        }
+    }
+    let id = args.id.clone().unwrap_or_else(|| {
+        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        format!("{}-{secs}", suite.name)
+    });
+    // The history opens before anything runs, so a database problem costs no calls.
+    let store = db.open().await?;
+
+    let mut executor = Executor::from_pool(&pool);
+    let models = crate::conductor_setup::LocalModels::default();
+    let wants_conductor = strategies.contains(&Strategy::Conductor);
+    if wants_conductor {
+        let planner = crate::conductor_setup::planner(&pool, &args.conductor, &models, args.json).await?;
+        executor = executor.with_planner(planner);
+    }
+    let force_cpu = args.conductor.cpu || pool.options.conductor.device.as_deref() == Some("cpu");
+    crate::conductor_setup::attach_local_workers(&mut executor, &pool, &models, force_cpu, args.json).await?;
+    let harness = Harness::new(Arc::new(executor), workers, store.clone(), wants_conductor);
+
+    let spec = Spec {
+        id: id.clone(),
+        suite,
+        strategies,
+        repeats: args.repeats,
+        concurrency: args.concurrency,
+        max_cost_usd: args.max_cost_usd,
+        calibration: args.calibration,
+        limit: args.limit,
+        seed: args.seed,
+    };
+    let cancel = CancellationToken::new();
+    let ctrl_c = {
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                cancel.cancel();
+            }
+        })
+    };
+    let bar = Bar::new(args.json);
+    let progress = |p: Progress| bar.show(p);
+    eprintln!("evaluation {id}: {} items of {} ({})", args.limit.map_or(spec.suite.items.len(), |l| l.min(spec.suite.items.len())), spec.suite.name, spec.suite.provenance);
+    let ended = harness.run(&spec, &progress, &cancel).await;
+    bar.finish();
+    ctrl_c.abort();
+    let ended = ended.map_err(|e| match e {
+        baton_eval::EvalError::Settings(m) => Failure::BadInput(m),
+        other => Failure::Failed(other.to_string()),
+    })?;
+    let report = load_report(&store, &id).await?;
+    store.close().await;
+    if args.json {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{}", serde_json::to_string(&report).unwrap_or_default());
+    } else {
+        print!("{}", report::table(&report));
+    }
+    match ended {
+        Ended::Finished => Ok(()),
+        Ended::Stopped => {
+            eprintln!("stopped; `baton eval run {} --id {id}` with the same settings goes on", args.suite);
+            Err(Failure::Interrupted)
+        }
+        Ended::OverBudget => Err(Failure::Failed(format!(
+            "the spending cap was reached; `baton eval run {} --id {id} --max-cost-usd <more>` goes on",
+            args.suite
+        ))),
+    }
+}
+
+/// The progress bar: runs done, ETA, accuracy so far per strategy, and spend.
+struct Bar {
+    bar: Option<ProgressBar>,
+    tally: Mutex<std::collections::BTreeMap<String, (u32, u32)>>,
+}
+
+impl Bar {
+    fn new(quiet: bool) -> Bar {
+        let bar = (!quiet).then(|| {
+            let bar = if std::io::stderr().is_terminal() { ProgressBar::new(0) } else { ProgressBar::hidden() };
+            bar.set_style(
+                ProgressStyle::with_template("{bar:30} {pos}/{len} runs, {eta} left · {msg}")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            bar.enable_steady_tick(Duration::from_millis(500));
+            bar
+        });
+        Bar { bar, tally: Mutex::new(Default::default()) }
+    }
+
+    fn show(&self, p: Progress) {
+        let Some(bar) = &self.bar else {
+            // Quiet (JSON on stdout): notes still go to stderr.
+            if let Progress::Note(note) = p {
+                eprintln!("{note}");
+            }
+            return;
+        };
+        match p {
+            Progress::Planned { total, done } => {
+                bar.set_length(total as u64);
+                bar.set_position(done as u64);
+            }
+            Progress::Scored { strategy, correct, spent_usd, .. } => {
+                bar.inc(1);
+                let mut tally = self.tally.lock().unwrap_or_else(|e| e.into_inner());
+                let t = tally.entry(strategy).or_default();
+                t.0 += u32::from(correct);
+                t.1 += 1;
+                let parts: Vec<String> = tally
+                    .iter()
+                    .map(|(s, (c, n))| format!("{s} {:.0}%", 100.0 * f64::from(*c) / f64::from((*n).max(1))))
+                    .collect();
+                bar.set_message(format!("{} · ${spent_usd:.4}", parts.join(" · ")));
+                if bar.is_hidden() {
+                    // Not a terminal (a log, CI): one line per run instead of a bar.
+                    eprintln!("[{}/{}] {}", bar.position(), bar.length().unwrap_or(0), bar.message());
+                }
+            }
+            Progress::Note(note) => bar.suspend(|| eprintln!("{note}")),
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
