@@ -141,8 +141,7 @@ pub async fn run(args: Args) -> Outcome {
                 println!("{}", path.display());
                 Ok::<(), Failure>(())
             };
-            let jsonl: String =
-                results.iter().map(|r| serde_json::to_string(r).unwrap_or_default() + "\n").collect();
+            let jsonl: String = results.iter().map(|r| serde_json::to_string(r).unwrap_or_default() + "\n").collect();
             write(format!("{base}.md"), report::markdown(&report, &format!("{base}.svg")))?;
             write(format!("{base}.svg"), report::svg(&report))?;
             write(format!("{base}.html"), report::html(&report))?;
@@ -238,7 +237,12 @@ async fn run_eval(args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome {
     };
     let bar = Bar::new(args.json);
     let progress = |p: Progress| bar.show(p);
-    eprintln!("evaluation {id}: {} items of {} ({})", args.limit.map_or(spec.suite.items.len(), |l| l.min(spec.suite.items.len())), spec.suite.name, spec.suite.provenance);
+    eprintln!(
+        "evaluation {id}: {} items of {} ({})",
+        args.limit.map_or(spec.suite.items.len(), |l| l.min(spec.suite.items.len())),
+        spec.suite.name,
+        spec.suite.provenance
+    );
     let ended = harness.run(&spec, &progress, &cancel).await;
     bar.finish();
     ctrl_c.abort();

@@ -135,8 +135,20 @@ async fn every_strategy_scores_exactly_what_the_scripted_workers_know() {
     let setup = setup(&s, "", "");
     let strategies = "conductor,all-singles,moa,router:lookup,router:random,best-of-n:b:3,oracle";
     let out = baton(&[
-        "eval", "run", path(&setup.suite), "--pool", path(&setup.pool), "--db", path(&setup.db),
-        "--strategies", strategies, "--calibration", "0.5", "--id", "truth", "--json",
+        "eval",
+        "run",
+        path(&setup.suite),
+        "--pool",
+        path(&setup.pool),
+        "--db",
+        path(&setup.db),
+        "--strategies",
+        strategies,
+        "--calibration",
+        "0.5",
+        "--id",
+        "truth",
+        "--json",
     ])
     .await;
     assert_eq!(out.code, Some(0), "{}", out.stderr);
@@ -191,13 +203,18 @@ async fn every_strategy_scores_exactly_what_the_scripted_workers_know() {
     for r in rows.iter().filter(|r| r["strategy"] == "router:random") {
         let item = r["item_id"].as_str().unwrap();
         assert!(
-            ["a", "b", "c"].iter().any(|w| single[&(format!("single:{w}"), item.to_owned())]["run_uid"] == r["run_uid"]),
+            ["a", "b", "c"]
+                .iter()
+                .any(|w| single[&(format!("single:{w}"), item.to_owned())]["run_uid"] == r["run_uid"]),
             "{r}"
         );
     }
     for r in rows.iter().filter(|r| r["strategy"] == "oracle") {
         let item = r["item_id"].as_str().unwrap();
-        let sum: f64 = ["a", "b", "c"].iter().map(|w| single[&(format!("single:{w}"), item.to_owned())]["cost_usd"].as_f64().unwrap()).sum();
+        let sum: f64 = ["a", "b", "c"]
+            .iter()
+            .map(|w| single[&(format!("single:{w}"), item.to_owned())]["cost_usd"].as_f64().unwrap())
+            .sum();
         assert!((r["cost_usd"].as_f64().unwrap() - sum).abs() < 1e-12);
     }
 
@@ -224,7 +241,10 @@ async fn every_strategy_scores_exactly_what_the_scripted_workers_know() {
     // Each run is in the history, in a conversation kept out of the chat's list.
     let runs = baton(&["history", "list", "--db", path(&setup.db), "--json", "--limit", "1000"]).await;
     let recorded_runs = runs.stdout.lines().count();
-    let made = rows.iter().filter(|r| !matches!(r["strategy"].as_str().unwrap(), "oracle" | "router:lookup" | "router:random")).count();
+    let made = rows
+        .iter()
+        .filter(|r| !matches!(r["strategy"].as_str().unwrap(), "oracle" | "router:lookup" | "router:random"))
+        .count();
     assert_eq!(recorded_runs, made, "{}", runs.stderr);
     let conversations = baton(&["history", "list", "--conversations", "--db", path(&setup.db), "--json"]).await;
     assert_eq!(conversations.stdout.trim(), "", "evaluation runs stay out of the chat's list");
@@ -242,16 +262,37 @@ async fn every_strategy_scores_exactly_what_the_scripted_workers_know() {
     // Running it again resumes a finished evaluation: no call is made.
     let before = s.requests().len();
     let again = baton(&[
-        "eval", "run", path(&setup.suite), "--pool", path(&setup.pool), "--db", path(&setup.db),
-        "--strategies", strategies, "--calibration", "0.5", "--id", "truth", "--json",
+        "eval",
+        "run",
+        path(&setup.suite),
+        "--pool",
+        path(&setup.pool),
+        "--db",
+        path(&setup.db),
+        "--strategies",
+        strategies,
+        "--calibration",
+        "0.5",
+        "--id",
+        "truth",
+        "--json",
     ])
     .await;
     assert_eq!(again.code, Some(0), "{}", again.stderr);
     assert_eq!(s.requests().len(), before);
     // Other settings under the same id are refused, before any call.
     let other = baton(&[
-        "eval", "run", path(&setup.suite), "--pool", path(&setup.pool), "--db", path(&setup.db),
-        "--strategies", "single:a", "--id", "truth",
+        "eval",
+        "run",
+        path(&setup.suite),
+        "--pool",
+        path(&setup.pool),
+        "--db",
+        path(&setup.db),
+        "--strategies",
+        "single:a",
+        "--id",
+        "truth",
     ])
     .await;
     assert_eq!(other.code, Some(2));
@@ -266,8 +307,20 @@ async fn a_killed_evaluation_resumes_without_paying_twice() {
     let s = server().await;
     let setup = setup(&s, ";latency=150", "");
     let args = [
-        "eval", "run", path(&setup.suite), "--pool", path(&setup.pool), "--db", path(&setup.db),
-        "--strategies", "single:a,single:b", "--id", "resume", "--concurrency", "1", "--json",
+        "eval",
+        "run",
+        path(&setup.suite),
+        "--pool",
+        path(&setup.pool),
+        "--db",
+        path(&setup.db),
+        "--strategies",
+        "single:a,single:b",
+        "--id",
+        "resume",
+        "--concurrency",
+        "1",
+        "--json",
     ];
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_baton"))
         .args(args)
@@ -295,7 +348,8 @@ async fn a_killed_evaluation_resumes_without_paying_twice() {
     assert_eq!(rows.len(), 32, "16 items × 2 workers");
     let mut asked: HashMap<(String, String), u32> = HashMap::new();
     for r in s.requests() {
-        let last = r.body["messages"].as_array().and_then(|m| m.last()).map(|m| m["content"].to_string()).unwrap_or_default();
+        let last =
+            r.body["messages"].as_array().and_then(|m| m.last()).map(|m| m["content"].to_string()).unwrap_or_default();
         let needle = last.split('>').next().unwrap_or_default().to_owned();
         *asked.entry((r.model.split(';').next().unwrap_or_default().to_owned(), needle)).or_default() += 1;
     }
@@ -318,8 +372,21 @@ async fn the_spending_cap_is_never_passed_and_a_higher_one_goes_on() {
         let (suite, pool, db) = (setup.suite.clone(), setup.pool.clone(), setup.db.clone());
         async move {
             baton(&[
-                "eval", "run", path(&suite), "--pool", path(&pool), "--db", path(&db),
-                "--strategies", "single:a", "--id", "cap", "--concurrency", "2", "--max-cost-usd", cap,
+                "eval",
+                "run",
+                path(&suite),
+                "--pool",
+                path(&pool),
+                "--db",
+                path(&db),
+                "--strategies",
+                "single:a",
+                "--id",
+                "cap",
+                "--concurrency",
+                "2",
+                "--max-cost-usd",
+                cap,
             ])
             .await
         }
@@ -349,7 +416,10 @@ async fn code_items_are_checked_in_the_sandbox() {
     let replies = [
         ("<K0>", "```python\ndef add(a, b):\n    return a + b\n```".to_owned()),
         ("<K1>", "```python\ndef add(a, b):\n    return a - b\n```".to_owned()),
-        ("<K2>", format!("```python\ndef add(a, b):\n    open({:?}, 'w').write('x')\n    return a + b\n```", path(&escaped))),
+        (
+            "<K2>",
+            format!("```python\ndef add(a, b):\n    open({:?}, 'w').write('x')\n    return a + b\n```", path(&escaped)),
+        ),
         ("<K3>", "```python\ndef add(a, b):\n    while True:\n        pass\n```".to_owned()),
     ];
     for (i, (needle, reply)) in replies.iter().enumerate() {
@@ -368,8 +438,18 @@ async fn code_items_are_checked_in_the_sandbox() {
     std::fs::write(dir.path().join("pool.toml"), pool).unwrap();
     let db = dir.path().join("h.sqlite");
     let out = baton(&[
-        "eval", "run", path(&dir.path().join("code.jsonl")), "--pool", path(&dir.path().join("pool.toml")),
-        "--db", path(&db), "--strategies", "single:coder", "--id", "code", "--json",
+        "eval",
+        "run",
+        path(&dir.path().join("code.jsonl")),
+        "--pool",
+        path(&dir.path().join("pool.toml")),
+        "--db",
+        path(&db),
+        "--strategies",
+        "single:coder",
+        "--id",
+        "code",
+        "--json",
     ])
     .await;
     assert_eq!(out.code, Some(0), "{}", out.stderr);
@@ -387,7 +467,8 @@ async fn code_items_are_checked_in_the_sandbox() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    let error = |id: &str| rows.iter().find(|r| r["item_id"] == id).unwrap()["error"].as_str().unwrap_or_default().to_owned();
+    let error =
+        |id: &str| rows.iter().find(|r| r["item_id"] == id).unwrap()["error"].as_str().unwrap_or_default().to_owned();
     assert!(error("k1").contains("AssertionError"), "{}", error("k1"));
     assert!(error("k2").contains("sandbox"), "{}", error("k2"));
     assert!(error("k3").contains("limit"), "{}", error("k3"));
@@ -400,9 +481,25 @@ async fn bad_suites_and_strategies_are_refused_before_any_call() {
     let setup = setup(&s, "", "");
     let cases: [(&[&str], &str); 4] = [
         (&["eval", "run", "/no/such.jsonl", "--pool", path(&setup.pool)], "not a built-in suite"),
-        (&["eval", "run", path(&setup.suite), "--pool", path(&setup.pool), "--strategies", "single:zed"], "no worker \"zed\""),
+        (
+            &["eval", "run", path(&setup.suite), "--pool", path(&setup.pool), "--strategies", "single:zed"],
+            "no worker \"zed\"",
+        ),
         (&["eval", "run", path(&setup.suite), "--pool", path(&setup.pool), "--strategies", "vote"], "unknown strategy"),
-        (&["eval", "run", path(&setup.suite), "--pool", path(&setup.pool), "--calibration", "0.95", "--strategies", "router:lookup"], "--calibration"),
+        (
+            &[
+                "eval",
+                "run",
+                path(&setup.suite),
+                "--pool",
+                path(&setup.pool),
+                "--calibration",
+                "0.95",
+                "--strategies",
+                "router:lookup",
+            ],
+            "--calibration",
+        ),
     ];
     for (args, want) in cases {
         let mut args = args.to_vec();

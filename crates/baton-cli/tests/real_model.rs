@@ -99,3 +99,64 @@ async fn ask_under_a_token_cap_plans_runs_and_counts_the_conductor() {
     assert_eq!(totals["workers"]["calls"].as_u64(), Some(server.requests().len() as u64));
     assert!(tokens(totals) <= 6000, "{totals}");
 }
+
+/// `baton eval` end to end with the real model as conductor and as the one worker, on five
+/// MATH500 items: both strategies are scored on all five, the conductor's plans are counted
+/// valid or not, its tokens are kept apart, and every run is in the history. The score is
+/// whatever a 135M model gets; the pipeline is what is checked.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_five_item_evaluation_runs_with_the_real_model_as_conductor_and_worker() {
+    let Some(model) = baton_tests::real_model() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    // Two steps at most and short answers keep this to about a minute on two cores.
+    let text = format!(
+        "max_steps = 2\n\n[conductor]\nmodel = \"{m}\"\ndevice = \"cpu\"\nmax_reasoning_chars = 100\nmax_subtask_chars = 120\n\n\
+         [[worker]]\nname = \"smol\"\nprovider = \"local\"\nmodel = \"{m}\"\nmax_tokens = 48\ndescription = \"a small general model\"\n",
+        m = model.display()
+    );
+    let pool = dir.path().join("pool.toml");
+    std::fs::write(&pool, text).expect("write pool");
+    let db = dir.path().join("history.sqlite");
+    let (pool, db) = (pool.to_str().expect("utf-8"), db.to_str().expect("utf-8"));
+    let args = [
+        "eval",
+        "run",
+        "math500",
+        "--limit",
+        "5",
+        "--pool",
+        pool,
+        "--db",
+        db,
+        "--strategies",
+        "conductor,single:smol",
+        "--concurrency",
+        "1",
+        "--id",
+        "real",
+        "--json",
+    ];
+    let bin = Path::new(env!("CARGO_BIN_EXE_baton"));
+    let out = baton_tests::run_within(Duration::from_secs(600), bin, &args, None, &[]).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let report: serde_json::Value = serde_json::from_str(out.stdout.lines().last().expect("JSON")).expect("json");
+    let strategies = report["strategies"].as_array().expect("strategies");
+    assert_eq!(strategies.len(), 2);
+    for s in strategies {
+        assert_eq!(s["n"], 5, "{s}");
+        let accuracy = s["accuracy"].as_f64().expect("accuracy");
+        assert!((0.0..=1.0).contains(&accuracy));
+        assert!(s["output_tokens"].as_u64().unwrap_or(0) > 0, "{s}");
+        assert_eq!(s["cost_usd"], 0.0, "local models cost nothing");
+    }
+    let conductor = &strategies[0];
+    assert_eq!(conductor["strategy"], "conductor");
+    assert!(conductor["plan_validity"].as_f64().is_some());
+    assert!(conductor["conductor_input_tokens"].as_u64().unwrap_or(0) > 0, "{conductor}");
+    assert_eq!(report["cost_axis"], "tokens");
+    let history =
+        baton_tests::run_within(Duration::from_secs(30), bin, &["history", "list", "--db", db, "--json"], None, &[])
+            .await;
+    assert_eq!(history.stdout.lines().count(), 10, "{}", history.stderr);
+    eprintln!("{}", out.stdout.lines().last().unwrap_or_default());
+}

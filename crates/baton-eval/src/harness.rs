@@ -207,8 +207,9 @@ impl Harness {
                         spec.id, existing.suite
                     )));
                 }
-                let before: Config = serde_json::from_value(existing.config.clone())
-                    .map_err(|e| EvalError::Settings(format!("evaluation {} has an unreadable config: {e}", spec.id)))?;
+                let before: Config = serde_json::from_value(existing.config.clone()).map_err(|e| {
+                    EvalError::Settings(format!("evaluation {} has an unreadable config: {e}", spec.id))
+                })?;
                 if !before.same_settings(&config) {
                     return Err(EvalError::Settings(format!(
                         "evaluation {} was started with other settings (strategies {}, repeats {}, calibration {}, limit {:?}, seed {}, workers {}); run it with those, or choose another --id",
@@ -235,13 +236,8 @@ impl Harness {
 
         let items = select(&spec.suite.items, spec.limit, spec.seed);
         let is_calibration = split(&items, calibration, spec.seed);
-        let done: HashSet<(String, String, u32)> = self
-            .store
-            .eval_results(&spec.id)
-            .await?
-            .into_iter()
-            .map(|r| (r.strategy, r.item_id, r.repeat))
-            .collect();
+        let done: HashSet<(String, String, u32)> =
+            self.store.eval_results(&spec.id).await?.into_iter().map(|r| (r.strategy, r.item_id, r.repeat)).collect();
 
         let ctx = Arc::new(RunCtx {
             harness: self.clone(),
@@ -268,7 +264,13 @@ impl Harness {
             for w in 0..self.workers.len() {
                 for &i in &calib {
                     for r in 0..repeats {
-                        phase1.push(Job { strategy: single_key(w), what: Run::Single(w), item: i, repeat: r, calibration: true });
+                        phase1.push(Job {
+                            strategy: single_key(w),
+                            what: Run::Single(w),
+                            item: i,
+                            repeat: r,
+                            calibration: true,
+                        });
                     }
                 }
             }
@@ -279,7 +281,8 @@ impl Harness {
         let runnable: Vec<&Strategy> = spec.strategies.iter().filter(|s| !s.is_derived()).collect();
         let mut singles_in_test: Vec<usize> = singles_needed.clone();
         singles_in_test.sort_unstable();
-        let per_test_runs = runnable.iter().filter(|s| !matches!(s, Strategy::Single(_))).count() + singles_in_test.len();
+        let per_test_runs =
+            runnable.iter().filter(|s| !matches!(s, Strategy::Single(_))).count() + singles_in_test.len();
         let total = phase1.len() + per_test_runs * test.len() * repeats as usize;
         let already = count_done(&phase1)
             + done
@@ -317,11 +320,8 @@ impl Harness {
             config.moa_aggregator = self.workers.first().cloned();
         }
         self.save_config(&spec.id, &config).await?;
-        let aggregator = config
-            .moa_aggregator
-            .as_ref()
-            .and_then(|a| self.workers.iter().position(|w| w == a))
-            .unwrap_or(0);
+        let aggregator =
+            config.moa_aggregator.as_ref().and_then(|a| self.workers.iter().position(|w| w == a)).unwrap_or(0);
 
         // 3. The test split.
         let mut jobs = Vec::new();
@@ -336,12 +336,20 @@ impl Harness {
                     jobs.push(Job { strategy: s.key(), what, item: i, repeat: r, calibration: false });
                 }
                 for &w in &singles_in_test {
-                    jobs.push(Job { strategy: single_key(w), what: Run::Single(w), item: i, repeat: r, calibration: false });
+                    jobs.push(Job {
+                        strategy: single_key(w),
+                        what: Run::Single(w),
+                        item: i,
+                        repeat: r,
+                        calibration: false,
+                    });
                 }
             }
         }
-        let todo: Vec<Job> =
-            jobs.into_iter().filter(|j| !done.contains(&(j.strategy.clone(), items[j.item].id.clone(), j.repeat))).collect();
+        let todo: Vec<Job> = jobs
+            .into_iter()
+            .filter(|j| !done.contains(&(j.strategy.clone(), items[j.item].id.clone(), j.repeat)))
+            .collect();
         if let Some(end) = run_jobs(&ctx, todo, spec.concurrency, cancel).await? {
             self.finish(&spec.id, &config, end).await?;
             return Ok(end);
@@ -369,13 +377,21 @@ impl Harness {
             config.best_of_n.insert(worker.clone(), n);
             for &i in &test {
                 for r in 0..repeats {
-                    jobs.push(Job { strategy: s.key(), what: Run::BestOfN { worker: w, n }, item: i, repeat: r, calibration: false });
+                    jobs.push(Job {
+                        strategy: s.key(),
+                        what: Run::BestOfN { worker: w, n },
+                        item: i,
+                        repeat: r,
+                        calibration: false,
+                    });
                 }
             }
         }
         self.save_config(&spec.id, &config).await?;
-        let todo: Vec<Job> =
-            jobs.into_iter().filter(|j| !done.contains(&(j.strategy.clone(), items[j.item].id.clone(), j.repeat))).collect();
+        let todo: Vec<Job> = jobs
+            .into_iter()
+            .filter(|j| !done.contains(&(j.strategy.clone(), items[j.item].id.clone(), j.repeat)))
+            .collect();
         if let Some(end) = run_jobs(&ctx, todo, spec.concurrency, cancel).await? {
             self.finish(&spec.id, &config, end).await?;
             return Ok(end);
@@ -484,7 +500,9 @@ async fn run_jobs(
     }
     let over = ctx.purse.lock().unwrap_or_else(|e| e.into_inner()).over;
     if over {
-        (ctx.progress)(Progress::Note("the spending cap is reached: run again with a higher --max-cost-usd to go on".into()));
+        (ctx.progress)(Progress::Note(
+            "the spending cap is reached: run again with a higher --max-cost-usd to go on".into(),
+        ));
         return Ok(Some(Ended::OverBudget));
     }
     Ok(None)
@@ -655,10 +673,11 @@ pub async fn score(sandbox: Option<&Sandbox>, item: &Item, answer: Option<&str>)
     Ok(match item.kind {
         Kind::Number => {
             let extracted = extract::extract_number(answer);
-            let correct = match (extracted.as_deref().and_then(extract::parse_number), extract::parse_number(&item.answer)) {
-                (Some(a), Some(b)) => extract::same_number(a, b),
-                _ => false,
-            };
+            let correct =
+                match (extracted.as_deref().and_then(extract::parse_number), extract::parse_number(&item.answer)) {
+                    (Some(a), Some(b)) => extract::same_number(a, b),
+                    _ => false,
+                };
             Scored { extracted, correct, error: None }
         }
         Kind::Choice => {
@@ -694,7 +713,9 @@ pub async fn score(sandbox: Option<&Sandbox>, item: &Item, answer: Option<&str>)
 /// The key two answers agree on, for voting.
 fn vote_key(item: &Item, answer: &str) -> Option<String> {
     match item.kind {
-        Kind::Number => extract::extract_number(answer).and_then(|e| extract::parse_number(&e)).map(|v| format!("{v:.9}")),
+        Kind::Number => {
+            extract::extract_number(answer).and_then(|e| extract::parse_number(&e)).map(|v| format!("{v:.9}"))
+        }
         Kind::Choice => extract::extract_choice(answer, item.option_count()).map(String::from),
         Kind::Exact => extract::extract_exact(answer).map(|e| extract::normalize_exact(&e)),
         Kind::Code => None,
@@ -802,7 +823,9 @@ fn lookup_table(
     }
     let best = (0..workers.len())
         .filter(|&w| overall[w].1 > 0)
-        .max_by(|&a, &b| rate(overall[a]).partial_cmp(&rate(overall[b])).unwrap_or(std::cmp::Ordering::Equal).then(b.cmp(&a)))
+        .max_by(|&a, &b| {
+            rate(overall[a]).partial_cmp(&rate(overall[b])).unwrap_or(std::cmp::Ordering::Equal).then(b.cmp(&a))
+        })
         .map(|w| workers[w].clone());
     (table, best)
 }
@@ -810,7 +833,8 @@ fn lookup_table(
 /// `n` for best-of-n: the conductor's mean cost per test item over the worker's (dollars, or
 /// tokens where either is unpriced), rounded; 3 without conductor results.
 fn matched_n(results: &[EvalResult], single: &str) -> u32 {
-    let of = |s: &str| -> Vec<&EvalResult> { results.iter().filter(|r| r.strategy == s && r.split == "test").collect() };
+    let of =
+        |s: &str| -> Vec<&EvalResult> { results.iter().filter(|r| r.strategy == s && r.split == "test").collect() };
     let (conductor, worker) = (of("conductor"), of(single));
     if conductor.is_empty() || worker.is_empty() {
         return 3;
@@ -820,7 +844,8 @@ fn matched_n(results: &[EvalResult], single: &str) -> u32 {
         rs.iter().map(|r| (r.input_tokens + r.output_tokens) as f64).sum::<f64>() / rs.len() as f64
     };
     let priced = conductor.iter().chain(&worker).all(|r| r.cost_complete) && dollars(&worker) > 0.0;
-    let ratio = if priced { dollars(&conductor) / dollars(&worker) } else { tokens(&conductor) / tokens(&worker).max(1.0) };
+    let ratio =
+        if priced { dollars(&conductor) / dollars(&worker) } else { tokens(&conductor) / tokens(&worker).max(1.0) };
     ratio.round().max(1.0) as u32
 }
 
@@ -850,7 +875,8 @@ fn derive(
             let of = |w: usize| single.get(&(keys[w].as_str(), item.id.as_str(), r)).copied();
             let chosen = match strategy {
                 Strategy::RouterLookup => {
-                    let w = lookup.get(item.stratum()).and_then(|name| workers.iter().position(|x| x == name)).unwrap_or(0);
+                    let w =
+                        lookup.get(item.stratum()).and_then(|name| workers.iter().position(|x| x == name)).unwrap_or(0);
                     of(w)
                 }
                 Strategy::RouterRandom => of(rng.usize(..workers.len().max(1))),

@@ -113,11 +113,7 @@ pub fn summarize(evaluation: &Evaluation, results: &[EvalResult]) -> Report {
 
     let priced = strategies.iter().all(|s| s.cost_complete) && strategies.iter().any(|s| s.cost_usd > 0.0);
     let x = |s: &StrategySummary| {
-        if priced {
-            s.cost_per_item_usd
-        } else {
-            (s.input_tokens + s.output_tokens) as f64 / s.runs.max(1) as f64
-        }
+        if priced { s.cost_per_item_usd } else { (s.input_tokens + s.output_tokens) as f64 / s.runs.max(1) as f64 }
     };
     let points: Vec<(f64, f64)> = strategies.iter().map(|s| (x(s), s.accuracy)).collect();
     // The oracle is a ceiling, not something one can run: it is drawn but kept off the front.
@@ -136,7 +132,8 @@ pub fn summarize(evaluation: &Evaluation, results: &[EvalResult]) -> Report {
             .filter(|s| s.strategy.starts_with("single:"))
             .max_by(|a, b| a.accuracy.total_cmp(&b.accuracy).then(b.cost_per_item_usd.total_cmp(&a.cost_per_item_usd)))
             .map(|s| s.strategy.clone());
-        for other in best_single.into_iter().chain(by.contains_key("router:lookup").then(|| "router:lookup".to_owned())) {
+        for other in best_single.into_iter().chain(by.contains_key("router:lookup").then(|| "router:lookup".to_owned()))
+        {
             comparisons.push(compare("conductor", &other, &by, evaluation));
         }
     }
@@ -184,9 +181,8 @@ fn summary(name: &str, rows: &[&EvalResult]) -> StrategySummary {
         cost_complete: rows.iter().all(|r| r.cost_complete),
         latency_p50_ms: stats::percentile(&latencies, 50.0),
         latency_p95_ms: stats::percentile(&latencies, 95.0),
-        plan_validity: conductor.then(|| {
-            rows.iter().filter(|r| r.plan_valid == Some(true)).count() as f64 / rows.len().max(1) as f64
-        }),
+        plan_validity: conductor
+            .then(|| rows.iter().filter(|r| r.plan_valid == Some(true)).count() as f64 / rows.len().max(1) as f64),
         mean_steps: (conductor && !steps.is_empty()).then(|| stats::mean(&steps)),
         failures: rows.iter().filter(|r| r.answer.is_none()).count(),
         pareto: false,
@@ -195,7 +191,9 @@ fn summary(name: &str, rows: &[&EvalResult]) -> StrategySummary {
 
 fn compare(a: &str, b: &str, by: &BTreeMap<&str, Vec<&EvalResult>>, evaluation: &Evaluation) -> Comparison {
     let index = |s: &str| -> HashMap<(&str, u32), bool> {
-        by.get(s).map(|rows| rows.iter().map(|r| ((r.item_id.as_str(), r.repeat), r.correct)).collect()).unwrap_or_default()
+        by.get(s)
+            .map(|rows| rows.iter().map(|r| ((r.item_id.as_str(), r.repeat), r.correct)).collect())
+            .unwrap_or_default()
     };
     let (ia, ib) = (index(a), index(b));
     let mut pairs = 0;
@@ -242,8 +240,18 @@ fn usd(x: f64) -> String {
 /// The terminal table.
 pub fn table(report: &Report) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "evaluation {} on {} ({}), spent {}", report.id, report.suite, report.status, usd(report.spent_usd));
-    let header = ["strategy", "accuracy", "± se", "n", "calls", "in tok", "cached", "out tok", "$/item", "p50 ms", "p95 ms", "plans ok", "steps", ""];
+    let _ = writeln!(
+        out,
+        "evaluation {} on {} ({}), spent {}",
+        report.id,
+        report.suite,
+        report.status,
+        usd(report.spent_usd)
+    );
+    let header = [
+        "strategy", "accuracy", "± se", "n", "calls", "in tok", "cached", "out tok", "$/item", "p50 ms", "p95 ms",
+        "plans ok", "steps", "",
+    ];
     let mut rows: Vec<Vec<String>> = vec![header.iter().map(|s| (*s).to_owned()).collect()];
     for s in &report.strategies {
         rows.push(vec![
@@ -263,7 +271,8 @@ pub fn table(report: &Report) -> String {
             if s.pareto { "front".into() } else { String::new() },
         ]);
     }
-    let widths: Vec<usize> = (0..header.len()).map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0)).collect();
+    let widths: Vec<usize> =
+        (0..header.len()).map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0)).collect();
     for row in &rows {
         let line: Vec<String> = row
             .iter()
@@ -362,7 +371,13 @@ pub fn svg(report: &Report) -> String {
     }
     for (i, s) in report.strategies.iter().enumerate() {
         let (x, y) = (px(xs[i]), py(s.accuracy));
-        let colour = if s.strategy == "conductor" { "#c33" } else if s.pareto { "#2a7" } else { "#467" };
+        let colour = if s.strategy == "conductor" {
+            "#c33"
+        } else if s.pareto {
+            "#2a7"
+        } else {
+            "#467"
+        };
         let _ = write!(
             out,
             r#"<circle cx="{x:.1}" cy="{y:.1}" r="5" fill="{colour}"><title>{} {:.1}%</title></circle><text x="{:.1}" y="{:.1}">{}</text>"#,
@@ -386,7 +401,10 @@ pub fn markdown(report: &Report, chart: &str) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "# Evaluation {}\n", report.id);
     let _ = writeln!(out, "Suite `{}`, status {}, spent {}.\n", report.suite, report.status, usd(report.spent_usd));
-    let _ = writeln!(out, "| strategy | accuracy | ± se | n | calls | input tok | cached | output tok | $/item | p50 ms | p95 ms | plans ok | steps | front |");
+    let _ = writeln!(
+        out,
+        "| strategy | accuracy | ± se | n | calls | input tok | cached | output tok | $/item | p50 ms | p95 ms | plans ok | steps | front |"
+    );
     let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for s in &report.strategies {
         let _ = writeln!(
@@ -423,7 +441,8 @@ pub fn html(report: &Report) -> String {
     let md_table = markdown(report, "");
     let mut rows = String::new();
     for line in md_table.lines().filter(|l| l.starts_with("| ") && !l.starts_with("| strategy")) {
-        let cells: Vec<String> = line.trim_matches('|').split('|').map(|c| format!("<td>{}</td>", escape(c.trim()))).collect();
+        let cells: Vec<String> =
+            line.trim_matches('|').split('|').map(|c| format!("<td>{}</td>", escape(c.trim()))).collect();
         rows.push_str(&format!("<tr>{}</tr>\n", cells.join("")));
     }
     let comparisons: String =

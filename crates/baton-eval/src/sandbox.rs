@@ -161,7 +161,11 @@ impl Sandbox {
         // The interpreter itself (not a launcher such as pyenv's shim) and where its library
         // lives: both must stay visible inside the sandbox. Audit hooks need Python 3.8.
         let probe = std::process::Command::new(&shim)
-            .args(["-I", "-c", "import sys; assert sys.version_info >= (3, 8); print(sys.executable); print(sys.base_prefix)"])
+            .args([
+                "-I",
+                "-c",
+                "import sys; assert sys.version_info >= (3, 8); print(sys.executable); print(sys.base_prefix)",
+            ])
             .stdin(Stdio::null())
             .output()
             .map_err(|e| SandboxError::NoPython(e.to_string()))?;
@@ -179,11 +183,7 @@ impl Sandbox {
     pub fn program(prompt: &str, candidate: &str, tests: &str, entry_point: &str) -> String {
         let defines = candidate.contains(&format!("def {entry_point}"));
         let head = if defines {
-            prompt
-                .lines()
-                .filter(|l| l.starts_with("import ") || l.starts_with("from "))
-                .collect::<Vec<_>>()
-                .join("\n")
+            prompt.lines().filter(|l| l.starts_with("import ") || l.starts_with("from ")).collect::<Vec<_>>().join("\n")
         } else {
             prompt.to_owned()
         };
@@ -271,7 +271,9 @@ impl Sandbox {
                 if let Some(pid) = pid {
                     // SAFETY: signalling the process group this child leads (setsid above).
                     #[allow(unsafe_code)]
-                    unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+                    unsafe {
+                        libc::kill(-(pid as i32), libc::SIGKILL)
+                    };
                 }
                 let _ = child.kill().await;
                 let reason = format!("stopped: over the {} s time limit", limits.wall.as_secs());
@@ -362,7 +364,8 @@ mod tests {
         }
         assert!(!target.exists(), "a write escaped the sandbox");
         // Writing inside its own directory is allowed.
-        let inside = s.run("open('scratch.txt', 'w').write('ok')\nassert open('scratch.txt').read() == 'ok'\n").await.unwrap();
+        let inside =
+            s.run("open('scratch.txt', 'w').write('ok')\nassert open('scratch.txt').read() == 'ok'\n").await.unwrap();
         assert!(inside.passed, "{inside:?}");
     }
 }

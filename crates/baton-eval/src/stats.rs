@@ -124,7 +124,11 @@ pub fn aiq(points: &[(f64, f64)]) -> f64 {
         while hull.len() >= 2 {
             let (a, b) = (hull[hull.len() - 2], hull[hull.len() - 1]);
             let cross = (b.0 - a.0) * (q.1 - a.1) - (b.1 - a.1) * (q.0 - a.0);
-            if cross >= 0.0 { hull.pop() } else { break };
+            if cross >= 0.0 {
+                hull.pop()
+            } else {
+                break;
+            };
         }
         hull.push(q);
     }

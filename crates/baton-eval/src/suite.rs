@@ -134,8 +134,7 @@ pub fn load(spec: &str) -> Result<Suite, SuiteError> {
     if !path.exists() {
         return Err(SuiteError::NotFound(spec.to_owned()));
     }
-    let text =
-        std::fs::read_to_string(path).map_err(|source| SuiteError::Read { path: spec.to_owned(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| SuiteError::Read { path: spec.to_owned(), source })?;
     let name = path.file_stem().map_or_else(|| spec.to_owned(), |s| s.to_string_lossy().into_owned());
     parse(&name, &text, &format!("{}", path.display()))
 }
@@ -230,7 +229,10 @@ fn check_item(item: &Item) -> Result<(), String> {
             let ok = item.answer.len() == 1
                 && item.answer.chars().all(|c| c.is_ascii_uppercase() && ((c as u8 - b'A') as usize) < letters);
             if !ok {
-                return Err(format!("a choice item's answer must be one letter A–{}", (b'A' + letters as u8 - 1) as char));
+                return Err(format!(
+                    "a choice item's answer must be one letter A–{}",
+                    (b'A' + letters as u8 - 1) as char
+                ));
             }
         }
         Kind::Number => {
@@ -267,7 +269,8 @@ mod tests {
 
     #[test]
     fn gsm8k_rows_as_published_are_number_items() {
-        let text = r#"{"question": "Janet has 3 apples and buys 4. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"}"#;
+        let text =
+            r#"{"question": "Janet has 3 apples and buys 4. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"}"#;
         let suite = parse("test", text, "test.jsonl").unwrap();
         assert_eq!(suite.items[0].id, "test/1");
         assert_eq!(suite.items[0].kind, Kind::Number);
@@ -277,7 +280,10 @@ mod tests {
     #[test]
     fn bad_rows_are_named_by_line() {
         let cases = [
-            ("{\"id\": 1, \"question\": \"q\", \"answer\": \"x\", \"kind\": \"number\"}", "line 1: the answer \"x\" is not a number"),
+            (
+                "{\"id\": 1, \"question\": \"q\", \"answer\": \"x\", \"kind\": \"number\"}",
+                "line 1: the answer \"x\" is not a number",
+            ),
             ("\n{\"id\": 1, \"answer\": \"1\", \"kind\": \"number\"}", "line 2: no `question`"),
             ("{\"id\": \"a\", \"question\": \"q\", \"answer\": \"E\", \"kind\": \"choice\"}", "one letter A–D"),
             ("{\"id\": \"a\", \"question\": \"q\", \"kind\": \"code\", \"entry_point\": \"f\"}", "defining check"),

@@ -67,10 +67,8 @@ pub struct EvalResult {
 impl Store {
     /// The evaluation `id`, if there is one.
     pub async fn evaluation(&self, id: &str) -> Result<Option<Evaluation>, StoreError> {
-        let row = sqlx::query(concat!(evaluation_select!(), " WHERE e.id = ?1"))
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await?;
+        let row =
+            sqlx::query(concat!(evaluation_select!(), " WHERE e.id = ?1")).bind(id).fetch_optional(&self.pool).await?;
         row.as_ref().map(evaluation_row).transpose()
     }
 
@@ -241,7 +239,6 @@ impl Store {
         Ok(done.rows_affected() == 1)
     }
 }
-
 
 fn evaluation_row(r: &sqlx::sqlite::SqliteRow) -> Result<Evaluation, StoreError> {
     let config: String = r.try_get("config")?;

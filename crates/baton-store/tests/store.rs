@@ -76,6 +76,7 @@ async fn migrations_apply_to_an_empty_file_and_released_ones_never_change() {
         (3, "a92e0e8b46c3c8a8cbbab20d2f5e8f8b679b5542ef9eb324d91d24f603599ce634535ebe1cde99343c81ad355989e7e7"),
         (4, "4d18937e6a272e06829067468bb819194496efd22374e5ee226cd823195bdb476af8cc3d14302c548c25accd2326650e"),
         (5, "da128e48cf98e44b5c44ee75f31017ceeb720f372972a2a44e87cbcaadc03cc7cf631315476fc492a2d5029caf7af9ca"),
+        (6, "e254f625c9b7377f0f89d752144ffe00a0f6b13c736b0eff0c446adcbe98e7069577853542304de703387403f3ba6aa8"),
     ];
     let actual: Vec<(i64, String)> = baton_store::MIGRATOR
         .iter()

@@ -120,7 +120,10 @@ impl Script {
 fn known_reply(path: &std::path::Path, last_user: &str) -> Option<String> {
     let text = std::fs::read_to_string(path).ok()?;
     let table: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text).ok()?;
-    table.iter().find(|(needle, _)| last_user.contains(needle.as_str())).and_then(|(_, r)| r.as_str().map(str::to_owned))
+    table
+        .iter()
+        .find(|(needle, _)| last_user.contains(needle.as_str()))
+        .and_then(|(_, r)| r.as_str().map(str::to_owned))
 }
 
 /// `n` lines of the markdown a long answer is made of, in blocks separated by blank lines:
