@@ -184,7 +184,7 @@ async fn run_eval(args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome {
     if args.repeats == 0 || args.concurrency == 0 {
         return Err(Failure::BadInput("--repeats and --concurrency must be at least 1".into()));
     }
-    if args.max_cost_usd.is_some_and(|c| !(c > 0.0)) {
+    if args.max_cost_usd.is_some_and(|c| c.is_nan() || c <= 0.0) {
         return Err(Failure::BadInput("--max-cost-usd must be above 0".into()));
     }
     if args.max_cost_usd.is_some() {
