@@ -47,6 +47,23 @@ enum Command {
     },
     /// Delete an evaluation, its results and its runs.
     Delete { id: String },
+    /// Write the conductor's samples as training data for TRL's GRPOTrainer: one JSON line per
+    /// item with the exact prompt, each sample's plan and its reward (1 correct, 0.5 a usable
+    /// plan with a wrong answer, 0 no usable plan). Run the evaluation with
+    /// `--strategies conductor --repeats K` and `[conductor] temperature` above 0 for K
+    /// different samples per item.
+    ExportGrpo {
+        id: String,
+        /// The JSONL file to write.
+        #[arg(short = 'o', long, value_name = "FILE")]
+        out: PathBuf,
+        /// Keep items with at least this many samples, and that many of each.
+        #[arg(long, value_name = "K")]
+        samples: Option<usize>,
+        /// The pool the evaluation ran with (the prompt names its workers).
+        #[command(flatten)]
+        pool: PoolArg,
+    },
     /// The built-in suites and where they come from.
     Suites,
 }
@@ -149,6 +166,11 @@ pub async fn run(args: Args) -> Outcome {
             write(format!("{base}.results.jsonl"), jsonl)?;
             Ok(())
         }
+        Command::ExportGrpo { id, out, samples, pool } => {
+            let store = args.db.open().await?;
+            let pool = pool.load()?;
+            export_grpo(&store, &pool, &id, &out, samples).await
+        }
         Command::Delete { id } => {
             let store = args.db.open().await?;
             if store.delete_evaluation(&id).await.map_err(|e| Failure::Failed(e.to_string()))? {
@@ -159,6 +181,130 @@ pub async fn run(args: Args) -> Outcome {
             }
         }
     }
+}
+
+/// One prompt's group of samples, as `export-grpo` writes it (see the README's schema).
+#[derive(serde::Serialize)]
+struct GrpoGroup {
+    /// The conductor's exact messages (conversational form: GRPOTrainer's `prompt` column).
+    prompt: Vec<serde_json::Value>,
+    item_id: String,
+    kind: Option<String>,
+    answer: Option<String>,
+    /// The question as every strategy was asked it.
+    question: String,
+    completions: Vec<String>,
+    rewards: Vec<f64>,
+    /// The runs in the history the samples come from.
+    run_ids: Vec<i64>,
+}
+
+async fn export_grpo(
+    store: &baton_store::Store,
+    pool: &baton_engine::Pool,
+    id: &str,
+    out: &std::path::Path,
+    samples: Option<usize>,
+) -> Outcome {
+    let failed = |e: baton_store::StoreError| Failure::Failed(e.to_string());
+    let evaluation = store
+        .evaluation(id)
+        .await
+        .map_err(failed)?
+        .ok_or_else(|| Failure::BadInput(format!("there is no evaluation {id:?} (baton eval list)")))?;
+    let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
+    if evaluation.config["workers"] != serde_json::json!(workers) {
+        return Err(Failure::BadInput(format!(
+            "evaluation {id} ran with the workers {}; pass that pool (the prompt names its workers)",
+            evaluation.config["workers"]
+        )));
+    }
+    let items: std::collections::HashMap<String, baton_eval::suite::Item> = evaluation.config["suite_source"]
+        .as_str()
+        .and_then(|s| baton_eval::suite::load(s).ok())
+        .map(|s| s.items.into_iter().map(|i| (i.id.clone(), i)).collect())
+        .unwrap_or_default();
+    if items.is_empty() {
+        eprintln!("warning: the suite's items cannot be read again; answers are left out");
+    }
+    let results = store.eval_results(id).await.map_err(failed)?;
+    let mut groups: std::collections::BTreeMap<String, Vec<&baton_store::evaluations::EvalResult>> = Default::default();
+    for r in results.iter().filter(|r| r.strategy == "conductor") {
+        groups.entry(r.item_id.clone()).or_default().push(r);
+    }
+    if groups.is_empty() {
+        return Err(Failure::BadInput(format!(
+            "evaluation {id} has no conductor samples; run one with --strategies conductor --repeats K"
+        )));
+    }
+    let prompts = baton_conductor::PromptBuilder::new(pool.infos());
+    let mut written = 0;
+    let mut skipped = 0;
+    let mut text = String::new();
+    for (item_id, rows) in groups {
+        let mut group = GrpoGroup {
+            prompt: Vec::new(),
+            item_id: item_id.clone(),
+            kind: items.get(&item_id).map(|i| i.kind.as_str().to_owned()),
+            answer: items.get(&item_id).map(|i| i.answer.clone()),
+            question: String::new(),
+            completions: Vec::new(),
+            rewards: Vec::new(),
+            run_ids: Vec::new(),
+        };
+        for r in rows {
+            let Some(run) = r.run_id else { continue };
+            let Some(tree) = store.run(run).await.map_err(failed)? else { continue };
+            // Without the conductor's text (a plan that never came) there is nothing to train on.
+            let Some(raw) = tree.plans.iter().find(|p| p.round == 0).and_then(|p| p.raw.clone()) else {
+                skipped += 1;
+                continue;
+            };
+            if group.prompt.is_empty() {
+                let mut ctx = baton_engine::PlanningContext::question(
+                    tree.run.question.clone(),
+                    pool.workers.len(),
+                    pool.options.max_steps,
+                );
+                ctx.allow_self = pool.options.recursion.enabled;
+                group.prompt.push(serde_json::json!({"role": "system", "content": prompts.system(&ctx)}));
+                for m in prompts.messages(&ctx) {
+                    group.prompt.push(serde_json::to_value(&m).unwrap_or_default());
+                }
+                group.question = tree.run.question.clone();
+            }
+            group.completions.push(raw);
+            group.rewards.push(if r.correct {
+                1.0
+            } else if r.plan_valid == Some(true) {
+                0.5
+            } else {
+                0.0
+            });
+            group.run_ids.push(run);
+        }
+        if let Some(k) = samples {
+            if group.completions.len() < k {
+                skipped += group.completions.len();
+                continue;
+            }
+            group.completions.truncate(k);
+            group.rewards.truncate(k);
+            group.run_ids.truncate(k);
+        }
+        if group.completions.is_empty() {
+            continue;
+        }
+        text.push_str(&serde_json::to_string(&group).unwrap_or_default());
+        text.push('\n');
+        written += 1;
+    }
+    std::fs::write(out, text).map_err(|e| Failure::Failed(format!("{}: {e}", out.display())))?;
+    eprintln!(
+        "{written} prompts written to {}; {skipped} samples left out (no plan text, or too few samples)",
+        out.display()
+    );
+    Ok(())
 }
 
 /// A file name from an evaluation id (ids are the user's words).
@@ -218,6 +364,7 @@ async fn run_eval(args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome {
     let spec = Spec {
         id: id.clone(),
         suite,
+        suite_source: args.suite.clone(),
         strategies,
         repeats: args.repeats,
         concurrency: args.concurrency,

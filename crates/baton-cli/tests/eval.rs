@@ -512,3 +512,81 @@ async fn bad_suites_and_strategies_are_refused_before_any_call() {
     let suites = baton(&["eval", "suites"]).await;
     assert!(suites.stdout.contains("humaneval") && suites.stdout.contains("MIT"), "{}", suites.stdout);
 }
+
+/// `export-grpo`: one line per item, with the conductor's exact prompt, each sample's plan text
+/// and the paper's reward (1 right, 0.5 a usable plan but wrong, 0 no plan).
+#[tokio::test(flavor = "multi_thread")]
+async fn conductor_samples_export_as_grpo_groups_with_the_papers_reward() {
+    let s = server().await;
+    let setup = setup(&s, "", "");
+    let out = baton(&[
+        "eval",
+        "run",
+        path(&setup.suite),
+        "--pool",
+        path(&setup.pool),
+        "--db",
+        path(&setup.db),
+        "--strategies",
+        "conductor",
+        "--repeats",
+        "2",
+        "--id",
+        "grpo",
+    ])
+    .await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let file = setup.dir.path().join("grpo.jsonl");
+    let export = baton(&[
+        "eval",
+        "export-grpo",
+        "grpo",
+        "-o",
+        path(&file),
+        "--pool",
+        path(&setup.pool),
+        "--db",
+        path(&setup.db),
+        "--samples",
+        "2",
+    ])
+    .await;
+    assert_eq!(export.code, Some(0), "{}", export.stderr);
+    let plans: Value =
+        serde_json::from_str(&std::fs::read_to_string(setup.dir.path().join("plans.json")).unwrap()).unwrap();
+    let groups: Vec<Value> =
+        std::fs::read_to_string(&file).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(groups.len(), 16);
+    // What the conductor was sent: the server's log holds each request's messages.
+    let sent: Vec<Value> =
+        s.requests().iter().filter(|r| r.model.starts_with("cond")).map(|r| r.body["messages"].clone()).collect();
+    for g in &groups {
+        let id = g["item_id"].as_str().unwrap();
+        let (category, hard) = &setup.items[id];
+        let needle = format!("<{}>", id.to_uppercase());
+        assert_eq!(g["completions"].as_array().unwrap().len(), 2);
+        for c in g["completions"].as_array().unwrap() {
+            assert_eq!(c, &plans[&needle], "{id}");
+        }
+        let reward = if *hard { 0.5 } else { 1.0 };
+        assert_eq!(g["rewards"], serde_json::json!([reward, reward]), "{id} ({category})");
+        assert_eq!(g["kind"], if category == "arithmetic" { "number" } else { "choice" });
+        assert!(sent.contains(&g["prompt"]), "{id}: the prompt is exactly what the conductor was sent");
+    }
+    // Asking for more samples than were drawn leaves every item out, and says so.
+    let more = baton(&[
+        "eval",
+        "export-grpo",
+        "grpo",
+        "-o",
+        path(&file),
+        "--pool",
+        path(&setup.pool),
+        "--db",
+        path(&setup.db),
+        "--samples",
+        "3",
+    ])
+    .await;
+    assert!(more.stderr.contains("0 prompts written"), "{}", more.stderr);
+}

@@ -30,6 +30,8 @@ use crate::suite::{Item, Kind, Suite};
 pub struct Spec {
     pub id: String,
     pub suite: Suite,
+    /// How the user named the suite (kept with the evaluation).
+    pub suite_source: String,
     pub strategies: Vec<Strategy>,
     pub repeats: u32,
     pub concurrency: usize,
@@ -53,6 +55,9 @@ pub struct Config {
     pub limit: Option<usize>,
     pub seed: u64,
     pub workers: Vec<String>,
+    /// The suite as the user named it (a built-in name or a path), to read its items again.
+    #[serde(default)]
+    pub suite_source: Option<String>,
     /// Choices made along the way, kept so a resume makes the same ones.
     #[serde(default)]
     pub best_of_n: BTreeMap<String, u32>,
@@ -194,6 +199,7 @@ impl Harness {
             limit: spec.limit,
             seed: spec.seed,
             workers: self.workers.clone(),
+            suite_source: Some(spec.suite_source.clone()),
             best_of_n: BTreeMap::new(),
             moa_aggregator: None,
             lookup: BTreeMap::new(),
