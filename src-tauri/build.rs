@@ -37,4 +37,10 @@ const COMMANDS: &[&str] = &[
     "pull_model",
     "delete_model",
     "loaded_models",
+    "eval_suites",
+    "run_evaluation",
+    "list_evaluations",
+    "get_evaluation",
+    "delete_evaluation",
+    "export_evaluation",
 ];

@@ -56,6 +56,15 @@ pub fn typescript() -> String {
         crate::models::ModelCatalog::decl(&cfg),
         crate::models::Download::decl(&cfg),
         baton_conductor::setup::LoadedModel::decl(&cfg),
+        baton_store::evaluations::Evaluation::decl(&cfg),
+        baton_store::evaluations::EvalResult::decl(&cfg),
+        baton_eval::report::StrategySummary::decl(&cfg),
+        baton_eval::report::Comparison::decl(&cfg),
+        baton_eval::report::Report::decl(&cfg),
+        crate::eval::SuiteInfo::decl(&cfg),
+        crate::eval::EvalRequest::decl(&cfg),
+        crate::eval::EvalProgress::decl(&cfg),
+        crate::eval::EvalView::decl(&cfg),
     ];
     let mut out = String::from(
         "// Generated from Baton's Rust types by `src-tauri/src/bindings.rs`; do not edit.\n\

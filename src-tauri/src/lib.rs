@@ -6,6 +6,7 @@
 pub mod bindings;
 pub mod chat;
 pub mod error;
+pub mod eval;
 pub mod history;
 pub mod keys;
 pub mod models;
@@ -98,6 +99,12 @@ pub fn builder<R: Runtime>(base: tauri::Builder<R>, state: AppState) -> tauri::B
         models::pull_model,
         models::delete_model,
         models::loaded_models,
+        eval::eval_suites,
+        eval::run_evaluation,
+        eval::list_evaluations,
+        eval::get_evaluation,
+        eval::delete_evaluation,
+        eval::export_evaluation,
     ])
 }
 

@@ -353,3 +353,59 @@ fn nothing_waits_on_a_model_load_and_a_save_keeps_a_model_whose_settings_did_not
     invoke(&h, "save_settings", json!({ "form": f })).unwrap();
     assert!(!h.state().models.is_loaded(&model), "the conductor's device changed: loaded afresh next time");
 }
+
+/// The Evaluate screen's commands over IPC: an evaluation of two scripted workers on eight
+/// MMLU items, its report and results, its runs kept out of the chat's list, the HTML export
+/// where the save dialog says, and delete.
+#[test]
+fn an_evaluation_runs_through_the_commands_and_is_kept() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let server = rt.block_on(baton_testserver::TestServer::start()).unwrap();
+    let base = server.base_url(baton_testserver::Wire::OpenAi);
+    let dir = tempfile::tempdir().unwrap();
+    let h = app(dir.path(), "main");
+    let form = json!({
+        "workers": [worker("a", "a;reply=Answer:_B", &base), worker("b", "b;reply=Answer:_A", &base)],
+        "conductor": conductor(),
+    });
+    invoke(&h, "save_settings", json!({ "form": form })).unwrap();
+    let suites = invoke(&h, "eval_suites", json!({})).unwrap();
+    assert!(suites.as_array().unwrap().iter().any(|s| s["name"] == "mmlu" && s["items"] == 285), "{suites}");
+
+    let request = json!({ "suite": "mmlu", "strategies": ["single:a", "single:b", "oracle"], "limit": 8, "max_cost_usd": null, "id": "ipc" });
+    let view = invoke(&h, "run_evaluation", json!({ "request": request, "stopId": "eval-1", "onProgress": "__CHANNEL__:9" })).unwrap();
+    assert_eq!(view["evaluation"]["status"], "finished", "{view}");
+    let answers: std::collections::HashMap<String, String> =
+        baton_eval::suite::load("mmlu").unwrap().items.into_iter().map(|i| (i.id, i.answer)).collect();
+    let results = view["results"].as_array().unwrap();
+    assert_eq!(results.len(), 24);
+    for r in results {
+        let answer = &answers[r["item_id"].as_str().unwrap()];
+        let right = match r["strategy"].as_str().unwrap() {
+            "single:a" => answer == "B",
+            "single:b" => answer == "A",
+            _ => answer == "A" || answer == "B",
+        };
+        assert_eq!(r["correct"], right, "{r}");
+        assert!(r["run_id"].is_number(), "each result opens its run: {r}");
+    }
+    let names: Vec<&str> = view["report"]["strategies"].as_array().unwrap().iter().map(|s| s["strategy"].as_str().unwrap()).collect();
+    assert_eq!(names, ["single:a", "single:b", "oracle"]);
+    let run = invoke(&h, "get_run", json!({ "id": results[0]["run_id"] })).unwrap();
+    assert!(run["run"]["question"].as_str().unwrap().contains("Answer: <letter>"));
+    assert_eq!(invoke(&h, "list_conversations", json!({ "before": null })).unwrap(), json!([]), "kept out of the chat");
+
+    let list = invoke(&h, "list_evaluations", json!({})).unwrap();
+    assert_eq!(list[0]["id"], "ipc");
+    assert_eq!(invoke(&h, "get_evaluation", json!({ "id": "ipc" })).unwrap(), view);
+    let written = invoke(&h, "export_evaluation", json!({ "id": "ipc" })).unwrap();
+    let out = dir.path().join("saved").join("baton-evaluation-ipc.html");
+    assert_eq!(written, json!(out.display().to_string()));
+    assert!(std::fs::read_to_string(&out).unwrap().contains("<svg"));
+    let bad = json!({ "suite": "mmlu", "strategies": ["single:zed"], "limit": 2, "max_cost_usd": null, "id": null });
+    let err = invoke(&h, "run_evaluation", json!({ "request": bad, "stopId": "eval-2", "onProgress": "__CHANNEL__:10" })).unwrap_err();
+    assert_eq!(err["kind"], "bad_input");
+    invoke(&h, "delete_evaluation", json!({ "id": "ipc" })).unwrap();
+    assert_eq!(invoke(&h, "list_evaluations", json!({})).unwrap(), json!([]));
+    assert_eq!(invoke(&h, "delete_evaluation", json!({ "id": "ipc" })).unwrap_err()["kind"], "not_found");
+}

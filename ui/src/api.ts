@@ -11,6 +11,10 @@ import type {
   ConversationSummary,
   Download,
   Draft,
+  EvalProgress,
+  EvalRequest,
+  EvalView,
+  Evaluation,
   ExportFormat,
   ExportTarget,
   KeysView,
@@ -26,6 +30,7 @@ import type {
   RunTree,
   SearchHit,
   Settings,
+  SuiteInfo,
 } from "./bindings";
 
 /** Turns anything a command throws into an AppError the UI can branch on. */
@@ -96,6 +101,20 @@ export const api = {
   deleteModel: (reference: string) => invoke<null>("delete_model", { reference }),
   /** The local models loaded now: device, memory, and the speed of their latest generation. */
   loadedModels: () => invoke<LoadedModel[]>("loaded_models"),
+  /** The built-in evaluation suites. */
+  evalSuites: () => invoke<SuiteInfo[]>("eval_suites"),
+  /** Runs (or, with the same id, resumes) an evaluation; progress goes to `onProgress`;
+   * `cancelRun(stopId)` stops it, keeping every finished result. */
+  runEvaluation: (request: EvalRequest, stopId: string, onProgress: (p: EvalProgress) => void) => {
+    const channel = new Channel<EvalProgress>();
+    channel.onmessage = onProgress;
+    return invoke<EvalView>("run_evaluation", { request, stopId, onProgress: channel });
+  },
+  listEvaluations: () => invoke<Evaluation[]>("list_evaluations"),
+  getEvaluation: (id: string) => invoke<EvalView>("get_evaluation", { id }),
+  deleteEvaluation: (id: string) => invoke<null>("delete_evaluation", { id }),
+  /** Asks where in the save dialog and writes the HTML report there; the path, or null. */
+  exportEvaluation: (id: string) => invoke<string | null>("export_evaluation", { id }),
 };
 
 export function onModelDownload(handler: (download: Download) => void): Promise<UnlistenFn> {

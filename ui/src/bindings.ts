@@ -483,3 +483,107 @@ memory_bytes: number | null,
  * Its latest generation (a plan, for the conductor): prompt and decode rates, tokens.
  */
 prompt_tokens_per_sec: number | null, decode_tokens_per_sec: number | null, last_prompt_tokens: number | null, last_cached_prompt_tokens: number | null, last_output_tokens: number | null, };
+
+export type Evaluation = { id: string, suite: string, suite_sha256: string, 
+/**
+ * The harness's own JSON (strategies, repeats, choices made along the way).
+ */
+config: JsonValue, status: string, spent_usd: number, created_at: number, updated_at: number, 
+/**
+ * Results recorded so far.
+ */
+results: number, };
+
+export type EvalResult = { strategy: string, item_id: string, repeat: number, 
+/**
+ * `calibration` or `test`.
+ */
+split: string, category: string, run_uid: string | null, 
+/**
+ * The run's number in the history (`baton history show N`), while it is there; read, never
+ * written.
+ */
+run_id: number | null, answer: string | null, extracted: string | null, correct: boolean, error: string | null, plan_valid: boolean | null, steps: number | null, calls: number, input_tokens: number, cached_input_tokens: number, output_tokens: number, conductor_input_tokens: number, conductor_cached_input_tokens: number, conductor_output_tokens: number, cost_usd: number, cost_complete: boolean, latency_ms: number, };
+
+export type StrategySummary = { strategy: string, 
+/**
+ * Mean over test items of each item's mean over repeats.
+ */
+accuracy: number, 
+/**
+ * Standard error of `accuracy` over items.
+ */
+stderr: number, 
+/**
+ * Test items scored.
+ */
+n: number, 
+/**
+ * Runs scored (items × repeats).
+ */
+runs: number, calls: number, input_tokens: number, cached_input_tokens: number, output_tokens: number, 
+/**
+ * The conductor's share of the tokens above.
+ */
+conductor_input_tokens: number, conductor_cached_input_tokens: number, conductor_output_tokens: number, cost_usd: number, cost_per_item_usd: number, 
+/**
+ * False when some call had no known price: `cost_usd` is then a lower bound.
+ */
+cost_complete: boolean, latency_p50_ms: number, latency_p95_ms: number, 
+/**
+ * Conductor runs: the share whose plan could be run.
+ */
+plan_validity: number | null, 
+/**
+ * Steps per run (every round).
+ */
+mean_steps: number | null, 
+/**
+ * Runs that failed (no answer).
+ */
+failures: number, 
+/**
+ * On the cost–accuracy Pareto front.
+ */
+pareto: boolean, };
+
+export type Comparison = { a: string, b: string, pairs: number, 
+/**
+ * Pairs (item, repeat) only `a` got right, and only `b`.
+ */
+only_a: number, only_b: number, mcnemar_p: number, difference: number, bootstrap_low: number, bootstrap_high: number, bootstrap_p: number, };
+
+export type Report = { id: string, suite: string, status: string, spent_usd: number, strategies: Array<StrategySummary>, comparisons: Array<Comparison>, 
+/**
+ * The x axis of the front: `usd` per item, or `tokens` per item when some strategy's cost
+ * is unknown or every cost is zero (local models).
+ */
+cost_axis: string, pareto_front: Array<string>, 
+/**
+ * RouterBench's AIQ of all strategies together.
+ */
+aiq: number, config: JsonValue, };
+
+export type SuiteInfo = { name: string, provenance: string, items: number, };
+
+export type EvalRequest = { 
+/**
+ * A built-in suite's name.
+ */
+suite: string, 
+/**
+ * `conductor`, `single:W`, `moa`, `router:lookup`, `router:random`, `best-of-n:W`, `oracle`.
+ */
+strategies: Array<string>, 
+/**
+ * Items to draw (stratified by category); `null` for all.
+ */
+limit: number | null, max_cost_usd: number | null, 
+/**
+ * Names the evaluation; the same id resumes it. `null`: the suite's name and the time.
+ */
+id: string | null, };
+
+export type EvalProgress = { "type": "started", id: string, } | { "type": "planned", total: number, done: number, } | { "type": "scored", strategy: string, item: string, correct: boolean, cost_usd: number, spent_usd: number, } | { "type": "note", text: string, };
+
+export type EvalView = { evaluation: Evaluation, report: Report, results: Array<EvalResult>, };

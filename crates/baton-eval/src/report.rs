@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use crate::stats;
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
 pub struct StrategySummary {
     pub strategy: String,
     /// Mean over test items of each item's mean over repeats.
@@ -37,10 +37,8 @@ pub struct StrategySummary {
     pub latency_p50_ms: u64,
     pub latency_p95_ms: u64,
     /// Conductor runs: the share whose plan could be run.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub plan_validity: Option<f64>,
     /// Steps per run (every round).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub mean_steps: Option<f64>,
     /// Runs that failed (no answer).
     pub failures: usize,
@@ -49,7 +47,7 @@ pub struct StrategySummary {
 }
 
 /// `a` against `b` on the items both were scored on.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
 pub struct Comparison {
     pub a: String,
     pub b: String,
@@ -64,7 +62,7 @@ pub struct Comparison {
     pub bootstrap_p: f64,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
 pub struct Report {
     pub id: String,
     pub suite: String,

@@ -17,7 +17,7 @@ macro_rules! evaluation_select {
 }
 
 /// An evaluation as listed.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ts_rs::TS)]
 pub struct Evaluation {
     pub id: String,
     pub suite: String,
@@ -33,7 +33,7 @@ pub struct Evaluation {
 }
 
 /// One strategy's result on one item (one repeat).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ts_rs::TS)]
 pub struct EvalResult {
     pub strategy: String,
     pub item_id: String,
