@@ -238,14 +238,17 @@ async fn every_strategy_scores_exactly_what_the_scripted_workers_know() {
     assert_eq!(comparisons[1]["only_a"], 0);
     assert_eq!(comparisons[1]["only_b"], hard_in_test as u64);
 
-    // Each run is in the history, in a conversation kept out of the chat's list.
+    // Each result's run is in the history, kept out of the history's list and the chat's: the
+    // evaluation lists them.
     let runs = baton(&["history", "list", "--db", path(&setup.db), "--json", "--limit", "1000"]).await;
-    let recorded_runs = runs.stdout.lines().count();
-    let made = rows
+    assert_eq!(runs.stdout.trim(), "", "{}", runs.stderr);
+    let made: std::collections::HashSet<i64> = rows
         .iter()
         .filter(|r| !matches!(r["strategy"].as_str().unwrap(), "oracle" | "router:lookup" | "router:random"))
-        .count();
-    assert_eq!(recorded_runs, made, "{}", runs.stderr);
+        .map(|r| r["run_id"].as_i64().expect("each run is in the history"))
+        .collect();
+    // Calibration: 8 items × 3 workers; test: conductor, 3 singles, MoA and best-of-n on 8 items.
+    assert_eq!(made.len(), 8 * 3 + 8 * 6, "one run per result");
     let conversations = baton(&["history", "list", "--conversations", "--db", path(&setup.db), "--json"]).await;
     assert_eq!(conversations.stdout.trim(), "", "evaluation runs stay out of the chat's list");
     let first = rows.iter().find(|r| r["strategy"] == "conductor").unwrap();

@@ -325,11 +325,14 @@ impl Store {
     }
 
     /// Runs, newest first: `limit` of them with ids below `before` (the last id of the previous
-    /// page), or the newest.
+    /// page), or the newest. An evaluation's runs are listed with the evaluation, not here
+    /// (search still finds them).
     pub async fn list_runs(&self, limit: u32, before: Option<i64>) -> Result<Vec<RunSummary>, StoreError> {
         let rows = sqlx::query(
             "SELECT id, conversation_id, question, status, started_at, wall_ms, calls, input_tokens, output_tokens, cost_usd
-             FROM runs WHERE id < ?1 ORDER BY id DESC LIMIT ?2",
+             FROM runs WHERE id < ?1
+               AND NOT EXISTS (SELECT 1 FROM conversations c WHERE c.id = runs.conversation_id AND c.evaluation_id IS NOT NULL)
+             ORDER BY id DESC LIMIT ?2",
         )
         .bind(before.unwrap_or(i64::MAX))
         .bind(limit)
