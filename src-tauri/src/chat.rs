@@ -112,7 +112,12 @@ fn notifier<R: Runtime>(app: &AppHandle<R>) -> impl Fn(LoadNotice<'_>) + Send + 
 }
 
 /// An executor for `pool` with its local workers loaded and, when `planner`, the conductor.
-pub(crate) async fn executor<R: Runtime>(app: &AppHandle<R>, state: &AppState, pool: &Pool, planner: bool) -> AppResult<Executor> {
+pub(crate) async fn executor<R: Runtime>(
+    app: &AppHandle<R>,
+    state: &AppState,
+    pool: &Pool,
+    planner: bool,
+) -> AppResult<Executor> {
     let notify = notifier(app);
     let mut executor = Executor::from_pool(pool);
     let models = &state.models;

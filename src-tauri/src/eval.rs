@@ -81,8 +81,7 @@ pub async fn run_evaluation<R: Runtime>(
     let suite = baton_eval::suite::load(&request.suite).map_err(|e| AppError::bad_input(e.to_string()))?;
     let pool = state.pool()?;
     let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
-    let strategies =
-        Strategy::parse_list(&request.strategies.join(","), &workers).map_err(AppError::bad_input)?;
+    let strategies = Strategy::parse_list(&request.strategies.join(","), &workers).map_err(AppError::bad_input)?;
     if request.max_cost_usd.is_some_and(|c| c.is_nan() || c <= 0.0) {
         return Err(AppError::bad_input("the spending cap must be above $0"));
     }
@@ -165,7 +164,8 @@ pub async fn export_evaluation<R: Runtime>(
 ) -> AppResult<Option<String>> {
     let v = view(state.store().await?, &id).await?;
     let text = report::html(&v.report);
-    let name: String = id.chars().map(|c| if c.is_alphanumeric() || matches!(c, '-' | '_') { c } else { '_' }).collect();
+    let name: String =
+        id.chars().map(|c| if c.is_alphanumeric() || matches!(c, '-' | '_') { c } else { '_' }).collect();
     let name = format!("baton-evaluation-{name}.html");
     let chosen = match &state.save_dialog {
         Some(dialog) => dialog(name).await,

@@ -373,7 +373,9 @@ fn an_evaluation_runs_through_the_commands_and_is_kept() {
     assert!(suites.as_array().unwrap().iter().any(|s| s["name"] == "mmlu" && s["items"] == 285), "{suites}");
 
     let request = json!({ "suite": "mmlu", "strategies": ["single:a", "single:b", "oracle"], "limit": 8, "max_cost_usd": null, "id": "ipc" });
-    let view = invoke(&h, "run_evaluation", json!({ "request": request, "stopId": "eval-1", "onProgress": "__CHANNEL__:9" })).unwrap();
+    let view =
+        invoke(&h, "run_evaluation", json!({ "request": request, "stopId": "eval-1", "onProgress": "__CHANNEL__:9" }))
+            .unwrap();
     assert_eq!(view["evaluation"]["status"], "finished", "{view}");
     let answers: std::collections::HashMap<String, String> =
         baton_eval::suite::load("mmlu").unwrap().items.into_iter().map(|i| (i.id, i.answer)).collect();
@@ -389,7 +391,8 @@ fn an_evaluation_runs_through_the_commands_and_is_kept() {
         assert_eq!(r["correct"], right, "{r}");
         assert!(r["run_id"].is_number(), "each result opens its run: {r}");
     }
-    let names: Vec<&str> = view["report"]["strategies"].as_array().unwrap().iter().map(|s| s["strategy"].as_str().unwrap()).collect();
+    let names: Vec<&str> =
+        view["report"]["strategies"].as_array().unwrap().iter().map(|s| s["strategy"].as_str().unwrap()).collect();
     assert_eq!(names, ["single:a", "single:b", "oracle"]);
     let run = invoke(&h, "get_run", json!({ "id": results[0]["run_id"] })).unwrap();
     assert!(run["run"]["question"].as_str().unwrap().contains("Answer: <letter>"));
@@ -403,7 +406,9 @@ fn an_evaluation_runs_through_the_commands_and_is_kept() {
     assert_eq!(written, json!(out.display().to_string()));
     assert!(std::fs::read_to_string(&out).unwrap().contains("<svg"));
     let bad = json!({ "suite": "mmlu", "strategies": ["single:zed"], "limit": 2, "max_cost_usd": null, "id": null });
-    let err = invoke(&h, "run_evaluation", json!({ "request": bad, "stopId": "eval-2", "onProgress": "__CHANNEL__:10" })).unwrap_err();
+    let err =
+        invoke(&h, "run_evaluation", json!({ "request": bad, "stopId": "eval-2", "onProgress": "__CHANNEL__:10" }))
+            .unwrap_err();
     assert_eq!(err["kind"], "bad_input");
     invoke(&h, "delete_evaluation", json!({ "id": "ipc" })).unwrap();
     assert_eq!(invoke(&h, "list_evaluations", json!({})).unwrap(), json!([]));

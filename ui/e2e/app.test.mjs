@@ -515,6 +515,38 @@ api_key_env = "BATON_E2E_CONDUCTOR_KEY"
     await click(await find("new-chat"));
   });
 
+  await t.test("an evaluation runs from the Evaluate screen: table, chart, a strategy's items, an item's topology", async () => {
+    await click(await find("nav-evaluate"));
+    const strategy = (id) => driver.findElement(By.css(`[data-testid="eval-strategy"][data-strategy="${id}"]`));
+    await driver.wait(async () => (await driver.findElements(byTest("eval-strategy"))).length > 0, 10000);
+    // The tiny conductor writes nonsense slowly; the workers alone are what this step checks.
+    if (await (await strategy("conductor")).isSelected()) await click(await strategy("conductor"));
+    const limit = await find("eval-limit");
+    await limit.clear();
+    await limit.sendKeys("4");
+    const started = Date.now();
+    await click(await find("eval-run"));
+    await find("eval-progress");
+    // Three workers alone, the lookup router and the oracle.
+    await driver.wait(async () => (await driver.findElements(byTest("eval-row"))).length === 5, 60000);
+    figures.evaluate_4_items_ms = Date.now() - started;
+    const rows = await driver.findElements(byTest("eval-row"));
+    const names = await Promise.all(rows.map((r) => r.getAttribute("data-strategy")));
+    assert.deepEqual(names, ["single:alpha", "single:beta", "single:xss", "router:lookup", "oracle"]);
+    const canvas = await find("eval-chart");
+    assert.ok(Number(await canvas.getAttribute("width")) > 0, "the chart is drawn");
+    await shot("13-evaluate");
+    await click(rows[0]);
+    await driver.wait(async () => (await driver.findElements(byTest("eval-item"))).length === 4, 10000);
+    await click((await driver.findElements(byTest("eval-item")))[0]);
+    await find("topology");
+    const past = await driver.findElements(byTest("eval-past"));
+    assert.equal(past.length, 1);
+    // The evaluation's runs stay out of the history's list and the chat's conversations.
+    assert.ok(history("list").every((r) => !r.question.includes("Answer: <letter>")));
+    await click(await find("new-chat"));
+  });
+
   await t.test("after a restart the conversation and its runs are in the history", async () => {
     await driver.quit();
     figures.warm_start_ms = Math.round(await openApp());
