@@ -524,9 +524,15 @@ api_key_env = "BATON_E2E_CONDUCTOR_KEY"
     const limit = await find("eval-limit");
     await limit.clear();
     await limit.sendKeys("4");
+    await find("eval-suite");
     const started = Date.now();
     await click(await find("eval-run"));
-    await find("eval-progress");
+    await driver.wait(async () => (await driver.findElements(By.css('[data-testid="eval-progress"], [data-testid="eval-error"]'))).length > 0, 20000);
+    const refused = await driver.findElements(byTest("eval-error"));
+    if (refused.length > 0) {
+      await shot("13-evaluate-refused");
+      assert.fail(`the evaluation did not start: ${await textOf(refused[0])}`);
+    }
     // Three workers alone, the lookup router and the oracle.
     await driver.wait(async () => (await driver.findElements(byTest("eval-row"))).length === 5, 60000);
     figures.evaluate_4_items_ms = Date.now() - started;

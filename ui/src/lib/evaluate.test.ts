@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
 import type { Report, StrategySummary } from "../bindings";
-import { addProgress, chartData, emptyTally, strategyChoices } from "./evaluate";
+import { addProgress, chartData, defaultStrategy, emptyTally, strategyChoices } from "./evaluate";
 
 function summary(strategy: string, accuracy: number, cost: number, pareto: boolean): StrategySummary {
   return {
@@ -17,6 +17,12 @@ describe("evaluate", () => {
     expect(ids).toEqual([
       "conductor", "single:a", "single:b", "moa", "router:lookup", "router:random", "best-of-n:a", "best-of-n:b", "oracle",
     ]);
+  });
+
+  it("ticks the comparison the screen is for by default", () => {
+    const on = strategyChoices(["a"]).filter((c) => defaultStrategy(c.id, true)).map((c) => c.id);
+    expect(on).toEqual(["conductor", "single:a", "router:lookup", "oracle"]);
+    expect(defaultStrategy("conductor", false)).toBe(false);
   });
 
   it("keeps a running tally per strategy", () => {

@@ -17,6 +17,12 @@ export function strategyChoices(workers: string[]): Array<{ id: string; label: s
   return out;
 }
 
+/** Ticked until the user says otherwise: the conductor (when one is configured), every worker
+ * alone, the lookup router and the oracle: the comparison the screen exists for. */
+export function defaultStrategy(id: string, hasConductor: boolean): boolean {
+  return (id === "conductor" && hasConductor) || id.startsWith("single:") || id === "router:lookup" || id === "oracle";
+}
+
 /** What the screen shows while an evaluation runs. */
 export type Tally = {
   id: string | null;
