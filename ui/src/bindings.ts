@@ -549,7 +549,8 @@ pareto: boolean, };
 
 export type Comparison = { a: string, b: string, pairs: number, 
 /**
- * Pairs (item, repeat) only `a` got right, and only `b`.
+ * Items only `a` got right, and only `b` (an item counts as right when at least half its
+ * repeats are): McNemar's discordant pairs, one per item.
  */
 only_a: number, only_b: number, mcnemar_p: number, difference: number, bootstrap_low: number, bootstrap_high: number, bootstrap_p: number, };
 

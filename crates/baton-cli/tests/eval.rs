@@ -593,3 +593,34 @@ async fn conductor_samples_export_as_grpo_groups_with_the_papers_reward() {
     .await;
     assert!(more.stderr.contains("0 prompts written"), "{}", more.stderr);
 }
+
+/// A worker that refuses its key stops the evaluation with what to fix, and no item is scored
+/// (a resume would otherwise skip them as wrong for good).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_key_stops_the_evaluation_and_scores_nothing() {
+    let s = server().await;
+    let setup = setup(&s, "", "");
+    let out = baton_tests::run_within(
+        Duration::from_secs(60),
+        Path::new(env!("CARGO_BIN_EXE_baton")),
+        &[
+            "eval",
+            "run",
+            path(&setup.suite),
+            "--pool",
+            path(&setup.pool),
+            "--db",
+            path(&setup.db),
+            "--strategies",
+            "single:a",
+            "--id",
+            "key",
+        ],
+        None,
+        &[("BATON_E2E_KEY", Some("sk-wrong-key-000000"))],
+    )
+    .await;
+    assert_eq!(out.code, Some(2), "{}", out.stderr);
+    assert!(out.stderr.contains("refused its key"), "{}", out.stderr);
+    assert!(results(&setup, "key").is_empty());
+}

@@ -63,6 +63,21 @@ fn parse_plain(s: &str) -> Option<f64> {
     if number.is_empty() || number == "-" || number == "+" {
         return None;
     }
+    // A number followed by more mathematics (`2\sqrt{3}`, `2^{10}`, `3(4)`, `1e-3`, `1.2.3`) is
+    // not that number; a unit or a word after it (`12cm`) is fine.
+    let rest = &s[end..];
+    let mut after = rest.chars();
+    let next = after.next();
+    let then = after.next();
+    let more_maths = match next {
+        Some('\\' | '^' | '*' | '(' | '!') => true,
+        Some('e' | 'E') => then.is_some_and(|c| c.is_ascii_digit() || c == '-' || c == '+'),
+        Some('.') => then.is_some_and(|c| c.is_ascii_digit()),
+        _ => false,
+    };
+    if more_maths {
+        return None;
+    }
     number.parse().ok()
 }
 
@@ -137,7 +152,8 @@ fn last_number(text: &str) -> Option<String> {
 pub fn extract_choice(text: &str, options: usize) -> Option<char> {
     let last = (b'A' + options.clamp(1, 26) as u8 - 1) as char;
     let is_option = |c: char| c.is_ascii_uppercase() && c <= last;
-    let lower = text.to_lowercase();
+    // ASCII lower-casing keeps byte positions, so they index `text` too.
+    let lower = text.to_ascii_lowercase();
     let mut best: Option<(usize, char)> = None;
     for marker in ["answer:", "answer is", "answer is:"] {
         if let Some(at) = lower.rfind(marker) {
@@ -235,6 +251,11 @@ mod tests {
         }
         assert!(!same_number(parse_number("18").unwrap(), parse_number("18.5").unwrap()));
         assert_eq!(parse_number("x"), None);
+        for not_a_number in ["2\\sqrt{3}", "2^{10}", "3(4)", "1e-3", "1.2.3", "5!"] {
+            assert_eq!(parse_number(not_a_number), None, "{not_a_number}");
+        }
+        // Non-ASCII text before an answer line must not upset the byte positions.
+        assert_eq!(extract_choice("İİİİİİİİ answer: B", 4), Some('B'));
         assert_eq!(parse_number("-"), None);
     }
 

@@ -179,6 +179,11 @@ impl Harness {
         if !(0.0..0.9).contains(&calibration) {
             return Err(EvalError::Settings("--calibration must be at least 0 and below 0.9".into()));
         }
+        if calibration == 0.0 && spec.strategies.contains(&Strategy::RouterLookup) {
+            return Err(EvalError::Settings(
+                "router:lookup learns from a calibration split: give --calibration above 0".into(),
+            ));
+        }
         if spec.strategies.contains(&Strategy::Conductor) && !self.has_conductor {
             return Err(EvalError::Settings(
                 "the conductor strategy needs a conductor: set [conductor] in the pool or pass --conductor".into(),
@@ -406,7 +411,9 @@ impl Harness {
         // 5. Routers and the oracle.
         let results = self.store.eval_results(&spec.id).await?;
         for s in spec.strategies.iter().filter(|s| s.is_derived()) {
-            for row in derive(s, &results, &self.workers, &items, &test, repeats, &config.lookup, spec.seed) {
+            // A category the calibration split had no items of goes to the best worker overall.
+            let fallback = aggregator;
+            for row in derive(s, &results, &self.workers, &items, &test, repeats, &config.lookup, fallback, spec.seed) {
                 self.store.put_eval_result(&spec.id, &row).await?;
             }
         }
@@ -570,12 +577,17 @@ async fn run_one(
         budget: share.map(|usd| Budget { max_cost_usd: Some(usd), ..Budget::default() }),
         ..RunRequest::default()
     };
+    // The share is counted as spent before the run starts, so a process killed mid-run leaves
+    // the history saying at least what it may have spent; the difference is settled after.
+    let promised = share.unwrap_or(0.0);
+    h.store.add_evaluation_spend(&ctx.id, promised).await?;
     let (tx, mut rx) = mpsc::unbounded_channel();
     let collect = async move {
         let mut outputs: BTreeMap<usize, String> = BTreeMap::new();
         let mut planned = false;
         let mut steps = 0u32;
         let mut budget_hit = false;
+        let mut refused_key: Option<String> = None;
         while let Some(event) = rx.recv().await {
             // A history write that fails must not lose the run's result: note it and go on.
             if let Err(e) = recorder.record(&event).await {
@@ -590,10 +602,13 @@ async fn run_one(
                 RunEvent::StepFailed { error, .. } if error.kind == baton_engine::StepErrorKind::Budget => {
                     budget_hit = true;
                 }
+                RunEvent::StepFailed { error, .. } if error.kind == baton_engine::StepErrorKind::Auth => {
+                    refused_key = Some(error.message.clone());
+                }
                 _ => {}
             }
         }
-        (outputs, planned, steps, budget_hit)
+        (outputs, planned, steps, budget_hit, refused_key)
     };
     let executor = h.executor.clone();
     let run = async move {
@@ -601,15 +616,22 @@ async fn run_one(
         drop(tx);
         outcome
     };
-    let (outcome, (outputs, planned, steps, budget_hit)) = tokio::join!(run, collect);
+    let (outcome, (outputs, planned, steps, budget_hit, refused_key)) = tokio::join!(run, collect);
     let totals = &outcome.totals;
     {
         let mut purse = ctx.purse.lock().unwrap_or_else(|e| e.into_inner());
         purse.spent += totals.cost_usd;
     }
-    h.store.add_evaluation_spend(&ctx.id, totals.cost_usd).await?;
+    h.store.add_evaluation_spend(&ctx.id, totals.cost_usd - promised).await?;
     if outcome.status == RunStatus::Cancelled || cancel.is_cancelled() {
         return Ok(None);
+    }
+    // A refused key is the user's to fix, not the strategy's failure: scoring every item wrong
+    // for it would be final (a resume skips recorded items).
+    if let Some(message) = refused_key {
+        return Err(EvalError::Settings(format!(
+            "a worker refused its key ({message}); fix the key (Workers & keys, or `baton keys set`) and run again with the same id"
+        )));
     }
     // A run cut short by its share of the cap is not a result: a resume with a higher cap
     // makes it again.
@@ -865,6 +887,7 @@ fn derive(
     test: &[usize],
     repeats: u32,
     lookup: &BTreeMap<String, String>,
+    fallback: usize,
     seed: u64,
 ) -> Vec<EvalResult> {
     let single: HashMap<(&str, &str, u32), &EvalResult> = results
@@ -881,8 +904,10 @@ fn derive(
             let of = |w: usize| single.get(&(keys[w].as_str(), item.id.as_str(), r)).copied();
             let chosen = match strategy {
                 Strategy::RouterLookup => {
-                    let w =
-                        lookup.get(item.stratum()).and_then(|name| workers.iter().position(|x| x == name)).unwrap_or(0);
+                    let w = lookup
+                        .get(item.stratum())
+                        .and_then(|name| workers.iter().position(|x| x == name))
+                        .unwrap_or(fallback);
                     of(w)
                 }
                 Strategy::RouterRandom => of(rng.usize(..workers.len().max(1))),

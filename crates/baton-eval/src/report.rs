@@ -52,7 +52,8 @@ pub struct Comparison {
     pub a: String,
     pub b: String,
     pub pairs: usize,
-    /// Pairs (item, repeat) only `a` got right, and only `b`.
+    /// Items only `a` got right, and only `b` (an item counts as right when at least half its
+    /// repeats are): McNemar's discordant pairs, one per item.
     pub only_a: u64,
     pub only_b: u64,
     pub mcnemar_p: f64,
@@ -195,13 +196,10 @@ fn compare(a: &str, b: &str, by: &BTreeMap<&str, Vec<&EvalResult>>, evaluation: 
     };
     let (ia, ib) = (index(a), index(b));
     let mut pairs = 0;
-    let (mut only_a, mut only_b) = (0, 0);
     let mut items: BTreeMap<&str, (f64, f64, u32)> = BTreeMap::new();
     for (key, &ra) in &ia {
         let Some(&rb) = ib.get(key) else { continue };
         pairs += 1;
-        only_a += u64::from(ra && !rb);
-        only_b += u64::from(rb && !ra);
         let e = items.entry(key.0).or_default();
         e.0 += f64::from(u8::from(ra));
         e.1 += f64::from(u8::from(rb));
@@ -209,6 +207,11 @@ fn compare(a: &str, b: &str, by: &BTreeMap<&str, Vec<&EvalResult>>, evaluation: 
     }
     let sa: Vec<f64> = items.values().map(|(x, _, n)| x / f64::from(*n)).collect();
     let sb: Vec<f64> = items.values().map(|(_, y, n)| y / f64::from(*n)).collect();
+    // Repeats of one item are not independent pairs: McNemar counts items.
+    let (only_a, only_b) = sa
+        .iter()
+        .zip(&sb)
+        .fold((0, 0), |(a, b), (x, y)| (a + u64::from(*x >= 0.5 && *y < 0.5), b + u64::from(*y >= 0.5 && *x < 0.5)));
     let seed = evaluation.config["seed"].as_u64().unwrap_or(0);
     let boot = stats::paired_bootstrap(&sa, &sb, 10_000, seed);
     Comparison {

@@ -81,36 +81,49 @@ pub enum SandboxError {
     Io(#[from] std::io::Error),
 }
 
+/// Written by a program once its tests have run to their end.
+const CHECKED: &str = ".baton-checked";
+
 /// Installed before the candidate's code. Audit hooks cannot be removed once added.
 const GUARD: &str = r#"def _baton_guard():
     import os, sys
-    root = os.path.realpath(os.getcwd())
-    def inside(p):
-        try:
-            p = os.path.realpath(os.fsdecode(p))
-        except Exception:
-            return False
-        return p == root or p.startswith(root + os.sep)
-    def refuse(what):
-        raise PermissionError("sandbox: " + what + " is refused")
+    # Everything the hook uses is bound here, so the candidate rebinding a builtin or patching
+    # `os` later cannot switch it off.
+    realpath, fsdecode, sep, PathLike = os.path.realpath, os.fsdecode, os.sep, os.PathLike
+    root = realpath(os.getcwd())
     W = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-    paths = {"os.remove", "os.rename", "os.replace", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.chmod",
-             "os.chown", "os.symlink", "os.link", "os.truncate", "os.utime", "shutil.move", "shutil.copyfile"}
-    procs = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen",
-             "os.kill", "os.killpg", "pty.spawn"}
-    def hook(event, args):
+    # Path events, with the positions of their dir_fd arguments (a path relative to another
+    # directory's descriptor could point anywhere: refused).
+    paths = {"os.remove": (1,), "os.rename": (2, 3), "os.replace": (2, 3), "os.rmdir": (1,), "os.mkdir": (2,),
+             "shutil.rmtree": (1,), "os.chmod": (2,), "os.chown": (3,), "os.symlink": (2,), "os.link": (2, 3),
+             "os.truncate": (), "os.utime": (3,), "shutil.move": (), "shutil.copyfile": ()}
+    procs = frozenset({"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
+                       "subprocess.Popen", "os.kill", "os.killpg", "pty.spawn"})
+    def hook(event, args, isinstance=isinstance, any=any, str=str, bytes=bytes, int=int, bool=bool,
+             len=len, PermissionError=PermissionError, Exception=Exception):
+        def refuse(what):
+            raise PermissionError("sandbox: " + what + " is refused")
+        def inside(p):
+            try:
+                p = realpath(fsdecode(p))
+            except Exception:
+                return False
+            return p == root or p.startswith(root + sep)
         if event == "open":
             path, mode, flags = args
             if isinstance(path, int) or path is None:
                 return
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or bool((flags or 0) & W)
             if writing and not inside(path):
-                refuse("writing outside the sandbox directory (" + os.fsdecode(path) + ")")
+                refuse("writing outside the sandbox directory (" + fsdecode(path) + ")")
         elif event.startswith("socket."):
             refuse("network access")
         elif event in paths:
+            for i in paths[event]:
+                if i < len(args) and args[i] is not None and args[i] != -100:
+                    refuse(event + " relative to a directory descriptor")
             for a in args[:2]:
-                if isinstance(a, (str, bytes, os.PathLike)) and not inside(a):
+                if isinstance(a, (str, bytes, PathLike)) and not inside(a):
                     refuse(event + " outside the sandbox directory")
         elif event in procs:
             refuse("starting processes")
@@ -133,7 +146,24 @@ fn isolation() -> Isolation {
                 .status()
                 .is_ok_and(|s| s.success())
         };
-        if works("bwrap", &["--ro-bind", "/", "/", "--dev", "/dev", "--unshare-all", "--die-with-parent", "true"]) {
+        // The very mounts and namespaces a run uses: a container that refuses one of them
+        // (mounting /proc, say) must not pass this and then fail every program.
+        let bwrap = [
+            "--ro-bind",
+            "/",
+            "/",
+            "--dev",
+            "/dev",
+            "--proc",
+            "/proc",
+            "--tmpfs",
+            "/tmp",
+            "--unshare-all",
+            "--die-with-parent",
+            "--new-session",
+            "true",
+        ];
+        if works("bwrap", &bwrap) {
             Isolation::Bubblewrap
         } else if works("unshare", &["--user", "--map-root-user", "--net", "true"]) {
             Isolation::NetworkNamespace
@@ -177,17 +207,13 @@ impl Sandbox {
         Ok(Sandbox { python: PathBuf::from(exe), prefix: PathBuf::from(prefix), limits, isolation: isolation() })
     }
 
-    /// The program a code item's answer is checked with: the candidate (after the prompt's
-    /// imports, or after the whole prompt when the candidate is only a function body), the
-    /// tests, then `check(entry_point)`.
+    /// The program a code item's answer is checked with: the whole prompt (its imports and any
+    /// helper functions the tests use; a candidate that writes the whole function replaces the
+    /// prompt's stub, one that writes only the body completes it), the candidate, the tests,
+    /// `check(entry_point)`, and then a mark that the tests ran to their end, so a program
+    /// that exits early with status 0 does not pass.
     pub fn program(prompt: &str, candidate: &str, tests: &str, entry_point: &str) -> String {
-        let defines = candidate.contains(&format!("def {entry_point}"));
-        let head = if defines {
-            prompt.lines().filter(|l| l.starts_with("import ") || l.starts_with("from ")).collect::<Vec<_>>().join("\n")
-        } else {
-            prompt.to_owned()
-        };
-        format!("{head}\n{candidate}\n\n{tests}\n\ncheck({entry_point})\n")
+        format!("{prompt}\n{candidate}\n\n{tests}\n\ncheck({entry_point})\nopen({CHECKED:?}, \"w\").write(\"ok\")\n")
     }
 
     /// Runs `program` under the guard, the limits and the isolation.
@@ -281,7 +307,11 @@ impl Sandbox {
             }
         };
         if status.success() {
-            return Ok(Outcome { passed: true, reason: None, wall_ms });
+            if root.join(CHECKED).exists() {
+                return Ok(Outcome { passed: true, reason: None, wall_ms });
+            }
+            let reason = "the program exited before its tests ran to their end".to_owned();
+            return Ok(Outcome { passed: false, reason: Some(reason), wall_ms });
         }
         let text = String::from_utf8_lossy(&err);
         let last = text.lines().rev().map(str::trim).find(|l| !l.is_empty()).unwrap_or_default();
@@ -353,6 +383,21 @@ mod tests {
             ("import os\nos.system('true')\n", "starting processes"),
             ("import subprocess\nsubprocess.run(['true'])\n", "starting processes"),
             ("import ctypes\n", "ctypes"),
+            ("import sys\nsys.exit(0)\n", "exited before its tests"),
+            (
+                &format!(
+                    "isinstance = lambda *a: True\nany = lambda *a: False\nopen({:?}, 'w').write('x')\n",
+                    target.to_string_lossy()
+                ),
+                "sandbox",
+            ),
+            (
+                &format!(
+                    "import os\nd = os.open('/', os.O_RDONLY)\nos.remove({:?}, dir_fd=d)\n",
+                    target.to_string_lossy()
+                ),
+                "sandbox",
+            ),
         ];
         for (code, want) in cases {
             let started = Instant::now();
@@ -365,7 +410,7 @@ mod tests {
         assert!(!target.exists(), "a write escaped the sandbox");
         // Writing inside its own directory is allowed.
         let inside =
-            s.run("open('scratch.txt', 'w').write('ok')\nassert open('scratch.txt').read() == 'ok'\n").await.unwrap();
+            s.run(&format!("open('scratch.txt', 'w').write('ok')\nassert open('scratch.txt').read() == 'ok'\nopen({CHECKED:?}, 'w').write('ok')\n")).await.unwrap();
         assert!(inside.passed, "{inside:?}");
     }
 }
