@@ -154,9 +154,20 @@ async fn a_five_item_evaluation_runs_with_the_real_model_as_conductor_and_worker
     assert!(conductor["plan_validity"].as_f64().is_some());
     assert!(conductor["conductor_input_tokens"].as_u64().unwrap_or(0) > 0, "{conductor}");
     assert_eq!(report["cost_axis"], "tokens");
-    let history =
-        baton_tests::run_within(Duration::from_secs(30), bin, &["history", "list", "--db", db, "--json"], None, &[])
-            .await;
-    assert_eq!(history.stdout.lines().count(), 10, "{}", history.stderr);
+    // Every run is in the history (each result names its run), opened like any other.
+    let out_dir = dir.path().join("export");
+    let export_args = ["eval", "export", "real", "-o", out_dir.to_str().expect("utf-8"), "--db", db];
+    let export = baton_tests::run_within(Duration::from_secs(30), bin, &export_args, None, &[]).await;
+    assert_eq!(export.code, Some(0), "{}", export.stderr);
+    let rows = std::fs::read_to_string(out_dir.join("real.results.jsonl")).expect("results");
+    let runs: Vec<i64> = rows
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")["run_id"].as_i64().expect("a run"))
+        .collect();
+    assert_eq!(runs.len(), 10);
+    let first = runs[0].to_string();
+    let show_args = ["history", "show", first.as_str(), "--db", db, "--json"];
+    let shown = baton_tests::run_within(Duration::from_secs(30), bin, &show_args, None, &[]).await;
+    assert_eq!(shown.code, Some(0), "{}", shown.stderr);
     eprintln!("{}", out.stdout.lines().last().unwrap_or_default());
 }
