@@ -254,7 +254,10 @@ async fn export_grpo(
         };
         for r in rows {
             let Some(run) = r.run_id else { continue };
-            let Some(tree) = store.run(run).await.map_err(failed)? else { continue };
+            let Ok(Some(tree)) = store.run(run).await else {
+                skipped += 1;
+                continue;
+            };
             // Without the conductor's text (a plan that never came) there is nothing to train on.
             let Some(raw) = tree.plans.iter().find(|p| p.round == 0).and_then(|p| p.raw.clone()) else {
                 skipped += 1;
