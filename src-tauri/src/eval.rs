@@ -11,7 +11,6 @@ use baton_store::evaluations::{EvalResult, Evaluation};
 use serde::{Deserialize, Serialize};
 use tauri::ipc::Channel;
 use tauri::{AppHandle, Runtime, State};
-use tauri_plugin_dialog::DialogExt;
 
 use crate::error::{AppError, AppResult, ErrorKind};
 use crate::state::AppState;
@@ -166,19 +165,5 @@ pub async fn export_evaluation<R: Runtime>(
     let text = report::html(&v.report);
     let name: String =
         id.chars().map(|c| if c.is_alphanumeric() || matches!(c, '-' | '_') { c } else { '_' }).collect();
-    let name = format!("baton-evaluation-{name}.html");
-    let chosen = match &state.save_dialog {
-        Some(dialog) => dialog(name).await,
-        None => {
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            app.dialog().file().set_file_name(name).add_filter("HTML", &["html"]).save_file(move |path| {
-                let _ = tx.send(path.and_then(|p| p.into_path().ok()));
-            });
-            rx.await.ok().flatten()
-        }
-    };
-    let Some(path) = chosen else { return Ok(None) };
-    std::fs::write(&path, text)
-        .map_err(|e| AppError::new(ErrorKind::Io, format!("{}: cannot write the report: {e}", path.display())))?;
-    Ok(Some(path.display().to_string()))
+    crate::history::save_as(&app, &state, format!("baton-evaluation-{name}.html"), "HTML", "html", &text).await
 }

@@ -133,7 +133,19 @@ pub async fn export_history<R: Runtime>(
         ExportFormat::Markdown => ("Markdown", "md"),
         ExportFormat::Json => ("JSON", "json"),
     };
-    let name = format!("baton-{kind}-{id}.{ext}");
+    save_as(&app, &state, format!("baton-{kind}-{id}.{ext}"), label, ext, &text).await
+}
+
+/// Asks where with the save dialog the shell opens (never a path the window names) and writes
+/// `text` there. The path written, or `None` when the user cancelled.
+pub(crate) async fn save_as<R: Runtime>(
+    app: &AppHandle<R>,
+    state: &AppState,
+    name: String,
+    label: &str,
+    ext: &str,
+    text: &str,
+) -> AppResult<Option<String>> {
     let chosen = match &state.save_dialog {
         Some(dialog) => dialog(name).await,
         None => {
