@@ -25,6 +25,7 @@ const COMMANDS: &[&str] = &[
     "get_conversation",
     "conversation_runs",
     "list_runs",
+    "worker_figures",
     "search_history",
     "get_run",
     "delete_run",

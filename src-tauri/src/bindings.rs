@@ -58,6 +58,8 @@ pub fn typescript() -> String {
         baton_conductor::setup::LoadedModel::decl(&cfg),
         baton_store::evaluations::Evaluation::decl(&cfg),
         baton_store::evaluations::EvalResult::decl(&cfg),
+        baton_store::figures::WorkerFigures::decl(&cfg),
+        baton_store::figures::WorkerAccuracy::decl(&cfg),
         baton_eval::report::StrategySummary::decl(&cfg),
         baton_eval::report::Comparison::decl(&cfg),
         baton_eval::report::Report::decl(&cfg),

@@ -48,6 +48,13 @@ pub async fn set_conversation_choices(
     Ok(())
 }
 
+/// Per worker over the whole history (evaluations' runs included): calls, failures, latency,
+/// tokens, dollars, and accuracy alone from the newest evaluation that ran it.
+#[tauri::command]
+pub async fn worker_figures(state: State<'_, AppState>) -> AppResult<Vec<baton_store::figures::WorkerFigures>> {
+    Ok(state.store().await?.worker_figures().await?)
+}
+
 /// A conversation's runs, oldest first, each whole (plans, steps, events).
 #[tauri::command]
 pub async fn conversation_runs(state: State<'_, AppState>, id: i64) -> AppResult<Vec<RunTree>> {

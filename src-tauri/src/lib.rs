@@ -95,6 +95,7 @@ pub fn builder<R: Runtime>(base: tauri::Builder<R>, state: AppState) -> tauri::B
         history::delete_run,
         history::delete_conversation,
         history::export_history,
+        history::worker_figures,
         models::model_catalog,
         models::pull_model,
         models::delete_model,

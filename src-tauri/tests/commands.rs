@@ -398,6 +398,25 @@ fn an_evaluation_runs_through_the_commands_and_is_kept() {
     assert!(run["run"]["question"].as_str().unwrap().contains("Answer: <letter>"));
     assert_eq!(invoke(&h, "list_conversations", json!({ "before": null })).unwrap(), json!([]), "kept out of the chat");
 
+    // The Workers & keys screen's records: each worker's 8 calls, and its accuracy alone.
+    let figures = invoke(&h, "worker_figures", json!({})).unwrap();
+    for (name, strategy) in [("a", "single:a"), ("b", "single:b")] {
+        let f = figures.as_array().unwrap().iter().find(|f| f["worker"] == name).expect(name);
+        let accuracy = view["report"]["strategies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["strategy"] == strategy)
+            .unwrap()["accuracy"]
+            .clone();
+        assert_eq!((f["calls"].as_u64(), f["failed"].as_u64()), (Some(8), Some(0)), "{f}");
+        assert_eq!(
+            (&f["evaluation"]["evaluation_id"], &f["evaluation"]["accuracy"]),
+            (&json!("ipc"), &accuracy),
+            "{f}"
+        );
+    }
+
     let list = invoke(&h, "list_evaluations", json!({})).unwrap();
     assert_eq!(list[0]["id"], "ipc");
     assert_eq!(invoke(&h, "get_evaluation", json!({ "id": "ipc" })).unwrap(), view);

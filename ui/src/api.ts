@@ -31,6 +31,7 @@ import type {
   SearchHit,
   Settings,
   SuiteInfo,
+  WorkerFigures,
 } from "./bindings";
 
 /** Turns anything a command throws into an AppError the UI can branch on. */
@@ -110,6 +111,8 @@ export const api = {
     channel.onmessage = onProgress;
     return invoke<EvalView>("run_evaluation", { request, stopId, onProgress: channel });
   },
+  /** Per worker over the whole history: calls, failures, latency, $, accuracy alone. */
+  workerFigures: () => invoke<WorkerFigures[]>("worker_figures"),
   listEvaluations: () => invoke<Evaluation[]>("list_evaluations"),
   getEvaluation: (id: string) => invoke<EvalView>("get_evaluation", { id }),
   deleteEvaluation: (id: string) => invoke<null>("delete_evaluation", { id }),

@@ -505,6 +505,59 @@ split: string, category: string, run_uid: string | null,
  */
 run_id: number | null, answer: string | null, extracted: string | null, correct: boolean, error: string | null, plan_valid: boolean | null, steps: number | null, calls: number, input_tokens: number, cached_input_tokens: number, output_tokens: number, conductor_input_tokens: number, conductor_cached_input_tokens: number, conductor_output_tokens: number, cost_usd: number, cost_complete: boolean, latency_ms: number, };
 
+export type WorkerFigures = { 
+/**
+ * The worker's name (`conductor` for steps the conductor gave itself).
+ */
+worker: string, 
+/**
+ * Steps that called the worker (a step re-used by a re-run, or one that never started
+ * because a step it needed failed, is no call).
+ */
+calls: number, 
+/**
+ * Calls that ended with an answer.
+ */
+finished: number, 
+/**
+ * Calls that ended with the worker's error (after the retries a step makes).
+ */
+failed: number, 
+/**
+ * Calls stopped by the user or a spending cap: neither a success nor a failure.
+ */
+cancelled: number, 
+/**
+ * `failed` over the calls that ended on their own (finished or failed); `None` if none did.
+ */
+failure_rate: number | null, 
+/**
+ * Retries the calls needed (rate limits, overload, timeouts).
+ */
+retries: number, 
+/**
+ * Over finished calls, from the request to the last token, retries included.
+ */
+latency_p50_ms: number | null, latency_p95_ms: number | null, input_tokens: number, output_tokens: number, cost_usd: number, 
+/**
+ * False when a finished call had no known price: `cost_usd` is then a lower bound.
+ */
+cost_complete: boolean, 
+/**
+ * When the worker was last called (Unix ms).
+ */
+last_called_at: number | null, 
+/**
+ * The worker alone (`single:<name>`) in the newest evaluation that ran it.
+ */
+evaluation: WorkerAccuracy | null, };
+
+export type WorkerAccuracy = { evaluation_id: string, suite: string, accuracy: number, 
+/**
+ * Results scored (items × repeats).
+ */
+n: number, at: number, };
+
 export type StrategySummary = { strategy: string, 
 /**
  * Mean over test items of each item's mean over repeats.

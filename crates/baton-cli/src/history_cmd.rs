@@ -83,6 +83,13 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Per worker over the whole history: calls, failure rate, latency p50/p95, tokens, $, and
+    /// its accuracy alone in the newest evaluation that ran it.
+    Workers {
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+    },
     /// Delete a run (with its question and answer in the conversation), or a whole conversation.
     Delete {
         #[arg(required_unless_present = "conversation", conflicts_with = "conversation")]
@@ -203,6 +210,18 @@ async fn command(store: &Store, command: Command) -> Outcome {
                 None => write_out(&mut out, text.trim_end())?,
             }
         }
+        Command::Workers { json } => {
+            let figures = store.worker_figures().await.map_err(failed)?;
+            if json {
+                for f in &figures {
+                    line(&mut out, &json!(f))?;
+                }
+            } else if figures.is_empty() {
+                eprintln!("the history has no calls yet");
+            } else {
+                write_out(&mut out, &worker_table(&figures))?;
+            }
+        }
         Command::Delete { run, conversation, json } => {
             // A run still going is refused: stop it first (exit 2, like other bad input).
             let refused = |e: baton_store::StoreError| match e {
@@ -226,6 +245,48 @@ async fn command(store: &Store, command: Command) -> Outcome {
         }
     }
     Ok(())
+}
+
+fn worker_table(figures: &[baton_store::figures::WorkerFigures]) -> String {
+    let ms = |v: Option<u64>| v.map_or("—".to_owned(), |v| format!("{v} ms"));
+    let mut rows =
+        vec![["worker", "calls", "failed", "p50", "p95", "tokens in/out", "$", "accuracy alone"].map(str::to_owned)];
+    for f in figures {
+        let failed = match f.failure_rate {
+            Some(r) => format!("{} ({:.1}%)", f.failed, r * 100.0),
+            None => f.failed.to_string(),
+        };
+        let accuracy = f.evaluation.as_ref().map_or("—".to_owned(), |e| {
+            format!("{:.1}% of {} ({}, {})", e.accuracy * 100.0, e.n, e.suite, e.evaluation_id)
+        });
+        rows.push([
+            f.worker.clone(),
+            f.calls.to_string(),
+            failed,
+            ms(f.latency_p50_ms),
+            ms(f.latency_p95_ms),
+            format!("{}/{}", f.input_tokens, f.output_tokens),
+            format!("{:.4}{}", f.cost_usd, if f.cost_complete { "" } else { "+" }),
+            accuracy,
+        ]);
+    }
+    let widths: Vec<usize> = (0..8).map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0)).collect();
+    let mut text = String::new();
+    for row in &rows {
+        let cells: Vec<String> =
+            row.iter()
+                .enumerate()
+                .map(|(c, v)| {
+                    if c == 0 || c == 7 { format!("{v:<w$}", w = widths[c]) } else { format!("{v:>w$}", w = widths[c]) }
+                })
+                .collect();
+        text.push_str(cells.join("  ").trim_end());
+        text.push('\n');
+    }
+    if figures.iter().any(|f| !f.cost_complete) {
+        text.push_str("+: some calls had no known price; the cost is a lower bound\n");
+    }
+    text.trim_end().to_owned()
 }
 
 async fn load(store: &Store, run: i64) -> Result<RunTree, Failure> {

@@ -317,3 +317,113 @@ async fn the_history_gives_back_the_events_a_run_printed() {
     let stored: Vec<String> = tree["events"].as_array().expect("events").iter().map(Value::to_string).collect();
     assert_eq!(stored, printed);
 }
+
+/// `baton history workers`: per worker, calls (a step that never ran is none), failures,
+/// latency, tokens and dollars as the steps recorded them, and the accuracy alone from the
+/// newest evaluation that ran the worker.
+#[tokio::test(flavor = "multi_thread")]
+async fn worker_figures_add_up_the_history() {
+    let s = server(TEST_KEY).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("history.sqlite");
+    // `bad` refuses every call with a 400 (never retried); the judge needs its answer, so it
+    // never runs.
+    let workers = [W("good", "openai", "good;reply=It_is_42"), W("bad", "anthropic", "bad;fail=400x*")];
+    let pool = write_pool(dir.path(), &s, "", &workers);
+    let priced = std::fs::read_to_string(&pool).unwrap().replace(
+        "api_key_env = \"BATON_E2E_KEY\"\n",
+        "api_key_env = \"BATON_E2E_KEY\"\nprice_in = 1.0\nprice_out = 2.0\n",
+    );
+    std::fs::write(&pool, priced).unwrap();
+    let plan = dir.path().join("plan.txt");
+    std::fs::write(
+        &plan,
+        "model_id = [0, 1, 0]\nsubtasks = [\"A.\", \"B.\", \"Judge.\"]\naccess_list = [[], [], \"all\"]",
+    )
+    .unwrap();
+    for q in ["First?", "Second?"] {
+        let out = baton(&["ask", "--pool", path(&pool), "--plan", path(&plan), "--db", path(&db), q], TEST_KEY).await;
+        assert_eq!(out.code, Some(1), "the run fails with its step: {}", out.stderr);
+    }
+    let suite = dir.path().join("two.jsonl");
+    std::fs::write(
+        &suite,
+        "{\"id\":\"a\",\"question\":\"Six times seven?\",\"answer\":\"42\",\"kind\":\"number\"}\n\
+         {\"id\":\"b\",\"question\":\"Three plus four?\",\"answer\":\"7\",\"kind\":\"number\"}\n",
+    )
+    .unwrap();
+    let eval = baton(
+        &[
+            "eval",
+            "run",
+            path(&suite),
+            "--pool",
+            path(&pool),
+            "--db",
+            path(&db),
+            "--strategies",
+            "single:good",
+            "--id",
+            "e1",
+        ],
+        TEST_KEY,
+    )
+    .await;
+    assert_eq!(eval.code, Some(0), "{}", eval.stderr);
+
+    let out = baton(&["history", "workers", "--db", path(&db), "--json"], "").await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let figures = json_lines(&out);
+    let names: Vec<&str> = figures.iter().map(|f| f["worker"].as_str().unwrap()).collect();
+    assert_eq!(names, ["good", "bad"], "most called first");
+    let (good, bad) = (&figures[0], &figures[1]);
+    // Two questions' first step, and the evaluation's two items.
+    assert_eq!(
+        (good["calls"].as_u64(), good["finished"].as_u64(), good["failed"].as_u64()),
+        (Some(4), Some(4), Some(0))
+    );
+    assert_eq!(good["failure_rate"], 0.0);
+    assert_eq!(
+        (bad["calls"].as_u64(), bad["failed"].as_u64(), bad["failure_rate"].as_f64()),
+        (Some(2), Some(2), Some(1.0))
+    );
+    assert!(good["latency_p50_ms"].is_u64() && good["latency_p95_ms"].as_u64() >= good["latency_p50_ms"].as_u64());
+    assert!(bad["latency_p50_ms"].is_null(), "no call of bad finished");
+
+    // Tokens and dollars are the sums of what the steps recorded.
+    let mut tokens = (0, 0);
+    let mut cost = 0.0;
+    let list = baton(&["history", "list", "--db", path(&db), "--json", "--limit", "100"], "").await;
+    let mut ids: Vec<i64> = json_lines(&list).iter().map(|r| r["id"].as_i64().unwrap()).collect();
+    // The evaluation's runs stay out of the list; they are found through its results.
+    let export = dir.path().join("export");
+    let out = baton(&["eval", "export", "e1", "-o", path(&export), "--db", path(&db)], "").await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let results = std::fs::read_to_string(export.join("e1.results.jsonl")).expect("results");
+    ids.extend(results.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()["run_id"].as_i64().unwrap()));
+    assert_eq!(ids.len(), 4);
+    for id in ids {
+        let show = baton(&["history", "show", &id.to_string(), "--db", path(&db), "--json"], "").await;
+        let tree: Value = serde_json::from_str(show.stdout.trim()).expect("run");
+        for step in
+            tree["steps"].as_array().unwrap().iter().filter(|s| s["worker"] == "good" && s["status"] == "finished")
+        {
+            tokens.0 += step["input_tokens"].as_u64().unwrap();
+            tokens.1 += step["output_tokens"].as_u64().unwrap();
+            cost += step["cost_usd"].as_f64().unwrap();
+        }
+    }
+    assert_eq!((good["input_tokens"].as_u64(), good["output_tokens"].as_u64()), (Some(tokens.0), Some(tokens.1)));
+    assert!((good["cost_usd"].as_f64().unwrap() - cost).abs() < 1e-12 && cost > 0.0, "{good} vs {cost}");
+    assert_eq!(good["cost_complete"], true);
+
+    // Right on "42" only: half the evaluation's items.
+    assert_eq!(good["evaluation"]["evaluation_id"], "e1");
+    assert_eq!((good["evaluation"]["accuracy"].as_f64(), good["evaluation"]["n"].as_u64()), (Some(0.5), Some(2)));
+    assert!(bad["evaluation"].is_null());
+
+    let table = baton(&["history", "workers", "--db", path(&db)], "").await;
+    let first = table.stdout.lines().nth(1).unwrap_or_default();
+    assert!(first.starts_with("good") && first.contains("50.0% of 2"), "{}", table.stdout);
+    assert!(table.stdout.lines().nth(2).is_some_and(|l| l.contains("2 (100.0%)")), "{}", table.stdout);
+}

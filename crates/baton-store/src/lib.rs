@@ -11,6 +11,7 @@
 
 pub mod evaluations;
 pub mod export;
+pub mod figures;
 mod recorder;
 mod stored;
 pub mod synthetic;

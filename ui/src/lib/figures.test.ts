@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
-import type { Totals } from "../bindings";
-import { figuresLine, totalsBreakdown } from "./figures";
+import type { Totals, WorkerFigures } from "../bindings";
+import { figuresLine, totalsBreakdown, workerRecord } from "./figures";
 
 const usage = (input: number, cached: number, written: number, output: number) => ({
   input_tokens: input,
@@ -37,5 +37,53 @@ describe("figures", () => {
       "workers: 4 calls · 500 in / 300 out tokens · $0.01",
     ]);
     expect(totalsBreakdown(totals(false, ["gpt", "the conductor"]))[2]).toBe("cost unknown for gpt, the conductor");
+  });
+});
+
+describe("workerRecord", () => {
+  const base: WorkerFigures = {
+    worker: "w",
+    calls: 10,
+    finished: 7,
+    failed: 3,
+    cancelled: 0,
+    failure_rate: 0.3,
+    retries: 1,
+    latency_p50_ms: 850,
+    latency_p95_ms: 2400,
+    input_tokens: 100,
+    output_tokens: 50,
+    cost_usd: 0.25,
+    cost_complete: true,
+    last_called_at: 1,
+    evaluation: { evaluation_id: "e1", suite: "mmlu", accuracy: 0.4, n: 20, at: 1 },
+  };
+
+  it("reads as one line and flags a failing, poor worker", () => {
+    const r = workerRecord(base);
+    expect(r.parts).toEqual([
+      "10 calls",
+      "30.0% failed",
+      "p50 850 ms · p95 2.4 s",
+      "$0.25",
+      "40.0% right alone on mmlu (20, evaluation e1)",
+    ]);
+    expect(r).toMatchObject({ unreliable: true, poor: true });
+  });
+
+  it("does not flag a worker on too few calls, and leaves out what is unknown", () => {
+    const r = workerRecord({
+      ...base,
+      calls: 2,
+      finished: 0,
+      failed: 2,
+      failure_rate: 1,
+      latency_p50_ms: null,
+      latency_p95_ms: null,
+      cost_usd: 0,
+      evaluation: null,
+    });
+    expect(r.parts).toEqual(["2 calls", "100.0% failed", "$0"]);
+    expect(r).toMatchObject({ unreliable: false, poor: false });
   });
 });
