@@ -173,7 +173,7 @@ pub async fn ask<R: Runtime>(
     };
     let executor = executor(&app, &state, &pool, request.plan.is_none()).await?;
     let run = RunRequest { run_id: new_run_id(), question, history, plan: request.plan, ..RunRequest::default() };
-    run_recorded(&app, &registration, store, &executor, request.conversation_id, run, on_event).await
+    run_recorded(&app, &registration, store, &executor, request.conversation_id, run, on_event, true).await
 }
 
 /// Re-runs one step of a finished run with another worker (see [`RerunRequest`]) and streams
@@ -226,7 +226,139 @@ pub async fn rerun_step<R: Runtime>(
         reuse: Some(rerun.reuse),
         budget: None,
     };
-    run_recorded(&app, &registration, store, &executor, Some(conversation), run, on_event).await
+    run_recorded(&app, &registration, store, &executor, Some(conversation), run, on_event, true).await
+}
+
+/// Compare in chat: the same question asked of the conductor and of one worker alone.
+#[derive(Debug, Clone, PartialEq, Deserialize, ts_rs::TS)]
+pub struct CompareRequest {
+    pub question: String,
+    /// Continue this conversation; `null` starts one.
+    pub conversation_id: Option<i64>,
+    /// The pool workers the conductor may use, by index; `null` for all of them.
+    pub workers: Option<Vec<u32>>,
+    /// The worker that answers alone, by name (any worker of the pool, chosen or not).
+    pub worker: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
+pub struct CompareResult {
+    pub conductor: AskResult,
+    pub single: AskResult,
+    /// The comparison kept in the history, to mark the better answer (`null` if neither run
+    /// could be recorded).
+    pub comparison_id: Option<i64>,
+}
+
+/// The one instruction a worker alone gets: the question, after the conversation so far when
+/// there is one (a worker sees no history of its own; the conductor puts what a step needs in
+/// its subtask, and this does the same for the whole conversation).
+pub fn alone_subtask(history: &[baton_providers::Message], question: &str) -> String {
+    if history.is_empty() {
+        return question.to_owned();
+    }
+    let mut text = String::from("The conversation so far:\n");
+    for m in history {
+        let who = match m.role {
+            baton_providers::Role::User => "User",
+            _ => "Assistant",
+        };
+        text.push_str(&format!("\n{who}: {}\n", m.content));
+    }
+    text.push_str(&format!("\nAnswer the user's new message:\n\n{question}"));
+    text
+}
+
+/// Asks `request.question` of the conductor (streamed on `on_event`, as [`ask`] does) and, at
+/// the same time, of `request.worker` alone (streamed on `on_single`); both runs are kept in
+/// the conversation, only the conductor's answer joins its turns, and the pair is kept as a
+/// comparison whose better answer the user may mark ([`mark_comparison`]). `cancel_run(stop_id)`
+/// stops both.
+#[tauri::command]
+pub async fn ask_compared<R: Runtime>(
+    app: AppHandle<R>,
+    state: State<'_, AppState>,
+    request: CompareRequest,
+    stop_id: String,
+    on_event: Channel<RunEvent>,
+    on_single: Channel<RunEvent>,
+) -> AppResult<CompareResult> {
+    let registration = state.register(&stop_id)?;
+    let question = request.question.trim().to_owned();
+    if question.is_empty() {
+        return Err(AppError::bad_input("the question is empty"));
+    }
+    let full = state.pool()?;
+    let Some(alone) = full.workers.iter().position(|w| w.name == request.worker) else {
+        return Err(AppError::not_found(format!(
+            "there is no worker \"{}\" in the pool to compare with; choose another",
+            request.worker
+        )));
+    };
+    let pool = subset(full.clone(), request.workers.as_deref())?;
+    let single_pool = subset(full, Some(&[alone as u32]))?;
+    let store = state.store().await?;
+    let history = match request.conversation_id {
+        Some(id) => {
+            if store.conversation_title(id).await?.is_none() {
+                return Err(AppError::not_found(format!("there is no conversation {id} in the history")));
+            }
+            store.messages(id).await?
+        }
+        None => Vec::new(),
+    };
+    let conductor = executor(&app, &state, &pool, true).await?;
+    let single = executor(&app, &state, &single_pool, false).await?;
+    // Both runs join one conversation, so a new chat's is made before either starts.
+    let (conversation, made) = match request.conversation_id {
+        Some(id) => (id, false),
+        None => (store.new_conversation(&question).await?, true),
+    };
+    let step = baton_plan::Step {
+        model_id: 0,
+        subtask: alone_subtask(&history, &question),
+        access: baton_plan::Access::Steps(vec![]),
+    };
+    let single_run = RunRequest {
+        run_id: new_run_id(),
+        question: question.clone(),
+        plan: Some(Plan { steps: vec![step] }),
+        ..RunRequest::default()
+    };
+    let conductor_run = RunRequest { run_id: new_run_id(), question, history, ..RunRequest::default() };
+    let (a, b) = tokio::join!(
+        run_recorded(&app, &registration, store, &conductor, Some(conversation), conductor_run, on_event, true),
+        run_recorded(&app, &registration, store, &single, Some(conversation), single_run, on_single, false),
+    );
+    let (a, b) = match (a, b) {
+        (Ok(a), Ok(b)) => (a, b),
+        // Stopped before either started: a conversation made for them would stay empty.
+        (Err(e), _) | (_, Err(e)) => {
+            if made {
+                let _ = store.delete_conversation(conversation).await;
+            }
+            return Err(e);
+        }
+    };
+    let comparison_id = if a.run_id.is_some() || b.run_id.is_some() {
+        Some(store.add_comparison(conversation, a.run_id, b.run_id, &request.worker).await?)
+    } else {
+        None
+    };
+    Ok(CompareResult { conductor: a, single: b, comparison_id })
+}
+
+/// Marks the better answer of a comparison (`null` takes the mark back).
+#[tauri::command]
+pub async fn mark_comparison(
+    state: State<'_, AppState>,
+    id: i64,
+    preferred: Option<baton_store::comparisons::Preferred>,
+) -> AppResult<()> {
+    if !state.store().await?.mark_comparison(id, preferred).await? {
+        return Err(AppError::not_found(format!("there is no comparison {id} in the history")));
+    }
+    Ok(())
 }
 
 /// Runs `run`, recording each event in the history before sending it on `on_event`; returns
@@ -239,6 +371,7 @@ async fn run_recorded<R: Runtime>(
     conversation_id: Option<i64>,
     run: RunRequest,
     on_event: Channel<RunEvent>,
+    messages: bool,
 ) -> AppResult<AskResult> {
     // Stopped while the models loaded: nothing has started, so nothing is recorded.
     if registration.token.is_cancelled() {
@@ -247,7 +380,8 @@ async fn run_recorded<R: Runtime>(
     let run_id = run.run_id.clone();
     let cancel = registration.token.clone();
     let (tx, mut rx) = mpsc::unbounded_channel::<RunEvent>();
-    let mut recorder = Some(store.recorder(conversation_id));
+    let recorder = store.recorder(conversation_id);
+    let mut recorder = Some(if messages { recorder } else { recorder.without_messages() });
     let mut timing = TimingLog::for_run(&run_id);
     let warn = app.clone();
     let consumer = tokio::spawn(async move {

@@ -55,6 +55,33 @@ pub async fn worker_figures(state: State<'_, AppState>) -> AppResult<Vec<baton_s
     Ok(state.store().await?.worker_figures().await?)
 }
 
+/// A conversation's comparisons (compare in chat), oldest first: which run is the worker's
+/// answer beside which conductor's, and the mark.
+#[tauri::command]
+pub async fn conversation_comparisons(
+    state: State<'_, AppState>,
+    id: i64,
+) -> AppResult<Vec<baton_store::comparisons::Comparison>> {
+    Ok(state.store().await?.comparisons(id).await?)
+}
+
+/// Asks where in the save dialog and writes every marked comparison there as preference pairs
+/// (JSON lines: `prompt`, `chosen`, `rejected`, ...); the path, or `null` if cancelled.
+#[tauri::command]
+pub async fn export_preferences<R: Runtime>(
+    app: AppHandle<R>,
+    state: State<'_, AppState>,
+) -> AppResult<Option<String>> {
+    let pairs = state.store().await?.preference_pairs().await?;
+    if pairs.is_empty() {
+        return Err(AppError::bad_input(
+            "no comparison is marked yet: compare answers in the chat and mark the better one first",
+        ));
+    }
+    let text: String = pairs.iter().map(|p| serde_json::to_string(p).unwrap_or_default() + "\n").collect();
+    save_as(&app, &state, "baton-preferences.jsonl".into(), "JSON lines", "jsonl", &text).await
+}
+
 /// A conversation's runs, oldest first, each whole (plans, steps, events).
 #[tauri::command]
 pub async fn conversation_runs(state: State<'_, AppState>, id: i64) -> AppResult<Vec<RunTree>> {

@@ -433,3 +433,90 @@ fn an_evaluation_runs_through_the_commands_and_is_kept() {
     assert_eq!(invoke(&h, "list_evaluations", json!({})).unwrap(), json!([]));
     assert_eq!(invoke(&h, "delete_evaluation", json!({ "id": "ipc" })).unwrap_err()["kind"], "not_found");
 }
+
+/// Compare in chat: the conductor's plan and one worker alone answer the same question at the
+/// same time; both runs are kept in the conversation, only the conductor's answer is a turn of
+/// it, and the mark of the better answer is kept and exported as a preference pair.
+#[test]
+fn a_question_is_compared_with_one_worker_alone_and_the_mark_is_kept() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let server = rt.block_on(baton_testserver::TestServer::start()).unwrap();
+    let base = server.base_url(baton_testserver::Wire::OpenAi);
+    let dir = tempfile::tempdir().unwrap();
+    let h = app(dir.path(), "main");
+    // A conductor on the loopback server that plans every question about the sky the same way.
+    let plans = dir.path().join("plans.json");
+    let plan = "model_id = [0, 1]\nsubtasks = [\"Gather facts.\", \"Answer.\"]\naccess_list = [[], [0]]";
+    std::fs::write(&plans, json!({ "sky": plan }).to_string()).unwrap();
+    let mut remote = conductor();
+    remote["url"] = json!(base);
+    remote["model"] = json!(format!("cond;knows={}", plans.display()));
+    let workers = [
+        worker("a", "a;reply=facts", &base),
+        worker("b", "b;reply=planned_answer", &base),
+        worker("c", "c;reply=alone_answer", &base),
+    ];
+    invoke(&h, "save_settings", json!({ "form": { "workers": workers, "conductor": remote } })).unwrap();
+    let compare = |question: &str, conversation: Value, worker: &str, n: u32| {
+        invoke(
+            &h,
+            "ask_compared",
+            json!({
+                "request": { "question": question, "conversation_id": conversation, "workers": [0, 1], "worker": worker },
+                "stopId": format!("cmp-{n}"), "onEvent": format!("__CHANNEL__:{}", 20 + 2 * n),
+                "onSingle": format!("__CHANNEL__:{}", 21 + 2 * n),
+            }),
+        )
+    };
+    let first = compare("Why is the sky blue?", Value::Null, "c", 0).unwrap();
+    assert_eq!((&first["conductor"]["status"], &first["single"]["status"]), (&json!("finished"), &json!("finished")));
+    let conversation = first["conductor"]["conversation_id"].clone();
+    assert!(conversation.is_number() && first["single"]["conversation_id"] == conversation, "{first}");
+    let planned = invoke(&h, "get_run", json!({ "id": first["conductor"]["run_id"] })).unwrap();
+    let alone = invoke(&h, "get_run", json!({ "id": first["single"]["run_id"] })).unwrap();
+    assert_eq!(
+        (&planned["run"]["answer"], &alone["run"]["answer"]),
+        (&json!("planned answer"), &json!("alone answer"))
+    );
+    assert_eq!(
+        (&alone["steps"][0]["worker"], &alone["steps"][0]["subtask"]),
+        (&json!("c"), &json!("Why is the sky blue?"))
+    );
+    let listed = invoke(&h, "list_conversations", json!({ "before": null })).unwrap();
+    assert_eq!((listed.as_array().unwrap().len(), &listed[0]["runs"]), (1, &json!(2)), "{listed}");
+
+    // The follow-up: the worker alone is told the conversation so far, which holds the
+    // conductor's answer, never its own.
+    let second = compare("And the sky at sunset?", conversation.clone(), "c", 1).unwrap();
+    let alone = invoke(&h, "get_run", json!({ "id": second["single"]["run_id"] })).unwrap();
+    let subtask = alone["steps"][0]["subtask"].as_str().unwrap();
+    assert!(subtask.contains("Assistant: planned answer") && subtask.ends_with("And the sky at sunset?"), "{subtask}");
+    assert!(!subtask.contains("alone answer"), "{subtask}");
+
+    let kept = invoke(&h, "conversation_comparisons", json!({ "id": conversation })).unwrap();
+    assert_eq!(kept.as_array().unwrap().len(), 2);
+    assert_eq!(
+        (&kept[0]["conductor_run"], &kept[0]["single_run"]),
+        (&first["conductor"]["run_id"], &first["single"]["run_id"])
+    );
+    assert_eq!((&kept[0]["worker"], &kept[0]["preferred"]), (&json!("c"), &Value::Null));
+    let err = invoke(&h, "export_preferences", json!({})).unwrap_err();
+    assert_eq!(err["kind"], "bad_input", "nothing marked yet: {err}");
+    invoke(&h, "mark_comparison", json!({ "id": first["comparison_id"], "preferred": "single" })).unwrap();
+    invoke(&h, "mark_comparison", json!({ "id": second["comparison_id"], "preferred": "tie" })).unwrap();
+    let kept = invoke(&h, "conversation_comparisons", json!({ "id": conversation })).unwrap();
+    assert_eq!((&kept[0]["preferred"], &kept[1]["preferred"]), (&json!("single"), &json!("tie")));
+    assert_eq!(
+        invoke(&h, "mark_comparison", json!({ "id": 999, "preferred": "single" })).unwrap_err()["kind"],
+        "not_found"
+    );
+    let written = invoke(&h, "export_preferences", json!({})).unwrap();
+    let text = std::fs::read_to_string(written.as_str().unwrap()).unwrap();
+    let pairs: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(pairs.len(), 1, "a tie is no pair: {text}");
+    assert_eq!(pairs[0]["chosen"], json!([{ "role": "assistant", "content": "alone answer" }]));
+    assert_eq!(pairs[0]["rejected"], json!([{ "role": "assistant", "content": "planned answer" }]));
+
+    let err = compare("Why is the sky blue?", Value::Null, "zed", 2).unwrap_err();
+    assert_eq!(err["kind"], "not_found", "{err}");
+}

@@ -558,6 +558,35 @@ export type WorkerAccuracy = { evaluation_id: string, suite: string, accuracy: n
  */
 n: number, at: number, };
 
+export type Preferred = "conductor" | "single" | "tie";
+
+export type Comparison = { id: number, conversation_id: number, conductor_run: number | null, single_run: number | null, 
+/**
+ * The worker that answered alone.
+ */
+worker: string, preferred: Preferred | null, created_at: number, marked_at: number | null, };
+
+export type CompareRequest = { question: string, 
+/**
+ * Continue this conversation; `null` starts one.
+ */
+conversation_id: number | null, 
+/**
+ * The pool workers the conductor may use, by index; `null` for all of them.
+ */
+workers: Array<number> | null, 
+/**
+ * The worker that answers alone, by name (any worker of the pool, chosen or not).
+ */
+worker: string, };
+
+export type CompareResult = { conductor: AskResult, single: AskResult, 
+/**
+ * The comparison kept in the history, to mark the better answer (`null` if neither run
+ * could be recorded).
+ */
+comparison_id: number | null, };
+
 export type StrategySummary = { strategy: string, 
 /**
  * Mean over test items of each item's mean over repeats.

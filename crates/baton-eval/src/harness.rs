@@ -257,7 +257,6 @@ impl Harness {
             sandbox,
             purse: Mutex::new(Purse { cap: spec.max_cost_usd, spent: spent_before, promised: 0.0, over: false }),
             progress,
-            recording: tokio::sync::Mutex::new(()),
         });
         let repeats = config.repeats;
         let singles_needed: Vec<usize> = (0..self.workers.len())
@@ -442,10 +441,6 @@ struct RunCtx<'p> {
     sandbox: Option<Arc<Sandbox>>,
     purse: Mutex<Purse>,
     progress: &'p (dyn Fn(Progress) + Send + Sync),
-    /// One run's history write at a time: SQLite refuses, without waiting, a transaction that
-    /// read and then wants to write while another connection wrote meanwhile, and the runs of
-    /// an evaluation all write to one file.
-    recording: tokio::sync::Mutex<()>,
 }
 
 /// Runs `jobs`, `concurrency` at a time. `Some(end)` when stopped early.
@@ -587,7 +582,6 @@ async fn run_one(
     let promised = share.unwrap_or(0.0);
     h.store.add_evaluation_spend(&ctx.id, promised).await?;
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let recording = &ctx.recording;
     let collect = async move {
         let mut recorder = Some(recorder);
         let mut outputs: BTreeMap<usize, String> = BTreeMap::new();
@@ -599,7 +593,6 @@ async fn run_one(
             // A history write that fails must not lose the run's result: note it, and record no
             // more of this run (later events would refer to rows that are not there).
             if let Some(r) = &mut recorder {
-                let _one_at_a_time = recording.lock().await;
                 if let Err(e) = r.record(&event).await {
                     tracing::warn!("evaluation run not fully recorded: {e}");
                     recorder = None;

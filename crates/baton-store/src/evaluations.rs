@@ -232,7 +232,7 @@ impl Store {
     /// Deletes the evaluation, its results, and its runs with their conversations. False when
     /// there is no such evaluation.
     pub async fn delete_evaluation(&self, id: &str) -> Result<bool, StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write().await?;
         sqlx::query("DELETE FROM conversations WHERE evaluation_id = ?1").bind(id).execute(&mut *tx).await?;
         let done = sqlx::query("DELETE FROM evaluations WHERE id = ?1").bind(id).execute(&mut *tx).await?;
         tx.commit().await?;

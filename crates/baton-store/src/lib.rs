@@ -9,6 +9,7 @@
 //!
 //! Keys never reach this crate: runs hold questions, plans, messages and answers only.
 
+pub mod comparisons;
 pub mod evaluations;
 pub mod export;
 pub mod figures;
@@ -310,7 +311,7 @@ impl Store {
             if recorder::is_live(&self.path, &uid) {
                 continue;
             }
-            let mut tx = self.pool.begin().await?;
+            let mut tx = self.write().await?;
             sqlx::query("UPDATE runs SET status = 'interrupted' WHERE id = ?1 AND status = 'running'")
                 .bind(id)
                 .execute(&mut *tx)
@@ -594,7 +595,7 @@ impl Store {
     /// rows of a run that is gone.
     pub async fn delete_run(&self, id: i64) -> Result<bool, StoreError> {
         // IMMEDIATE: no recorder can start or end a run between the check and the delete.
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let mut tx = self.pool.begin().await?;
         let running: Vec<(i64, String)> =
             sqlx::query_as("SELECT id, uid FROM runs WHERE id = ?1 AND status = 'running'")
                 .bind(id)
@@ -613,7 +614,7 @@ impl Store {
     /// Deletes a conversation with all its runs and messages; refused, like [`Self::delete_run`],
     /// while one of its runs is still being recorded.
     pub async fn delete_conversation(&self, id: i64) -> Result<bool, StoreError> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let mut tx = self.pool.begin().await?;
         let running: Vec<(i64, String)> =
             sqlx::query_as("SELECT id, uid FROM runs WHERE conversation_id = ?1 AND status = 'running'")
                 .bind(id)
@@ -629,6 +630,14 @@ impl Store {
 
     pub(crate) fn pool(&self) -> &SqlitePool {
         &self.pool
+    }
+
+    /// A transaction that writes. It takes the database's write lock when it begins (waiting
+    /// out the busy timeout), not at its first write: a deferred transaction that read before
+    /// another connection wrote cannot upgrade, and SQLite fails it at once whatever the
+    /// timeout, which broke runs recorded side by side (an evaluation's, a comparison's).
+    pub(crate) async fn write(&self) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, sqlx::Error> {
+        self.pool.begin_with("BEGIN IMMEDIATE").await
     }
 }
 

@@ -37,6 +37,9 @@ pub struct Recorder {
     /// The text each running step has streamed since its last attempt began.
     partial: HashMap<(u32, usize), String>,
     lock: Option<(File, PathBuf)>,
+    /// Whether the run's question and answer join the conversation's turns (what a conductor
+    /// sees in a follow-up). A worker's run beside the conductor's (compare in chat) does not.
+    messages: bool,
 }
 
 impl Recorder {
@@ -51,7 +54,15 @@ impl Recorder {
             texts: HashMap::new(),
             partial: HashMap::new(),
             lock: None,
+            messages: true,
         }
+    }
+
+    /// Records the run in its conversation without adding its question and answer to the
+    /// conversation's turns: the second answer of a comparison, shown beside the conductor's.
+    pub fn without_messages(mut self) -> Self {
+        self.messages = false;
+        self
     }
 
     /// The run's id in the history, once `RunStarted` was recorded.
@@ -81,7 +92,7 @@ impl Recorder {
         let Some(run) = self.run else {
             return Err(StoreError::Sql(sqlx::Error::Protocol("an event arrived before run_started".into())));
         };
-        let mut tx = self.store.pool().begin().await?;
+        let mut tx = self.store.write().await?;
         // Texts this event puts in step rows; later requests may refer to them once committed.
         let mut stored_texts: Vec<(String, TextRef)> = Vec::new();
         match event {
@@ -224,7 +235,7 @@ impl Recorder {
             }
             RunEvent::RunFinished { answer, totals } => {
                 self.finish(&mut tx, run, "finished", Some(answer), None, totals).await?;
-                if let Some(conversation) = self.conversation {
+                if let Some(conversation) = self.conversation.filter(|_| self.messages) {
                     add_message(&mut tx, conversation, run, "assistant", answer).await?;
                 }
             }
@@ -264,7 +275,7 @@ impl Recorder {
         self.lock = Some(take_lock(self.store.path(), uid)?);
         self.workers = workers.to_vec();
         let now = now_ms();
-        let mut tx = self.store.pool().begin().await?;
+        let mut tx = self.store.write().await?;
         let conversation = match self.conversation {
             Some(id) => {
                 let touched = sqlx::query("UPDATE conversations SET updated_at = ?2 WHERE id = ?1")
@@ -301,7 +312,9 @@ impl Recorder {
         .bind(rerun_of.map(|r| r.step as i64))
         .fetch_one(&mut *tx)
         .await?;
-        add_message(&mut tx, conversation, run, "user", question).await?;
+        if self.messages {
+            add_message(&mut tx, conversation, run, "user", question).await?;
+        }
         self.append_event(&mut tx, run, event).await?;
         tx.commit().await?;
         self.conversation = Some(conversation);
@@ -401,7 +414,7 @@ pub(crate) async fn add_message(
 }
 
 /// A conversation's title: the first line of its first question, cut at 80 characters.
-fn title(question: &str) -> String {
+pub(crate) fn title(question: &str) -> String {
     let line = question.lines().find(|l| !l.trim().is_empty()).unwrap_or("").trim();
     match line.char_indices().nth(80) {
         Some((cut, _)) => format!("{}…", &line[..cut]),

@@ -31,7 +31,7 @@ pub async fn populate(store: &Store, runs: u32, steps: u32, seed: u64) -> Result
     let mut last = 0;
     let batch = 2000;
     for start in (0..runs).step_by(batch) {
-        let mut tx = store.pool().begin().await?;
+        let mut tx = store.write().await?;
         for i in start..(start + batch as u32).min(runs) {
             let question = format!("{}? (case {i})", words(12));
             let answer = words(120);

@@ -10,6 +10,7 @@ use baton_engine::rerun::{self, Source};
 use baton_engine::{Executor, Pool, RerunOf, RunEvent, RunRequest};
 use baton_plan::Limits;
 use baton_providers::ApiKey;
+use baton_store::comparisons::Preferred;
 use baton_store::{RunStatus, Store, StoreError};
 use baton_testserver::{TestServer, Wire};
 use tokio::sync::mpsc;
@@ -77,6 +78,7 @@ async fn migrations_apply_to_an_empty_file_and_released_ones_never_change() {
         (4, "4d18937e6a272e06829067468bb819194496efd22374e5ee226cd823195bdb476af8cc3d14302c548c25accd2326650e"),
         (5, "da128e48cf98e44b5c44ee75f31017ceeb720f372972a2a44e87cbcaadc03cc7cf631315476fc492a2d5029caf7af9ca"),
         (6, "e254f625c9b7377f0f89d752144ffe00a0f6b13c736b0eff0c446adcbe98e7069577853542304de703387403f3ba6aa8"),
+        (7, "28cc92239ec280675bcf5be90601b9a0deaa5f3c95a3d8f87041d1bdc1f88ac4bca8efbfbf3c64fa9109fef1ad6be771"),
     ];
     let actual: Vec<(i64, String)> = baton_store::MIGRATOR
         .iter()
@@ -796,4 +798,86 @@ async fn a_run_still_being_recorded_cannot_be_deleted() {
     live.record(end).await.unwrap();
     assert!(store.delete_run(run).await.unwrap(), "ended: deleted");
     assert!(store.delete_conversation(conversation).await.unwrap());
+}
+
+/// Compare in chat: the conductor's run and a worker's run of the same question are recorded
+/// side by side, at the same time, in one conversation; only the conductor's joins the turns a
+/// follow-up sees. A mark of the better answer makes a preference pair; a tie, or no mark,
+/// makes none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn compared_runs_record_side_by_side_and_marks_become_preference_pairs() {
+    let server = TestServer::start().await.expect("server");
+    // Each answer streams over 150 ms, so the two runs' writes interleave.
+    let pool = pool(&server, &[("a", "alpha;latency=150"), ("b", "beta;latency=150"), ("c", "gamma;latency=150")]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&dir.path().join("h.sqlite")).await.expect("opens");
+    let executor = Executor::from_pool_with_keys(&pool, |_| Arc::new(|| Ok(Some(ApiKey::new("test-key")))));
+    let question = "Why is the sky blue?";
+    let conversation = store.new_conversation(question).await.unwrap();
+    let request = |plan: &str| RunRequest {
+        run_id: baton_engine::new_run_id(),
+        question: question.into(),
+        plan: Some(baton_plan::parse(plan, &Limits::default()).expect("plan")),
+        ..RunRequest::default()
+    };
+    let single_plan = "model_id = [1]\nsubtasks = [\"Why is the sky blue?\"]\naccess_list = [[]]";
+    let (conductor_run, single_run) = tokio::join!(
+        record_with(store.recorder(Some(conversation)), &executor, request(FANOUT)),
+        record_with(store.recorder(Some(conversation)).without_messages(), &executor, request(single_plan)),
+    );
+    let turns: Vec<String> = store.messages(conversation).await.unwrap().into_iter().map(|m| m.content).collect();
+    let conductor_answer = store.run(conductor_run).await.unwrap().unwrap().run.answer.expect("answered");
+    let single_answer = store.run(single_run).await.unwrap().unwrap().run.answer.expect("answered");
+    assert_eq!(turns, [question.to_owned(), conductor_answer.clone()], "only the conductor's answer is a turn");
+    assert_eq!(store.conversation_runs(conversation).await.unwrap().len(), 2, "both runs are the conversation's");
+
+    let id = store.add_comparison(conversation, Some(conductor_run), Some(single_run), "b").await.unwrap();
+    let kept = store.comparisons(conversation).await.unwrap();
+    assert_eq!((kept.len(), kept[0].preferred, kept[0].single_run), (1, None, Some(single_run)));
+    assert!(store.preference_pairs().await.unwrap().is_empty(), "not marked yet");
+    assert!(store.mark_comparison(id, Some(Preferred::Tie)).await.unwrap());
+    assert!(store.preference_pairs().await.unwrap().is_empty(), "a tie prefers neither");
+    assert!(store.mark_comparison(id, Some(Preferred::Single)).await.unwrap());
+    assert!(!store.mark_comparison(id + 1, Some(Preferred::Single)).await.unwrap(), "no such comparison");
+    let pairs = store.preference_pairs().await.unwrap();
+    assert_eq!(pairs.len(), 1);
+    let pair = serde_json::to_value(&pairs[0]).unwrap();
+    assert_eq!(pair["prompt"], serde_json::json!([{ "role": "user", "content": question }]));
+    assert_eq!(pair["chosen"], serde_json::json!([{ "role": "assistant", "content": single_answer }]));
+    assert_eq!(pair["rejected"], serde_json::json!([{ "role": "assistant", "content": conductor_answer }]));
+    assert_eq!((pair["chosen_by"].as_str(), pair["rejected_by"].as_str()), (Some("single:b"), Some("conductor")));
+
+    // A follow-up's pair carries the conversation before it as the prompt.
+    let next = run_recorded(&store, &pool, Some(conversation), "And at sunset?", FANOUT).await;
+    let alone = "model_id = [1]\nsubtasks = [\"And at sunset?\"]\naccess_list = [[]]";
+    let mut follow_up = request(alone);
+    follow_up.question = "And at sunset?".into();
+    let next_single = record_with(store.recorder(Some(conversation)).without_messages(), &executor, follow_up).await;
+    let second = store.add_comparison(conversation, Some(next), Some(next_single), "b").await.unwrap();
+    store.mark_comparison(second, Some(Preferred::Conductor)).await.unwrap();
+    let pairs = store.preference_pairs().await.unwrap();
+    assert_eq!(pairs.len(), 2);
+    let prompt: Vec<&str> = pairs[1].prompt.iter().map(|m| m["content"].as_str().unwrap()).collect();
+    assert_eq!(prompt, [question, conductor_answer.as_str(), "And at sunset?"]);
+    assert_eq!(pairs[1].chosen_by, "conductor");
+
+    // A deleted run leaves its comparison without that side, and without a pair.
+    store.delete_run(next_single).await.unwrap();
+    assert_eq!(store.comparison(second).await.unwrap().unwrap().single_run, None);
+    assert_eq!(store.preference_pairs().await.unwrap().len(), 1);
+}
+
+async fn record_with(mut recorder: baton_store::Recorder, executor: &Executor, request: RunRequest) -> i64 {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let record = async {
+        while let Some(event) = rx.recv().await {
+            recorder.record(&event).await.expect("recorded");
+        }
+    };
+    let run = async {
+        executor.run(request, &tx, &CancellationToken::new()).await;
+        drop(tx);
+    };
+    tokio::join!(run, record);
+    recorder.run_id().expect("a run id")
 }
