@@ -61,7 +61,7 @@ pub fn typescript() -> String {
         baton_store::figures::WorkerFigures::decl(&cfg),
         baton_store::figures::WorkerAccuracy::decl(&cfg),
         baton_store::comparisons::Preferred::decl(&cfg),
-        baton_store::comparisons::Comparison::decl(&cfg),
+        baton_store::comparisons::ChatComparison::decl(&cfg),
         crate::chat::CompareRequest::decl(&cfg),
         crate::chat::CompareResult::decl(&cfg),
         baton_eval::report::StrategySummary::decl(&cfg),

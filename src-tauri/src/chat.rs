@@ -7,7 +7,7 @@ use baton_conductor::setup::{self, ConductorChoice, LoadNotice};
 use baton_engine::rerun::{self, Source};
 use baton_engine::{Executor, Pool, RunEvent, RunRequest, RunStatus, new_run_id};
 use baton_plan::{Limits, Plan};
-use baton_store::Store;
+use baton_store::Recorder;
 use serde::{Deserialize, Serialize};
 use tauri::ipc::Channel;
 use tauri::{AppHandle, Emitter, Runtime, State};
@@ -173,7 +173,8 @@ pub async fn ask<R: Runtime>(
     };
     let executor = executor(&app, &state, &pool, request.plan.is_none()).await?;
     let run = RunRequest { run_id: new_run_id(), question, history, plan: request.plan, ..RunRequest::default() };
-    run_recorded(&app, &registration, store, &executor, request.conversation_id, run, on_event, true).await
+    let recorder = store.recorder(request.conversation_id);
+    run_recorded(&app, &registration, &executor, recorder, request.conversation_id, run, on_event).await
 }
 
 /// Re-runs one step of a finished run with another worker (see [`RerunRequest`]) and streams
@@ -226,7 +227,8 @@ pub async fn rerun_step<R: Runtime>(
         reuse: Some(rerun.reuse),
         budget: None,
     };
-    run_recorded(&app, &registration, store, &executor, Some(conversation), run, on_event, true).await
+    run_recorded(&app, &registration, &executor, store.recorder(Some(conversation)), Some(conversation), run, on_event)
+        .await
 }
 
 /// Compare in chat: the same question asked of the conductor and of one worker alone.
@@ -327,8 +329,24 @@ pub async fn ask_compared<R: Runtime>(
     };
     let conductor_run = RunRequest { run_id: new_run_id(), question, history, ..RunRequest::default() };
     let (a, b) = tokio::join!(
-        run_recorded(&app, &registration, store, &conductor, Some(conversation), conductor_run, on_event, true),
-        run_recorded(&app, &registration, store, &single, Some(conversation), single_run, on_single, false),
+        run_recorded(
+            &app,
+            &registration,
+            &conductor,
+            store.recorder(Some(conversation)),
+            Some(conversation),
+            conductor_run,
+            on_event
+        ),
+        run_recorded(
+            &app,
+            &registration,
+            &single,
+            store.recorder(Some(conversation)).without_messages(),
+            Some(conversation),
+            single_run,
+            on_single
+        ),
     );
     let (a, b) = match (a, b) {
         (Ok(a), Ok(b)) => (a, b),
@@ -366,12 +384,11 @@ pub async fn mark_comparison(
 async fn run_recorded<R: Runtime>(
     app: &AppHandle<R>,
     registration: &Registration<'_>,
-    store: &Store,
     executor: &Executor,
+    recorder: Recorder,
     conversation_id: Option<i64>,
     run: RunRequest,
     on_event: Channel<RunEvent>,
-    messages: bool,
 ) -> AppResult<AskResult> {
     // Stopped while the models loaded: nothing has started, so nothing is recorded.
     if registration.token.is_cancelled() {
@@ -380,8 +397,7 @@ async fn run_recorded<R: Runtime>(
     let run_id = run.run_id.clone();
     let cancel = registration.token.clone();
     let (tx, mut rx) = mpsc::unbounded_channel::<RunEvent>();
-    let recorder = store.recorder(conversation_id);
-    let mut recorder = Some(if messages { recorder } else { recorder.without_messages() });
+    let mut recorder = Some(recorder);
     let mut timing = TimingLog::for_run(&run_id);
     let warn = app.clone();
     let consumer = tokio::spawn(async move {

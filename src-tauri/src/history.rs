@@ -61,7 +61,7 @@ pub async fn worker_figures(state: State<'_, AppState>) -> AppResult<Vec<baton_s
 pub async fn conversation_comparisons(
     state: State<'_, AppState>,
     id: i64,
-) -> AppResult<Vec<baton_store::comparisons::Comparison>> {
+) -> AppResult<Vec<baton_store::comparisons::ChatComparison>> {
     Ok(state.store().await?.comparisons(id).await?)
 }
 

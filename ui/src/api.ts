@@ -7,6 +7,9 @@ import type {
   AppInfo,
   AskRequest,
   AskResult,
+  ChatComparison,
+  CompareRequest,
+  CompareResult,
   ConnectionCheck,
   ConversationSummary,
   Download,
@@ -23,6 +26,7 @@ import type {
   ModelLoad,
   Plan,
   PoolForm,
+  Preferred,
   ProviderKind,
   RerunRequest,
   RunEvent,
@@ -73,6 +77,25 @@ export const api = {
     channel.onmessage = onEvent;
     return invoke<AskResult>("ask", { request, stopId, onEvent: channel });
   },
+  /** Asks the conductor and, at the same time, worker `request.worker` alone; each run's events
+   * arrive on its own callback; `cancelRun(stopId)` stops both. */
+  askCompared: (
+    request: CompareRequest,
+    stopId: string,
+    onEvent: (e: RunEvent) => void,
+    onSingle: (e: RunEvent) => void,
+  ) => {
+    const channel = new Channel<RunEvent>();
+    channel.onmessage = onEvent;
+    const single = new Channel<RunEvent>();
+    single.onmessage = onSingle;
+    return invoke<CompareResult>("ask_compared", { request, stopId, onEvent: channel, onSingle: single });
+  },
+  /** Marks the better answer of a comparison; null takes the mark back. */
+  markComparison: (id: number, preferred: Preferred | null) => invoke<null>("mark_comparison", { id, preferred }),
+  conversationComparisons: (id: number) => invoke<ChatComparison[]>("conversation_comparisons", { id }),
+  /** Asks where in the save dialog and writes the marked comparisons as preference pairs; the path, or null. */
+  exportPreferences: () => invoke<string | null>("export_preferences"),
   /** Runs one step of a finished run again with another worker (and the steps that see it). */
   rerunStep: (request: RerunRequest, stopId: string, onEvent: (e: RunEvent) => void) => {
     const channel = new Channel<RunEvent>();

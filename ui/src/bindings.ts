@@ -560,7 +560,7 @@ n: number, at: number, };
 
 export type Preferred = "conductor" | "single" | "tie";
 
-export type Comparison = { id: number, conversation_id: number, conductor_run: number | null, single_run: number | null, 
+export type ChatComparison = { id: number, conversation_id: number, conductor_run: number | null, single_run: number | null, 
 /**
  * The worker that answered alone.
  */

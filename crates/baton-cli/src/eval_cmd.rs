@@ -64,6 +64,15 @@ enum Command {
         #[command(flatten)]
         pool: PoolArg,
     },
+    /// Write the answers marked better in the app's chat comparisons (the conductor against one
+    /// worker alone) as preference pairs: one JSON line each with `prompt` (the conversation up
+    /// to the question), `chosen` and `rejected` (chat messages), the form TRL's DPOTrainer and
+    /// RewardTrainer read. Ties and unmarked comparisons are left out.
+    ExportPreferences {
+        /// The JSONL file to write.
+        #[arg(short = 'o', long, value_name = "FILE")]
+        out: PathBuf,
+    },
     /// The built-in suites and where they come from.
     Suites,
 }
@@ -170,6 +179,19 @@ pub async fn run(args: Args) -> Outcome {
             let store = args.db.open().await?;
             let pool = pool.load()?;
             export_grpo(&store, &pool, &id, &out, samples).await
+        }
+        Command::ExportPreferences { out } => {
+            let store = args.db.open().await?;
+            let pairs = store.preference_pairs().await.map_err(|e| Failure::Failed(e.to_string()))?;
+            let text: String = pairs.iter().map(|p| serde_json::to_string(p).unwrap_or_default() + "\n").collect();
+            std::fs::write(&out, text).map_err(|e| Failure::Failed(format!("{}: cannot write: {e}", out.display())))?;
+            eprintln!(
+                "wrote {} preference pair{} to {}",
+                pairs.len(),
+                if pairs.len() == 1 { "" } else { "s" },
+                out.display()
+            );
+            Ok(())
         }
         Command::Delete { id } => {
             let store = args.db.open().await?;

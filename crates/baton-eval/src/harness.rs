@@ -592,11 +592,11 @@ async fn run_one(
         while let Some(event) = rx.recv().await {
             // A history write that fails must not lose the run's result: note it, and record no
             // more of this run (later events would refer to rows that are not there).
-            if let Some(r) = &mut recorder {
-                if let Err(e) = r.record(&event).await {
-                    tracing::warn!("evaluation run not fully recorded: {e}");
-                    recorder = None;
-                }
+            if let Some(r) = &mut recorder
+                && let Err(e) = r.record(&event).await
+            {
+                tracing::warn!("evaluation run not fully recorded: {e}");
+                recorder = None;
             }
             match &event {
                 RunEvent::PlanReady { round: 0, .. } => planned = true,

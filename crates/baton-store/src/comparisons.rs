@@ -42,7 +42,7 @@ impl Preferred {
 /// A comparison as kept: its two runs (by their id in the history; `None` once deleted, or if
 /// the run could not be recorded) and the mark.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ts_rs::TS)]
-pub struct Comparison {
+pub struct ChatComparison {
     pub id: i64,
     pub conversation_id: i64,
     pub conductor_run: Option<i64>,
@@ -78,9 +78,9 @@ macro_rules! comparison_select {
     };
 }
 
-fn comparison_row(row: &sqlx::sqlite::SqliteRow) -> Result<Comparison, StoreError> {
+fn comparison_row(row: &sqlx::sqlite::SqliteRow) -> Result<ChatComparison, StoreError> {
     let preferred: Option<String> = row.try_get("preferred")?;
-    Ok(Comparison {
+    Ok(ChatComparison {
         id: row.try_get("id")?,
         conversation_id: row.try_get("conversation_id")?,
         conductor_run: row.try_get("conductor_run")?,
@@ -144,14 +144,14 @@ impl Store {
         Ok(done.rows_affected() > 0)
     }
 
-    pub async fn comparison(&self, id: i64) -> Result<Option<Comparison>, StoreError> {
+    pub async fn comparison(&self, id: i64) -> Result<Option<ChatComparison>, StoreError> {
         let row =
             sqlx::query(concat!(comparison_select!(), " WHERE id = ?1")).bind(id).fetch_optional(&self.pool).await?;
         row.as_ref().map(comparison_row).transpose()
     }
 
     /// A conversation's comparisons, oldest first.
-    pub async fn comparisons(&self, conversation: i64) -> Result<Vec<Comparison>, StoreError> {
+    pub async fn comparisons(&self, conversation: i64) -> Result<Vec<ChatComparison>, StoreError> {
         let rows = sqlx::query(concat!(comparison_select!(), " WHERE conversation_id = ?1 ORDER BY id"))
             .bind(conversation)
             .fetch_all(&self.pool)

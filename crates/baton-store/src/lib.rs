@@ -628,10 +628,6 @@ impl Store {
         Ok(done.rows_affected() > 0)
     }
 
-    pub(crate) fn pool(&self) -> &SqlitePool {
-        &self.pool
-    }
-
     /// A transaction that writes. It takes the database's write lock when it begins (waiting
     /// out the busy timeout), not at its first write: a deferred transaction that read before
     /// another connection wrote cannot upgrade, and SQLite fails it at once whatever the

@@ -1,6 +1,16 @@
 import { describe, expect, it, vi } from "vitest";
 import type { ConversationPrefs } from "../state.svelte";
-import { Chat, emptyView, perFrame, StickToBottom, type ChatDeps, type ConversationKey, type Turn } from "./chat";
+import type { ChatComparison } from "../bindings";
+import {
+  Chat,
+  emptyView,
+  pairTurns,
+  perFrame,
+  StickToBottom,
+  type ChatDeps,
+  type ConversationKey,
+  type Turn,
+} from "./chat";
 import { emptyTopology } from "./topology";
 
 function turn(key: string, run: string | null, question = key): Turn {
@@ -269,5 +279,36 @@ describe("StickToBottom", () => {
     stick.reset();
     stick.follow(el);
     expect(el.scrollTop).toBe(1000);
+  });
+});
+
+describe("pairTurns", () => {
+  const recorded = (key: string, runId: number): Turn => ({ ...turn(key, `uid-${runId}`), live: false, runId });
+  const comparison = (id: number, conductor: number | null, single: number | null): ChatComparison => ({
+    id,
+    conversation_id: 1,
+    conductor_run: conductor,
+    single_run: single,
+    worker: "fast",
+    preferred: id === 1 ? "single" : null,
+    created_at: 0,
+    marked_at: null,
+  });
+
+  it("puts each worker-alone run beside its conductor run's turn", () => {
+    const turns = [recorded("q1", 1), recorded("q1-alone", 2), recorded("q2", 3), recorded("q3", 4), recorded("q3-alone", 5)];
+    const shown = pairTurns(turns, [comparison(1, 1, 2), comparison(2, 4, 5)]);
+    expect(shown.map((t) => t.key)).toEqual(["q1", "q2", "q3"]);
+    expect(shown[0].compare).toMatchObject({ worker: "fast", runId: 2, comparisonId: 1, preferred: "single" });
+    expect(shown[0].compare?.topology).toBe(turns[1].topology);
+    expect(shown[1].compare).toBeUndefined();
+    expect(shown[2].compare).toMatchObject({ runId: 5, comparisonId: 2, preferred: null });
+  });
+
+  it("keeps a worker-alone run as a turn when its conductor run was deleted, and skips a deleted worker run", () => {
+    const turns = [recorded("alone", 2), recorded("q2", 3)];
+    const shown = pairTurns(turns, [comparison(1, null, 2), comparison(2, 3, null)]);
+    expect(shown.map((t) => t.key)).toEqual(["alone", "q2"]);
+    expect(shown.every((t) => t.compare === undefined)).toBe(true);
   });
 });

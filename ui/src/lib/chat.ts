@@ -3,7 +3,7 @@
 // saves. The view keeps a `ChatView` in `$state` and hands it to `Chat`, which changes it in
 // place (so every change is tracked); the tests hand it a plain object.
 
-import type { AppError } from "../bindings";
+import type { AppError, ChatComparison, Preferred } from "../bindings";
 import type { ConversationPrefs } from "../state.svelte";
 import type { Topology } from "./topology";
 
@@ -13,6 +13,48 @@ export interface Turn {
   live: boolean;
   /** The run's id in the history, once recorded. */
   runId: number | null;
+  /** Compare in chat: the same question answered by one worker alone, shown beside this one. */
+  compare?: CompareSide;
+}
+
+/** The worker-alone side of a compared turn, and the user's mark of the better answer. */
+export interface CompareSide {
+  worker: string;
+  topology: Topology;
+  runId: number | null;
+  /** The comparison in the history, once recorded (what a mark is kept on). */
+  comparisonId: number | null;
+  preferred: Preferred | null;
+}
+
+/**
+ * A conversation's recorded turns with each comparison's worker-alone run beside its
+ * conductor run's turn instead of a turn of its own. A worker run whose conductor run is gone
+ * (deleted) stays a turn of its own.
+ */
+export function pairTurns(turns: Turn[], comparisons: ChatComparison[]): Turn[] {
+  const byRun = new Map(turns.filter((t) => t.runId !== null).map((t) => [t.runId as number, t]));
+  const beside = new Set<number>();
+  const paired = new Map<number, CompareSide>();
+  for (const c of comparisons) {
+    if (c.conductor_run === null || !byRun.has(c.conductor_run)) continue;
+    const alone = c.single_run === null ? undefined : byRun.get(c.single_run);
+    if (alone === undefined) continue;
+    beside.add(alone.runId as number);
+    paired.set(c.conductor_run, {
+      worker: c.worker,
+      topology: alone.topology,
+      runId: alone.runId,
+      comparisonId: c.id,
+      preferred: c.preferred,
+    });
+  }
+  return turns
+    .filter((t) => t.runId === null || !beside.has(t.runId))
+    .map((t) => {
+      const compare = t.runId === null ? undefined : paired.get(t.runId);
+      return compare ? { ...t, compare } : t;
+    });
 }
 
 /** A conversation's id, or null for a new chat (which has none until its first run ends). */
