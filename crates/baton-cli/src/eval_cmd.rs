@@ -80,7 +80,14 @@ enum Command {
 #[derive(Debug, clap::Args)]
 struct RunArgs {
     /// A built-in suite (humaneval, math500, mmlu) or a JSONL file of items.
-    suite: String,
+    #[arg(required_unless_present = "from_hf", conflicts_with = "from_hf")]
+    suite: Option<String>,
+    /// Read the suite from a dataset on the Hugging Face hub instead: DATASET[:CONFIG[:SPLIT]]
+    /// (the split defaults to `test`), e.g. openai/gsm8k:main, cais/mmlu:all,
+    /// HuggingFaceH4/MATH-500, openai/openai_humaneval. Fetched once through the hub's dataset
+    /// viewer and kept as a JSONL suite in the cache; later runs read that file.
+    #[arg(long, value_name = "DATASET")]
+    from_hf: Option<String>,
     #[command(flatten)]
     pool: PoolArg,
     #[command(flatten)]
@@ -347,8 +354,68 @@ async fn load_report(store: &baton_store::Store, id: &str) -> Result<Report, Fai
     Ok(report::summarize(&evaluation, &results))
 }
 
-async fn run_eval(args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome {
-    let suite = baton_eval::suite::load(&args.suite).map_err(|e| Failure::BadInput(e.to_string()))?;
+/// The suite a `--from-hf DATASET[:CONFIG[:SPLIT]]` names, as a JSONL file in the cache
+/// (`<cache>/baton/datasets/`): fetched through the hub's dataset viewer the first time, read
+/// from the file after (so a resumed evaluation sees the same items, offline too).
+async fn hf_suite(spec: &str, quiet: bool) -> Result<String, Failure> {
+    let mut parts = spec.splitn(3, ':');
+    let dataset = parts.next().unwrap_or_default().trim();
+    if dataset.split('/').filter(|p| !p.is_empty()).count() > 2 || dataset.is_empty() {
+        return Err(Failure::BadInput(format!("{spec:?}: name a dataset as OWNER/NAME[:CONFIG[:SPLIT]]")));
+    }
+    let (config, split) = (parts.next().filter(|c| !c.is_empty()), parts.next().filter(|s| !s.is_empty()));
+    let server = baton_models::datasets::DatasetsServer::from_env(|endpoint| {
+        let store = baton_secrets::KeyStore::open().ok()?;
+        let key = store.get(&baton_models::token_account(endpoint)).ok()??;
+        Some(key.expose().to_owned())
+    });
+    let dir =
+        dirs::cache_dir().unwrap_or_else(|| ".".into()).join("baton").join("datasets").join(dataset.replace('/', "__"));
+    // Named before the split is resolved, so a file made earlier is found without the network.
+    let guess = dir.join(format!("{}__{}.jsonl", config.unwrap_or("_"), split.unwrap_or("_")));
+    if guess.exists() {
+        return Ok(guess.display().to_string());
+    }
+    let failed = |e: baton_models::datasets::DatasetError| Failure::BadInput(e.to_string());
+    let chosen = server.choose(dataset, config, split).await.map_err(failed)?;
+    if !quiet {
+        eprintln!("reading {dataset} ({}/{}) from {}", chosen.config, chosen.split, server.server());
+    }
+    let rows = server
+        .rows(dataset, &chosen, |done, total| {
+            if !quiet {
+                eprint!("\r{done}/{total} rows");
+            }
+        })
+        .await
+        .map_err(failed)?;
+    if !quiet {
+        eprintln!();
+    }
+    let name = format!("{}-{}", dataset.rsplit('/').next().unwrap_or(dataset), chosen.split);
+    let suite = baton_eval::hf::suite_from_rows(&name, dataset, &rows).map_err(|e| Failure::BadInput(e.to_string()))?;
+    let text: String = suite.items.iter().map(|i| serde_json::to_string(i).unwrap_or_default() + "\n").collect();
+    std::fs::create_dir_all(&dir).map_err(|e| Failure::Failed(format!("{}: cannot create: {e}", dir.display())))?;
+    // Kept under the name asked for (found again offline) and under the split it resolved to.
+    let resolved = dir.join(format!("{}__{}.jsonl", chosen.config, chosen.split));
+    for path in [&resolved, &guess] {
+        let partial = path.with_extension("jsonl.partial");
+        std::fs::write(&partial, &text)
+            .and_then(|()| std::fs::rename(&partial, path))
+            .map_err(|e| Failure::Failed(format!("{}: cannot write: {e}", path.display())))?;
+    }
+    if !quiet {
+        eprintln!("{} items kept in {}", suite.items.len(), resolved.display());
+    }
+    Ok(resolved.display().to_string())
+}
+
+async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome {
+    if let Some(spec) = &args.from_hf {
+        args.suite = Some(hf_suite(spec, args.json).await?);
+    }
+    let source = args.suite.clone().unwrap_or_default();
+    let suite = baton_eval::suite::load(&source).map_err(|e| Failure::BadInput(e.to_string()))?;
     let pool = args.pool.load()?;
     let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
     let strategies = Strategy::parse_list(&args.strategies, &workers).map_err(Failure::BadInput)?;
@@ -389,7 +456,7 @@ async fn run_eval(args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome {
     let spec = Spec {
         id: id.clone(),
         suite,
-        suite_source: args.suite.clone(),
+        suite_source: source.clone(),
         strategies,
         repeats: args.repeats,
         concurrency: args.concurrency,
@@ -430,15 +497,19 @@ async fn run_eval(args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome {
     } else {
         print!("{}", report::table(&report));
     }
+    // How to go on, named as the user named the suite.
+    let named = match &args.from_hf {
+        Some(spec) => format!("--from-hf {spec}"),
+        None => source.clone(),
+    };
     match ended {
         Ended::Finished => Ok(()),
         Ended::Stopped => {
-            eprintln!("stopped; `baton eval run {} --id {id}` with the same settings goes on", args.suite);
+            eprintln!("stopped; `baton eval run {named} --id {id}` with the same settings goes on");
             Err(Failure::Interrupted)
         }
         Ended::OverBudget => Err(Failure::Failed(format!(
-            "the spending cap was reached; `baton eval run {} --id {id} --max-cost-usd <more>` goes on",
-            args.suite
+            "the spending cap was reached; `baton eval run {named} --id {id} --max-cost-usd <more>` goes on"
         ))),
     }
 }

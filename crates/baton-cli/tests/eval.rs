@@ -624,3 +624,116 @@ async fn a_refused_key_stops_the_evaluation_and_scores_nothing() {
     assert!(out.stderr.contains("refused its key"), "{}", out.stderr);
     assert!(results(&setup, "key").is_empty());
 }
+
+/// `--from-hf`: a standard set read through the hub's dataset viewer (a loopback one speaking
+/// its JSON): GSM8K's rows in pages of 100, kept as a suite file so a second run reads no row
+/// again; a gated set refused without the token (and read with it, through a busy server's
+/// 500s); an unknown one named.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_standard_set_is_read_from_the_hub_once_and_scored() {
+    use baton_testserver::hub::{HubOptions, TestHub};
+    let s = server().await;
+    let setup = setup(&s, "", "");
+    let hub = TestHub::start(HubOptions::default()).await.unwrap();
+    // 150 GSM8K rows: `a` knows the 8 with its needles, and nothing else.
+    let gsm8k: Vec<Value> = (0..150)
+        .map(|i| {
+            if i < 8 {
+                serde_json::json!({ "question": format!("<N{i}> What is {i} + 40?"), "answer": format!("{i} + 40 = {}\n#### {}", 40 + i, 40 + i) })
+            } else {
+                serde_json::json!({ "question": format!("Filler {i}?"), "answer": "It is one.\n#### 1" })
+            }
+        })
+        .collect();
+    hub.add_dataset("openai/gsm8k", "main", "test", gsm8k);
+    hub.add_dataset("openai/gsm8k", "main", "train", vec![serde_json::json!({ "question": "t", "answer": "#### 1" })]);
+    let mmlu = vec![
+        serde_json::json!({ "question": "<C0> Which one?", "subject": "trivia", "choices": ["w", "x", "y", "z"], "answer": 0 }),
+        serde_json::json!({ "question": "<C1> Which one?", "subject": "trivia", "choices": ["w", "x", "y", "z"], "answer": 1 }),
+    ];
+    hub.add_dataset("cais/mmlu", "all", "test", mmlu);
+    hub.gate("cais/mmlu");
+    let cache = setup.dir.path().join("cache");
+    let run = |args: Vec<String>, token: Option<&'static str>| {
+        let (endpoint, cache) = (hub.endpoint(), cache.clone());
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            baton_tests::run_within(
+                Duration::from_secs(120),
+                Path::new(env!("CARGO_BIN_EXE_baton")),
+                &args,
+                None,
+                &[
+                    ("BATON_E2E_KEY", Some(TEST_KEY)),
+                    ("HF_DATASETS_SERVER", Some(&endpoint)),
+                    ("HF_TOKEN", token),
+                    ("HUGGING_FACE_HUB_TOKEN", None),
+                    ("XDG_CACHE_HOME", cache.to_str()),
+                    // No keychain to read a stored token from.
+                    ("DBUS_SESSION_BUS_ADDRESS", Some("unix:path=/nonexistent")),
+                ],
+            )
+            .await
+        }
+    };
+    let eval = |from: &str, strategy: &str, id: &str| -> Vec<String> {
+        [
+            "eval",
+            "run",
+            "--from-hf",
+            from,
+            "--strategies",
+            strategy,
+            "--id",
+            id,
+            "--concurrency",
+            "8",
+            "--json",
+            "--pool",
+            path(&setup.pool),
+            "--db",
+            path(&setup.db),
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    };
+    let viewer = |hub: &TestHub| hub.requests().into_iter().filter(|r| !r.path.contains("/resolve/")).count();
+
+    let out = run(eval("openai/gsm8k:main", "single:a", "gsm"), None).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let summary: Value = serde_json::from_str(out.stdout.lines().last().unwrap()).expect("JSON");
+    let a = &summary["strategies"][0];
+    assert_eq!((a["n"].as_u64(), a["accuracy"].as_f64()), (Some(150), Some(8.0 / 150.0)), "{a}");
+    let paths: Vec<String> = hub.requests().iter().map(|r| r.path.clone()).collect();
+    assert_eq!(
+        paths,
+        [
+            "/splits?dataset=openai/gsm8k",
+            "/rows?dataset=openai/gsm8k&config=main&split=test&offset=0&length=100",
+            "/rows?dataset=openai/gsm8k&config=main&split=test&offset=100&length=100",
+        ]
+    );
+    let kept = cache.join("baton/datasets/openai__gsm8k/main__test.jsonl");
+    assert_eq!(std::fs::read_to_string(&kept).unwrap().lines().count(), 150);
+    // Again, resumed: the kept file, no row read again and no call made.
+    let calls = s.requests().len();
+    let again = run(eval("openai/gsm8k:main", "single:a", "gsm"), None).await;
+    assert_eq!(again.code, Some(0), "{}", again.stderr);
+    assert_eq!((viewer(&hub), s.requests().len()), (3, calls));
+
+    let refused = run(eval("cais/mmlu:all", "single:b", "mmlu"), None).await;
+    assert_eq!(refused.code, Some(2), "{}", refused.stderr);
+    assert!(refused.stderr.contains("gated") && refused.stderr.contains("HF_TOKEN"), "{}", refused.stderr);
+    hub.fail_viewer(2);
+    let read = run(eval("cais/mmlu:all", "single:b", "mmlu"), Some("hf_test_token")).await;
+    assert_eq!(read.code, Some(0), "a busy viewer's 500s are retried: {}", read.stderr);
+    let summary: Value = serde_json::from_str(read.stdout.lines().last().unwrap()).expect("JSON");
+    assert_eq!(
+        (summary["strategies"][0]["n"].as_u64(), summary["strategies"][0]["accuracy"].as_f64()),
+        (Some(2), Some(1.0))
+    );
+
+    let unknown = run(eval("nobody/nothing", "single:a", "x"), None).await;
+    assert_eq!(unknown.code, Some(2));
+    assert!(unknown.stderr.contains("nobody/nothing was not found"), "{}", unknown.stderr);
+}

@@ -2,6 +2,7 @@
 //! agents or plain self-consistency — on this user's own pool, at what cost?
 //!
 //! - [`suite`]: JSONL items with checkable answers, and the built-in suites (with licences);
+//! - [`hf`]: the standard sets as the Hugging Face hub publishes them, made into items;
 //! - [`extract`]: the documented rules that read an answer out of a model's text;
 //! - [`sandbox`]: where model-written code runs (limits, isolation, a guard inside Python);
 //! - [`strategy`]: the ways of answering that are compared;
@@ -14,6 +15,7 @@
 
 pub mod extract;
 pub mod harness;
+pub mod hf;
 pub mod report;
 pub mod sandbox;
 pub mod stats;

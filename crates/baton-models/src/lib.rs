@@ -7,10 +7,12 @@
 //!   at once, after a crash or a closed app on the next pull), checks free space first and the
 //!   file's SHA-256 against the hub's before the file is used.
 //! - [`Cache`]: the hub's own cache layout, so other hub tools find the files and the other way round.
+//! - [`datasets`]: evaluation sets read through the hub's dataset viewer (`baton eval run --from-hf`).
 //! - [`catalog`]: the curated conductor models (data, in `catalog.toml`) and which fit this machine.
 
 pub mod cache;
 pub mod catalog;
+pub mod datasets;
 mod hub;
 mod reference;
 

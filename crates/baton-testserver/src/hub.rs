@@ -8,6 +8,10 @@
 //! - Errors as the hub sends them: `401` with `X-Error-Code: RepoNotFound` or `GatedRepo`,
 //!   `404` with `EntryNotFound` or `RevisionNotFound`, and `X-Error-Message`.
 //!
+//! - The dataset viewer (`datasets-server`), on the hub's own port here: `GET /splits?dataset=`
+//!   and `GET /rows?dataset=&config=&split=&offset=&length=` (at most 100 rows a page) in its
+//!   JSON, errors as `{"error": "..."}`.
+//!
 //! Scenarios: gated repositories (a bearer token required), a corrupt file host (other bytes
 //! than the hash announced), an announced size larger than any disk, transfers cut after N
 //! bytes, a pace per chunk, and a renamed repository (a relative redirect). Every request is
@@ -80,6 +84,9 @@ struct HubFile {
     announced: Option<u64>,
 }
 
+/// A dataset viewer split: (dataset, config, split).
+type SplitKey = (String, String, String);
+
 #[derive(Debug, Default)]
 struct Shared {
     files: Mutex<HashMap<(String, String), HubFile>>,
@@ -90,6 +97,9 @@ struct Shared {
     cuts: Mutex<Vec<u64>>,
     options: Mutex<Option<HubOptions>>,
     files_addr: Mutex<Option<SocketAddr>>,
+    datasets: Mutex<Vec<(SplitKey, Vec<serde_json::Value>)>>,
+    /// Viewer answers still to fail with a 500 (a busy server).
+    viewer_failures: Mutex<u32>,
 }
 
 /// A running hub and its file host, on two loopback ports; stops when dropped.
@@ -112,8 +122,11 @@ impl TestHub {
         let files = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
         let hub_addr = hub.local_addr()?;
         *lock(&shared.files_addr) = Some(files.local_addr()?);
-        let hub_app =
-            Router::new().route("/{owner}/{name}/resolve/{rev}/{*file}", any(resolve)).with_state(shared.clone());
+        let hub_app = Router::new()
+            .route("/{owner}/{name}/resolve/{rev}/{*file}", any(resolve))
+            .route("/splits", axum::routing::get(viewer_splits))
+            .route("/rows", axum::routing::get(viewer_rows))
+            .with_state(shared.clone());
         let files_app = Router::new().route("/blobs/{sha}", any(blob)).with_state(shared.clone());
         let tasks = vec![
             tokio::spawn(async move {
@@ -148,6 +161,16 @@ impl TestHub {
             HubFile { bytes, sha256: sha256.clone(), lfs, served: None, announced: None },
         );
         sha256
+    }
+
+    /// Adds a split to the dataset viewer (`gate` the dataset to require the token).
+    pub fn add_dataset(&self, dataset: &str, config: &str, split: &str, rows: Vec<serde_json::Value>) {
+        lock(&self.shared.datasets).push(((dataset.to_owned(), config.to_owned(), split.to_owned()), rows));
+    }
+
+    /// The next `n` dataset viewer requests fail with a 500.
+    pub fn fail_viewer(&self, n: u32) {
+        *lock(&self.shared.viewer_failures) = n;
     }
 
     /// Requires the token for this repository.
@@ -432,4 +455,110 @@ fn body_response(
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn viewer_error(status: StatusCode, message: &str) -> Response {
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(serde_json::json!({ "error": message }).to_string()))
+        .unwrap_or_default()
+}
+
+fn viewer_json(value: serde_json::Value) -> Response {
+    Response::builder()
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(value.to_string()))
+        .unwrap_or_default()
+}
+
+/// The viewer's refusal, or `None` when `dataset` may be read with these headers.
+fn viewer_refuses(shared: &Shared, dataset: &str, headers: &HeaderMap) -> Option<Response> {
+    {
+        let mut failures = lock(&shared.viewer_failures);
+        if *failures > 0 {
+            *failures -= 1;
+            return Some(viewer_error(StatusCode::INTERNAL_SERVER_ERROR, "Unexpected error."));
+        }
+    }
+    let known = lock(&shared.datasets).iter().any(|((d, _, _), _)| d == dataset);
+    let gated = lock(&shared.gated).iter().any(|g| g == dataset);
+    let token = lock(&shared.options).as_ref().map(|o| o.token.clone()).unwrap_or_default();
+    let authorized =
+        headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) == Some(&format!("Bearer {token}"));
+    (!known || (gated && !authorized)).then(|| {
+        viewer_error(
+            StatusCode::NOT_FOUND,
+            "The dataset does not exist, or is not accessible without authentication (private or gated). Please check the spelling of the dataset name or retry with authentication.",
+        )
+    })
+}
+
+async fn viewer_splits(
+    State(shared): State<Arc<Shared>>,
+    axum::extract::Query(q): axum::extract::Query<HashMap<String, String>>,
+    method: Method,
+    headers: HeaderMap,
+) -> Response {
+    let dataset = q.get("dataset").cloned().unwrap_or_default();
+    let response = viewer_refuses(&shared, &dataset, &headers).unwrap_or_else(|| {
+        let splits: Vec<serde_json::Value> = lock(&shared.datasets)
+            .iter()
+            .filter(|((d, _, _), _)| *d == dataset)
+            .map(|((d, c, s), _)| serde_json::json!({ "dataset": d, "config": c, "split": s }))
+            .collect();
+        viewer_json(serde_json::json!({ "splits": splits, "pending": [], "failed": [] }))
+    });
+    record(&shared, "hub", &method, format!("/splits?dataset={dataset}"), &headers, response.status().as_u16());
+    response
+}
+
+async fn viewer_rows(
+    State(shared): State<Arc<Shared>>,
+    axum::extract::Query(q): axum::extract::Query<HashMap<String, String>>,
+    method: Method,
+    headers: HeaderMap,
+) -> Response {
+    let get = |k: &str| q.get(k).cloned().unwrap_or_default();
+    let (dataset, config, split) = (get("dataset"), get("config"), get("split"));
+    let offset: usize = get("offset").parse().unwrap_or(0);
+    let length: usize = get("length").parse().unwrap_or(100);
+    let response = viewer_refuses(&shared, &dataset, &headers).unwrap_or_else(|| {
+        if length > 100 {
+            return viewer_error(StatusCode::UNPROCESSABLE_ENTITY, "Parameter 'length' must not be greater than 100");
+        }
+        let all = lock(&shared.datasets);
+        let Some((_, rows)) = all.iter().find(|((d, c, s), _)| *d == dataset && *c == config && *s == split) else {
+            return viewer_error(StatusCode::NOT_FOUND, "Not found.");
+        };
+        let page: Vec<serde_json::Value> = rows
+            .iter()
+            .enumerate()
+            .skip(offset)
+            .take(length)
+            .map(|(i, row)| serde_json::json!({ "row_idx": i, "row": row, "truncated_cells": [] }))
+            .collect();
+        let features: Vec<serde_json::Value> = rows
+            .first()
+            .and_then(|r| r.as_object())
+            .map(|o| {
+                o.keys()
+                    .enumerate()
+                    .map(|(i, k)| serde_json::json!({ "feature_idx": i, "name": k, "type": { "_type": "Value" } }))
+                    .collect()
+            })
+            .unwrap_or_default();
+        viewer_json(serde_json::json!({
+            "features": features, "rows": page, "num_rows_total": rows.len(), "num_rows_per_page": 100, "partial": false,
+        }))
+    });
+    record(
+        &shared,
+        "hub",
+        &method,
+        format!("/rows?dataset={dataset}&config={config}&split={split}&offset={offset}&length={length}"),
+        &headers,
+        response.status().as_u16(),
+    );
+    response
 }
