@@ -348,18 +348,32 @@ pub async fn ask_compared<R: Runtime>(
             on_single
         ),
     );
+    // A side that never started (Stop before its first event) ends as cancelled; only when
+    // neither started is there nothing to show.
+    let not_started = || AskResult { run_id: None, conversation_id: Some(conversation), status: "cancelled".into() };
     let (a, b) = match (a, b) {
-        (Ok(a), Ok(b)) => (a, b),
-        // Stopped before either started: a conversation made for them would stay empty.
-        (Err(e), _) | (_, Err(e)) => {
-            if made {
-                let _ = store.delete_conversation(conversation).await;
+        (Err(e), Err(_)) => {
+            // A conversation made for them would stay empty.
+            if made && let Err(gone) = store.delete_conversation(conversation).await {
+                tracing::warn!("an empty conversation {conversation} is left in the history: {gone}");
             }
             return Err(e);
         }
+        (a, b) => (a.unwrap_or_else(|_| not_started()), b.unwrap_or_else(|_| not_started())),
     };
+    // Both answers are paid for and recorded: a comparison that cannot be kept loses only the
+    // pairing (and the mark), never the answers.
     let comparison_id = if a.run_id.is_some() || b.run_id.is_some() {
-        Some(store.add_comparison(conversation, a.run_id, b.run_id, &request.worker).await?)
+        match store.add_comparison(conversation, a.run_id, b.run_id, &request.worker).await {
+            Ok(id) => Some(id),
+            Err(e) => {
+                let _ = app.emit(
+                    HISTORY_WARNING_EVENT,
+                    format!("the two answers are kept, but not as a comparison to mark: {e}"),
+                );
+                None
+            }
+        }
     } else {
         None
     };

@@ -35,6 +35,19 @@ pub struct EvalRequest {
     pub max_cost_usd: Option<f64>,
     /// Names the evaluation; the same id resumes it. `null`: the suite's name and the time.
     pub id: Option<String>,
+    /// Runs of every strategy per item (`null`: 1).
+    #[serde(default)]
+    pub repeats: Option<u32>,
+    /// Runs in flight at once (`null`: 4).
+    #[serde(default)]
+    pub concurrency: Option<u32>,
+    /// Share of each category kept to calibrate the lookup router and MoA's aggregator (`null`:
+    /// 0.3 when one of them is asked for).
+    #[serde(default)]
+    pub calibration: Option<f64>,
+    /// Seed for sampling, splits and the random router (`null`: 1).
+    #[serde(default)]
+    pub seed: Option<u64>,
 }
 
 /// News of an evaluation in progress.
@@ -84,6 +97,9 @@ pub async fn run_evaluation<R: Runtime>(
     if request.max_cost_usd.is_some_and(|c| c.is_nan() || c <= 0.0) {
         return Err(AppError::bad_input("the spending cap must be above $0"));
     }
+    if request.repeats == Some(0) || request.concurrency == Some(0) {
+        return Err(AppError::bad_input("repeats and runs at once must be at least 1"));
+    }
     // The history opens first, so a damaged database costs no provider calls.
     let store = state.store().await?.clone();
     let wants_conductor = strategies.contains(&Strategy::Conductor);
@@ -98,12 +114,12 @@ pub async fn run_evaluation<R: Runtime>(
         suite_source: request.suite.clone(),
         suite,
         strategies,
-        repeats: 1,
-        concurrency: 4,
+        repeats: request.repeats.unwrap_or(1),
+        concurrency: request.concurrency.unwrap_or(4) as usize,
         max_cost_usd: request.max_cost_usd,
-        calibration: None,
+        calibration: request.calibration,
         limit: request.limit.map(|l| l as usize),
-        seed: 1,
+        seed: request.seed.unwrap_or(1),
     };
     let _ = on_progress.send(EvalProgress::Started { id: id.clone() });
     let progress = |p: Progress| {

@@ -429,6 +429,23 @@ fn an_evaluation_runs_through_the_commands_and_is_kept() {
         invoke(&h, "run_evaluation", json!({ "request": bad, "stopId": "eval-2", "onProgress": "__CHANNEL__:10" }))
             .unwrap_err();
     assert_eq!(err["kind"], "bad_input");
+    // The screen's advanced settings reach the harness.
+    let twice = json!({
+        "suite": "mmlu", "strategies": ["single:a"], "limit": 2, "max_cost_usd": null, "id": "rep",
+        "repeats": 2, "concurrency": 1, "calibration": null, "seed": 7,
+    });
+    let view =
+        invoke(&h, "run_evaluation", json!({ "request": twice, "stopId": "eval-3", "onProgress": "__CHANNEL__:11" }))
+            .unwrap();
+    let repeats: Vec<u64> = view["results"].as_array().unwrap().iter().map(|r| r["repeat"].as_u64().unwrap()).collect();
+    assert_eq!(repeats.iter().filter(|r| **r == 1).count(), 2, "2 items, each twice: {repeats:?}");
+    assert_eq!((&view["evaluation"]["config"]["repeats"], &view["evaluation"]["config"]["seed"]), (&json!(2), &json!(7)));
+    let none = json!({ "suite": "mmlu", "strategies": ["single:a"], "limit": 2, "max_cost_usd": null, "id": null, "repeats": 0 });
+    let err =
+        invoke(&h, "run_evaluation", json!({ "request": none, "stopId": "eval-4", "onProgress": "__CHANNEL__:12" }))
+            .unwrap_err();
+    assert_eq!(err["kind"], "bad_input");
+    invoke(&h, "delete_evaluation", json!({ "id": "rep" })).unwrap();
     invoke(&h, "delete_evaluation", json!({ "id": "ipc" })).unwrap();
     assert_eq!(invoke(&h, "list_evaluations", json!({})).unwrap(), json!([]));
     assert_eq!(invoke(&h, "delete_evaluation", json!({ "id": "ipc" })).unwrap_err()["kind"], "not_found");

@@ -665,7 +665,24 @@ limit: number | null, max_cost_usd: number | null,
 /**
  * Names the evaluation; the same id resumes it. `null`: the suite's name and the time.
  */
-id: string | null, };
+id: string | null, 
+/**
+ * Runs of every strategy per item (`null`: 1).
+ */
+repeats: number | null, 
+/**
+ * Runs in flight at once (`null`: 4).
+ */
+concurrency: number | null, 
+/**
+ * Share of each category kept to calibrate the lookup router and MoA's aggregator (`null`:
+ * 0.3 when one of them is asked for).
+ */
+calibration: number | null, 
+/**
+ * Seed for sampling, splits and the random router (`null`: 1).
+ */
+seed: number | null, };
 
 export type EvalProgress = { "type": "started", id: string, } | { "type": "planned", total: number, done: number, } | { "type": "scored", strategy: string, item: string, correct: boolean, cost_usd: number, spent_usd: number, } | { "type": "note", text: string, };
 

@@ -369,10 +369,18 @@ async fn hf_suite(spec: &str, quiet: bool) -> Result<String, Failure> {
         let key = store.get(&baton_models::token_account(endpoint)).ok()??;
         Some(key.expose().to_owned())
     });
-    let dir =
-        dirs::cache_dir().unwrap_or_else(|| ".".into()).join("baton").join("datasets").join(dataset.replace('/', "__"));
+    // File names from what the user or the server named: nothing that could leave the folder.
+    let safe = |s: &str| -> String {
+        let kept: String = s.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
+        kept.replace("..", "__")
+    };
+    let dir = dirs::cache_dir()
+        .unwrap_or_else(|| ".".into())
+        .join("baton")
+        .join("datasets")
+        .join(safe(&dataset.replace('/', "__")));
     // Named before the split is resolved, so a file made earlier is found without the network.
-    let guess = dir.join(format!("{}__{}.jsonl", config.unwrap_or("_"), split.unwrap_or("_")));
+    let guess = dir.join(format!("{}__{}.jsonl", safe(config.unwrap_or("_")), safe(split.unwrap_or("_"))));
     if guess.exists() {
         return Ok(guess.display().to_string());
     }
@@ -397,7 +405,7 @@ async fn hf_suite(spec: &str, quiet: bool) -> Result<String, Failure> {
     let text: String = suite.items.iter().map(|i| serde_json::to_string(i).unwrap_or_default() + "\n").collect();
     std::fs::create_dir_all(&dir).map_err(|e| Failure::Failed(format!("{}: cannot create: {e}", dir.display())))?;
     // Kept under the name asked for (found again offline) and under the split it resolved to.
-    let resolved = dir.join(format!("{}__{}.jsonl", chosen.config, chosen.split));
+    let resolved = dir.join(format!("{}__{}.jsonl", safe(&chosen.config), safe(&chosen.split)));
     for path in [&resolved, &guess] {
         let partial = path.with_extension("jsonl.partial");
         std::fs::write(&partial, &text)

@@ -733,6 +733,16 @@ async fn a_standard_set_is_read_from_the_hub_once_and_scored() {
         (Some(2), Some(1.0))
     );
 
+    // A split the viewer serves with cells cut short is refused, not kept half-written.
+    hub.add_dataset("openai/openai_humaneval", "openai_humaneval", "test", vec![serde_json::json!({
+        "task_id": "HumanEval/0", "prompt": "def f():\n", "test": "def check(c):\n    pass\n", "entry_point": "f",
+    })]);
+    hub.truncate("openai/openai_humaneval", "test");
+    let cut = run(eval("openai/openai_humaneval", "single:a", "he"), None).await;
+    assert_eq!(cut.code, Some(2), "{}", cut.stderr);
+    assert!(cut.stderr.contains("cut short (test)"), "{}", cut.stderr);
+    assert!(!cache.join("baton/datasets/openai__openai_humaneval").exists(), "nothing kept");
+
     let unknown = run(eval("nobody/nothing", "single:a", "x"), None).await;
     assert_eq!(unknown.code, Some(2));
     assert!(unknown.stderr.contains("nobody/nothing was not found"), "{}", unknown.stderr);

@@ -27,6 +27,10 @@ pub enum DatasetError {
     NoSuchSplit { dataset: String, config: String, split: String, available: String },
     #[error("{dataset} has several configs ({available}): name one, as {dataset}:CONFIG[:SPLIT]")]
     WhichConfig { dataset: String, available: String },
+    #[error(
+        "{dataset}: {what}, so it cannot be used whole; download the split yourself and pass it as a JSONL suite"
+    )]
+    Incomplete { dataset: String, what: String },
     #[error("cannot reach {server}: {message}; check the connection (HF_DATASETS_SERVER names another server)")]
     Unreachable { server: String, message: String },
     #[error("{server} answered {status} for {what}: {message}")]
@@ -68,11 +72,17 @@ struct SplitRow {
 struct Rows {
     rows: Vec<RowEntry>,
     num_rows_total: usize,
+    /// The viewer converted only part of the split (a very large one).
+    #[serde(default)]
+    partial: bool,
 }
 
 #[derive(Deserialize)]
 struct RowEntry {
     row: serde_json::Value,
+    /// Cells the viewer cut short (too long to serve whole).
+    #[serde(default)]
+    truncated_cells: Vec<String>,
 }
 
 impl DatasetsServer {
@@ -87,12 +97,25 @@ impl DatasetsServer {
         DatasetsServer { server: server.trim().trim_end_matches('/').to_owned(), token, http }
     }
 
-    /// `$HF_DATASETS_SERVER` (else the official viewer), with the token the hub's downloads
-    /// use: `$HF_TOKEN` (or `$HUGGING_FACE_HUB_TOKEN`), else `keychain_token(hub endpoint)`.
+    /// `$HF_DATASETS_SERVER` (else the official viewer), with `$HF_TOKEN` (or
+    /// `$HUGGING_FACE_HUB_TOKEN`) when set, as the hub's downloads take it. A token stored in
+    /// the keychain belongs to the hub it was saved for, so `keychain_token(hub)` is asked for
+    /// the official hub's only, and only when the viewer is the official one too: a mirror's
+    /// token never goes to huggingface.co, nor the official one to another viewer.
     pub fn from_env(keychain_token: impl FnOnce(&str) -> Option<String>) -> DatasetsServer {
         let server = std::env::var("HF_DATASETS_SERVER").ok().filter(|e| !e.trim().is_empty());
-        let hub = crate::Hub::from_env(keychain_token);
-        DatasetsServer::new(server.as_deref().unwrap_or(DEFAULT_DATASETS_SERVER), hub.token().map(str::to_owned))
+        let server = server.as_deref().unwrap_or(DEFAULT_DATASETS_SERVER).trim().trim_end_matches('/').to_owned();
+        let endpoint = std::env::var("HF_ENDPOINT").ok().filter(|e| !e.trim().is_empty());
+        let official_hub = endpoint.as_deref().is_none_or(|e| e.trim().trim_end_matches('/') == crate::hub::DEFAULT_ENDPOINT);
+        let token = ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"]
+            .iter()
+            .find_map(|v| std::env::var(v).ok().filter(|t| !t.trim().is_empty()))
+            .or_else(|| {
+                (official_hub && server == DEFAULT_DATASETS_SERVER)
+                    .then(|| keychain_token(crate::hub::DEFAULT_ENDPOINT))
+                    .flatten()
+            });
+        DatasetsServer::new(&server, token)
     }
 
     pub fn server(&self) -> &str {
@@ -163,6 +186,19 @@ impl DatasetsServer {
                 ("length", length.as_str()),
             ];
             let page: Rows = self.get(dataset, "/rows", &query, "its rows").await?;
+            // A suite must hold the items whole: a cut test or question scores nonsense.
+            if page.partial {
+                return Err(DatasetError::Incomplete {
+                    dataset: dataset.to_owned(),
+                    what: format!("the viewer serves only part of {}/{}", split.config, split.split),
+                });
+            }
+            if let Some((i, cut)) = page.rows.iter().enumerate().find(|(_, r)| !r.truncated_cells.is_empty()) {
+                return Err(DatasetError::Incomplete {
+                    dataset: dataset.to_owned(),
+                    what: format!("row {} has cells cut short ({})", rows.len() + i, cut.truncated_cells.join(", ")),
+                });
+            }
             let got = page.rows.len();
             rows.extend(page.rows.into_iter().map(|r| r.row));
             progress(rows.len(), page.num_rows_total);

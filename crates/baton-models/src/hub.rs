@@ -142,11 +142,6 @@ impl Hub {
         Hub::new(&endpoint, token)
     }
 
-    /// The token the hub gets (the dataset viewer takes the same one).
-    pub(crate) fn token(&self) -> Option<&str> {
-        self.token.as_deref()
-    }
-
     pub fn endpoint(&self) -> &str {
         &self.endpoint
     }

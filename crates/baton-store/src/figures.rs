@@ -34,8 +34,11 @@ pub struct WorkerFigures {
     pub latency_p95_ms: Option<u64>,
     pub input_tokens: u64,
     pub output_tokens: u64,
+    /// Of finished calls. A failed call has no usage (providers do not bill an error); a call
+    /// stopped mid-answer was billed for what it wrote, which is not known.
     pub cost_usd: f64,
-    /// False when a finished call had no known price: `cost_usd` is then a lower bound.
+    /// False when a finished call had no known price, or a call was stopped mid-answer:
+    /// `cost_usd` is then a lower bound.
     pub cost_complete: bool,
     /// When the worker was last called (Unix ms).
     pub last_called_at: Option<i64>,
@@ -139,7 +142,10 @@ impl Store {
                     }
                 }
                 "failed" => f.failed += 1,
-                "cancelled" | "interrupted" => f.cancelled += 1,
+                "cancelled" | "interrupted" => {
+                    f.cancelled += 1;
+                    f.cost_complete = false;
+                }
                 // Still running: a call, not yet an outcome.
                 _ => {}
             }

@@ -595,7 +595,7 @@ impl Store {
     /// rows of a run that is gone.
     pub async fn delete_run(&self, id: i64) -> Result<bool, StoreError> {
         // IMMEDIATE: no recorder can start or end a run between the check and the delete.
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write().await?;
         let running: Vec<(i64, String)> =
             sqlx::query_as("SELECT id, uid FROM runs WHERE id = ?1 AND status = 'running'")
                 .bind(id)
@@ -614,7 +614,7 @@ impl Store {
     /// Deletes a conversation with all its runs and messages; refused, like [`Self::delete_run`],
     /// while one of its runs is still being recorded.
     pub async fn delete_conversation(&self, id: i64) -> Result<bool, StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write().await?;
         let running: Vec<(i64, String)> =
             sqlx::query_as("SELECT id, uid FROM runs WHERE conversation_id = ?1 AND status = 'running'")
                 .bind(id)

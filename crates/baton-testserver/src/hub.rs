@@ -100,6 +100,8 @@ struct Shared {
     datasets: Mutex<Vec<(SplitKey, Vec<serde_json::Value>)>>,
     /// Viewer answers still to fail with a 500 (a busy server).
     viewer_failures: Mutex<u32>,
+    /// Columns the viewer says it cut short, by dataset.
+    truncated: Mutex<HashMap<String, String>>,
 }
 
 /// A running hub and its file host, on two loopback ports; stops when dropped.
@@ -166,6 +168,11 @@ impl TestHub {
     /// Adds a split to the dataset viewer (`gate` the dataset to require the token).
     pub fn add_dataset(&self, dataset: &str, config: &str, split: &str, rows: Vec<serde_json::Value>) {
         lock(&self.shared.datasets).push(((dataset.to_owned(), config.to_owned(), split.to_owned()), rows));
+    }
+
+    /// The viewer marks `column` of every row of `dataset` as cut short (too long to serve).
+    pub fn truncate(&self, dataset: &str, column: &str) {
+        lock(&self.shared.truncated).insert(dataset.to_owned(), column.to_owned());
     }
 
     /// The next `n` dataset viewer requests fail with a 500.
@@ -531,12 +538,13 @@ async fn viewer_rows(
         let Some((_, rows)) = all.iter().find(|((d, c, s), _)| *d == dataset && *c == config && *s == split) else {
             return viewer_error(StatusCode::NOT_FOUND, "Not found.");
         };
+        let cut: Vec<String> = lock(&shared.truncated).get(&dataset).cloned().into_iter().collect();
         let page: Vec<serde_json::Value> = rows
             .iter()
             .enumerate()
             .skip(offset)
             .take(length)
-            .map(|(i, row)| serde_json::json!({ "row_idx": i, "row": row, "truncated_cells": [] }))
+            .map(|(i, row)| serde_json::json!({ "row_idx": i, "row": row, "truncated_cells": cut }))
             .collect();
         let features: Vec<serde_json::Value> = rows
             .first()
