@@ -439,7 +439,10 @@ fn an_evaluation_runs_through_the_commands_and_is_kept() {
             .unwrap();
     let repeats: Vec<u64> = view["results"].as_array().unwrap().iter().map(|r| r["repeat"].as_u64().unwrap()).collect();
     assert_eq!(repeats.iter().filter(|r| **r == 1).count(), 2, "2 items, each twice: {repeats:?}");
-    assert_eq!((&view["evaluation"]["config"]["repeats"], &view["evaluation"]["config"]["seed"]), (&json!(2), &json!(7)));
+    assert_eq!(
+        (&view["evaluation"]["config"]["repeats"], &view["evaluation"]["config"]["seed"]),
+        (&json!(2), &json!(7))
+    );
     let none = json!({ "suite": "mmlu", "strategies": ["single:a"], "limit": 2, "max_cost_usd": null, "id": null, "repeats": 0 });
     let err =
         invoke(&h, "run_evaluation", json!({ "request": none, "stopId": "eval-4", "onProgress": "__CHANNEL__:12" }))

@@ -538,9 +538,15 @@ retries: number,
 /**
  * Over finished calls, from the request to the last token, retries included.
  */
-latency_p50_ms: number | null, latency_p95_ms: number | null, input_tokens: number, output_tokens: number, cost_usd: number, 
+latency_p50_ms: number | null, latency_p95_ms: number | null, input_tokens: number, output_tokens: number, 
 /**
- * False when a finished call had no known price: `cost_usd` is then a lower bound.
+ * Of finished calls. A failed call has no usage (providers do not bill an error); a call
+ * stopped mid-answer was billed for what it wrote, which is not known.
+ */
+cost_usd: number, 
+/**
+ * False when a finished call had no known price, or a call was stopped mid-answer:
+ * `cost_usd` is then a lower bound.
  */
 cost_complete: boolean, 
 /**

@@ -371,7 +371,8 @@ async fn hf_suite(spec: &str, quiet: bool) -> Result<String, Failure> {
     });
     // File names from what the user or the server named: nothing that could leave the folder.
     let safe = |s: &str| -> String {
-        let kept: String = s.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
+        let kept: String =
+            s.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
         kept.replace("..", "__")
     };
     let dir = dirs::cache_dir()

@@ -734,9 +734,14 @@ async fn a_standard_set_is_read_from_the_hub_once_and_scored() {
     );
 
     // A split the viewer serves with cells cut short is refused, not kept half-written.
-    hub.add_dataset("openai/openai_humaneval", "openai_humaneval", "test", vec![serde_json::json!({
-        "task_id": "HumanEval/0", "prompt": "def f():\n", "test": "def check(c):\n    pass\n", "entry_point": "f",
-    })]);
+    hub.add_dataset(
+        "openai/openai_humaneval",
+        "openai_humaneval",
+        "test",
+        vec![serde_json::json!({
+            "task_id": "HumanEval/0", "prompt": "def f():\n", "test": "def check(c):\n    pass\n", "entry_point": "f",
+        })],
+    );
     hub.truncate("openai/openai_humaneval", "test");
     let cut = run(eval("openai/openai_humaneval", "single:a", "he"), None).await;
     assert_eq!(cut.code, Some(2), "{}", cut.stderr);

@@ -27,9 +27,7 @@ pub enum DatasetError {
     NoSuchSplit { dataset: String, config: String, split: String, available: String },
     #[error("{dataset} has several configs ({available}): name one, as {dataset}:CONFIG[:SPLIT]")]
     WhichConfig { dataset: String, available: String },
-    #[error(
-        "{dataset}: {what}, so it cannot be used whole; download the split yourself and pass it as a JSONL suite"
-    )]
+    #[error("{dataset}: {what}, so it cannot be used whole; download the split yourself and pass it as a JSONL suite")]
     Incomplete { dataset: String, what: String },
     #[error("cannot reach {server}: {message}; check the connection (HF_DATASETS_SERVER names another server)")]
     Unreachable { server: String, message: String },
@@ -106,7 +104,8 @@ impl DatasetsServer {
         let server = std::env::var("HF_DATASETS_SERVER").ok().filter(|e| !e.trim().is_empty());
         let server = server.as_deref().unwrap_or(DEFAULT_DATASETS_SERVER).trim().trim_end_matches('/').to_owned();
         let endpoint = std::env::var("HF_ENDPOINT").ok().filter(|e| !e.trim().is_empty());
-        let official_hub = endpoint.as_deref().is_none_or(|e| e.trim().trim_end_matches('/') == crate::hub::DEFAULT_ENDPOINT);
+        let official_hub =
+            endpoint.as_deref().is_none_or(|e| e.trim().trim_end_matches('/') == crate::hub::DEFAULT_ENDPOINT);
         let token = ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"]
             .iter()
             .find_map(|v| std::env::var(v).ok().filter(|t| !t.trim().is_empty()))
