@@ -63,14 +63,7 @@ pub async fn run(args: Args) -> Outcome {
     }
 
     if pool.options.budget.max_cost_usd.is_some() {
-        let unpriced: Vec<&str> =
-            pool.workers.iter().filter(|w| !w.pricing().is_known()).map(|w| w.name.as_str()).collect();
-        if !unpriced.is_empty() {
-            eprintln!(
-                "warning: budget.max_cost_usd does not count workers without a price ({}); set price_in and price_out for them",
-                unpriced.join(", ")
-            );
-        }
+        crate::warn_unpriced(&pool, "budget.max_cost_usd");
     }
     // The history opens before anything runs, so a database problem costs no provider calls.
     let store = if args.no_history { None } else { Some(args.db.open().await?) };
@@ -95,14 +88,7 @@ pub async fn run(args: Args) -> Outcome {
     crate::conductor_setup::attach_local_workers(&mut executor, &pool, &models, force_cpu, args.json).await?;
     let (tx, mut rx) = mpsc::unbounded_channel();
     let cancel = CancellationToken::new();
-    let ctrl_c = {
-        let cancel = cancel.clone();
-        tokio::spawn(async move {
-            if tokio::signal::ctrl_c().await.is_ok() {
-                cancel.cancel();
-            }
-        })
-    };
+    let ctrl_c = crate::cancel_on_ctrl_c(&cancel);
 
     let json = args.json;
     let names: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();

@@ -435,14 +435,7 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
         return Err(Failure::BadInput("--max-cost-usd must be above 0".into()));
     }
     if args.max_cost_usd.is_some() {
-        let unpriced: Vec<&str> =
-            pool.workers.iter().filter(|w| !w.pricing().is_known()).map(|w| w.name.as_str()).collect();
-        if !unpriced.is_empty() {
-            eprintln!(
-                "warning: --max-cost-usd does not count workers without a price ({}); set price_in and price_out for them",
-                unpriced.join(", ")
-            );
-        }
+        crate::warn_unpriced(&pool, "--max-cost-usd");
     }
     let id = args.id.clone().unwrap_or_else(|| {
         let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
@@ -475,14 +468,7 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
         seed: args.seed,
     };
     let cancel = CancellationToken::new();
-    let ctrl_c = {
-        let cancel = cancel.clone();
-        tokio::spawn(async move {
-            if tokio::signal::ctrl_c().await.is_ok() {
-                cancel.cancel();
-            }
-        })
-    };
+    let ctrl_c = crate::cancel_on_ctrl_c(&cancel);
     let bar = Bar::new(args.json);
     let progress = |p: Progress| bar.show(p);
     eprintln!(

@@ -96,6 +96,29 @@ impl PoolArg {
     }
 }
 
+/// Says that a spending cap (`cap`, as the user set it) cannot count the workers without a
+/// price: their calls pass it as $0.
+pub fn warn_unpriced(pool: &baton_engine::Pool, cap: &str) {
+    let unpriced: Vec<&str> =
+        pool.workers.iter().filter(|w| !w.pricing().is_known()).map(|w| w.name.as_str()).collect();
+    if !unpriced.is_empty() {
+        eprintln!(
+            "warning: {cap} does not count workers without a price ({}); set price_in and price_out for them",
+            unpriced.join(", ")
+        );
+    }
+}
+
+/// Cancels `cancel` on the first Ctrl-C; abort the task once the work it stops has ended.
+pub fn cancel_on_ctrl_c(cancel: &tokio_util::sync::CancellationToken) -> tokio::task::JoinHandle<()> {
+    let cancel = cancel.clone();
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            cancel.cancel();
+        }
+    })
+}
+
 baton_conductor::check_cpu_before_anything!();
 
 fn main() -> ExitCode {

@@ -305,11 +305,7 @@ impl Harness {
         progress(Progress::Planned { total, done: already.min(total) });
 
         // 1. Calibration.
-        let todo: Vec<Job> = phase1
-            .into_iter()
-            .filter(|j| !done.contains(&(j.strategy.clone(), items[j.item].id.clone(), j.repeat)))
-            .collect();
-        if let Some(end) = run_jobs(&ctx, todo, spec.concurrency, cancel).await? {
+        if let Some(end) = run_jobs(&ctx, not_done(phase1, &done, &items), spec.concurrency, cancel).await? {
             self.finish(&spec.id, &config, end).await?;
             return Ok(end);
         }
@@ -357,11 +353,7 @@ impl Harness {
                 }
             }
         }
-        let todo: Vec<Job> = jobs
-            .into_iter()
-            .filter(|j| !done.contains(&(j.strategy.clone(), items[j.item].id.clone(), j.repeat)))
-            .collect();
-        if let Some(end) = run_jobs(&ctx, todo, spec.concurrency, cancel).await? {
+        if let Some(end) = run_jobs(&ctx, not_done(jobs, &done, &items), spec.concurrency, cancel).await? {
             self.finish(&spec.id, &config, end).await?;
             return Ok(end);
         }
@@ -399,11 +391,7 @@ impl Harness {
             }
         }
         self.save_config(&spec.id, &config).await?;
-        let todo: Vec<Job> = jobs
-            .into_iter()
-            .filter(|j| !done.contains(&(j.strategy.clone(), items[j.item].id.clone(), j.repeat)))
-            .collect();
-        if let Some(end) = run_jobs(&ctx, todo, spec.concurrency, cancel).await? {
+        if let Some(end) = run_jobs(&ctx, not_done(jobs, &done, &items), spec.concurrency, cancel).await? {
             self.finish(&spec.id, &config, end).await?;
             return Ok(end);
         }
@@ -432,6 +420,11 @@ impl Harness {
         self.store.update_evaluation(id, &json, end.as_str()).await?;
         Ok(())
     }
+}
+
+/// The jobs whose result is not recorded yet (a resume pays for nothing twice).
+fn not_done(jobs: Vec<Job>, done: &HashSet<(String, String, u32)>, items: &[Item]) -> Vec<Job> {
+    jobs.into_iter().filter(|j| !done.contains(&(j.strategy.clone(), items[j.item].id.clone(), j.repeat))).collect()
 }
 
 struct RunCtx<'p> {
