@@ -623,8 +623,10 @@ api_key_env = "BATON_E2E_CONDUCTOR_KEY"
     assert.equal(await (await find("mark-single")).getAttribute("aria-pressed"), "true");
     // Each worker's record over the history is on its card.
     await click(await find("nav-workers"));
-    const record = await find("worker-record-1");
-    assert.match(await textOf(record), /^In the history: \d+ calls/);
+    // Read again on each try: the card draws anew when its record arrives.
+    const recordText = async () => textOf(await find("worker-record-1")).catch(() => "");
+    await driver.wait(async () => /^In the history: \d+ calls/.test(await recordText()), 10000).catch(() => {});
+    assert.match(await recordText(), /^In the history: \d+ calls/);
     await shot("22-worker-records");
     await click(await find("new-chat"));
   });
