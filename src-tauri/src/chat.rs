@@ -138,6 +138,19 @@ pub async fn load_conductor<R: Runtime>(app: AppHandle<R>, state: State<'_, AppS
     Ok(planner.describe())
 }
 
+/// The turns a follow-up in `conversation` is asked with (none for a new chat); a conversation
+/// the history does not have is refused before anything runs.
+async fn conversation_so_far(
+    store: &baton_store::Store,
+    conversation: Option<i64>,
+) -> AppResult<Vec<baton_providers::Message>> {
+    let Some(id) = conversation else { return Ok(Vec::new()) };
+    if store.conversation_title(id).await?.is_none() {
+        return Err(AppError::not_found(format!("there is no conversation {id} in the history")));
+    }
+    Ok(store.messages(id).await?)
+}
+
 /// Runs a question (or `request.plan`) and streams its events on `on_event`. Returns when the
 /// run has ended and is recorded. `cancel_run(stop_id)` stops it from the moment this is
 /// called: the window chooses the id, so Stop works before the run's first event (while a
@@ -162,19 +175,10 @@ pub async fn ask<R: Runtime>(
     }
     // The history opens first, so a damaged database costs no provider calls.
     let store = state.store().await?;
-    let history = match request.conversation_id {
-        Some(id) => {
-            if store.conversation_title(id).await?.is_none() {
-                return Err(AppError::not_found(format!("there is no conversation {id} in the history")));
-            }
-            store.messages(id).await?
-        }
-        None => Vec::new(),
-    };
+    let history = conversation_so_far(store, request.conversation_id).await?;
     let executor = executor(&app, &state, &pool, request.plan.is_none()).await?;
     let run = RunRequest { run_id: new_run_id(), question, history, plan: request.plan, ..RunRequest::default() };
-    let recorder = store.recorder(request.conversation_id);
-    run_recorded(&app, &registration, &executor, recorder, request.conversation_id, run, on_event).await
+    run_recorded(&app, &registration, &executor, store.recorder(request.conversation_id), run, on_event).await
 }
 
 /// Re-runs one step of a finished run with another worker (see [`RerunRequest`]) and streams
@@ -227,8 +231,7 @@ pub async fn rerun_step<R: Runtime>(
         reuse: Some(rerun.reuse),
         budget: None,
     };
-    run_recorded(&app, &registration, &executor, store.recorder(Some(conversation)), Some(conversation), run, on_event)
-        .await
+    run_recorded(&app, &registration, &executor, store.recorder(Some(conversation)), run, on_event).await
 }
 
 /// Compare in chat: the same question asked of the conductor and of one worker alone.
@@ -300,15 +303,7 @@ pub async fn ask_compared<R: Runtime>(
     let pool = subset(full.clone(), request.workers.as_deref())?;
     let single_pool = subset(full, Some(&[alone as u32]))?;
     let store = state.store().await?;
-    let history = match request.conversation_id {
-        Some(id) => {
-            if store.conversation_title(id).await?.is_none() {
-                return Err(AppError::not_found(format!("there is no conversation {id} in the history")));
-            }
-            store.messages(id).await?
-        }
-        None => Vec::new(),
-    };
+    let history = conversation_so_far(store, request.conversation_id).await?;
     let conductor = executor(&app, &state, &pool, true).await?;
     let single = executor(&app, &state, &single_pool, false).await?;
     // Both runs join one conversation, so a new chat's is made before either starts.
@@ -329,21 +324,12 @@ pub async fn ask_compared<R: Runtime>(
     };
     let conductor_run = RunRequest { run_id: new_run_id(), question, history, ..RunRequest::default() };
     let (a, b) = tokio::join!(
-        run_recorded(
-            &app,
-            &registration,
-            &conductor,
-            store.recorder(Some(conversation)),
-            Some(conversation),
-            conductor_run,
-            on_event
-        ),
+        run_recorded(&app, &registration, &conductor, store.recorder(Some(conversation)), conductor_run, on_event),
         run_recorded(
             &app,
             &registration,
             &single,
             store.recorder(Some(conversation)).without_messages(),
-            Some(conversation),
             single_run,
             on_single
         ),
@@ -400,7 +386,6 @@ async fn run_recorded<R: Runtime>(
     registration: &Registration<'_>,
     executor: &Executor,
     recorder: Recorder,
-    conversation_id: Option<i64>,
     run: RunRequest,
     on_event: Channel<RunEvent>,
 ) -> AppResult<AskResult> {
@@ -411,6 +396,8 @@ async fn run_recorded<R: Runtime>(
     let run_id = run.run_id.clone();
     let cancel = registration.token.clone();
     let (tx, mut rx) = mpsc::unbounded_channel::<RunEvent>();
+    // Where it was asked: reported even if the history could not record the run.
+    let conversation_id = recorder.conversation_id();
     let mut recorder = Some(recorder);
     let mut timing = TimingLog::for_run(&run_id);
     let warn = app.clone();

@@ -407,7 +407,8 @@ async fn hf_suite(spec: &str, quiet: bool) -> Result<String, Failure> {
     std::fs::create_dir_all(&dir).map_err(|e| Failure::Failed(format!("{}: cannot create: {e}", dir.display())))?;
     // Kept under the name asked for (found again offline) and under the split it resolved to.
     let resolved = dir.join(format!("{}__{}.jsonl", safe(&chosen.config), safe(&chosen.split)));
-    for path in [&resolved, &guess] {
+    let names: &[&std::path::PathBuf] = if resolved == guess { &[&resolved] } else { &[&resolved, &guess] };
+    for path in names {
         let partial = path.with_extension("jsonl.partial");
         std::fs::write(&partial, &text)
             .and_then(|()| std::fs::rename(&partial, path))

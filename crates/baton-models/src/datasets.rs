@@ -136,10 +136,8 @@ impl DatasetsServer {
         split: Option<&str>,
     ) -> Result<SplitName, DatasetError> {
         let all = self.splits(dataset).await?;
-        let list = |names: &mut dyn Iterator<Item = &SplitName>| {
-            names.map(|s| format!("{}/{}", s.config, s.split)).collect::<Vec<_>>().join(", ")
-        };
         let mut configs: Vec<&str> = all.iter().map(|s| s.config.as_str()).collect();
+        configs.sort_unstable();
         configs.dedup();
         let config = match config {
             Some(c) => c.to_owned(),
@@ -162,7 +160,7 @@ impl DatasetsServer {
             dataset: dataset.to_owned(),
             config,
             split: split.unwrap_or("test").to_owned(),
-            available: list(&mut all.iter()),
+            available: all.iter().map(|s| format!("{}/{}", s.config, s.split)).collect::<Vec<_>>().join(", "),
         })
     }
 

@@ -41,19 +41,7 @@ async fn run_recorded(store: &Store, pool: &Pool, conversation: Option<i64>, que
 }
 
 async fn record_request(store: &Store, executor: &Executor, conversation: Option<i64>, request: RunRequest) -> i64 {
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let mut recorder = store.recorder(conversation);
-    let record = async {
-        while let Some(event) = rx.recv().await {
-            recorder.record(&event).await.expect("recorded");
-        }
-    };
-    let run = async {
-        executor.run(request, &tx, &CancellationToken::new()).await;
-        drop(tx);
-    };
-    tokio::join!(run, record);
-    recorder.run_id().expect("a run id")
+    record_with(store.recorder(conversation), executor, request).await
 }
 
 const FANOUT: &str = "model_id = [0, 1, 2]\nsubtasks = [\"Explain Rayleigh scattering.\", \"Explain it for a child.\", \"Judge both explanations.\"]\naccess_list = [[], [], \"all\"]";
