@@ -1,17 +1,26 @@
-//! The CPU prompt path of the patched candle-core (`vendor/candle-core`, see its BATON.md): a
-//! quantized matmul over many rows at once gives, row for row, exactly what it gives each row
-//! alone, and both agree with plain f32 arithmetic on the dequantized weights. Q4_1 checks the
-//! AVX2 kernel added there; Q4_1 and Q4_K the kernels that take four input rows at once (45 rows
-//! run as groups of four and a remainder); the others the tiling, over every quantization a
-//! conductor GGUF uses.
+//! The CPU path of candle's quantized matrix products (`vendor/candle`, see its BATON.md), over
+//! every quantization a conductor GGUF uses.
+//!
+//! What must hold, and how exactly:
+//! - A row's result does not depend on the rows computed with it, bit for bit: a prompt's rows
+//!   give what each row gives alone. Every kernel here computes an output row from that row's
+//!   quantized input only, so there is no reason for a difference, and a difference would make a
+//!   greedy generation depend on how its prompt was batched.
+//! - Products agree with plain f32 arithmetic on the dequantized weights to within 2% of the
+//!   largest output: the input is quantized to 8 bits on the way, so agreement is close, not
+//!   exact, and each kernel family (scalar, AVX2, the repacked AVX2/AVX-512 tiles) sums in its
+//!   own order.
+//!
+//! Two shapes: one that candle's repacked x86 kernels take (64 output columns, a multiple of
+//! their 16-row tiles; Q4_K, Q6_K and, with VNNI, Q8_0) and one that only the row-by-row kernels
+//! take (67 columns).
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8_1};
+use candle_core::quantized::{GgmlDType, GgmlType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
-fn check(dtype: GgmlDType) -> candle_core::Result<()> {
+fn check(dtype: GgmlDType, (m, k, n): (usize, usize, usize)) -> candle_core::Result<()> {
     let dev = Device::Cpu;
-    // Sizes that are not multiples of the kernel's tiles (8 weight rows, 32 input rows).
-    let (m, k, n) = (45, 512, 67);
     let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
     let q = QTensor::quantize(&w, dtype)?;
     let dequantized = q.dequantize(&dev)?;
@@ -21,21 +30,60 @@ fn check(dtype: GgmlDType) -> candle_core::Result<()> {
     let all = matmul.forward(&x)?.to_vec2::<f32>()?;
     for (row, got) in all.iter().enumerate() {
         let alone = matmul.forward(&x.narrow(0, row, 1)?)?.to_vec2::<f32>()?;
-        assert_eq!(got, &alone[0], "{dtype:?}: row {row} of {m} differs from the same row alone");
+        assert_eq!(got, &alone[0], "{dtype:?} {n} columns: row {row} of {m} differs from the same row alone");
     }
 
-    // The input is quantized to 8 bits on the way, so agreement is close, not exact.
     let expected = x.matmul(&dequantized.t()?)?.to_vec2::<f32>()?;
     let scale = expected.iter().flatten().fold(0f32, |a, v| a.max(v.abs()));
     let worst = all.iter().flatten().zip(expected.iter().flatten()).fold(0f32, |a, (g, e)| a.max((g - e).abs()));
-    assert!(worst <= 0.02 * scale, "{dtype:?}: off by {worst} where values reach {scale}");
+    assert!(worst <= 0.02 * scale, "{dtype:?} {n} columns: off by {worst} where values reach {scale}");
     Ok(())
 }
 
 #[test]
 fn many_rows_give_what_each_row_gives_alone_and_match_f32() -> candle_core::Result<()> {
     for dtype in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K] {
-        check(dtype)?;
+        // 45 input rows: not a multiple of any kernel's row tile.
+        check(dtype, (45, 512, 64))?;
+        check(dtype, (45, 512, 67))?;
     }
     Ok(())
+}
+
+/// Baton's Q4_1 kernels (an AVX2 dot product, and one that takes four weight rows at once)
+/// against candle's scalar reference: the four-row kernel gives each row bit for bit what the
+/// one-row kernel gives, and both agree with the reference up to the order of float sums.
+#[test]
+fn q4_1_kernels_match_the_scalar_reference() {
+    let k = 4096;
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut random_row = || -> Vec<f32> {
+        (0..k)
+            .map(|_| {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                (rng >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    };
+    let weights: Vec<Vec<BlockQ4_1>> = (0..4)
+        .map(|_| {
+            let mut blocks = vec![BlockQ4_1::zeros(); k / 32];
+            BlockQ4_1::from_float(&random_row(), &mut blocks);
+            blocks
+        })
+        .collect();
+    let mut input = vec![BlockQ8_1::zeros(); k / 32];
+    BlockQ8_1::from_float(&random_row(), &mut input);
+
+    let four = BlockQ4_1::vec_dot_4(k, &weights[0], &weights[1], &weights[2], &weights[3], &input);
+    let four = [four.0, four.1, four.2, four.3];
+    for (r, w) in weights.iter().enumerate() {
+        let one = BlockQ4_1::vec_dot(k, w, &input);
+        assert_eq!(four[r].to_bits(), one.to_bits(), "row {r}: four at once {} vs alone {one}", four[r]);
+        let reference = BlockQ4_1::vec_dot_unopt(k, w, &input);
+        let tolerance = 1e-3 * reference.abs().max(1.0);
+        assert!((one - reference).abs() <= tolerance, "row {r}: kernel {one} vs scalar reference {reference}");
+    }
 }

@@ -1,0 +1,19 @@
+pub mod buffer;
+pub mod command_buffer;
+pub mod commands;
+pub mod compute_pipeline;
+pub mod device;
+pub mod encoder;
+pub mod fence;
+pub mod library;
+pub mod residency_set;
+
+pub use buffer::*;
+pub use command_buffer::*;
+pub use commands::*;
+pub use compute_pipeline::*;
+pub use device::*;
+pub use encoder::*;
+pub use fence::*;
+pub use library::*;
+pub use residency_set::*;

@@ -1,0 +1,1121 @@
+#![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)]
+
+use crate::layers_masker::CausalMaskConfig;
+use std::{collections::HashMap, sync::Arc};
+
+use candle_core::{DType, Device, Result, Tensor, D};
+use candle_nn::Module;
+use mistralrs_quant::{
+    ColumnParallelLayer, QuantMethod, QuantizedConfig, ReplicatedLayer, RowParallelLayer,
+    ShardedVarBuilder,
+};
+use serde::Deserialize;
+
+use crate::{
+    amoe::AnyMoeBaseModelMixin,
+    attention::{AttentionMask, SdpaParams},
+    device_map::{DeviceMappedMask, DeviceMapper},
+    layers::{
+        embedding_with_legacy_tied_uqff, Activation, CausalMasker, DeepSeekV2RopeConfig,
+        DeepSeekV2RopeScaling, DeepSeekV2RotaryEmbedding, Mlp, RmsNorm, Sdpa,
+    },
+    layers_masker::masked_fill,
+    mla::{
+        mla_cache_forward, mla_decode_forward, should_use_mla_cache, should_use_mla_decode,
+        MlaKvBProjection, MlaWeights,
+    },
+    moe::{MoEExperts, MoEExpertsConfig},
+    ops::{SplitOp, TopKLastDimOp, TopKOutput},
+    paged_attention::{AttentionImplementation, ModelConfigMetadata, PagedAttention},
+    pipeline::{
+        text_models_inputs_processor::{FlashParams, PagedAttentionInputMetadata},
+        EitherCache, IsqModel, KvCache, ModelForwardContext, NormalCache, NormalLoadingMetadata,
+        NormalModel,
+    },
+    serde_default_fn,
+    utils::{progress::NiceProgressBar, unvarbuilder::UnVarBuilder},
+};
+serde_default_fn!(f64, routed_scaling_factor, 1.0);
+serde_default_fn!(TopkMethod, topk_method, TopkMethod::Greedy);
+serde_default_fn!(usize, moe_layer_freq, 1);
+serde_default_fn!(usize, first_k_dense_replace, 0);
+serde_default_fn!(bool, norm_topk_prob, false);
+serde_default_fn!(ScoringFunc, scoring_func, ScoringFunc::Softmax);
+serde_default_fn!(Activation, hidden_act, Activation::Silu);
+serde_default_fn!(bool, tie_word_embeddings, false);
+
+#[derive(Deserialize, Clone, Debug)]
+enum TopkMethod {
+    #[serde(rename = "greedy")]
+    Greedy,
+    #[serde(rename = "group_limited_greedy")]
+    GroupLimitedGreedy,
+}
+
+#[derive(Deserialize, Clone, Debug)]
+enum ScoringFunc {
+    #[serde(rename = "softmax")]
+    Softmax,
+}
+
+#[derive(Deserialize, Clone, Debug)]
+pub struct DeepSeekV2Config {
+    pub(crate) vocab_size: usize,
+    pub(crate) hidden_size: usize,
+    pub(crate) intermediate_size: usize,
+    pub(crate) moe_intermediate_size: usize,
+    pub(crate) num_hidden_layers: usize,
+    pub(crate) num_attention_heads: usize,
+    pub(crate) n_shared_experts: Option<usize>,
+    pub(crate) n_routed_experts: Option<usize>,
+    #[serde(default = "routed_scaling_factor")]
+    pub(crate) routed_scaling_factor: f64,
+    #[serde(default = "topk_method")]
+    topk_method: TopkMethod,
+    pub(crate) num_experts_per_tok: Option<usize>,
+    #[serde(default = "moe_layer_freq")]
+    pub(crate) moe_layer_freq: usize,
+    #[serde(default = "first_k_dense_replace")]
+    pub(crate) first_k_dense_replace: usize,
+    // k dense layers
+    #[serde(default = "norm_topk_prob")]
+    pub(crate) norm_topk_prob: bool,
+    #[serde(default = "scoring_func")]
+    scoring_func: ScoringFunc,
+    #[serde(default = "hidden_act")]
+    pub(crate) hidden_act: Activation,
+    pub(crate) max_position_embeddings: usize,
+    pub(crate) rms_norm_eps: f64,
+    #[serde(default = "tie_word_embeddings")]
+    pub(crate) tie_word_embeddings: bool,
+    pub(crate) rope_theta: f32,
+    pub(crate) rope_scaling: Option<DeepSeekV2RopeScaling>,
+    pub(crate) attention_bias: bool,
+    pub(crate) q_lora_rank: Option<usize>,
+    pub(crate) qk_rope_head_dim: usize,
+    pub(crate) kv_lora_rank: usize,
+    pub(crate) v_head_dim: usize,
+    pub(crate) qk_nope_head_dim: usize,
+    pub(crate) quantization_config: Option<QuantizedConfig>,
+    pub(crate) n_group: usize,
+    pub(crate) topk_group: usize,
+}
+
+impl DeepSeekV2Config {
+    pub(crate) fn q_head_dim(&self) -> usize {
+        self.qk_rope_head_dim + self.qk_nope_head_dim
+    }
+
+    fn softmax_scale(&self) -> f32 {
+        let mut softmax_scale = 1.0 / (self.q_head_dim() as f32).sqrt();
+        if let Some(DeepSeekV2RopeScaling::Yarn {
+            mscale_all_dim,
+            factor,
+            ..
+        }) = self.rope_scaling
+        {
+            let mscale = DeepSeekV2RotaryEmbedding::yarn_get_mscale(factor, mscale_all_dim);
+            softmax_scale = softmax_scale * mscale * mscale;
+        }
+        softmax_scale
+    }
+}
+
+enum QProj {
+    Plain(Arc<dyn QuantMethod>),
+    Lora {
+        a: Arc<dyn QuantMethod>,
+        norm: RmsNorm,
+        b: Arc<dyn QuantMethod>,
+    },
+}
+
+impl QProj {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Lora { a, norm, b } => b.forward(&norm.forward(&a.forward(xs)?)?),
+            Self::Plain(lin) => lin.forward(xs),
+        }
+    }
+}
+
+struct Attention {
+    q: QProj,
+    kv_a_proj_with_mqa: Arc<dyn QuantMethod>,
+    kv_a_layernorm: RmsNorm,
+    kv_b_proj: MlaKvBProjection,
+    o_proj: Arc<dyn QuantMethod>,
+    rotary_emb: Arc<DeepSeekV2RotaryEmbedding>,
+    cfg: DeepSeekV2Config,
+    q_head_dim: usize,
+    paged_attn: Option<PagedAttention>,
+    sdpa_params: SdpaParams,
+    num_attention_heads: usize,
+    mla_weights: MlaWeights,
+}
+
+impl Attention {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        rotary_emb: Arc<DeepSeekV2RotaryEmbedding>,
+        cfg: &DeepSeekV2Config,
+        vb: ShardedVarBuilder,
+        mapper: &dyn DeviceMapper,
+        layer_idx: usize,
+        loading_isq: bool,
+        paged_attn: Option<PagedAttention>,
+        comm: &Arc<mistralrs_quant::Comm>,
+    ) -> Result<Self> {
+        let q_head_dim = cfg.q_head_dim();
+        let q = match cfg.q_lora_rank {
+            Some(lora_rank) => {
+                let a = ReplicatedLayer::new(
+                    cfg.hidden_size,
+                    lora_rank,
+                    &cfg.quantization_config,
+                    cfg.attention_bias,
+                    mapper.set_device(layer_idx, vb.pp("q_a_proj"), loading_isq),
+                )?;
+                let norm = RmsNorm::new(
+                    lora_rank,
+                    cfg.rms_norm_eps,
+                    mapper.set_device(layer_idx, vb.pp("q_a_layernorm"), false),
+                )?;
+                let b = ColumnParallelLayer::new(
+                    lora_rank,
+                    cfg.num_attention_heads * q_head_dim,
+                    &cfg.quantization_config,
+                    false,
+                    comm,
+                    mapper.set_device(layer_idx, vb.pp("q_b_proj"), loading_isq),
+                )?;
+                QProj::Lora { a, norm, b }
+            }
+            None => QProj::Plain(ColumnParallelLayer::new(
+                cfg.hidden_size,
+                cfg.num_attention_heads * q_head_dim,
+                &cfg.quantization_config,
+                false,
+                comm,
+                mapper.set_device(layer_idx, vb.pp("q_proj"), loading_isq),
+            )?),
+        };
+
+        let kv_a_proj_with_mqa = ReplicatedLayer::new(
+            cfg.hidden_size,
+            cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+            &cfg.quantization_config,
+            cfg.attention_bias,
+            mapper.set_device(layer_idx, vb.pp("kv_a_proj_with_mqa"), loading_isq),
+        )?;
+        let kv_a_layernorm = RmsNorm::new(
+            cfg.kv_lora_rank,
+            cfg.rms_norm_eps,
+            mapper.set_device(layer_idx, vb.pp("kv_a_layernorm"), false),
+        )?;
+        let k_b_vb = vb.pp("k_b_proj");
+        let v_b_vb = vb.pp("v_b_proj");
+        let kv_b_proj = match (
+            crate::layers::contains_tensor_or_weight_source(&k_b_vb, "weight"),
+            crate::layers::contains_tensor_or_weight_source(&v_b_vb, "weight"),
+        ) {
+            (true, true) => MlaKvBProjection::split(
+                ColumnParallelLayer::new(
+                    cfg.qk_nope_head_dim,
+                    cfg.num_attention_heads * cfg.kv_lora_rank,
+                    &cfg.quantization_config,
+                    false,
+                    comm,
+                    mapper.set_device(layer_idx, k_b_vb, loading_isq),
+                )?,
+                ColumnParallelLayer::new(
+                    cfg.kv_lora_rank,
+                    cfg.num_attention_heads * cfg.v_head_dim,
+                    &cfg.quantization_config,
+                    false,
+                    comm,
+                    mapper.set_device(layer_idx, v_b_vb, loading_isq),
+                )?,
+            ),
+            (false, false) => MlaKvBProjection::fused(ColumnParallelLayer::new(
+                cfg.kv_lora_rank,
+                cfg.num_attention_heads * (q_head_dim - cfg.qk_rope_head_dim + cfg.v_head_dim),
+                &cfg.quantization_config,
+                false,
+                comm,
+                mapper.set_device(layer_idx, vb.pp("kv_b_proj"), loading_isq),
+            )?),
+            _ => candle_core::bail!("DeepSeek layer {layer_idx} has incomplete split MLA weights"),
+        };
+
+        let o_proj = RowParallelLayer::new(
+            cfg.num_attention_heads * cfg.v_head_dim,
+            cfg.hidden_size,
+            &cfg.quantization_config,
+            cfg.attention_bias,
+            comm,
+            mapper.set_device(layer_idx, vb.pp("o_proj"), loading_isq),
+        )?;
+
+        let mla_weights = MlaWeights::new(
+            paged_attn.is_some(),
+            mapper.device_for(layer_idx, loading_isq),
+        );
+
+        Ok(Self {
+            q,
+            kv_a_proj_with_mqa,
+            kv_a_layernorm,
+            kv_b_proj,
+            o_proj,
+            rotary_emb,
+            cfg: cfg.clone(),
+            q_head_dim,
+            paged_attn,
+            num_attention_heads: cfg.num_attention_heads / comm.world_size(),
+            sdpa_params: SdpaParams {
+                n_kv_groups: 1,
+                softcap: None,
+                softmax_scale: cfg.softmax_scale(),
+                sliding_window: None,
+                sinks: None,
+            },
+            mla_weights,
+        })
+    }
+
+    fn forward(
+        &self,
+        xs: &Tensor,
+        attention_mask: &AttentionMask,
+        kv_cache: &mut KvCache,
+        ctx: &mut ModelForwardContext<'_>,
+        layer_idx: usize,
+    ) -> Result<Tensor> {
+        let (bs, seq_len, _) = xs.dims3()?;
+
+        let mut q = self.q.forward(xs)?;
+        q = q
+            .reshape((bs, seq_len, self.num_attention_heads, self.q_head_dim))?
+            .transpose(1, 2)?;
+        let q_split = q.split(
+            &[self.cfg.qk_nope_head_dim, self.cfg.qk_rope_head_dim],
+            D::Minus1,
+        )?;
+        let q_nope = q_split[0].clone();
+        let mut q_pe = q_split[1].clone();
+
+        let mut compressed_kv = self.kv_a_proj_with_mqa.forward(xs)?;
+        let ckv_split = compressed_kv.split(
+            &[self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim],
+            D::Minus1,
+        )?;
+        compressed_kv = ckv_split[0].clone();
+        let mut k_pe = ckv_split[1].clone();
+        k_pe = k_pe
+            .reshape((bs, seq_len, 1, self.cfg.qk_rope_head_dim))?
+            .transpose(1, 2)?;
+
+        let ckv = self.kv_a_layernorm.forward(&compressed_kv)?;
+
+        let rope_positions = ctx
+            .text_positions(q_pe.device(), q_pe.dim(2)?)?
+            .ok_or_else(|| candle_core::Error::msg("missing RoPE positions"))?;
+        (q_pe, k_pe) = self.rotary_emb.forward(&q_pe, &k_pe, rope_positions)?;
+        let metadata = ctx.paged_layer(layer_idx);
+
+        let use_mla_decode = should_use_mla_decode(
+            attention_mask,
+            seq_len,
+            self.paged_attn.is_some(),
+            q_nope.device(),
+            &metadata,
+            &self.kv_b_proj,
+        );
+
+        let mut attn_out = if use_mla_decode {
+            mla_decode_forward(
+                &q_nope,
+                &q_pe,
+                &ckv,
+                &k_pe,
+                &metadata,
+                &self.mla_weights,
+                &self.kv_b_proj,
+                &self.sdpa_params,
+                self.num_attention_heads,
+                self.cfg.kv_lora_rank,
+                self.cfg.qk_rope_head_dim,
+                self.cfg.qk_nope_head_dim,
+                self.cfg.v_head_dim,
+                bs,
+                seq_len,
+            )?
+        } else {
+            let use_absorbed = self.kv_b_proj.is_split()
+                && (self.paged_attn.is_none() || q_nope.device().is_cuda());
+            let (k_nope, mut v, q_nope, value_head_dim) = if use_absorbed {
+                let q_nope = self.kv_b_proj.project_query(&q_nope)?;
+                let latent = ckv
+                    .unsqueeze(1)?
+                    .repeat((1, self.num_attention_heads, 1, 1))?;
+                (latent.clone(), latent, q_nope, self.cfg.kv_lora_rank)
+            } else {
+                let (k_nope, v) = self.kv_b_proj.expanded_kv(
+                    &ckv,
+                    self.num_attention_heads,
+                    self.cfg.qk_nope_head_dim,
+                    self.cfg.v_head_dim,
+                )?;
+                (k_nope, v, q_nope, self.cfg.v_head_dim)
+            };
+
+            let q = Tensor::cat(&[&q_nope, &q_pe], D::Minus1)?.contiguous()?;
+            let mut k = Tensor::cat(
+                &[&k_nope, &k_pe.repeat((1, self.num_attention_heads, 1, 1))?],
+                D::Minus1,
+            )?
+            .contiguous()?;
+
+            let use_mla_cache =
+                should_use_mla_cache(self.paged_attn.is_some(), q.device(), &self.kv_b_proj);
+
+            if use_mla_cache {
+                mla_cache_forward(
+                    &q,
+                    &k,
+                    &v,
+                    &ckv,
+                    &k_pe,
+                    attention_mask,
+                    ctx.seqlen_offsets(),
+                    &metadata,
+                    ctx.flash_params(),
+                    &self.kv_b_proj,
+                    &self.sdpa_params,
+                    self.num_attention_heads,
+                    self.cfg.kv_lora_rank,
+                    self.cfg.qk_rope_head_dim,
+                    if use_absorbed {
+                        self.cfg.kv_lora_rank
+                    } else {
+                        self.cfg.qk_nope_head_dim
+                    },
+                    value_head_dim,
+                    bs,
+                    seq_len,
+                )?
+            } else {
+                let output = match &self.paged_attn {
+                    Some(paged_attn) => match metadata {
+                        Some(((key_cache, value_cache), input_metadata)) => {
+                            let v = v
+                                .pad_with_zeros(
+                                    D::Minus1,
+                                    0,
+                                    self.q_head_dim - self.cfg.v_head_dim,
+                                )?
+                                .contiguous()?;
+                            paged_attn
+                                .forward(
+                                    &q,
+                                    &k,
+                                    &v,
+                                    attention_mask,
+                                    Some(key_cache),
+                                    Some(value_cache),
+                                    input_metadata,
+                                    &self.sdpa_params,
+                                    Some(ctx.flash_params()),
+                                )?
+                                .narrow(D::Minus1, 0, self.cfg.v_head_dim)?
+                        }
+                        None => {
+                            // If we don't have metadata, we are most likely generating an imatrix so we don't want to populate that.
+                            // Generating the dummy metadata with the assumption that we are not generating text (only processing prompts).
+                            let input_metadata = PagedAttentionInputMetadata::dummy(q.device())?;
+                            // Sanity check.
+                            assert!(!attention_mask.is_none());
+                            let v = v
+                                .pad_with_zeros(
+                                    D::Minus1,
+                                    0,
+                                    self.q_head_dim - self.cfg.v_head_dim,
+                                )?
+                                .contiguous()?;
+                            paged_attn
+                                .forward(
+                                    &q,
+                                    &k,
+                                    &v,
+                                    attention_mask,
+                                    None,
+                                    None,
+                                    &input_metadata,
+                                    &self.sdpa_params,
+                                    Some(ctx.flash_params()),
+                                )?
+                                .narrow(D::Minus1, 0, self.cfg.v_head_dim)?
+                        }
+                    },
+                    None => {
+                        (k, v) = kv_cache.append(&k, &v)?;
+
+                        Sdpa.run_attention(
+                            &q,
+                            &k,
+                            &v,
+                            attention_mask,
+                            Some(ctx.flash_params()),
+                            &self.sdpa_params,
+                        )?
+                    }
+                };
+                if use_absorbed {
+                    self.kv_b_proj.project_value(&output)?
+                } else {
+                    output
+                }
+            }
+        };
+
+        attn_out = if !matches!(attention_mask, AttentionMask::None) {
+            attn_out.transpose(1, 2)?.reshape((bs, seq_len, ()))?
+        } else {
+            attn_out.reshape((bs, seq_len, ()))?
+        };
+
+        self.o_proj.forward(&attn_out)
+    }
+}
+
+struct MoeGate {
+    weight: Tensor,
+    lora_site: Option<Arc<mistralrs_quant::LoraSiteHandle>>,
+    cfg: DeepSeekV2Config,
+    top_k: usize,
+    n_routed_experts: usize,
+}
+
+impl MoeGate {
+    fn new(cfg: &DeepSeekV2Config, vb: ShardedVarBuilder, n_routed_experts: usize) -> Result<Self> {
+        let weight = vb.get((n_routed_experts, cfg.hidden_size), "weight")?;
+        let lora_site = mistralrs_quant::register_dynamic_lora_site(
+            &vb.set_dtype(DType::F32),
+            mistralrs_quant::LoraLinearSpec::replicated(cfg.hidden_size, n_routed_experts),
+        )?;
+        Ok(Self {
+            weight,
+            lora_site,
+            cfg: cfg.clone(),
+            top_k: cfg.num_experts_per_tok.unwrap(),
+            n_routed_experts,
+        })
+    }
+
+    /// (topk_idx, topk_weight)
+    fn forward(&self, xs: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (bs, seq_len, h) = xs.dims3()?;
+        // Compute gating score
+        let xs = xs.reshape(((), h))?.to_dtype(DType::F32)?;
+        let logits = xs.broadcast_matmul(&self.weight.t()?.to_dtype(DType::F32)?)?;
+        let logits = match &self.lora_site {
+            Some(site) => mistralrs_quant::apply_dynamic_lora_delta(site, &xs, logits)?,
+            None => logits,
+        };
+        if matches!(self.cfg.topk_method, TopkMethod::Greedy) {
+            let renormalize = self.top_k > 1 && self.cfg.norm_topk_prob;
+            let topk = crate::ops::moe_router_topk(
+                &logits,
+                crate::ops::MoeRouterTopKConfig {
+                    top_k: self.top_k,
+                    score_function: crate::ops::MoeRouterScoreFunction::Softmax,
+                    selected_weight: crate::ops::MoeRouterSelectedWeight::Score,
+                    renormalize,
+                    norm_min: 1e-20,
+                    output_scale: if renormalize {
+                        1.0
+                    } else {
+                        self.cfg.routed_scaling_factor as f32
+                    },
+                    logit_clip: None,
+                },
+                None,
+                None,
+            )?;
+            return Ok((topk.indices, topk.values));
+        }
+        let scores = match self.cfg.scoring_func {
+            ScoringFunc::Softmax => candle_nn::ops::softmax_last_dim(&logits)?,
+        };
+
+        // Select top-k experts
+        let (mut topk_weight, topk_idx) = match self.cfg.topk_method {
+            TopkMethod::Greedy => unreachable!(),
+            TopkMethod::GroupLimitedGreedy => {
+                // (n, n_group)
+                let group_scores = scores
+                    .reshape((bs * seq_len, self.cfg.n_group, ()))?
+                    .max(D::Minus1)?;
+                // (n, topk_group)
+                let group_idx = group_scores.topk_unsorted(self.cfg.topk_group)?.indices;
+                // (n, n_group)
+                let mut group_mask = group_scores.zeros_like()?;
+                // (n, n_group)
+                group_mask = group_mask.scatter_add(
+                    &group_idx,
+                    &group_idx.ones_like()?.to_dtype(group_mask.dtype())?,
+                    1,
+                )?;
+                // (n, e)
+                let score_mask = group_mask
+                    .unsqueeze(D::Minus1)?
+                    .expand((
+                        bs * seq_len,
+                        self.cfg.n_group,
+                        self.n_routed_experts / self.cfg.n_group,
+                    ))?
+                    .reshape((bs * seq_len, ()))?;
+                // (n, e)
+                // Invert the mask
+                let tmp_scores = masked_fill(&score_mask, &(1. - &score_mask.ne(0.)?)?, 0.)?;
+                let TopKOutput { values, indices } = tmp_scores.topk_unsorted(self.top_k)?;
+                (values, indices)
+            }
+        };
+
+        if self.top_k > 1 && self.cfg.norm_topk_prob {
+            let denmoninator = (topk_weight.sum_keepdim(D::Minus1)? + 1e-20)?;
+            topk_weight = (topk_weight / denmoninator)?;
+        } else {
+            topk_weight = (topk_weight * self.cfg.routed_scaling_factor)?;
+        }
+        Ok((topk_idx, topk_weight))
+    }
+}
+
+struct Moe {
+    experts: MoEExperts,
+    shared_experts: Option<Mlp>,
+    gate: MoeGate,
+}
+
+impl Moe {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        cfg: &DeepSeekV2Config,
+        vb: ShardedVarBuilder,
+        mapper: &dyn DeviceMapper,
+        layer_idx: usize,
+        loading_isq: bool,
+        n_shared_experts: Option<usize>,
+        n_routed_experts: usize,
+        comm: &Arc<mistralrs_quant::Comm>,
+        real_device: Device,
+    ) -> Result<Self> {
+        let layer_device = mapper
+            .device_for(layer_idx, false)
+            .cloned()
+            .unwrap_or(real_device);
+
+        let moe_cfg = MoEExpertsConfig {
+            num_experts: n_routed_experts,
+            num_experts_per_tok: cfg.num_experts_per_tok.unwrap(),
+            hidden_size: cfg.hidden_size,
+            moe_intermediate_size: cfg.moe_intermediate_size,
+            expert_proj_names: crate::moe::ExpertProjNames::DEFAULT,
+        };
+
+        // Use the optimized MoEExperts with automatic backend selection
+        let experts = MoEExperts::new(
+            &moe_cfg,
+            mapper.set_device(layer_idx, vb.clone(), loading_isq),
+            layer_device,
+            comm,
+            loading_isq,
+            &cfg.quantization_config,
+            cfg.hidden_act,
+        )?;
+
+        let shared_experts = if let Some(n_shared_experts) = n_shared_experts {
+            let intermediate_size = cfg.moe_intermediate_size * n_shared_experts;
+            Some(Mlp::new(
+                mapper.set_device(layer_idx, vb.pp("shared_experts"), loading_isq),
+                cfg.hidden_size,
+                intermediate_size,
+                &cfg.quantization_config,
+                cfg.hidden_act,
+                comm,
+            )?)
+        } else {
+            None
+        };
+        let gate = MoeGate::new(
+            cfg,
+            mapper.set_device(layer_idx, vb.pp("gate"), false),
+            n_routed_experts,
+        )?;
+        Ok(Self {
+            experts,
+            shared_experts,
+            gate,
+        })
+    }
+
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let identity = xs.clone();
+        let (b_size, seq_len, hidden_dim) = xs.dims3()?;
+
+        // Get routing weights from gate
+        let (topk_idx, topk_weight) = self.gate.forward(xs)?;
+
+        // Forward through routed experts using optimized MoEExperts
+        let mut y = self.experts.forward(xs, topk_weight, &topk_idx)?;
+        y = y.reshape((b_size, seq_len, hidden_dim))?;
+
+        // Add shared expert output
+        if let Some(ref shared_experts) = self.shared_experts {
+            y = (y + shared_experts.forward(&identity)?)?;
+        }
+
+        Ok(y)
+    }
+}
+
+enum MoeOrMlp {
+    Moe(Box<Moe>),
+    Mlp(Mlp),
+}
+
+impl MoeOrMlp {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Mlp(mlp) => mlp.forward(xs),
+            Self::Moe(moe) => moe.forward(xs),
+        }
+    }
+}
+
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+    attn: Attention,
+    moe_or_mlp: MoeOrMlp,
+}
+
+impl DecoderLayer {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        rotary_emb: Arc<DeepSeekV2RotaryEmbedding>,
+        cfg: &DeepSeekV2Config,
+        vb: ShardedVarBuilder,
+        mapper: &dyn DeviceMapper,
+        layer_idx: usize,
+        loading_isq: bool,
+        paged_attn: Option<PagedAttention>,
+        comm: &Arc<mistralrs_quant::Comm>,
+        real_device: Device,
+    ) -> Result<Self> {
+        let attn = Attention::new(
+            rotary_emb,
+            cfg,
+            vb.pp("self_attn"),
+            mapper,
+            layer_idx,
+            loading_isq,
+            paged_attn,
+            comm,
+        )?;
+        let input_layernorm = RmsNorm::new(
+            cfg.hidden_size,
+            cfg.rms_norm_eps,
+            mapper.set_device(layer_idx, vb.pp("input_layernorm"), false),
+        )?;
+        let post_attention_layernorm = RmsNorm::new(
+            cfg.hidden_size,
+            cfg.rms_norm_eps,
+            mapper.set_device(layer_idx, vb.pp("post_attention_layernorm"), false),
+        )?;
+        let moe_or_mlp = if let Some(n_routed_experts) = cfg.n_routed_experts.filter(|_| {
+            layer_idx >= cfg.first_k_dense_replace && layer_idx.is_multiple_of(cfg.moe_layer_freq)
+        }) {
+            MoeOrMlp::Moe(Box::new(Moe::new(
+                cfg,
+                vb.pp("mlp"),
+                mapper,
+                layer_idx,
+                loading_isq,
+                cfg.n_shared_experts,
+                n_routed_experts,
+                comm,
+                real_device,
+            )?))
+        } else {
+            MoeOrMlp::Mlp(Mlp::new(
+                mapper.set_device(layer_idx, vb.pp("mlp"), loading_isq),
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                &cfg.quantization_config,
+                cfg.hidden_act,
+                comm,
+            )?)
+        };
+
+        Ok(Self {
+            input_layernorm,
+            post_attention_layernorm,
+            attn,
+            moe_or_mlp,
+        })
+    }
+
+    fn forward(
+        &self,
+        xs: &Tensor,
+        attention_mask: &AttentionMask,
+        kv_cache: &mut KvCache,
+        ctx: &mut ModelForwardContext<'_>,
+        layer_idx: usize,
+    ) -> Result<Tensor> {
+        let residual = xs;
+        let xs = self.input_layernorm.forward(xs)?;
+        let xs = self
+            .attn
+            .forward(&xs, attention_mask, kv_cache, ctx, layer_idx)?;
+        let xs = (xs + residual)?;
+        let residual = &xs;
+        let xs = self
+            .moe_or_mlp
+            .forward(&xs.apply(&self.post_attention_layernorm)?)?;
+        residual + xs
+    }
+}
+
+pub struct DeepSeekV2 {
+    lm_head: Arc<dyn QuantMethod>,
+    embed_tokens: Arc<dyn QuantMethod>,
+    dtype: DType,
+    norm: RmsNorm,
+    layers: Vec<DecoderLayer>,
+    cache: EitherCache,
+    device: Device,
+    max_seq_len: usize,
+    cfg: ModelConfigMetadata,
+    mapper: Box<dyn DeviceMapper + Send + Sync>,
+}
+
+impl DeepSeekV2 {
+    pub fn new(
+        cfg: &DeepSeekV2Config,
+        vb: ShardedVarBuilder,
+        _is_gptx: bool,
+        normal_loading_metadata: NormalLoadingMetadata,
+        attention_mechanism: AttentionImplementation,
+    ) -> Result<Self> {
+        let vb_m = vb.pp("model");
+
+        let mapper = normal_loading_metadata.mapper;
+        let dtype = vb_m.dtype();
+
+        let embed_tokens = embedding_with_legacy_tied_uqff(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            mapper.set_nm_device(vb_m.pp("embed_tokens"), normal_loading_metadata.loading_isq),
+            cfg.tie_word_embeddings.then(|| {
+                mapper.set_nm_device(vb.pp("lm_head"), normal_loading_metadata.loading_isq)
+            }),
+            &cfg.quantization_config,
+        )?;
+        let lm_head = if !cfg.tie_word_embeddings {
+            ReplicatedLayer::new(
+                cfg.hidden_size,
+                cfg.vocab_size,
+                &cfg.quantization_config,
+                false,
+                mapper.set_nm_device(vb.pp("lm_head"), normal_loading_metadata.loading_isq),
+            )?
+        } else {
+            embed_tokens.clone()
+        };
+        let norm = RmsNorm::new(
+            cfg.hidden_size,
+            cfg.rms_norm_eps,
+            mapper.set_nm_device(vb_m.pp("norm"), false),
+        )?;
+
+        let mut ropes = HashMap::new();
+        let rope_cfg = DeepSeekV2RopeConfig {
+            rope_scaling: cfg.rope_scaling.clone(),
+            max_position_embeddings: cfg.max_position_embeddings,
+            rope_theta: cfg.rope_theta,
+            qk_rope_head_dim: cfg.qk_rope_head_dim,
+        };
+        for i in 0..cfg.num_hidden_layers {
+            let device = mapper
+                .device_for(i, false)
+                .unwrap_or(&normal_loading_metadata.real_device);
+            ropes.insert(
+                device.location(),
+                Arc::new(DeepSeekV2RotaryEmbedding::new(
+                    &rope_cfg,
+                    vb.dtype(),
+                    device,
+                )?),
+            );
+        }
+
+        let vb_l = vb_m.pp("layers");
+        let layers: Vec<DecoderLayer> = NiceProgressBar::<_, 'b'>(
+            0..cfg.num_hidden_layers,
+            "Loading repeating layers",
+            &normal_loading_metadata.multi_progress,
+        )
+        .par_iter_if_isq(|layer_idx| {
+            let device = mapper
+                .device_for(layer_idx, false)
+                .unwrap_or(&normal_loading_metadata.real_device);
+            let rotary_emb = ropes
+                .get(&device.location())
+                .expect("No RoPE for device location!")
+                .clone();
+            let paged_attn = match &attention_mechanism {
+                AttentionImplementation::Eager => None,
+                AttentionImplementation::PagedAttention => Some(
+                    PagedAttention::new(cfg.v_head_dim, device, None)
+                        .expect("Failed to create PagedAttention"),
+                ),
+            };
+            let comm = mapper.get_comm_for(layer_idx)?;
+            DecoderLayer::new(
+                rotary_emb.clone(),
+                cfg,
+                vb_l.pp(layer_idx),
+                &*mapper,
+                layer_idx,
+                normal_loading_metadata.loading_isq,
+                paged_attn,
+                &comm,
+                normal_loading_metadata.real_device.clone(),
+            )
+        })?;
+
+        Ok(Self {
+            lm_head,
+            embed_tokens,
+            dtype,
+            norm,
+            layers,
+            cache: EitherCache::Normal(NormalCache::new(
+                cfg.num_hidden_layers,
+                cfg.max_position_embeddings,
+            )),
+            device: normal_loading_metadata.real_device.clone(),
+            max_seq_len: cfg.max_position_embeddings,
+            cfg: ModelConfigMetadata {
+                max_seq_len: cfg.max_position_embeddings,
+                num_layers: cfg.num_hidden_layers,
+                hidden_size: cfg.hidden_size,
+                num_kv_heads: (cfg.num_attention_heads / mapper.get_comm_for(0)?.world_size())
+                    .max(1),
+                num_attn_heads: (cfg.num_attention_heads / mapper.get_comm_for(0)?.world_size())
+                    .max(1),
+                sliding_window: None,
+                k_head_dim: cfg.q_head_dim(),
+                v_head_dim: if matches!(
+                    attention_mechanism,
+                    AttentionImplementation::PagedAttention
+                ) {
+                    cfg.q_head_dim()
+                } else {
+                    cfg.v_head_dim
+                },
+                #[cfg(all(feature = "cuda", target_family = "unix"))]
+                kv_cache_layout: if matches!(
+                    attention_mechanism,
+                    AttentionImplementation::PagedAttention
+                ) {
+                    crate::paged_attention::KvCacheLayout::Mla {
+                        kv_lora_rank: cfg.kv_lora_rank,
+                        kpe_head_dim: cfg.qk_rope_head_dim,
+                    }
+                } else {
+                    crate::paged_attention::KvCacheLayout::Standard
+                },
+                #[cfg(not(all(feature = "cuda", target_family = "unix")))]
+                kv_cache_layout: crate::paged_attention::KvCacheLayout::Standard,
+            },
+            mapper,
+        })
+    }
+
+    pub fn forward(&self, input_ids: &Tensor, ctx: &mut ModelForwardContext<'_>) -> Result<Tensor> {
+        let mut xs = self.embed_tokens.embedding_forward(input_ids, self.dtype)?;
+        let cache = &mut self.cache.normal().0;
+        let mask_cache = ctx.mask_cache(cache);
+        let attention_mask = CausalMasker.make_causal_mask(
+            input_ids,
+            &mask_cache,
+            xs.dtype(),
+            &CausalMaskConfig::default(),
+        )?;
+        // PagedAttention prompt chunking
+        let attention_mask = if ctx.is_first_prompt_chunk() {
+            attention_mask
+        } else {
+            AttentionMask::None
+        };
+        let attention_mask = DeviceMappedMask::new(attention_mask, &*self.mapper)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            xs = self.mapper.map(xs, i)?;
+            xs = layer.forward(&xs, &attention_mask.get(xs.device()), &mut cache[i], ctx, i)?;
+        }
+        let xs = xs.to_device(&self.device)?;
+        let xs = xs.apply(&self.norm)?;
+        let xs = ctx.logits(&xs)?;
+        self.lm_head.forward(&xs)
+    }
+}
+
+impl IsqModel for DeepSeekV2 {
+    fn residual_tensors(&self) -> Vec<(String, Tensor)> {
+        let uvb = UnVarBuilder::new();
+
+        let uvb_m = uvb.pp("model");
+        uvb_m.pp("embed_tokens").add(&self.embed_tokens);
+        uvb_m.pp("norm").add(&self.norm);
+
+        for (layer_idx, layer) in self.layers.iter().enumerate() {
+            let uvb_l = uvb_m.pp("layers").pp(layer_idx);
+            uvb_l.pp("input_layernorm").add(&layer.input_layernorm);
+            uvb_l
+                .pp("post_attention_layernorm")
+                .add(&layer.post_attention_layernorm);
+
+            uvb_l
+                .pp("self_attn")
+                .pp("kv_a_layernorm")
+                .add(&layer.attn.kv_a_layernorm);
+
+            match &layer.moe_or_mlp {
+                MoeOrMlp::Moe(moe) => {
+                    uvb_l
+                        .pp("mlp")
+                        .pp("gate")
+                        .add_tensor("weight", moe.gate.weight.clone());
+                }
+                MoeOrMlp::Mlp(_) => (),
+            }
+
+            match &layer.attn.q {
+                QProj::Plain(_) => (),
+                QProj::Lora { a: _, norm, b: _ } => {
+                    uvb_l.pp("self_attn").pp("q_a_layernorm").add(norm);
+                }
+            }
+        }
+
+        uvb.to_safetensors()
+    }
+
+    fn residual_tensors_moe_experts_only(&self) -> Option<Vec<(String, Tensor)>> {
+        let uvb = UnVarBuilder::new();
+
+        let uvb_m = uvb.pp("model");
+        uvb_m.pp("embed_tokens").add(&self.embed_tokens);
+        uvb_m.pp("norm").add(&self.norm);
+
+        for (layer_idx, layer) in self.layers.iter().enumerate() {
+            let uvb_l = uvb_m.pp("layers").pp(layer_idx);
+            uvb_l.pp("input_layernorm").add(&layer.input_layernorm);
+            uvb_l
+                .pp("post_attention_layernorm")
+                .add(&layer.post_attention_layernorm);
+
+            uvb_l
+                .pp("self_attn")
+                .pp("kv_a_layernorm")
+                .add(&layer.attn.kv_a_layernorm);
+
+            match &layer.moe_or_mlp {
+                MoeOrMlp::Moe(moe) => {
+                    uvb_l
+                        .pp("mlp")
+                        .pp("gate")
+                        .add_tensor("weight", moe.gate.weight.clone());
+                }
+                MoeOrMlp::Mlp(_) => (),
+            }
+
+            match &layer.attn.q {
+                QProj::Plain(q) => {
+                    uvb_l.pp("self_attn").pp("q_proj").add(q);
+                }
+                QProj::Lora { a, norm, b } => {
+                    uvb_l.pp("self_attn").pp("q_a_proj").add(a);
+                    uvb_l.pp("self_attn").pp("q_a_layernorm").add(norm);
+                    uvb_l.pp("self_attn").pp("q_b_proj").add(b);
+                }
+            }
+            uvb_l
+                .pp("self_attn")
+                .pp("kv_a_proj_with_mqa")
+                .add(&layer.attn.kv_a_proj_with_mqa);
+            if let Some(projection) = layer.attn.kv_b_proj.fused_layer() {
+                uvb_l.pp("self_attn").pp("kv_b_proj").add(projection);
+            } else if let Some((key, value)) = layer.attn.kv_b_proj.split_projections() {
+                uvb_l.pp("self_attn").pp("k_b_proj").add(key);
+                uvb_l.pp("self_attn").pp("v_b_proj").add(value);
+            }
+            uvb_l.pp("self_attn").pp("o_proj").add(&layer.attn.o_proj);
+        }
+
+        Some(uvb.to_safetensors())
+    }
+}
+
+impl crate::speculative::SpeculativeTargetMixin for DeepSeekV2 {}
+
+impl NormalModel for DeepSeekV2 {
+    fn forward(
+        &self,
+        input_ids: &Tensor,
+        ctx: &mut crate::pipeline::ModelForwardContext<'_>,
+    ) -> Result<Tensor> {
+        self.forward(input_ids, ctx)
+    }
+    fn xlora_forward(
+        &self,
+        _input_ids: &Tensor,
+        _input_ids_full: &Tensor,
+        _seqlen_offsets: &[usize],
+        _seqlen_offsets_full: &[usize],
+        _no_kv_cache: bool,
+        _non_granular_state: &Option<crate::xlora_models::NonGranularState>,
+        _context_lens: Vec<(usize, usize)>,
+        _position_ids: Vec<usize>,
+        _flash_params: &FlashParams,
+        _flash_params_full: &FlashParams,
+    ) -> Result<Tensor> {
+        unimplemented!()
+    }
+    fn cache(&self) -> &EitherCache {
+        &self.cache
+    }
+    fn device(&self) -> &Device {
+        &self.device
+    }
+    fn is_xlora(&self) -> bool {
+        false
+    }
+    fn max_seq_len(&self) -> usize {
+        self.max_seq_len
+    }
+    fn config(&self) -> &ModelConfigMetadata {
+        &self.cfg
+    }
+    fn supports_packed_prefill(&self) -> bool {
+        true
+    }
+}
+
+impl AnyMoeBaseModelMixin for DeepSeekV2 {}

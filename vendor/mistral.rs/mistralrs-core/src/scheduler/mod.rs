@@ -1,0 +1,132 @@
+mod default_scheduler;
+
+use std::sync::Arc;
+
+pub use default_scheduler::{DefaultScheduler, DefaultSchedulerMethod, DefaultSchedulerOutput};
+use tokio::sync::Mutex;
+
+use crate::{
+    engine::IntervalLogger,
+    paged_attention::{
+        block_hash::{BlockHash, MultimodalKind},
+        CacheConfig, KVCacheManager, PagedAttentionScheduler, PagedAttentionSchedulerConfig,
+        PagedAttentionSchedulerOutput,
+    },
+    sequence::Sequence,
+};
+
+pub(crate) const IMAGE_MODALITY: u8 = 1 << 0;
+pub(crate) const AUDIO_MODALITY: u8 = 1 << 1;
+pub(crate) const VIDEO_MODALITY: u8 = 1 << 2;
+
+pub(crate) fn modality_signature(sequence: &Sequence) -> u8 {
+    let mut signature = 0;
+    if sequence.has_images()
+        || sequence
+            .mm_features()
+            .iter()
+            .any(|feature| feature.kind == MultimodalKind::Image)
+    {
+        signature |= IMAGE_MODALITY;
+    }
+    if sequence.has_audios()
+        || sequence
+            .mm_features()
+            .iter()
+            .any(|feature| feature.kind == MultimodalKind::Audio)
+    {
+        signature |= AUDIO_MODALITY;
+    }
+    if sequence.has_videos()
+        || sequence
+            .mm_features()
+            .iter()
+            .any(|feature| feature.kind == MultimodalKind::Video)
+    {
+        signature |= VIDEO_MODALITY;
+    }
+    signature
+}
+
+#[derive(Clone)]
+pub enum SchedulerConfig {
+    DefaultScheduler {
+        method: DefaultSchedulerMethod,
+    },
+    PagedAttentionMeta {
+        max_num_seqs: usize,
+        config: CacheConfig,
+    },
+}
+
+impl SchedulerConfig {
+    pub fn into_scheduler(self) -> Arc<Mutex<dyn Scheduler>> {
+        match self {
+            Self::DefaultScheduler { method } => {
+                Arc::new(Mutex::new(DefaultScheduler::new(method)))
+            }
+            Self::PagedAttentionMeta {
+                max_num_seqs,
+                config,
+            } => Arc::new(Mutex::new(PagedAttentionScheduler::new(
+                PagedAttentionSchedulerConfig { max_num_seqs },
+                config,
+            ))),
+        }
+    }
+}
+
+pub enum SchedulerOutput<'a> {
+    DefaultScheduler {
+        output: DefaultSchedulerOutput<'a>,
+    },
+    PagedAttention {
+        output: PagedAttentionSchedulerOutput,
+    },
+}
+
+pub trait PagedPrefixCacheValidator {
+    fn validate_prefix_cache_hit(
+        &mut self,
+        seq: &mut Sequence,
+        block_hashes: &[BlockHash],
+        cached_tokens: usize,
+        block_size: usize,
+    ) -> usize;
+
+    fn release_recurrent_state(&mut self, _slot_idx: usize) -> bool {
+        false
+    }
+}
+
+pub trait Scheduler: Send + Sync {
+    fn schedule(
+        &mut self,
+        logger: &IntervalLogger,
+        prefix_validator: Option<&mut dyn PagedPrefixCacheValidator>,
+    ) -> SchedulerOutput<'_>;
+    fn waiting_len(&self) -> usize;
+    fn running_len(&self) -> usize;
+    fn add_seq(&mut self, seq: Sequence);
+    /// This may do nothing. It depends on the implementation
+    fn free_finished_sequence_groups(&mut self);
+    /// Get recurrent state pool indices of finished sequences for freeing.
+    /// Called before free_finished_sequence_groups to allow cleanup of hybrid cache slots.
+    fn get_finished_recurrent_indices(&self) -> Vec<usize>;
+
+    // PagedAttention metadata
+    fn block_size(&self) -> Option<usize>;
+    fn kv_cache_manager(&self) -> Option<Arc<Mutex<KVCacheManager>>>;
+
+    /// Set whether prefix caching is enabled. Called by Engine after creation
+    /// to synchronize with the global no_prefix_cache setting.
+    fn set_prefix_caching_enabled(&mut self, enabled: bool);
+
+    fn set_requires_uniform_prompt_batch(&mut self, _required: bool) {}
+
+    fn set_requires_uniform_completion_batch(&mut self, _required: bool) {}
+
+    fn set_requires_uniform_media_batch(&mut self, _required: bool) {}
+
+    fn set_supports_packed_prefill(&mut self, _supported: bool) {}
+}

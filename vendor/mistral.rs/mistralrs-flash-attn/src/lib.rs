@@ -1,0 +1,6 @@
+#[cfg(feature = "cuda")]
+mod ffi;
+#[cfg(feature = "cuda")]
+mod flash;
+#[cfg(feature = "cuda")]
+pub use flash::*;

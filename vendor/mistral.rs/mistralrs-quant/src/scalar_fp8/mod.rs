@@ -1,0 +1,4 @@
+#[cfg(feature = "cuda")]
+pub(crate) mod ffi;
+
+pub(crate) mod ops;
