@@ -14,7 +14,9 @@ if (!modelPath || ![threads, promptTokens, gen, runs].every((n) => Number.isInte
   process.exit(2);
 }
 const llama = await getLlama({ gpu: false });
+const rssBefore = process.memoryUsage().rss;
 const model = await llama.loadModel({ modelPath });
+const modelMemory = process.memoryUsage().rss - rssBefore;
 // Text like a conductor's prompt: a pool of workers and what a plan is. Each run's prompt
 // starts differently, so nothing is reused between runs.
 const text = (run) => {
@@ -47,4 +49,6 @@ console.log(JSON.stringify({
   engine: "llama.cpp (node-llama-cpp 3.22.1, prebuilt CPU build)", threads, prompt_tokens: promptTokens,
   gen_tokens: gen, runs, prompt_tokens_per_s: median(prefill), decode_tokens_per_s: median(decode),
   prompt_all: prefill, decode_all: decode,
+  // Resident memory the model's load added, and the process's peak (maxRSS is in KiB).
+  model_memory_mb: modelMemory / 2 ** 20, peak_rss_mb: process.resourceUsage().maxRSS / 1024,
 }));

@@ -359,6 +359,18 @@ mod conductor {
         if v.is_empty() { f64::NAN } else { median_max(&mut v).0 }
     }
 
+    fn mib(bytes: u64) -> f64 {
+        bytes as f64 / (1024.0 * 1024.0)
+    }
+
+    /// The process's peak resident memory (`VmHWM` in `/proc/self/status`; Linux only).
+    fn peak_rss_bytes() -> Option<u64> {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024)
+    }
+
     /// The threads candle's CPU kernels use: `RAYON_NUM_THREADS` when set, else every core.
     fn threads() -> usize {
         std::env::var("RAYON_NUM_THREADS")
@@ -475,6 +487,7 @@ mod conductor {
                     "decode_tokens_per_s": decode, "decode_tokens_per_s_without_grammar": free.decode_tps,
                     "grammar_ms_per_token": grammar_ms,
                     "plans_ended_by_stop_token": stopped, "plans_cut_after_fence": cut,
+                    "model_memory_mb": model.memory_bytes.map(mib), "peak_rss_mb": peak_rss_bytes().map(mib),
                 })
             );
         } else {
@@ -497,6 +510,12 @@ mod conductor {
                 free.decode_tps
             );
             println!("ended        {stopped} of {} by the end token, {cut} cut after the closing fence", a.runs);
+            let shown = |b: Option<u64>| b.map_or_else(|| "n/a".to_owned(), |b| format!("{:.0} MiB", mib(b)));
+            println!(
+                "memory       {} taken by loading the model; {} peak resident",
+                shown(model.memory_bytes),
+                shown(peak_rss_bytes())
+            );
         }
         Ok(())
     }

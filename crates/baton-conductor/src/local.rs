@@ -44,7 +44,9 @@ pub enum LoadError {
     Invalid { path: String, message: String },
     #[error("{path}: the model has no chat template; pass one with --chat-template FILE (a .jinja file)")]
     NoChatTemplate { path: String },
-    #[error("{path}: this model's architecture is not supported: {message}")]
+    #[error(
+        "{path}: this model is not supported by Baton's local engine: {message}; run it in a server that supports it (llama.cpp, vLLM, Ollama) and add that as an openai-compatible worker or remote conductor"
+    )]
     Unsupported { path: String, message: String },
     #[error(
         "{path}: not enough memory to load the model ({message}); try a smaller model, a quantized GGUF, or `isq = \"Q4K\"`"
@@ -53,6 +55,10 @@ pub enum LoadError {
     #[error("{path}: could not load the model: {message}")]
     Failed { path: String, message: String },
 }
+
+/// The name a LoRA adapter is loaded under; mistral.rs applies an adapter only to the requests
+/// that name it.
+const LORA_ALIAS: &str = "baton";
 
 /// Spellings of end-of-text tokens, as llguidance's token trie recognizes them
 /// (`toktrie_hf_tokenizers`): once a grammar is complete, llguidance allows only that token.
@@ -63,10 +69,12 @@ const END_OF_TURN: &[&str] = &["<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_t
 /// The tokens that end a generation, found in the model's own vocabulary.
 ///
 /// mistral.rs stops on its chat template's end-of-sequence token (and a few end-of-turn
-/// tokens), but a constrained generation ends on llguidance's end-of-text token, which for many
-/// models (Qwen2 and 2.5, SmolLM2, Llama 3) is another one; a GGUF carries no
-/// generation_config.json to add it. Without these as stop tokens, a finished plan goes on
-/// decoding that silent token until the length cap.
+/// tokens). Once a grammar accepts, mistral.rs 0.9 lets that token through, but once the grammar
+/// is complete llguidance still offers its own end-of-text token, which for many models (Qwen2
+/// and 2.5, SmolLM2, Llama 3) is another one; a GGUF carries no generation_config.json to add it
+/// to mistral.rs's list. A model that picks it (measured: the tiny random GGUF conductor, every
+/// plan) would go on decoding that silent token until the length cap, unless these are stop
+/// tokens.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct EndTokens {
     pub end_of_text: Vec<u32>,
@@ -92,6 +100,8 @@ pub struct LocalModel {
     /// elsewhere). On a GPU the weights live in its memory instead and this stays small.
     pub memory_bytes: Option<u64>,
     pub end_tokens: EndTokens,
+    /// Whether requests apply the LoRA adapter loaded under [`LORA_ALIAS`].
+    lora: bool,
     /// The latest generation's speed, for whoever shows how fast the model runs.
     last: std::sync::Mutex<Option<Speed>>,
     /// Token sequences mistral.rs's prefix cache holds, newest last, mirrored so each
@@ -246,7 +256,10 @@ impl LocalModel {
                             hint: "the LoRA adapter directory is missing".into(),
                         });
                     }
-                    LoraModelBuilder::from_text_model_builder(b, [adapter.display().to_string()]).build().await
+                    LoraModelBuilder::from_text_model_builder(b)
+                        .with_adapter(LORA_ALIAS, adapter.display().to_string())
+                        .build()
+                        .await
                 }
                 None => b.build().await,
             }
@@ -267,6 +280,7 @@ impl LocalModel {
             device,
             memory_bytes,
             end_tokens,
+            lora: config.lora.is_some(),
             last: std::sync::Mutex::new(None),
             cached: std::sync::Mutex::new(std::collections::VecDeque::new()),
         })
@@ -319,6 +333,9 @@ impl LocalModel {
         // Without a temperature the model's own generation defaults apply; 0 is greedy.
         if let Some(t) = options.temperature {
             request = request.set_sampler_temperature(t);
+        }
+        if self.lora {
+            request = request.set_adapter(LORA_ALIAS);
         }
         request = request.set_sampler_max_len(options.max_tokens);
         request = request.set_sampler_stop_toks(StopTokens::Ids(self.end_tokens.all()));
@@ -418,11 +435,10 @@ impl LocalModel {
         let answer_tokens =
             self.model.tokenize(Either::Right(out.text.clone()), None, false, false, None).await.unwrap_or_default();
         if out.usage == Usage::default() {
-            // mistral.rs 0.8.1 sends no last chunk (so no finish reason and no usage) when the
-            // model ends on an end-of-text token that decodes to nothing, and none when Baton
-            // cut a complete answer short. Count the tokens here instead, so token caps and the
-            // history see real numbers: the prompt as the chat template renders it, and the
-            // answer plus its end token (none when Baton cut it).
+            // mistral.rs sends no last chunk (so no finish reason and no usage) when Baton cut a
+            // complete answer short by dropping the stream. Count the tokens here instead, so
+            // token caps and the history see real numbers: the prompt as the chat template
+            // renders it, and the answer plus its end token (none when Baton cut it).
             let end = u64::from(!out.cut_after_complete);
             out.usage = Usage {
                 input_tokens: prompt_tokens.len() as u64,
@@ -533,7 +549,15 @@ fn classify_load_error(path: &str, message: &str) -> LoadError {
     let lower = message.to_ascii_lowercase();
     let path = path.to_owned();
     let message = message.lines().next().unwrap_or(message).to_owned();
-    if lower.contains("chat template") || lower.contains("chat_template") {
+    if lower.contains("tokenizer.ggml.pre") {
+        // Older GGUF conversions lack the pre-tokenizer; the engine will not guess it.
+        LoadError::Unsupported {
+            path,
+            message: format!(
+                "{message} (a newer GGUF conversion of the model has it: llama.cpp's convert_hf_to_gguf.py writes it; or use the model's safetensors directory)"
+            ),
+        }
+    } else if lower.contains("chat template") || lower.contains("chat_template") {
         LoadError::NoChatTemplate { path }
     } else if lower.contains("out of memory") || lower.contains("outofmemory") || lower.contains("cannot allocate") {
         LoadError::OutOfMemory { path, message }

@@ -106,6 +106,43 @@ async fn loading_errors_name_the_file_and_what_to_do() {
             .await
             .expect_err("unknown architecture");
     assert!(e.to_string().starts_with(&dir.path().display().to_string()), "names the model: {e}");
+
+    // A GGUF whose architecture the engine does not know: the tiny model's, renamed in its
+    // `general.architecture` value.
+    let gguf_dir = tempfile::tempdir().expect("tempdir");
+    let file = gguf_dir.path().join("odd.gguf");
+    baton_tinymodel::write_gguf_model(&file, &baton_tinymodel::TinySpec::default()).expect("write gguf");
+    let mut bytes = std::fs::read(&file).expect("read gguf");
+    let mut value = b"general.architecture".to_vec();
+    value.extend(8u32.to_le_bytes()); // a string
+    value.extend(5u64.to_le_bytes());
+    let at = bytes.windows(value.len()).position(|w| w == value).expect("the architecture key") + value.len();
+    assert_eq!(&bytes[at..at + 5], b"qwen2");
+    bytes[at..at + 5].copy_from_slice(b"zorro");
+    std::fs::write(&file, bytes).expect("write gguf");
+    let e = LocalModel::load(&LocalModelConfig { path: file.clone(), force_cpu: true, ..Default::default() })
+        .await
+        .expect_err("unknown GGUF architecture");
+    assert!(matches!(e, LoadError::Unsupported { .. }), "{e}");
+    let shown = e.to_string();
+    assert!(shown.starts_with(&file.display().to_string()), "names the file: {shown}");
+    assert!(shown.contains("zorro"), "names the architecture: {shown}");
+    assert!(shown.contains("run it in a server that supports it"), "says what to do: {shown}");
+
+    // A BPE GGUF without its pre-tokenizer, as older conversions are: refused, saying what to use.
+    let mut bytes = std::fs::read(gguf_dir.path().join("odd.gguf")).expect("read gguf");
+    let key = b"tokenizer.ggml.pre";
+    let at = bytes.windows(key.len()).position(|w| w == key).expect("the pre-tokenizer key");
+    bytes[at..at + key.len()].copy_from_slice(b"tokenizer.ggml.prx");
+    let at = bytes.windows(5).position(|w| w == b"zorro").expect("renamed architecture");
+    bytes[at..at + 5].copy_from_slice(b"qwen2");
+    let old = gguf_dir.path().join("old.gguf");
+    std::fs::write(&old, bytes).expect("write gguf");
+    let e = LocalModel::load(&LocalModelConfig { path: old, force_cpu: true, ..Default::default() })
+        .await
+        .expect_err("no pre-tokenizer");
+    assert!(e.to_string().contains("tokenizer.ggml.pre"), "{e}");
+    assert!(e.to_string().contains("a newer GGUF conversion"), "{e}");
 }
 
 fn loopback_pool(server: &TestServer, extra: &str, n: usize) -> Pool {

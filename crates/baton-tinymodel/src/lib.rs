@@ -225,6 +225,9 @@ pub fn write_gguf_model(path: &Path, spec: &TinySpec) -> io::Result<()> {
         ("qwen2.attention.layer_norm_rms_epsilon".into(), GgufValue::F32(1e-6)),
         ("qwen2.rope.freq_base".into(), GgufValue::F32(10000.0)),
         ("tokenizer.ggml.model".into(), GgufValue::Str("gpt2".into())),
+        // The pre-tokenizer (how text is split before byte-pair merges); mistral.rs refuses a BPE
+        // GGUF without it rather than guess.
+        ("tokenizer.ggml.pre".into(), GgufValue::Str("qwen2".into())),
     ];
     let mut tokens: Vec<String> = (0..=255u8).map(|b| byte_to_char(b).to_string()).collect();
     tokens.extend([end_of_text_name(spec), "<|im_start|>", "<|im_end|>"].map(String::from));
