@@ -124,7 +124,21 @@ usage?: Usage | null,
  * Why the conductor's generation ended: `stop` (its end token), `length` (its token cap),
  * or `complete` (Baton ended the stream once the plan was whole).
  */
-stop_reason?: string | null, } | { "type": "step_started", round: number, step: number, 
+stop_reason?: string | null, 
+/**
+ * Exactly what the conductor was asked for this plan (its prompt version, system
+ * prompt and messages); absent for a given plan and a fallback.
+ */
+prompt?: PlanPrompt | null, 
+/**
+ * Set when this plan is not the conductor's: its plans could not be used (why, and
+ * who answers instead), so the question goes to one worker alone.
+ */
+fallback?: string | null, } | { "type": "plan_rejected", round: number, reason: string, 
+/**
+ * The rejected plan's text, when the conductor finished one.
+ */
+raw?: string | null, retry: boolean, } | { "type": "step_started", round: number, step: number, 
 /**
  * Index of the worker in the pool; the pool's size means the conductor itself.
  */
@@ -204,7 +218,20 @@ usage: Usage | null,
 /**
  * Why the conductor's generation ended (`stop`, `length`).
  */
-stop_reason: string | null, };
+stop_reason: string | null, 
+/**
+ * The conductor's exact request for this plan; `None` for a written plan, a fallback, or
+ * one recorded before requests were kept.
+ */
+prompt: PlanPrompt | null, 
+/**
+ * The conductor's attempts that could not be used, in order.
+ */
+rejected: Array<RejectedPlan>, 
+/**
+ * Why this plan is one worker alone instead of the conductor's (`None`: it is not).
+ */
+fallback: string | null, };
 
 export type StepRecord = { round: number, step: number, worker_index: number, worker: string, subtask: string, access: Access, 
 /**

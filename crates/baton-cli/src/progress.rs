@@ -77,8 +77,15 @@ impl Progress {
                 let _ = write!(err, "{}", self.paint("2", text));
                 let _ = err.flush();
             }
-            RunEvent::PlanReady { round, plan, .. } => {
+            RunEvent::PlanRejected { reason, retry, .. } => {
+                let next = if *retry { "asking the conductor again" } else { "falling back" };
+                self.line(self.paint("33", &format!("plan rejected: {reason}; {next}")));
+            }
+            RunEvent::PlanReady { round, plan, fallback, .. } => {
                 self.step_workers.insert(*round, plan.steps.iter().map(|s| s.model_id).collect());
+                if let Some(why) = fallback {
+                    self.line(self.paint("33", &format!("fallback: {why}")));
+                }
                 let title = match (round, plan.is_stop()) {
                     (_, true) => format!("round {round}: the conductor stops here"),
                     (0, false) => format!("plan: {} steps", plan.steps.len()),

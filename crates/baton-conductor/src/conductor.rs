@@ -13,7 +13,7 @@ use baton_providers::{ChatModel, ChatRequest, Constraint, Message, ServerGrammar
 use futures::future::BoxFuture;
 
 use crate::grammar::PlanGrammar;
-use crate::prompt::PromptBuilder;
+use crate::prompt::{PromptBuilder, PromptVersion};
 
 /// How a conductor writes.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,6 +29,8 @@ pub struct ConductorOptions {
     pub force_self: bool,
     /// Leave the few-shot workflows out of the prompt.
     pub no_examples: bool,
+    /// Which prompt the conductor is given (`[conductor] prompt`).
+    pub prompt_version: PromptVersion,
     /// Longest a plan may take, from the request to its last token (retries included).
     pub plan_time_limit: Duration,
     /// A remote conductor's time limit per request and its retries: the workers' policy.
@@ -43,11 +45,12 @@ pub const DEFAULT_PLAN_TIME_LIMIT: Duration = Duration::from_secs(300);
 impl Default for ConductorOptions {
     fn default() -> Self {
         ConductorOptions {
-            max_reasoning_chars: 1200,
+            max_reasoning_chars: PromptVersion::default().default_reasoning_chars(),
             max_subtask_chars: 600,
             temperature: Some(0.0),
             force_self: false,
             no_examples: false,
+            prompt_version: PromptVersion::default(),
             plan_time_limit: DEFAULT_PLAN_TIME_LIMIT,
             call: CallPolicy::default(),
         }
@@ -56,7 +59,7 @@ impl Default for ConductorOptions {
 
 impl ConductorOptions {
     fn prompts(&self, workers: Vec<WorkerInfo>) -> PromptBuilder {
-        let p = PromptBuilder::new(workers);
+        let p = PromptBuilder::new(workers).with_version(self.prompt_version);
         if self.no_examples { p.without_examples() } else { p }
     }
 }
@@ -75,7 +78,7 @@ async fn within_time_limit<T>(
     plan: impl std::future::Future<Output = Result<T, PlannerError>>,
 ) -> Result<T, PlannerError> {
     tokio::time::timeout(limit, plan).await.unwrap_or_else(|_| {
-        Err(PlannerError::new(format!(
+        Err(PlannerError::timed_out(format!(
             "the conductor did not finish its plan within the {} s time limit; use a smaller or faster conductor model (or a GPU build), or raise plan_time_limit_secs in the pool's [conductor] table",
             limit.as_secs_f64()
         )))
@@ -181,6 +184,8 @@ impl LocalConductor {
             usage: generated.usage,
             cost_usd: Some(0.0),
             stop_reason: generated.finish_reason.clone(),
+            prompt: Some(self.prompts.record(&system, &messages)),
+            example_subtasks: self.prompts.example_subtasks(ctx),
         };
         Ok((planned, generated))
     }
@@ -345,8 +350,20 @@ impl Planner for RemoteConductor {
             let constraint = self.constraint(&ctx);
             let first = self.ask(&system, messages.clone(), constraint.clone(), &mut deltas, meter).await?;
             let Asked { text, usage, cost_usd, stop_reason } = first;
+            let record = self.prompts.record(&system, &messages);
+            let example_subtasks = self.prompts.example_subtasks(&ctx);
             let error = match baton_plan::parse(&text, &limits(&ctx)) {
-                Ok(plan) => return Ok(Planned { raw: text, plan, usage, cost_usd, stop_reason }),
+                Ok(plan) => {
+                    return Ok(Planned {
+                        raw: text,
+                        plan,
+                        usage,
+                        cost_usd,
+                        stop_reason,
+                        prompt: Some(record),
+                        example_subtasks,
+                    });
+                }
                 Err(e) => e,
             };
             // One more try, with the error fed back.
@@ -356,14 +373,21 @@ impl Planner for RemoteConductor {
             messages.push(Message::user(format!(
                 "That plan could not be used: {error}. Write your reasoning and the three lists again, exactly in the required format."
             )));
+            let record = self.prompts.record(&system, &messages);
             let second = self.ask(&system, messages, constraint, &mut deltas, meter).await?;
             let mut total = usage;
             total += second.usage;
             let cost_usd = cost_usd.zip(second.cost_usd).map(|(a, b)| a + b);
             match baton_plan::parse(&second.text, &limits(&ctx)) {
-                Ok(plan) => {
-                    Ok(Planned { raw: second.text, plan, usage: total, cost_usd, stop_reason: second.stop_reason })
-                }
+                Ok(plan) => Ok(Planned {
+                    raw: second.text,
+                    plan,
+                    usage: total,
+                    cost_usd,
+                    stop_reason: second.stop_reason,
+                    prompt: Some(record),
+                    example_subtasks,
+                }),
                 Err(e) => Err(PlannerError::new(format!(
                     "the conductor's plan could not be used twice: first {error}; then {e}"
                 ))),

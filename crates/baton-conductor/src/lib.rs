@@ -23,4 +23,4 @@ pub mod setup;
 pub use conductor::LocalConductor;
 pub use conductor::{ConductorOptions, RemoteConductor, grammar_for};
 pub use grammar::PlanGrammar;
-pub use prompt::{PROMPT_VERSION, PromptBuilder};
+pub use prompt::{PROMPT_VERSION, PromptBuilder, PromptVersion};

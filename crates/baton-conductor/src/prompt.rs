@@ -1,22 +1,83 @@
 //! The conductor's prompt, from versioned files in `prompts/`: the task and the output format,
-//! few-shot workflows from other kinds of tasks than the user's (the setting the paper found to
-//! work best), and the workers as "Model 0 … Model k" with their descriptions.
+//! few-shot workflows, and the workers as "Model 0 … Model k" with their descriptions.
 //!
-//! The order is for the local model's prefix cache: what never changes (task, format, examples)
-//! comes first, then what changes with the pool (the workers), then what changes with the round
-//! (the step cap, recursion), then the conversation and the question. Every question asked of
-//! the same pool shares the whole system prompt, so only the question is prefilled; another
-//! pool still shares everything up to its workers.
+//! Two versions:
+//! - `v2` (the paper's setting): the conductor restates what each worker needs in its subtasks,
+//!   may reason before the lists, and sees a fixed list of examples from other kinds of tasks.
+//! - `v3` (the default, for small conductors): every worker is shown the question, so subtasks
+//!   only say what a step does with it; no reasoning before the lists; and the examples are the
+//!   three of a bank that fit the question best, the closest last.
+//!
+//! The order is for the local model's prefix cache: what never changes (task, format) comes
+//! first, then what changes with the pool (the workers), then what changes with the round (the
+//! step cap, recursion), then, in v3, the examples chosen for the question, then the
+//! conversation and the question. Every question asked of the same pool shares the prompt up to
+//! its examples (v2: the whole system prompt).
 
 use baton_engine::{PlanningContext, WorkerInfo};
 use baton_providers::{Message, Role};
 
-/// The prompt version in use; recorded so a run can be traced to the words that produced it.
-pub const PROMPT_VERSION: &str = "v2";
+/// A version of the conductor's prompt; recorded with each plan so a run can be traced to the
+/// words that produced it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PromptVersion {
+    V2,
+    #[default]
+    V3,
+}
 
-const SYSTEM: &str = include_str!("../prompts/v2/system.md");
-const RECURSION: &str = include_str!("../prompts/v2/recursion.md");
-const EXAMPLES: &str = include_str!("../prompts/v2/examples.md");
+impl PromptVersion {
+    pub const NAMES: [&'static str; 2] = ["v2", "v3"];
+
+    pub fn parse(name: &str) -> Option<PromptVersion> {
+        match name {
+            "v2" => Some(PromptVersion::V2),
+            "v3" => Some(PromptVersion::V3),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PromptVersion::V2 => "v2",
+            PromptVersion::V3 => "v3",
+        }
+    }
+
+    /// The reasoning a plan may start with, in characters, unless the pool sets it: v2 asks
+    /// the conductor to think first; v3 asks for the lists alone.
+    pub fn default_reasoning_chars(self) -> usize {
+        match self {
+            PromptVersion::V2 => 1200,
+            PromptVersion::V3 => 0,
+        }
+    }
+
+    /// Whether this version's workers must be shown the question (v3's subtasks do not hold it).
+    pub fn shows_question(self) -> bool {
+        self == PromptVersion::V3
+    }
+
+    fn files(self) -> (&'static str, &'static str, &'static str) {
+        match self {
+            PromptVersion::V2 => (V2_SYSTEM, V2_RECURSION, V2_EXAMPLES),
+            PromptVersion::V3 => (V3_SYSTEM, V3_RECURSION, V3_EXAMPLES),
+        }
+    }
+}
+
+/// The prompt version in use by default.
+pub const PROMPT_VERSION: &str = "v3";
+
+const V2_SYSTEM: &str = include_str!("../prompts/v2/system.md");
+const V2_RECURSION: &str = include_str!("../prompts/v2/recursion.md");
+const V2_EXAMPLES: &str = include_str!("../prompts/v2/examples.md");
+const V3_SYSTEM: &str = include_str!("../prompts/v3/system.md");
+const V3_RECURSION: &str = include_str!("../prompts/v3/recursion.md");
+const V3_EXAMPLES: &str = include_str!("../prompts/v3/examples.md");
+
+/// How many of v3's bank of examples a prompt shows.
+pub const V3_EXAMPLES_SHOWN: usize = 3;
 
 /// How many earlier conversation turns the conductor sees.
 pub const HISTORY_TURNS: usize = 6;
@@ -28,17 +89,57 @@ const HISTORY_CHARS: usize = 2000;
 pub struct PromptBuilder {
     workers: Vec<WorkerInfo>,
     examples: bool,
+    version: PromptVersion,
 }
 
 impl PromptBuilder {
     pub fn new(workers: Vec<WorkerInfo>) -> Self {
-        PromptBuilder { workers, examples: true }
+        PromptBuilder { workers, examples: true, version: PromptVersion::default() }
+    }
+
+    pub fn with_version(mut self, version: PromptVersion) -> Self {
+        self.version = version;
+        self
+    }
+
+    pub fn version(&self) -> PromptVersion {
+        self.version
     }
 
     /// Leaves out the few-shot workflows (for measuring what they are worth).
     pub fn without_examples(mut self) -> Self {
         self.examples = false;
         self
+    }
+
+    /// The example workflows a prompt for `ctx` shows, as text: none on a second attempt
+    /// (the first may have copied one), v2's fixed list, or v3's closest to the question.
+    pub fn examples_for(&self, ctx: &PlanningContext) -> String {
+        if !self.examples || ctx.attempt > 0 {
+            return String::new();
+        }
+        match self.version {
+            PromptVersion::V2 => V2_EXAMPLES.to_owned(),
+            PromptVersion::V3 => {
+                let (intro, bank) = split_bank(V3_EXAMPLES);
+                let chosen = closest_examples(&bank, &ctx.question, V3_EXAMPLES_SHOWN);
+                let mut out = format!("\n{intro}");
+                for e in chosen {
+                    out.push_str(&format!("\n{}\n", e.text));
+                }
+                out
+            }
+        }
+    }
+
+    /// The subtasks of the examples a prompt for `ctx` shows (a plan repeating one is a copy).
+    pub fn example_subtasks(&self, ctx: &PlanningContext) -> Vec<String> {
+        let text = self.examples_for(ctx);
+        let limits = baton_plan::Limits { max_steps: 64, pool_size: None, allow_stop: false };
+        text.split("\nExample ")
+            .filter_map(|e| baton_plan::parse(e, &limits).ok())
+            .flat_map(|p| p.steps.into_iter().map(|s| s.subtask))
+            .collect()
     }
 
     pub fn system(&self, ctx: &PlanningContext) -> String {
@@ -56,25 +157,48 @@ impl PromptBuilder {
                 format!("- Model {i}: {d}")
             })
             .collect();
+        let (system, recursion, _) = self.version.files();
         let recursion = if ctx.allow_self {
             workers.push(format!(
                 "- Model {}: yourself, the Conductor: sees the work its access list grants and writes a new workflow to continue or correct it",
                 ctx.pool_size
             ));
-            RECURSION.replace("{self_id}", &ctx.pool_size.to_string())
+            recursion.replace("{self_id}", &ctx.pool_size.to_string())
         } else {
             String::new()
         };
-        // Filled in the order the parts appear, so a worker's description that happens to hold
-        // a placeholder's name is left as it is.
-        let (before_examples, rest) = SYSTEM.split_once("{examples}").expect("the system prompt has {examples}");
-        let mut out = String::from(before_examples);
-        out.push_str(if self.examples { EXAMPLES } else { "" });
-        let (before_workers, rest) = rest.split_once("{workers}").expect("the system prompt has {workers}");
-        out.push_str(before_workers);
-        out.push_str(&workers.join("\n"));
-        out.push_str(&rest.replace("{max_steps}", &ctx.max_steps.to_string()).replace("{recursion}", &recursion));
+        // Filled in the order the parts appear, so a worker's description or an example that
+        // happens to hold a placeholder's name is left as it is.
+        let fill = |part: &str| part.replace("{max_steps}", &ctx.max_steps.to_string()).replace("{recursion}", &recursion);
+        let mut out = String::new();
+        let mut rest = system;
+        while let Some(at) = rest.find('{') {
+            let (before, from) = rest.split_at(at);
+            out.push_str(&fill(before));
+            if let Some(after) = from.strip_prefix("{examples}") {
+                out.push_str(&self.examples_for(ctx));
+                rest = after;
+            } else if let Some(after) = from.strip_prefix("{workers}") {
+                out.push_str(&workers.join("\n"));
+                rest = after;
+            } else {
+                // `{max_steps}` and `{recursion}` are filled with the text around them.
+                let end = from.find('}').map_or(from.len(), |e| e + 1);
+                out.push_str(&fill(&from[..end]));
+                rest = &from[end..];
+            }
+        }
+        out.push_str(&fill(rest));
         out
+    }
+
+    /// The request as recorded with its plan.
+    pub fn record(&self, system: &str, messages: &[Message]) -> baton_engine::PlanPrompt {
+        baton_engine::PlanPrompt {
+            version: self.version.as_str().to_owned(),
+            system: system.to_owned(),
+            messages: messages.to_vec(),
+        }
     }
 
     /// The conversation so far (bounded), then the question, and for a recursive round the
@@ -119,6 +243,84 @@ impl PromptBuilder {
     }
 }
 
+/// One workflow of v3's example bank.
+#[derive(Debug, Clone)]
+struct Example<'a> {
+    /// The kind of question it shows: `fact`, `math`, `choice`, `hard`, `code`, `writing`.
+    tag: &'a str,
+    question: &'a str,
+    text: &'a str,
+}
+
+/// The bank's introduction and its examples (`Example [tag]. Question: …` to the fence).
+fn split_bank(bank: &str) -> (&str, Vec<Example<'_>>) {
+    const HEAD: &str = "\nExample [";
+    let starts: Vec<usize> = bank.match_indices(HEAD).map(|(i, _)| i + 1).collect();
+    let intro = &bank[..starts.first().map_or(bank.len(), |s| s - 1)];
+    let examples = starts
+        .iter()
+        .enumerate()
+        .filter_map(|(k, &from)| {
+            let to = starts.get(k + 1).map_or(bank.len(), |next| next - 1);
+            let text = bank[from..to].trim_end();
+            let (tag, rest) = text.strip_prefix("Example [")?.split_once("]. Question: ")?;
+            let question = rest.lines().next().unwrap_or_default();
+            Some(Example { tag, question, text })
+        })
+        .collect();
+    (intro.trim_end(), examples)
+}
+
+/// What kind of question this looks like, for choosing examples (cheap signs only: options
+/// lettered A–D, code words, digits).
+fn question_tags(question: &str) -> Vec<&'static str> {
+    let lower = question.to_lowercase();
+    let mut tags = Vec::new();
+    let lettered = ["a.", "b.", "c.", "d."].iter().all(|l| {
+        lower.lines().any(|line| line.trim_start().starts_with(l)) || lower.contains(&format!(" {l} "))
+    });
+    if lettered {
+        tags.push("choice");
+    }
+    if ["python", "function", "def ", "code", "program", "return "].iter().any(|w| lower.contains(w)) {
+        tags.push("code");
+    }
+    if !lettered && lower.chars().any(|c| c.is_ascii_digit()) {
+        tags.push("math");
+    }
+    if ["write a", "poem", "story", "essay", "haiku"].iter().any(|w| lower.contains(w)) {
+        tags.push("writing");
+    }
+    tags
+}
+
+/// Content words (lower case, three letters or more).
+fn content_words(text: &str) -> std::collections::HashSet<String> {
+    text.split(|c: char| !c.is_alphanumeric()).filter(|w| w.len() >= 3).map(str::to_lowercase).collect()
+}
+
+/// The `n` examples that fit `question` best, the best last (a small model leans on what it
+/// read last). A matching kind counts most, then shared words; ties keep the bank's order.
+fn closest_examples<'a>(bank: &[Example<'a>], question: &str, n: usize) -> Vec<Example<'a>> {
+    let tags = question_tags(question);
+    let words = content_words(question);
+    let mut scored: Vec<(f64, usize, &Example<'a>)> = bank
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let kind = if tags.contains(&e.tag) { 10.0 } else { 0.0 };
+            let theirs = content_words(e.question);
+            let shared = words.intersection(&theirs).count() as f64 / (theirs.len().max(1) as f64).sqrt();
+            (kind + shared, i, e)
+        })
+        .collect();
+    // Best first, bank order among equals; then the best goes last.
+    scored.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(std::cmp::Ordering::Equal).then(a.1.cmp(&b.1)));
+    let mut chosen: Vec<Example<'a>> = scored.into_iter().take(n).map(|(_, _, e)| e.clone()).collect();
+    chosen.reverse();
+    chosen
+}
+
 fn truncate(text: &str, max: usize) -> String {
     if text.chars().count() <= max {
         return text.to_owned();
@@ -149,9 +351,13 @@ mod tests {
         PlanningContext::question("Why is the sky blue?", 3, 5)
     }
 
+    fn v2(workers: Vec<WorkerInfo>) -> PromptBuilder {
+        PromptBuilder::new(workers).with_version(PromptVersion::V2)
+    }
+
     #[test]
     fn workers_are_numbered_and_anonymous() {
-        let s = PromptBuilder::new(workers()).system(&ctx());
+        let s = v2(workers()).system(&ctx());
         assert!(s.contains(
             "- Model 0: good at task 0\n- Model 1: a general-purpose language model\n- Model 2: good at task 2"
         ));
@@ -159,7 +365,10 @@ mod tests {
         assert!(s.contains("at most 5 steps"));
         assert!(s.contains("Example 4."), "few-shot workflows are included");
         assert!(!s.contains("Model 3"), "the conductor is not offered outside recursion");
-        assert!(!PromptBuilder::new(workers()).without_examples().system(&ctx()).contains("Example 1."));
+        assert!(!v2(workers()).without_examples().system(&ctx()).contains("Example 1."));
+        let v3 = PromptBuilder::new(workers()).system(&ctx());
+        assert!(v3.contains("- Model 0: good at task 0\n- Model 1: a general-purpose language model"));
+        assert!(!v3.contains("secret") && !v3.contains('{'), "{v3}");
     }
 
     #[test]
@@ -167,21 +376,72 @@ mod tests {
         let limits = baton_plan::Limits { max_steps: 5, pool_size: Some(3), allow_stop: false };
         // "Example 1. …" to "Example 4. …"; the heading line also starts with "Example".
         let examples: Vec<&str> =
-            EXAMPLES.split("\nExample ").filter(|e| e.starts_with(|c: char| c.is_ascii_digit())).collect();
+            V2_EXAMPLES.split("\nExample ").filter(|e| e.starts_with(|c: char| c.is_ascii_digit())).collect();
         assert_eq!(examples.len(), 4);
         for example in examples {
             baton_plan::parse(example, &limits).unwrap_or_else(|e| panic!("{e}\n{example}"));
         }
+        let (intro, bank) = split_bank(V3_EXAMPLES);
+        assert!(intro.starts_with("Example workflows"), "{intro}");
+        assert_eq!(bank.len(), 8);
+        for example in &bank {
+            let plan = baton_plan::parse(example.text, &limits).unwrap_or_else(|e| panic!("{e}\n{}", example.text));
+            // A generic move ("Solve it step by step.") must be free to reuse: only a subtask
+            // about its own question may be long enough to count as a copy.
+            for step in &plan.steps {
+                let words = step.subtask.split_whitespace().count();
+                assert!(
+                    words < baton_engine::fallback::COPY_WORDS || step.subtask.chars().any(|c| c.is_ascii_digit())
+                        || ["journey", "oxidation", "haiku", "function above"].iter().any(|w| step.subtask.contains(w)),
+                    "a long generic subtask in the bank would make its reuse a copy: {}",
+                    step.subtask
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn v3_shows_the_examples_closest_to_the_question_the_closest_last() {
+        let p = PromptBuilder::new(workers());
+        let choice = PlanningContext::question(
+            "Which planet is largest?\n\nA. Mars\nB. Jupiter\nC. Venus\nD. Earth\n\nChoose one option.",
+            3,
+            5,
+        );
+        let shown = p.examples_for(&choice);
+        assert_eq!(shown.matches("\nExample [").count(), V3_EXAMPLES_SHOWN, "{shown}");
+        let last = shown.rsplit("\nExample [").next().unwrap_or_default();
+        assert!(last.starts_with("choice]"), "{shown}");
+        let code = PlanningContext::question("Write a Python function that reverses a list.", 3, 5);
+        let last = p.examples_for(&code).rsplit("\nExample [").next().unwrap_or_default().to_owned();
+        assert!(last.starts_with("code]"), "{last}");
+        let math = PlanningContext::question("How many positive divisors does 196 have?", 3, 5);
+        let last = p.examples_for(&math).rsplit("\nExample [").next().unwrap_or_default().to_owned();
+        assert!(last.starts_with("math]") && last.contains("divisors"), "{last}");
+        // The examples shown are the ones whose subtasks a copy is checked against.
+        let subtasks = p.example_subtasks(&math);
+        assert!(subtasks.iter().any(|s| s.contains("Factor 360")), "{subtasks:?}");
+        // A second attempt shows none, so it cannot copy one.
+        let again = PlanningContext { attempt: 1, ..math };
+        assert_eq!(p.examples_for(&again), "");
+        assert!(p.example_subtasks(&again).is_empty());
+        assert!(!p.system(&again).contains("Example ["));
     }
 
     #[test]
     fn what_changes_least_comes_first() {
-        let p = PromptBuilder::new(workers());
+        let v3 = PromptBuilder::new(workers());
+        let a = v3.system(&ctx());
+        let b = v3.system(&PlanningContext::question("Write a Python function that sorts.", 3, 5));
+        let shared = a.chars().zip(b.chars()).take_while(|(x, y)| x == y).count();
+        assert!(shared >= a.find("Example workflows").expect("examples"), "v3 shares all but its examples");
+        assert!(a.find("- Model 0").expect("workers") < a.find("Example workflows").expect("examples"));
+        let p = v2(workers());
         let question = p.system(&ctx());
         // Another question of the same pool: the whole system prompt is the same.
         assert_eq!(question, p.system(&PlanningContext::question("Something else entirely?", 3, 5)));
         // Another pool: everything up to its workers is the same, the examples included.
-        let other = PromptBuilder::new(workers().into_iter().rev().collect()).system(&ctx());
+        let other = v2(workers().into_iter().rev().collect()).system(&ctx());
         let shared = question.chars().zip(other.chars()).take_while(|(a, b)| a == b).count();
         let workers_at = question.find("- Model 0").expect("workers listed");
         // (They may share a little more: the two worker lists can start alike.)
@@ -205,6 +465,7 @@ mod tests {
         };
         let p = PromptBuilder::new(workers());
         assert!(p.system(&c).contains("- Model 3: yourself"));
+        assert!(v2(workers()).system(&c).contains("- Model 3: yourself"));
         let m = p.messages(&c);
         let last = &m.last().expect("a message").content;
         assert!(last.contains("Step: Solve it.\nAnswer: 42"), "{last}");

@@ -9,6 +9,7 @@ use baton_engine::{Executor, Planner, Pool};
 use baton_providers::{HttpModel, ModelSettings, ProviderKind, ServerGrammar};
 
 use crate::ConductorOptions;
+use crate::prompt::PromptVersion;
 
 /// What the pool file says unless overridden (the CLI's `--conductor…` flags, the app's settings).
 #[derive(Debug, Clone, Default)]
@@ -38,6 +39,9 @@ pub enum SetupError {
         "{0}: this build of Baton runs no local models (built without the `local` feature); use a remote conductor URL"
     )]
     NoLocalSupport(String),
+    /// A `[conductor]` setting names something that does not exist.
+    #[error("{0}")]
+    Settings(String),
 }
 
 /// Progress of a model load, for whoever shows it.
@@ -292,8 +296,18 @@ pub async fn planner(
 ) -> Result<Arc<dyn Planner>, SetupError> {
     let spec = &pool.options.conductor;
     let defaults = ConductorOptions::default();
+    let prompt_version = match spec.prompt.as_deref() {
+        None => PromptVersion::default(),
+        Some(name) => PromptVersion::parse(name).ok_or_else(|| {
+            SetupError::Settings(format!(
+                "[conductor] prompt = \"{name}\" is not a prompt version; expected one of {}",
+                PromptVersion::NAMES.join(", ")
+            ))
+        })?,
+    };
     let options = ConductorOptions {
-        max_reasoning_chars: spec.max_reasoning_chars.unwrap_or(defaults.max_reasoning_chars),
+        prompt_version,
+        max_reasoning_chars: spec.max_reasoning_chars.unwrap_or(prompt_version.default_reasoning_chars()),
         max_subtask_chars: spec.max_subtask_chars.unwrap_or(defaults.max_subtask_chars),
         temperature: spec.temperature.or(defaults.temperature),
         plan_time_limit: spec.plan_time_limit_secs.map_or(defaults.plan_time_limit, std::time::Duration::from_secs),

@@ -7,6 +7,7 @@ use baton_providers::{ErrorKind, Message, Usage};
 use serde::{Deserialize, Serialize};
 
 use crate::accounting::Figures;
+use crate::planner::PlanPrompt;
 use crate::pool::WorkerInfo;
 
 /// Everything that happens in a run, in order.
@@ -17,7 +18,7 @@ use crate::pool::WorkerInfo;
 /// names a step uniquely.
 ///
 /// Per round: `PlanStarted` and `PlanDelta`s while a conductor writes it (absent for a given
-/// plan), then `PlanReady`. Per step: `StepStarted`, then `StepDelta`s (and `StepRetrying`,
+/// plan), each rejected attempt's `PlanRejected`, then `PlanReady`. Per step: `StepStarted`, then `StepDelta`s (and `StepRetrying`,
 /// after which the step's text starts over), then exactly one of `StepFinished` or
 /// `StepFailed`; in a re-run, a step that keeps its earlier output has just `StepReused`
 /// instead. A step can also fail without ever starting: when a step it sees failed
@@ -69,6 +70,26 @@ pub enum RunEvent {
         /// or `complete` (Baton ended the stream once the plan was whole).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         stop_reason: Option<String>,
+        /// Exactly what the conductor was asked for this plan (its prompt version, system
+        /// prompt and messages); absent for a given plan and a fallback.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        prompt: Option<PlanPrompt>,
+        /// Set when this plan is not the conductor's: its plans could not be used (why, and
+        /// who answers instead), so the question goes to one worker alone.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fallback: Option<String>,
+    },
+    /// The conductor's plan for `round` cannot be used: it failed, copies an example workflow,
+    /// or gives no worker the question. With `retry` the conductor writes another (more
+    /// `PlanDelta`s follow, in the same round); without, the round's `PlanReady` is the
+    /// fallback. Only the question's plan (round 0) is checked, and only with the fallback on.
+    PlanRejected {
+        round: u32,
+        reason: String,
+        /// The rejected plan's text, when the conductor finished one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        raw: Option<String>,
+        retry: bool,
     },
     StepStarted {
         round: u32,
@@ -309,6 +330,9 @@ pub fn check_sequence(events: &[RunEvent]) -> Result<(), String> {
         match e {
             RunEvent::PlanReady { round, .. } if !planned.insert(*round) => {
                 return Err(format!("round {round} planned twice"));
+            }
+            RunEvent::PlanRejected { round, .. } if planned.contains(round) => {
+                return Err(format!("round {round}'s plan rejected after it was ready"));
             }
             RunEvent::StepStarted { round, step, .. } => {
                 if !planned.contains(round) {

@@ -272,6 +272,8 @@ impl Executor {
                     raw: None,
                     usage: None,
                     stop_reason: None,
+                    prompt: None,
+                    fallback: None,
                 });
                 (round, plan)
             }
@@ -305,6 +307,12 @@ impl Executor {
     }
 
     /// Asks the conductor for a plan; emits the round's plan events. Returns the round number.
+    ///
+    /// For the question's plan (depth 0), with the fallback on: a plan that fails, copies an
+    /// example or keeps the question from the workers is asked for once more (the conductor
+    /// writes the second attempt differently), and if that one is no better the question goes
+    /// to one worker alone (see [`crate::fallback`]). Each rejected attempt is reported with
+    /// `PlanRejected`; the plan that runs instead says why in `PlanReady::fallback`.
     async fn write_plan(
         &self,
         ctx: &RunCtx<'_>,
@@ -320,7 +328,7 @@ impl Executor {
         let recursive_round = parent.is_some();
         let remaining = ctx.step_cap.load(Ordering::SeqCst).saturating_sub(ctx.steps_started.load(Ordering::SeqCst));
         let max_steps = if recursive_round { self.options.max_steps.min(remaining) } else { self.options.max_steps };
-        let context = PlanningContext {
+        let mut context = PlanningContext {
             question: ctx.question.clone(),
             history: ctx.history.clone(),
             work,
@@ -329,41 +337,101 @@ impl Executor {
             allow_stop: recursive_round,
             max_steps,
             pool_size: self.workers.len(),
+            attempt: 0,
         };
-        let allow_self = context.allow_self;
-        let allow_stop = context.allow_stop;
-        let events = ctx.events;
-        let deltas = Box::new(move |text: &str| {
-            let _ = events.send(RunEvent::PlanDelta { round, text: text.to_owned() });
-        });
-        let meter = Meter { ledger: &ctx.ledger, stop: &ctx.stop };
-        let planned = tokio::select! {
-            biased;
-            () = ctx.stop.cancelled() => return Err(StepFailure::Stopped),
-            planned = planner.plan(context, deltas, meter) => planned,
+        let limits = Limits {
+            max_steps,
+            pool_size: Some(self.workers.len() + usize::from(context.allow_self)),
+            allow_stop: recursive_round,
         };
-        let planned = planned.map_err(|e| {
-            if e.budget {
-                StepFailure::Budget(e.message)
-            } else {
-                StepFailure::Conductor(format!("the conductor failed: {}", e.message))
+        let checked = depth == 0 && self.options.fallback.enabled;
+        let mut spent = (Usage::default(), Some(0.0));
+        let mut reasons: Vec<String> = Vec::new();
+        loop {
+            let events = ctx.events;
+            let deltas = Box::new(move |text: &str| {
+                let _ = events.send(RunEvent::PlanDelta { round, text: text.to_owned() });
+            });
+            let meter = Meter { ledger: &ctx.ledger, stop: &ctx.stop };
+            let planned = tokio::select! {
+                biased;
+                () = ctx.stop.cancelled() => return Err(StepFailure::Stopped),
+                planned = planner.plan(context.clone(), deltas, meter) => planned,
+            };
+            // Why this attempt cannot run; a budget refusal is final whatever the fallback.
+            let timed_out = matches!(&planned, Err(e) if e.timed_out);
+            let (problem, raw) = match planned {
+                Err(e) if e.budget => return Err(StepFailure::Budget(e.message)),
+                Err(e) => {
+                    if !checked {
+                        return Err(StepFailure::Conductor(format!("the conductor failed: {}", e.message)));
+                    }
+                    (format!("the conductor failed: {}", e.message), None)
+                }
+                Ok(planned) => {
+                    spent.0 += planned.usage;
+                    spent.1 = spent.1.zip(planned.cost_usd).map(|(a, b)| a + b);
+                    // The conductor should only produce valid plans; check anyway, against this round.
+                    let problem = match planned.plan.validate(&limits) {
+                        Err(e) => Some(format!("the conductor's plan is not usable: {e}")),
+                        Ok(()) if checked => crate::fallback::check(
+                            &planned.plan,
+                            &planned.example_subtasks,
+                            &ctx.question,
+                            self.options.show_question,
+                        )
+                        .map(|u| u.to_string()),
+                        Ok(()) => None,
+                    };
+                    match problem {
+                        None => {
+                            ctx.emit(RunEvent::PlanReady {
+                                round,
+                                depth,
+                                parent,
+                                plan: planned.plan.clone(),
+                                raw: Some(planned.raw),
+                                usage: Some(spent.0),
+                                stop_reason: planned.stop_reason,
+                                prompt: planned.prompt,
+                                fallback: None,
+                            });
+                            return Ok(Written { round, plan: planned.plan, usage: spent.0, cost_usd: spent.1 });
+                        }
+                        Some(p) if !checked => return Err(StepFailure::Conductor(p)),
+                        Some(p) => (p, Some(planned.raw)),
+                    }
+                }
+            };
+            // Only a time limit is not worth a second attempt: it would take as long again.
+            let again = context.attempt == 0 && !timed_out;
+            ctx.emit(RunEvent::PlanRejected { round, reason: problem.clone(), raw, retry: again });
+            reasons.push(problem);
+            if again {
+                context.attempt += 1;
+                continue;
             }
-        })?;
-        // The conductor should only produce valid plans; check anyway, against this round.
-        let limits = Limits { max_steps, pool_size: Some(self.workers.len() + usize::from(allow_self)), allow_stop };
-        if let Err(e) = planned.plan.validate(&limits) {
-            return Err(StepFailure::Conductor(format!("the conductor's plan is not usable: {e}")));
+            break;
         }
+        let worker = self.options.fallback.worker.filter(|w| *w < self.workers.len()).unwrap_or(0);
+        let plan = crate::fallback::alone_plan(worker, &ctx.history, &ctx.question);
+        let reason = format!(
+            "{}; the question went to {} alone",
+            reasons.join("; then "),
+            self.workers.get(worker).map_or("the first worker", |w| w.info.name.as_str())
+        );
         ctx.emit(RunEvent::PlanReady {
             round,
             depth,
             parent,
-            plan: planned.plan.clone(),
-            raw: Some(planned.raw),
-            usage: Some(planned.usage),
-            stop_reason: planned.stop_reason,
+            plan: plan.clone(),
+            raw: None,
+            usage: Some(spent.0),
+            stop_reason: None,
+            prompt: None,
+            fallback: Some(reason),
         });
-        Ok(Written { round, plan: planned.plan, usage: planned.usage, cost_usd: planned.cost_usd })
+        Ok(Written { round, plan, usage: spent.0, cost_usd: spent.1 })
     }
 
     /// Runs one round's plan. `prefix` is context every step of the round sees first (the work

@@ -8,6 +8,7 @@ pub mod accounting;
 pub mod calls;
 pub mod event;
 pub mod executor;
+pub mod fallback;
 pub mod keys;
 pub mod logs;
 pub mod planner;
@@ -17,5 +18,7 @@ pub mod rerun;
 
 pub use event::{RerunOf, RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, StepRef, Totals};
 pub use executor::{EventSink, Executor, Reuse, RunOutcome, RunRequest, RunStatus, Worker, new_run_id};
-pub use planner::{PlanDeltas, Planned, Planner, PlannerError, PlanningContext};
-pub use pool::{Budget, ConductorSpec, Pool, PoolError, PoolOptions, RecursionOptions, WorkerInfo, WorkerSpec};
+pub use planner::{PlanDeltas, PlanPrompt, Planned, Planner, PlannerError, PlanningContext};
+pub use pool::{
+    Budget, ConductorSpec, FallbackOptions, Pool, PoolError, PoolOptions, RecursionOptions, WorkerInfo, WorkerSpec,
+};

@@ -24,6 +24,10 @@ pub struct PlanningContext {
     pub max_steps: usize,
     /// Number of workers in the pool; the conductor itself is number `pool_size`.
     pub pool_size: usize,
+    /// 0 for the first plan of this round; 1 when the first could not be used and the
+    /// conductor is asked again. A conductor must write the second differently (at temperature
+    /// 0 the same prompt gives the same plan): other examples, another temperature.
+    pub attempt: u32,
 }
 
 impl PlanningContext {
@@ -39,6 +43,7 @@ impl PlanningContext {
             allow_stop: false,
             max_steps,
             pool_size,
+            attempt: 0,
         }
     }
 }
@@ -55,6 +60,36 @@ pub struct Planned {
     pub cost_usd: Option<f64>,
     /// Why the conductor's generation ended (`stop`, `length`), as its model reported it.
     pub stop_reason: Option<String>,
+    /// Exactly what the conductor was asked, when it is a model prompted by Baton: recorded
+    /// with the plan, so training data and audits use the words that produced it.
+    pub prompt: Option<PlanPrompt>,
+    /// The subtasks of the example workflows that prompt showed: a plan that repeats one is
+    /// a copy, not a plan for the question.
+    pub example_subtasks: Vec<String>,
+}
+
+impl Planned {
+    /// A plan with nothing known of how it was written (tests, scripted conductors).
+    pub fn bare(raw: String, plan: Plan) -> Planned {
+        Planned {
+            raw,
+            plan,
+            usage: Usage::default(),
+            cost_usd: None,
+            stop_reason: None,
+            prompt: None,
+            example_subtasks: Vec::new(),
+        }
+    }
+}
+
+/// The conductor's exact request for one plan.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize, ts_rs::TS)]
+pub struct PlanPrompt {
+    /// The prompt's version (`v2`, `v3`, …), from the conductor's prompt files.
+    pub version: String,
+    pub system: String,
+    pub messages: Vec<Message>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -63,17 +98,24 @@ pub struct PlannerError {
     pub message: String,
     /// The conductor's next call would not fit under a budget cap, so it was not made.
     pub budget: bool,
+    /// The plan took longer than its time limit (asking again would take as long).
+    pub timed_out: bool,
 }
 
 impl PlannerError {
     pub fn new(message: impl Into<String>) -> Self {
-        PlannerError { message: message.into(), budget: false }
+        PlannerError { message: message.into(), budget: false, timed_out: false }
+    }
+
+    /// The plan was not finished within its time limit.
+    pub fn timed_out(message: impl Into<String>) -> Self {
+        PlannerError { timed_out: true, ..PlannerError::new(message) }
     }
 
     /// Why the ledger refused a call: over a cap, or the run stopped while it waited.
     pub fn refused(refused: Refused) -> Self {
         match refused {
-            Refused::Exceeded(e) => PlannerError { message: e.message, budget: true },
+            Refused::Exceeded(e) => PlannerError { budget: true, ..PlannerError::new(e.message) },
             Refused::Stopped => PlannerError::new("the run stopped"),
         }
     }

@@ -25,7 +25,9 @@ pub struct Pool {
 pub struct PoolOptions {
     /// Longest plan accepted (the paper uses 5).
     pub max_steps: usize,
-    /// Also tell every worker the user's original question (the paper does not).
+    /// Tell every worker the user's original question, in its system message (the paper does
+    /// not: its workers see only their subtasks). On by default: a small conductor's subtasks
+    /// often leave out what the question says, and the default prompt (v3) relies on it.
     pub show_question: bool,
     /// Calls in flight at once per provider endpoint.
     pub max_concurrency_per_provider: usize,
@@ -34,6 +36,29 @@ pub struct PoolOptions {
     pub recursion: RecursionOptions,
     /// The `[conductor]` table: which model writes plans.
     pub conductor: ConductorSpec,
+    /// What runs when the conductor's plans cannot be used (`[conductor] fallback`).
+    pub fallback: FallbackOptions,
+}
+
+/// When the conductor's plan for a question cannot be used (it failed, copies an example, or
+/// keeps the question from the workers), it is asked once more, and then the question goes to
+/// one worker alone. See [`crate::fallback`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FallbackOptions {
+    /// Off: the conductor's plan runs as written, and a plan that fails fails the run.
+    pub enabled: bool,
+    /// The worker that answers alone: `[conductor] fallback_worker` when the pool names one,
+    /// else the best worker of this pool's latest evaluation (set by the app), else the first.
+    pub worker: Option<usize>,
+    /// Whether `worker` is the user's choice (`fallback_worker`), which an evaluation's does not
+    /// replace.
+    pub chosen: bool,
+}
+
+impl Default for FallbackOptions {
+    fn default() -> Self {
+        FallbackOptions { enabled: true, worker: None, chosen: false }
+    }
 }
 
 /// Which model writes plans, and how. Either `model` is a local path (a `.gguf` file or a
@@ -60,6 +85,8 @@ pub struct ConductorSpec {
     pub plan_time_limit_secs: Option<u64>,
     /// A remote conductor's limit per request, in seconds (retries follow `[retry]`).
     pub timeout_secs: Option<u64>,
+    /// The conductor prompt's version (`v2`, `v3`); the conductor checks the name.
+    pub prompt: Option<String>,
 }
 
 /// The conductor as its own worker ("Model k: yourself").
@@ -82,12 +109,13 @@ impl Default for PoolOptions {
     fn default() -> Self {
         PoolOptions {
             max_steps: DEFAULT_MAX_STEPS,
-            show_question: false,
+            show_question: true,
             max_concurrency_per_provider: 4,
             budget: Budget::default(),
             retry: RetryPolicy::default(),
             recursion: RecursionOptions::default(),
             conductor: ConductorSpec::default(),
+            fallback: FallbackOptions::default(),
         }
     }
 }
@@ -221,6 +249,9 @@ const CONDUCTOR_KEYS: &[&str] = &[
     "max_subtask_chars",
     "plan_time_limit_secs",
     "timeout_secs",
+    "prompt",
+    "fallback",
+    "fallback_worker",
 ];
 const BUDGET_KEYS: &[&str] = &["max_calls", "max_tokens", "max_cost_usd"];
 const RETRY_KEYS: &[&str] = &["max_retries", "initial_delay_ms", "max_delay_ms", "max_retry_after_secs"];
@@ -287,6 +318,7 @@ impl Pool {
         }
 
         let mut options = PoolOptions::default();
+        let mut fallback_worker: Option<String> = None;
         let top = Fields { table: &table, allowed: TOP_LEVEL_KEYS };
         let field_err = |e: FieldError| err(None, None, Some(&e.field), e.message);
         if let Some(n) = top.int("max_steps", 1, 64).map_err(field_err)? {
@@ -404,6 +436,11 @@ impl Pool {
             spec.max_subtask_chars = c.int("max_subtask_chars", 1, 100_000).map_err(field_err)?.map(|n| n as usize);
             spec.plan_time_limit_secs = c.int("plan_time_limit_secs", 1, 86_400).map_err(field_err)?.map(|n| n as u64);
             spec.timeout_secs = c.int("timeout_secs", 1, 86_400).map_err(field_err)?.map(|n| n as u64);
+            spec.prompt = c.string("prompt").map_err(field_err)?;
+            if let Some(b) = c.bool("fallback").map_err(field_err)? {
+                options.fallback.enabled = b;
+            }
+            fallback_worker = c.string("fallback_worker").map_err(field_err)?;
         }
 
         let raw_workers = match table.get("worker") {
@@ -433,6 +470,19 @@ impl Pool {
                 ));
             }
             workers.push(spec);
+        }
+        if let Some(name) = fallback_worker {
+            let Some(index) = workers.iter().position(|w| w.name == name) else {
+                let names: Vec<&str> = workers.iter().map(|w| w.name.as_str()).collect();
+                return Err(err(
+                    None,
+                    None,
+                    Some("conductor.fallback_worker"),
+                    format!("\"{name}\" is not a worker of this pool; expected one of {}", names.join(", ")),
+                ));
+            };
+            options.fallback.worker = Some(index);
+            options.fallback.chosen = true;
         }
         Ok(Pool { workers, options })
     }

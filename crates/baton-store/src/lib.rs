@@ -196,6 +196,21 @@ pub struct PlanRecord {
     pub usage: Option<Usage>,
     /// Why the conductor's generation ended (`stop`, `length`).
     pub stop_reason: Option<String>,
+    /// The conductor's exact request for this plan; `None` for a written plan, a fallback, or
+    /// one recorded before requests were kept.
+    pub prompt: Option<baton_engine::PlanPrompt>,
+    /// The conductor's attempts that could not be used, in order.
+    pub rejected: Vec<RejectedPlan>,
+    /// Why this plan is one worker alone instead of the conductor's (`None`: it is not).
+    pub fallback: Option<String>,
+}
+
+/// A plan attempt the executor did not run, and why.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize, ts_rs::TS)]
+pub struct RejectedPlan {
+    pub reason: String,
+    /// The attempt's text, when the conductor finished one.
+    pub raw: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
@@ -787,6 +802,9 @@ struct PlanRow {
     cached_input_tokens: Option<i64>,
     output_tokens: Option<i64>,
     stop_reason: Option<String>,
+    prompt: Option<String>,
+    rejected: Option<String>,
+    fallback: Option<String>,
 }
 
 impl PlanRow {
@@ -810,6 +828,15 @@ impl PlanRow {
                 _ => None,
             },
             stop_reason: self.stop_reason,
+            prompt: match self.prompt {
+                Some(p) => Some(serde_json::from_str(&p).map_err(|e| decode("plans.prompt", e))?),
+                None => None,
+            },
+            rejected: match self.rejected {
+                Some(r) => serde_json::from_str(&r).map_err(|e| decode("plans.rejected", e))?,
+                None => Vec::new(),
+            },
+            fallback: self.fallback,
         })
     }
 }

@@ -36,6 +36,8 @@ pub struct Recorder {
     texts: HashMap<String, TextRef>,
     /// The text each running step has streamed since its last attempt began.
     partial: HashMap<(u32, usize), String>,
+    /// Each round's rejected plan attempts, kept with the plan that runs.
+    rejected: HashMap<u32, Vec<crate::RejectedPlan>>,
     lock: Option<(File, PathBuf)>,
     /// Whether the run's question and answer join the conversation's turns (what a conductor
     /// sees in a follow-up). A worker's run beside the conductor's (compare in chat) does not.
@@ -53,6 +55,7 @@ impl Recorder {
             plans: HashMap::new(),
             texts: HashMap::new(),
             partial: HashMap::new(),
+            rejected: HashMap::new(),
             lock: None,
             messages: true,
         }
@@ -96,11 +99,17 @@ impl Recorder {
         // Texts this event puts in step rows; later requests may refer to them once committed.
         let mut stored_texts: Vec<(String, TextRef)> = Vec::new();
         match event {
-            RunEvent::PlanReady { round, depth, parent, plan, raw, usage, stop_reason } => {
+            RunEvent::PlanRejected { round, reason, raw, .. } => {
+                let rejected = crate::RejectedPlan { reason: reason.clone(), raw: raw.clone() };
+                self.rejected.entry(*round).or_default().push(rejected);
+            }
+            RunEvent::PlanReady { round, depth, parent, plan, raw, usage, stop_reason, prompt, fallback } => {
+                let rejected = self.rejected.remove(round).filter(|r| !r.is_empty());
                 sqlx::query(
                     "INSERT INTO plans (run_id, round, depth, parent_round, parent_step, raw, plan,
-                                        input_tokens, cached_input_tokens, output_tokens, stop_reason)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+                                        input_tokens, cached_input_tokens, output_tokens, stop_reason,
+                                        prompt, rejected, fallback)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
                 )
                 .bind(run)
                 .bind(round)
@@ -113,6 +122,9 @@ impl Recorder {
                 .bind(usage.map(|u| u.cached_input_tokens as i64))
                 .bind(usage.map(|u| u.output_tokens as i64))
                 .bind(stop_reason)
+                .bind(prompt.as_ref().map(|p| serde_json::to_string(p).unwrap_or_default()))
+                .bind(rejected.map(|r| serde_json::to_string(&r).unwrap_or_default()))
+                .bind(fallback)
                 .execute(&mut *tx)
                 .await?;
                 sqlx::query("UPDATE runs SET rounds = max(rounds, ?2) WHERE id = ?1")

@@ -1,0 +1,157 @@
+//! When a conductor's plan is not a plan for the question, and what runs instead.
+//!
+//! A small conductor often writes a plan that parses but cannot answer: it repeats one of the
+//! prompt's example workflows (a Fibonacci review for a word problem), or its subtasks describe
+//! the question without its numbers while the workers never see the question itself. Such a
+//! plan is asked for once more, differently; if that one is no better, the question goes to
+//! one worker alone, verbatim (the pool's best, when an evaluation says which). The run says
+//! that it fell back and why.
+
+use baton_plan::{Access, Plan, Step};
+use baton_providers::{Message, Role};
+
+/// A copy is a run of this many words, in order, shared with an example's subtask.
+pub const COPY_WORDS: usize = 8;
+
+/// Why a plan cannot be run as it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unusable {
+    /// Step `step`'s subtask repeats an example workflow's words.
+    CopiesExample { step: usize, words: String },
+    /// No worker would see the whole question: no subtask holds it, and the pool does not
+    /// show it to the workers (`show_question`).
+    QuestionNotGiven,
+}
+
+impl std::fmt::Display for Unusable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unusable::CopiesExample { step, words } => {
+                write!(f, "step {step} copies an example workflow (\"{words}\")")
+            }
+            Unusable::QuestionNotGiven => f.write_str("no step gives the workers the question"),
+        }
+    }
+}
+
+/// Checks a plan for the question: copies of an example come first, since a copied plan is
+/// about another question whatever it shows its workers.
+pub fn check(plan: &Plan, example_subtasks: &[String], question: &str, show_question: bool) -> Option<Unusable> {
+    if let Some(u) = copied_example(plan, example_subtasks) {
+        return Some(u);
+    }
+    if !show_question && !plan.steps.iter().any(|s| holds_question(&s.subtask, question)) {
+        return Some(Unusable::QuestionNotGiven);
+    }
+    None
+}
+
+/// The first step whose subtask shares a run of [`COPY_WORDS`] words with an example's.
+pub fn copied_example(plan: &Plan, example_subtasks: &[String]) -> Option<Unusable> {
+    let runs: std::collections::HashSet<Vec<String>> = example_subtasks
+        .iter()
+        .flat_map(|e| {
+            let w = words(e);
+            w.windows(COPY_WORDS).map(<[String]>::to_vec).collect::<Vec<_>>()
+        })
+        .collect();
+    for (i, step) in plan.steps.iter().enumerate() {
+        let w = words(&step.subtask);
+        if let Some(run) = w.windows(COPY_WORDS).find(|run| runs.contains(*run)) {
+            return Some(Unusable::CopiesExample { step: i, words: run.join(" ") });
+        }
+    }
+    None
+}
+
+/// Whether `subtask` carries the whole question: every word of it, in order (punctuation,
+/// case and spacing aside), so a conductor may quote it inside an instruction.
+pub fn holds_question(subtask: &str, question: &str) -> bool {
+    let q = words(question);
+    if q.is_empty() {
+        return true;
+    }
+    let s = words(subtask);
+    s.windows(q.len()).any(|w| w == q.as_slice())
+}
+
+/// Lower-case words of letters and digits; everything else separates them.
+fn words(text: &str) -> Vec<String> {
+    text.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()).map(str::to_lowercase).collect()
+}
+
+/// The one instruction a worker alone gets: the question, after the conversation so far when
+/// there is one (a worker sees no history of its own).
+pub fn alone_subtask(history: &[Message], question: &str) -> String {
+    if history.is_empty() {
+        return question.to_owned();
+    }
+    let mut text = String::from("The conversation so far:\n");
+    for m in history {
+        let who = match m.role {
+            Role::User => "User",
+            _ => "Assistant",
+        };
+        text.push_str(&format!("\n{who}: {}\n", m.content));
+    }
+    text.push_str(&format!("\nAnswer the user's new message:\n\n{question}"));
+    text
+}
+
+/// The plan that runs the question on `worker` alone.
+pub fn alone_plan(worker: usize, history: &[Message], question: &str) -> Plan {
+    Plan { steps: vec![Step { model_id: worker, subtask: alone_subtask(history, question), access: Access::Steps(vec![]) }] }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(subtasks: &[&str]) -> Plan {
+        Plan {
+            steps: subtasks
+                .iter()
+                .map(|s| Step { model_id: 0, subtask: (*s).to_owned(), access: Access::Steps(vec![]) })
+                .collect(),
+        }
+    }
+
+    const EXAMPLE: &str = "Review the function above: trace it by hand for n = 0, 1, 2, 10 and 50, and list every bug.";
+
+    #[test]
+    fn eight_shared_words_in_order_are_a_copy() {
+        let examples = vec![EXAMPLE.to_owned()];
+        let copied = plan(&["Solve it.", "review the function ABOVE -- trace it by hand for n=0, 1, 2"]);
+        assert_eq!(
+            copied_example(&copied, &examples),
+            Some(Unusable::CopiesExample { step: 1, words: "review the function above trace it by hand".into() })
+        );
+        // Seven words in a row are not a copy; neither are the same words out of order.
+        let near = plan(&["Review the function above: trace it by", "by hand it trace above function the review"]);
+        assert_eq!(copied_example(&near, &examples), None);
+    }
+
+    #[test]
+    fn the_question_reaches_the_workers_in_a_subtask_or_by_the_pool() {
+        let question = "Tom has 3 apples and buys 4 more. How many apples does he have?";
+        let quoted = plan(&["Solve this: tom has 3 apples and buys 4 more; how many apples does he have? Show work."]);
+        assert_eq!(check(&quoted, &[], question, false), None);
+        let vague = plan(&["Count the apples Tom has after buying more."]);
+        assert_eq!(check(&vague, &[], question, false), Some(Unusable::QuestionNotGiven));
+        assert_eq!(check(&vague, &[], question, true), None, "show_question gives it to every worker");
+        // A copy is unusable even when the workers see the question.
+        let copy = plan(&[EXAMPLE]);
+        assert!(matches!(check(&copy, &[EXAMPLE.to_owned()], question, true), Some(Unusable::CopiesExample { .. })));
+    }
+
+    #[test]
+    fn a_worker_alone_gets_the_question_and_the_conversation() {
+        assert_eq!(alone_subtask(&[], "Why?"), "Why?");
+        let history = vec![Message::user("Hi"), Message::assistant("Hello")];
+        let text = alone_subtask(&history, "Why?");
+        assert!(text.contains("User: Hi\n") && text.contains("Assistant: Hello\n"), "{text}");
+        assert!(text.ends_with("Answer the user's new message:\n\nWhy?"));
+        let p = alone_plan(2, &[], "Why?");
+        assert_eq!((p.steps.len(), p.steps[0].model_id, p.steps[0].subtask.as_str()), (1, 2, "Why?"));
+    }
+}
