@@ -138,7 +138,11 @@ fallback?: string | null, } | { "type": "plan_rejected", round: number, reason: 
 /**
  * The rejected plan's text, when the conductor finished one.
  */
-raw?: string | null, retry: boolean, } | { "type": "step_started", round: number, step: number, 
+raw?: string | null, 
+/**
+ * What the conductor was asked for it, as in `PlanReady`.
+ */
+prompt?: PlanPrompt | null, retry: boolean, } | { "type": "step_started", round: number, step: number, 
 /**
  * Index of the worker in the pool; the pool's size means the conductor itself.
  */

@@ -48,10 +48,11 @@ enum Command {
     /// Delete an evaluation, its results and its runs.
     Delete { id: String },
     /// Write the conductor's samples as training data for TRL's GRPOTrainer: one JSON line per
-    /// item with the exact prompt, each sample's plan and its reward (1 correct, 0.5 a usable
-    /// plan with a wrong answer, 0 no usable plan). Run the evaluation with
-    /// `--strategies conductor --repeats K` and `[conductor] temperature` above 0 for K
-    /// different samples per item.
+    /// item with the conductor's exact request as recorded with the plan, each sample's plan
+    /// and its reward (1 correct, 0.5 a usable plan with a wrong answer, 0 a plan that could
+    /// not be used: it failed, copied an example or kept the question from the workers). Run
+    /// the evaluation with `--strategies conductor --repeats K` and `[conductor] temperature`
+    /// above 0 for K different samples per item.
     ExportGrpo {
         id: String,
         /// The JSONL file to write.
@@ -60,9 +61,6 @@ enum Command {
         /// Keep items with at least this many samples, and that many of each.
         #[arg(long, value_name = "K")]
         samples: Option<usize>,
-        /// The pool the evaluation ran with (the prompt names its workers).
-        #[command(flatten)]
-        pool: PoolArg,
     },
     /// Write the answers marked better in the app's chat comparisons (the conductor against one
     /// worker alone) as preference pairs: one JSON line each with `prompt` (the conversation up
@@ -182,10 +180,9 @@ pub async fn run(args: Args) -> Outcome {
             write(format!("{base}.results.jsonl"), jsonl)?;
             Ok(())
         }
-        Command::ExportGrpo { id, out, samples, pool } => {
+        Command::ExportGrpo { id, out, samples } => {
             let store = args.db.open().await?;
-            let pool = pool.load()?;
-            export_grpo(&store, &pool, &id, &out, samples).await
+            export_grpo(&store, &id, &out, samples).await
         }
         Command::ExportPreferences { out } => {
             let store = args.db.open().await?;
@@ -228,26 +225,13 @@ struct GrpoGroup {
     run_ids: Vec<i64>,
 }
 
-async fn export_grpo(
-    store: &baton_store::Store,
-    pool: &baton_engine::Pool,
-    id: &str,
-    out: &std::path::Path,
-    samples: Option<usize>,
-) -> Outcome {
+async fn export_grpo(store: &baton_store::Store, id: &str, out: &std::path::Path, samples: Option<usize>) -> Outcome {
     let failed = |e: baton_store::StoreError| Failure::Failed(e.to_string());
     let evaluation = store
         .evaluation(id)
         .await
         .map_err(failed)?
         .ok_or_else(|| Failure::BadInput(format!("there is no evaluation {id:?} (baton eval list)")))?;
-    let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
-    if evaluation.config["workers"] != serde_json::json!(workers) {
-        return Err(Failure::BadInput(format!(
-            "evaluation {id} ran with the workers {}; pass that pool (the prompt names its workers)",
-            evaluation.config["workers"]
-        )));
-    }
     let items: std::collections::HashMap<String, baton_eval::suite::Item> = evaluation.config["suite_source"]
         .as_str()
         .and_then(|s| baton_eval::suite::load(s).ok())
@@ -266,9 +250,10 @@ async fn export_grpo(
             "evaluation {id} has no conductor samples; run one with --strategies conductor --repeats K"
         )));
     }
-    let prompts = baton_conductor::PromptBuilder::new(pool.infos());
     let mut written = 0;
     let mut skipped = 0;
+    let mut unrecorded = 0;
+    let mut other_prompt = 0;
     let mut text = String::new();
     for (item_id, rows) in groups {
         let mut group = GrpoGroup {
@@ -281,38 +266,46 @@ async fn export_grpo(
             rewards: Vec::new(),
             run_ids: Vec::new(),
         };
+        let mut first: Option<baton_engine::PlanPrompt> = None;
         for r in rows {
             let Some(run) = r.run_id else { continue };
             let Ok(Some(tree)) = store.run(run).await else {
                 skipped += 1;
                 continue;
             };
-            // Without the conductor's text (a plan that never came) there is nothing to train on.
-            let Some(raw) = tree.plans.iter().find(|p| p.round == 0).and_then(|p| p.raw.clone()) else {
+            // The conductor's first answer and the request it answered: the plan that ran, else
+            // the first attempt that could not be used (a fallback ran instead; reward 0).
+            let Some(plan) = tree.plans.iter().find(|p| p.round == 0) else {
                 skipped += 1;
                 continue;
             };
-            if group.prompt.is_empty() {
-                let mut ctx = baton_engine::PlanningContext::question(
-                    tree.run.question.clone(),
-                    pool.workers.len(),
-                    pool.options.max_steps,
-                );
-                ctx.allow_self = pool.options.recursion.enabled;
-                group.prompt.push(serde_json::json!({"role": "system", "content": prompts.system(&ctx)}));
-                for m in prompts.messages(&ctx) {
-                    group.prompt.push(serde_json::to_value(&m).unwrap_or_default());
+            let (sample, reward) = match plan.rejected.first() {
+                Some(rejected) => ((rejected.prompt.clone(), rejected.raw.clone()), 0.0),
+                None => ((plan.prompt.clone(), plan.raw.clone()), if r.correct { 1.0 } else { 0.5 }),
+            };
+            let (Some(prompt), Some(raw)) = sample else {
+                // Written before requests were kept, or a plan that never came.
+                unrecorded += 1;
+                continue;
+            };
+            // A group shares one prompt (GRPO compares answers to the same request).
+            match &first {
+                Some(p) if *p != prompt => {
+                    other_prompt += 1;
+                    continue;
                 }
-                group.question = tree.run.question.clone();
+                Some(_) => {}
+                None => {
+                    group.prompt.push(serde_json::json!({"role": "system", "content": prompt.system}));
+                    for m in &prompt.messages {
+                        group.prompt.push(serde_json::to_value(m).unwrap_or_default());
+                    }
+                    group.question = tree.run.question.clone();
+                    first = Some(prompt);
+                }
             }
             group.completions.push(raw);
-            group.rewards.push(if r.correct {
-                1.0
-            } else if r.plan_valid == Some(true) {
-                0.5
-            } else {
-                0.0
-            });
+            group.rewards.push(reward);
             group.run_ids.push(run);
         }
         if let Some(k) = samples {
@@ -333,9 +326,19 @@ async fn export_grpo(
     }
     std::fs::write(out, text).map_err(|e| Failure::Failed(format!("{}: {e}", out.display())))?;
     eprintln!(
-        "{written} prompts written to {}; {skipped} samples left out (no plan text, or too few samples)",
+        "{written} prompts written to {}; {skipped} samples left out (no plan, or too few samples)",
         out.display()
     );
+    if unrecorded > 0 {
+        eprintln!(
+            "{unrecorded} samples left out: their plans were recorded without the conductor's request (before this version of Baton kept it)"
+        );
+    }
+    if other_prompt > 0 {
+        eprintln!(
+            "{other_prompt} samples left out: the conductor was asked them in other words than its group's first"
+        );
+    }
     Ok(())
 }
 

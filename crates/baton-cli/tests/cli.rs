@@ -494,3 +494,74 @@ async fn logs_path_prints_where_the_logs_go_and_a_command_writes_there() {
     let log = std::fs::read_to_string(files[0].path()).unwrap();
     assert!(log.contains("the command failed") && log.contains("no-pool.toml"), "{log}");
 }
+
+/// A conductor whose plans copy an example workflow: the first plan is rejected and the
+/// conductor asked again without examples; the second names the example's number too, so the
+/// question goes verbatim to the pool's `fallback_worker` alone. `--json` says each step of
+/// that, the history keeps it, and with `fallback = false` the copied plan runs as written.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_plan_that_copies_an_example_falls_back_to_one_worker_and_says_so() {
+    let s = server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let conductor = |extra: &str| {
+        format!(
+            "[conductor]\nurl = \"{}\"\nmodel = \"copier\"\napi_key_env = \"BATON_E2E_KEY\"\nfallback_worker = \"b\"\n{extra}",
+            s.base_url(baton_testserver::Wire::OpenAi)
+        )
+    };
+    // v3 shows its worked example for 360 to a question about divisors; this plan copies it.
+    let copied = "```python\nmodel_id = [0]\nsubtasks = [\"Factor 360; count divisors from the exponents.\"]\naccess_list = [[]]\n```";
+    let question = "How many positive divisors does 196 have?";
+    let pool = write_pool(dir.path(), &s, &conductor(""), &[W("a", "openai", "a"), W("b", "anthropic", "b")]);
+    s.queue_replies("copier", [copied, copied]);
+    let db = dir.path().join("history.sqlite");
+    let out = baton(&["ask", "--json", "--db", path(&db), "--pool", path(&pool), question], None, TEST_KEY).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let events: Vec<Value> = out.stdout.lines().map(|l| serde_json::from_str(l).expect("json")).collect();
+    let of = |t: &str| events.iter().filter(|e| e["type"] == t).collect::<Vec<_>>();
+    let rejected = of("plan_rejected");
+    assert_eq!(rejected.len(), 2, "{}", out.stdout);
+    assert_eq!((&rejected[0]["retry"], &rejected[1]["retry"]), (&Value::Bool(true), &Value::Bool(false)));
+    assert!(rejected[0]["reason"].as_str().unwrap().contains("\"360\""), "{}", rejected[0]);
+    assert_eq!(rejected[0]["raw"], copied);
+    assert!(rejected[0]["prompt"]["system"].as_str().unwrap().contains("Factor 360"), "the first prompt showed it");
+    assert!(!rejected[1]["prompt"]["system"].as_str().unwrap().contains("Example ["), "the second showed none");
+    let ready = of("plan_ready");
+    assert_eq!(ready.len(), 1);
+    let fallback = ready[0]["fallback"].as_str().expect("the plan says it is a fallback");
+    assert!(fallback.contains("went to b alone"), "{fallback}");
+    assert_eq!(ready[0]["plan"]["model_id"], serde_json::json!([1]), "{}", ready[0]);
+    assert_eq!(ready[0]["plan"]["subtasks"], serde_json::json!([question]));
+    // Worker b alone, given the question itself; worker a was never called.
+    let workers: Vec<_> = s.requests().into_iter().filter(|r| r.model != "copier").collect();
+    assert_eq!(workers.len(), 1);
+    assert!(workers[0].model.starts_with('b'));
+    assert!(workers[0].body.to_string().contains(question), "{}", workers[0].body);
+    assert_eq!(events.last().unwrap()["type"], "run_finished");
+    // The history keeps the rejected attempts and the reason.
+    let runs = baton(&["history", "list", "--json", "--db", path(&db)], None, TEST_KEY).await;
+    let run: Value = serde_json::from_str(runs.stdout.lines().next().expect("the run is recorded")).expect("json");
+    let run = run["id"].to_string();
+    let shown = baton(&["history", "show", &run, "--json", "--db", path(&db)], None, TEST_KEY).await;
+    assert_eq!(shown.code, Some(0), "{}", shown.stderr);
+    let tree: Value = serde_json::from_str(&shown.stdout).expect("json");
+    let plan = &tree["plans"][0];
+    assert_eq!(plan["fallback"], fallback);
+    assert_eq!(plan["rejected"].as_array().map(Vec::len), Some(2), "{plan}");
+
+    // Off: the copied plan runs as written, on worker a.
+    let pool = write_pool(
+        dir.path(),
+        &s,
+        &conductor("fallback = false\n"),
+        &[W("a", "openai", "a"), W("b", "anthropic", "b")],
+    );
+    s.queue_replies("copier", [copied]);
+    let before = s.requests().len();
+    let out = baton(&["ask", "--json", "--pool", path(&pool), question], None, TEST_KEY).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(!out.stdout.contains("plan_rejected") && !out.stdout.contains("\"fallback\""), "{}", out.stdout);
+    let after: Vec<_> = s.requests().into_iter().skip(before).filter(|r| r.model != "copier").collect();
+    assert_eq!(after.len(), 1);
+    assert!(after[0].model.starts_with('a'));
+}

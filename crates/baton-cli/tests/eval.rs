@@ -516,8 +516,9 @@ async fn bad_suites_and_strategies_are_refused_before_any_call() {
     assert!(suites.stdout.contains("humaneval") && suites.stdout.contains("MIT"), "{}", suites.stdout);
 }
 
-/// `export-grpo`: one line per item, with the conductor's exact prompt, each sample's plan text
-/// and the paper's reward (1 right, 0.5 a usable plan but wrong, 0 no plan).
+/// `export-grpo`: one line per item, with the conductor's exact prompt as recorded with its plan
+/// (no pool file needed), each sample's plan text and the paper's reward (1 right, 0.5 a usable
+/// plan but wrong, 0 no usable plan).
 #[tokio::test(flavor = "multi_thread")]
 async fn conductor_samples_export_as_grpo_groups_with_the_papers_reward() {
     let s = server().await;
@@ -539,6 +540,9 @@ async fn conductor_samples_export_as_grpo_groups_with_the_papers_reward() {
     ])
     .await;
     assert_eq!(out.code, Some(0), "{}", out.stderr);
+    // The prompts come from the history, as the conductor was asked them: the pool file may
+    // have changed or be gone since.
+    std::fs::remove_file(&setup.pool).expect("remove the pool file");
     let file = setup.dir.path().join("grpo.jsonl");
     let export = baton(&[
         "eval",
@@ -546,8 +550,6 @@ async fn conductor_samples_export_as_grpo_groups_with_the_papers_reward() {
         "grpo",
         "-o",
         path(&file),
-        "--pool",
-        path(&setup.pool),
         "--db",
         path(&setup.db),
         "--samples",
@@ -583,8 +585,6 @@ async fn conductor_samples_export_as_grpo_groups_with_the_papers_reward() {
         "grpo",
         "-o",
         path(&file),
-        "--pool",
-        path(&setup.pool),
         "--db",
         path(&setup.db),
         "--samples",

@@ -185,7 +185,7 @@ impl LocalConductor {
             cost_usd: Some(0.0),
             stop_reason: generated.finish_reason.clone(),
             prompt: Some(self.prompts.record(&system, &messages)),
-            example_subtasks: self.prompts.example_subtasks(ctx),
+            examples: self.prompts.shown_examples(ctx),
         };
         Ok((planned, generated))
     }
@@ -351,7 +351,7 @@ impl Planner for RemoteConductor {
             let first = self.ask(&system, messages.clone(), constraint.clone(), &mut deltas, meter).await?;
             let Asked { text, usage, cost_usd, stop_reason } = first;
             let record = self.prompts.record(&system, &messages);
-            let example_subtasks = self.prompts.example_subtasks(&ctx);
+            let examples = self.prompts.shown_examples(&ctx);
             let error = match baton_plan::parse(&text, &limits(&ctx)) {
                 Ok(plan) => {
                     return Ok(Planned {
@@ -361,7 +361,7 @@ impl Planner for RemoteConductor {
                         cost_usd,
                         stop_reason,
                         prompt: Some(record),
-                        example_subtasks,
+                        examples,
                     });
                 }
                 Err(e) => e,
@@ -386,7 +386,7 @@ impl Planner for RemoteConductor {
                     cost_usd,
                     stop_reason: second.stop_reason,
                     prompt: Some(record),
-                    example_subtasks,
+                    examples,
                 }),
                 Err(e) => Err(PlannerError::new(format!(
                     "the conductor's plan could not be used twice: first {error}; then {e}"

@@ -132,13 +132,20 @@ impl PromptBuilder {
         }
     }
 
-    /// The subtasks of the examples a prompt for `ctx` shows (a plan repeating one is a copy).
-    pub fn example_subtasks(&self, ctx: &PlanningContext) -> Vec<String> {
+    /// The examples a prompt for `ctx` shows, with their questions and subtasks (what a plan
+    /// is checked against for copies).
+    pub fn shown_examples(&self, ctx: &PlanningContext) -> Vec<baton_engine::ShownExample> {
         let text = self.examples_for(ctx);
         let limits = baton_plan::Limits { max_steps: 64, pool_size: None, allow_stop: false };
         text.split("\nExample ")
-            .filter_map(|e| baton_plan::parse(e, &limits).ok())
-            .flat_map(|p| p.steps.into_iter().map(|s| s.subtask))
+            .filter_map(|e| {
+                let plan = baton_plan::parse(e, &limits).ok()?;
+                let question = e.split_once("Question: ")?.1.split("\n```").next()?.lines().next()?.to_owned();
+                Some(baton_engine::ShownExample {
+                    question,
+                    subtasks: plan.steps.into_iter().map(|s| s.subtask).collect(),
+                })
+            })
             .collect()
     }
 
@@ -169,7 +176,8 @@ impl PromptBuilder {
         };
         // Filled in the order the parts appear, so a worker's description or an example that
         // happens to hold a placeholder's name is left as it is.
-        let fill = |part: &str| part.replace("{max_steps}", &ctx.max_steps.to_string()).replace("{recursion}", &recursion);
+        let fill =
+            |part: &str| part.replace("{max_steps}", &ctx.max_steps.to_string()).replace("{recursion}", &recursion);
         let mut out = String::new();
         let mut rest = system;
         while let Some(at) = rest.find('{') {
@@ -276,9 +284,9 @@ fn split_bank(bank: &str) -> (&str, Vec<Example<'_>>) {
 fn question_tags(question: &str) -> Vec<&'static str> {
     let lower = question.to_lowercase();
     let mut tags = Vec::new();
-    let lettered = ["a.", "b.", "c.", "d."].iter().all(|l| {
-        lower.lines().any(|line| line.trim_start().starts_with(l)) || lower.contains(&format!(" {l} "))
-    });
+    let lettered = ["a.", "b.", "c.", "d."]
+        .iter()
+        .all(|l| lower.lines().any(|line| line.trim_start().starts_with(l)) || lower.contains(&format!(" {l} ")));
     if lettered {
         tags.push("choice");
     }
@@ -386,16 +394,11 @@ mod tests {
         assert_eq!(bank.len(), 8);
         for example in &bank {
             let plan = baton_plan::parse(example.text, &limits).unwrap_or_else(|e| panic!("{e}\n{}", example.text));
-            // A generic move ("Solve it step by step.") must be free to reuse: only a subtask
-            // about its own question may be long enough to count as a copy.
+            // Every subtask is shorter than a copy's run of words: the examples teach short
+            // subtasks, and adapting one to the question ("Factor 196; …") is not a copy.
             for step in &plan.steps {
-                let words = step.subtask.split_whitespace().count();
-                assert!(
-                    words < baton_engine::fallback::COPY_WORDS || step.subtask.chars().any(|c| c.is_ascii_digit())
-                        || ["journey", "oxidation", "haiku", "function above"].iter().any(|w| step.subtask.contains(w)),
-                    "a long generic subtask in the bank would make its reuse a copy: {}",
-                    step.subtask
-                );
+                let words = step.subtask.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()).count();
+                assert!(words < baton_engine::fallback::COPY_WORDS, "{words} words: {}", step.subtask);
             }
         }
     }
@@ -419,12 +422,14 @@ mod tests {
         let last = p.examples_for(&math).rsplit("\nExample [").next().unwrap_or_default().to_owned();
         assert!(last.starts_with("math]") && last.contains("divisors"), "{last}");
         // The examples shown are the ones whose subtasks a copy is checked against.
-        let subtasks = p.example_subtasks(&math);
-        assert!(subtasks.iter().any(|s| s.contains("Factor 360")), "{subtasks:?}");
+        let shown = p.shown_examples(&math);
+        assert_eq!(shown.len(), V3_EXAMPLES_SHOWN);
+        assert!(shown.iter().any(|e| e.question.contains("360") && e.subtasks[0].contains("360")), "{shown:?}");
         // A second attempt shows none, so it cannot copy one.
         let again = PlanningContext { attempt: 1, ..math };
         assert_eq!(p.examples_for(&again), "");
-        assert!(p.example_subtasks(&again).is_empty());
+        assert!(p.shown_examples(&again).is_empty());
+        assert_eq!(v2(workers()).shown_examples(&ctx()).len(), 4);
         assert!(!p.system(&again).contains("Example ["));
     }
 

@@ -9,8 +9,9 @@ use baton_engine::{Planner, PlanningContext, WorkerInfo};
 use baton_providers::{HttpModel, ModelSettings, ProviderKind};
 use baton_testserver::{TestServer, Wire};
 
+/// The plans here reason before their lists, as the v2 prompt asks (v3's grammar allows none).
 fn conductor(server: &TestServer, model: &str) -> RemoteConductor {
-    conductor_with(server, model, &ConductorOptions::default())
+    conductor_with(server, model, &ConductorOptions { max_reasoning_chars: 1200, ..ConductorOptions::default() })
 }
 
 fn conductor_with(server: &TestServer, model: &str, options: &ConductorOptions) -> RemoteConductor {

@@ -89,6 +89,9 @@ pub enum RunEvent {
         /// The rejected plan's text, when the conductor finished one.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         raw: Option<String>,
+        /// What the conductor was asked for it, as in `PlanReady`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        prompt: Option<PlanPrompt>,
         retry: bool,
     },
     StepStarted {

@@ -347,6 +347,9 @@ impl Executor {
         let checked = depth == 0 && self.options.fallback.enabled;
         let mut spent = (Usage::default(), Some(0.0));
         let mut reasons: Vec<String> = Vec::new();
+        // Every example shown in this round's attempts: a second attempt that names what only
+        // the first one's examples had is no more about the question than the first.
+        let mut shown: Vec<crate::ShownExample> = Vec::new();
         loop {
             let events = ctx.events;
             let deltas = Box::new(move |text: &str| {
@@ -360,27 +363,25 @@ impl Executor {
             };
             // Why this attempt cannot run; a budget refusal is final whatever the fallback.
             let timed_out = matches!(&planned, Err(e) if e.timed_out);
-            let (problem, raw) = match planned {
+            let (problem, raw, prompt) = match planned {
                 Err(e) if e.budget => return Err(StepFailure::Budget(e.message)),
                 Err(e) => {
                     if !checked {
                         return Err(StepFailure::Conductor(format!("the conductor failed: {}", e.message)));
                     }
-                    (format!("the conductor failed: {}", e.message), None)
+                    (format!("the conductor failed: {}", e.message), None, None)
                 }
                 Ok(planned) => {
                     spent.0 += planned.usage;
                     spent.1 = spent.1.zip(planned.cost_usd).map(|(a, b)| a + b);
+                    shown.extend(planned.examples.iter().cloned());
                     // The conductor should only produce valid plans; check anyway, against this round.
                     let problem = match planned.plan.validate(&limits) {
                         Err(e) => Some(format!("the conductor's plan is not usable: {e}")),
-                        Ok(()) if checked => crate::fallback::check(
-                            &planned.plan,
-                            &planned.example_subtasks,
-                            &ctx.question,
-                            self.options.show_question,
-                        )
-                        .map(|u| u.to_string()),
+                        Ok(()) if checked => {
+                            crate::fallback::check(&planned.plan, &shown, &ctx.question, self.options.show_question)
+                                .map(|u| u.to_string())
+                        }
                         Ok(()) => None,
                     };
                     match problem {
@@ -399,13 +400,13 @@ impl Executor {
                             return Ok(Written { round, plan: planned.plan, usage: spent.0, cost_usd: spent.1 });
                         }
                         Some(p) if !checked => return Err(StepFailure::Conductor(p)),
-                        Some(p) => (p, Some(planned.raw)),
+                        Some(p) => (p, Some(planned.raw), planned.prompt),
                     }
                 }
             };
             // Only a time limit is not worth a second attempt: it would take as long again.
             let again = context.attempt == 0 && !timed_out;
-            ctx.emit(RunEvent::PlanRejected { round, reason: problem.clone(), raw, retry: again });
+            ctx.emit(RunEvent::PlanRejected { round, reason: problem.clone(), raw, prompt, retry: again });
             reasons.push(problem);
             if again {
                 context.attempt += 1;

@@ -8,7 +8,11 @@
 //! that it fell back and why.
 
 use baton_plan::{Access, Plan, Step};
+use std::collections::HashSet;
+
 use baton_providers::{Message, Role};
+
+use crate::planner::ShownExample;
 
 /// A copy is a run of this many words, in order, shared with an example's subtask.
 pub const COPY_WORDS: usize = 8;
@@ -18,6 +22,9 @@ pub const COPY_WORDS: usize = 8;
 pub enum Unusable {
     /// Step `step`'s subtask repeats an example workflow's words.
     CopiesExample { step: usize, words: String },
+    /// Step `step`'s subtask names what only an example's question has (its numbers, its
+    /// subject): it is about that question, not the user's.
+    AboutAnExample { step: usize, term: String },
     /// No worker would see the whole question: no subtask holds it, and the pool does not
     /// show it to the workers (`show_question`).
     QuestionNotGiven,
@@ -29,6 +36,9 @@ impl std::fmt::Display for Unusable {
             Unusable::CopiesExample { step, words } => {
                 write!(f, "step {step} copies an example workflow (\"{words}\")")
             }
+            Unusable::AboutAnExample { step, term } => {
+                write!(f, "step {step} is about an example's question, not this one (\"{term}\")")
+            }
             Unusable::QuestionNotGiven => f.write_str("no step gives the workers the question"),
         }
     }
@@ -36,8 +46,8 @@ impl std::fmt::Display for Unusable {
 
 /// Checks a plan for the question: copies of an example come first, since a copied plan is
 /// about another question whatever it shows its workers.
-pub fn check(plan: &Plan, example_subtasks: &[String], question: &str, show_question: bool) -> Option<Unusable> {
-    if let Some(u) = copied_example(plan, example_subtasks) {
+pub fn check(plan: &Plan, examples: &[ShownExample], question: &str, show_question: bool) -> Option<Unusable> {
+    if let Some(u) = copied_example(plan, examples).or_else(|| about_an_example(plan, examples, question)) {
         return Some(u);
     }
     if !show_question && !plan.steps.iter().any(|s| holds_question(&s.subtask, question)) {
@@ -47,11 +57,12 @@ pub fn check(plan: &Plan, example_subtasks: &[String], question: &str, show_ques
 }
 
 /// The first step whose subtask shares a run of [`COPY_WORDS`] words with an example's.
-pub fn copied_example(plan: &Plan, example_subtasks: &[String]) -> Option<Unusable> {
-    let runs: std::collections::HashSet<Vec<String>> = example_subtasks
+pub fn copied_example(plan: &Plan, examples: &[ShownExample]) -> Option<Unusable> {
+    let runs: HashSet<Vec<String>> = examples
         .iter()
-        .flat_map(|e| {
-            let w = words(e);
+        .flat_map(|e| &e.subtasks)
+        .flat_map(|t| {
+            let w = words(t);
             w.windows(COPY_WORDS).map(<[String]>::to_vec).collect::<Vec<_>>()
         })
         .collect();
@@ -59,6 +70,36 @@ pub fn copied_example(plan: &Plan, example_subtasks: &[String]) -> Option<Unusab
         let w = words(&step.subtask);
         if let Some(run) = w.windows(COPY_WORDS).find(|run| runs.contains(*run)) {
             return Some(Unusable::CopiesExample { step: i, words: run.join(" ") });
+        }
+    }
+    None
+}
+
+/// Words too common to tell one question from another.
+const COMMON: &[&str] = &[
+    "the", "and", "for", "are", "but", "not", "you", "all", "any", "can", "has", "have", "had", "was", "its", "our",
+    "with", "that", "this", "these", "those", "from", "into", "than", "then", "when", "what", "which", "who", "whom",
+    "why", "how", "many", "much", "does", "did", "will", "would", "should", "could", "each", "every", "other", "one",
+    "two", "three", "four", "five", "first", "second", "last", "more", "most", "less", "least", "larger", "smaller",
+    "write", "python", "function", "code", "program", "number", "numbers", "answer", "question", "give", "explain",
+    "find", "value", "time", "about", "there", "their", "them", "they", "such", "some", "only", "also", "over",
+];
+
+/// The first step whose subtask names a term that only a shown example's question has: a word
+/// of it (three letters or more, or a number of two digits or more) that is neither in the
+/// user's question nor common.
+pub fn about_an_example(plan: &Plan, examples: &[ShownExample], question: &str) -> Option<Unusable> {
+    let theirs: HashSet<String> = words(question).into_iter().collect();
+    let distinctive = |w: &String| {
+        let number = w.chars().all(|c| c.is_ascii_digit());
+        (if number { w.len() >= 2 } else { w.chars().count() >= 3 })
+            && !theirs.contains(w)
+            && !COMMON.contains(&w.as_str())
+    };
+    let terms: HashSet<String> = examples.iter().flat_map(|e| words(&e.question)).filter(distinctive).collect();
+    for (i, step) in plan.steps.iter().enumerate() {
+        if let Some(term) = words(&step.subtask).into_iter().find(|w| terms.contains(w)) {
+            return Some(Unusable::AboutAnExample { step: i, term });
         }
     }
     None
@@ -100,7 +141,13 @@ pub fn alone_subtask(history: &[Message], question: &str) -> String {
 
 /// The plan that runs the question on `worker` alone.
 pub fn alone_plan(worker: usize, history: &[Message], question: &str) -> Plan {
-    Plan { steps: vec![Step { model_id: worker, subtask: alone_subtask(history, question), access: Access::Steps(vec![]) }] }
+    Plan {
+        steps: vec![Step {
+            model_id: worker,
+            subtask: alone_subtask(history, question),
+            access: Access::Steps(vec![]),
+        }],
+    }
 }
 
 #[cfg(test)]
@@ -118,9 +165,13 @@ mod tests {
 
     const EXAMPLE: &str = "Review the function above: trace it by hand for n = 0, 1, 2, 10 and 50, and list every bug.";
 
+    fn shown(question: &str, subtasks: &[&str]) -> Vec<ShownExample> {
+        vec![ShownExample { question: question.into(), subtasks: subtasks.iter().map(|s| (*s).to_owned()).collect() }]
+    }
+
     #[test]
     fn eight_shared_words_in_order_are_a_copy() {
-        let examples = vec![EXAMPLE.to_owned()];
+        let examples = shown("Write fib(n).", &[EXAMPLE]);
         let copied = plan(&["Solve it.", "review the function ABOVE -- trace it by hand for n=0, 1, 2"]);
         assert_eq!(
             copied_example(&copied, &examples),
@@ -141,7 +192,28 @@ mod tests {
         assert_eq!(check(&vague, &[], question, true), None, "show_question gives it to every worker");
         // A copy is unusable even when the workers see the question.
         let copy = plan(&[EXAMPLE]);
-        assert!(matches!(check(&copy, &[EXAMPLE.to_owned()], question, true), Some(Unusable::CopiesExample { .. })));
+        assert!(matches!(
+            check(&copy, &shown("Fib?", &[EXAMPLE]), question, true),
+            Some(Unusable::CopiesExample { .. })
+        ));
+    }
+
+    #[test]
+    fn a_subtask_naming_what_only_an_example_has_is_about_that_example() {
+        let examples = shown("How many positive divisors does 360 have?", &["Factor 360; count its divisors."]);
+        let question = "How many positive whole-number divisors does 196 have?";
+        // Adapted to the question: fine, though it shares words with the example.
+        assert_eq!(check(&plan(&["Factor 196 into primes; count its divisors."]), &examples, question, true), None);
+        assert_eq!(
+            check(&plan(&["Solve it.", "Factor 360 into primes."]), &examples, question, true),
+            Some(Unusable::AboutAnExample { step: 1, term: "360".into() })
+        );
+        let train = shown("A train leaves at 9:40 and travels 275 km. When does it arrive?", &["Solve it."]);
+        let hiking = "Jan hikes 12 km at 4 km/h. How long does the hike take?";
+        let p = plan(&["List the steps needed to find the arrival time of the train."]);
+        assert_eq!(check(&p, &train, hiking, true), Some(Unusable::AboutAnExample { step: 0, term: "train".into() }));
+        // Common words and the question's own words are not an example's.
+        assert_eq!(check(&plan(&["Write a Python function for the hike's time in km."]), &train, hiking, true), None);
     }
 
     #[test]

@@ -63,9 +63,9 @@ pub struct Planned {
     /// Exactly what the conductor was asked, when it is a model prompted by Baton: recorded
     /// with the plan, so training data and audits use the words that produced it.
     pub prompt: Option<PlanPrompt>,
-    /// The subtasks of the example workflows that prompt showed: a plan that repeats one is
-    /// a copy, not a plan for the question.
-    pub example_subtasks: Vec<String>,
+    /// The example workflows that prompt showed: a plan that repeats one, or names what only
+    /// an example's question has, is a copy, not a plan for the question.
+    pub examples: Vec<ShownExample>,
 }
 
 impl Planned {
@@ -78,9 +78,16 @@ impl Planned {
             cost_usd: None,
             stop_reason: None,
             prompt: None,
-            example_subtasks: Vec::new(),
+            examples: Vec::new(),
         }
     }
+}
+
+/// An example workflow a conductor's prompt showed.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ShownExample {
+    pub question: String,
+    pub subtasks: Vec<String>,
 }
 
 /// The conductor's exact request for one plan.

@@ -516,13 +516,31 @@ async fn run_jobs(
 
 /// The question as every strategy sends it: the item, then how to write the answer.
 pub fn prompt(item: &Item) -> String {
+    let question = item.question.trim_end();
     let how = match item.kind {
         Kind::Number => "Solve the problem. End your reply with a final line of the form `#### <number>`.",
         Kind::Choice => "Choose one option. End your reply with a final line of the form `Answer: <letter>`.",
-        Kind::Code => "Complete the Python function above. Reply with the whole function in one ```python code block.",
         Kind::Exact => "End your reply with the final answer alone on its last line.",
+        Kind::Code => {
+            const BLOCK: &str = "Reply with the whole function in one ```python code block.";
+            return match item.code_stub() {
+                Some(stub) if stub == item.question => {
+                    format!("{question}\n\nComplete the Python function above. {BLOCK}")
+                }
+                Some(stub) => {
+                    format!(
+                        "{question}\n\n```python\n{}\n```\n\nComplete the Python function above. {BLOCK}",
+                        stub.trim_end()
+                    )
+                }
+                None => format!(
+                    "{question}\n\nWrite it as a Python function named `{}`, with the imports it needs. {BLOCK}",
+                    item.entry_point.as_deref().unwrap_or_default()
+                ),
+            };
+        }
     };
-    format!("{}\n\n{how}", item.question.trim_end())
+    format!("{question}\n\n{how}")
 }
 
 /// MoA's aggregation instruction (after togethercomputer/MoA's aggregator prompt).
@@ -724,8 +742,9 @@ pub async fn score(sandbox: Option<&Sandbox>, item: &Item, answer: Option<&str>)
         Kind::Code => {
             let code = extract::extract_code(answer);
             let sandbox = sandbox.ok_or_else(|| EvalError::Settings("code items need the sandbox".into()))?;
+            // Only a stub goes before the answer: prose there would be a syntax error.
             let program = Sandbox::program(
-                &item.question,
+                item.code_stub().unwrap_or_default(),
                 &code,
                 item.tests.as_deref().unwrap_or_default(),
                 item.entry_point.as_deref().unwrap_or_default(),
@@ -951,6 +970,7 @@ mod tests {
             choices: None,
             entry_point: None,
             tests: None,
+            prompt: None,
         }
     }
 
@@ -978,5 +998,46 @@ mod tests {
         let answers = ["#### 3", "#### 1", "#### 1.0"];
         assert_eq!(vote(&it, answers.iter().copied()).as_deref(), Some("#### 1"));
         assert_eq!(vote(&it, std::iter::empty()), None);
+    }
+
+    fn code_item(question: &str, prompt: Option<&str>) -> Item {
+        Item {
+            id: "c".into(),
+            question: question.into(),
+            answer: String::new(),
+            kind: Kind::Code,
+            category: None,
+            choices: None,
+            entry_point: Some("add".into()),
+            tests: Some("def check(candidate):\n    assert candidate(2, 3) == 5\n".into()),
+            prompt: prompt.map(str::to_owned),
+        }
+    }
+
+    /// A prose item (MBPP's form), a stub item (HumanEval's) and prose with a separate stub are
+    /// each worded for their form and scored right for a right answer, wrong for a wrong one.
+    #[tokio::test]
+    async fn code_items_are_scored_in_the_form_they_are_written() {
+        let sandbox = Sandbox::new(crate::sandbox::Limits::default()).expect("python for the sandbox");
+        let prose = code_item("Write a function that adds two numbers.", None);
+        let stub = code_item("def add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n", None);
+        let both = code_item("Add two numbers.", Some("import math\n\ndef add(a, b):\n"));
+        assert!(prompt(&prose).contains("Python function named `add`"), "{}", prompt(&prose));
+        assert!(!prompt(&prose).contains("above"));
+        assert!(
+            prompt(&stub).starts_with("def add(a, b):") && prompt(&stub).contains("Complete the Python function above")
+        );
+        assert!(prompt(&both).contains("```python\nimport math\n\ndef add(a, b):\n```"), "{}", prompt(&both));
+        let right = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```";
+        let wrong = "```python\ndef add(a, b):\n    return a - b\n```";
+        for item in [&prose, &stub, &both] {
+            let scored = score(Some(&sandbox), item, Some(right)).await.expect("scored");
+            assert!(scored.correct, "{}: {scored:?}", item.question);
+            let scored = score(Some(&sandbox), item, Some(wrong)).await.expect("scored");
+            assert!(!scored.correct, "{}: {scored:?}", item.question);
+        }
+        // A body alone completes a stub (HumanEval's canonical form).
+        let body = "```python\n    return a + b\n```";
+        assert!(score(Some(&sandbox), &stub, Some(body)).await.expect("scored").correct);
     }
 }

@@ -2,6 +2,7 @@
 //!
 //! One item per line: `{"id", "question", "answer", "kind", "category"?}` with `kind` one of
 //! `number`, `choice`, `code`, `exact` (see [`Kind`]). Code items add `entry_point` and `tests`
+//! (and `prompt`, a stub to complete, when the question is prose: see [`Item::prompt`])
 //! (Python defining `check(candidate)`, HumanEval's form). Rows in GSM8K's own published form,
 //! `{"question", "answer": "... #### 18"}`, are read as number items, their id the line number.
 
@@ -56,12 +57,31 @@ pub struct Item {
     /// Python defining `check(candidate)`, which raises when the candidate is wrong.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tests: Option<String>,
+    /// A code item's Python stub (imports, signature, docstring) for the answer to complete,
+    /// when the question is prose beside it. Without one, a question that defines
+    /// `entry_point` is itself the stub (HumanEval's form); any other question is prose alone
+    /// (MBPP's form), and the answer must be the whole function.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<String>,
 }
 
 impl Item {
     /// The category used to stratify splits and route by: the item's own, else its kind.
     pub fn stratum(&self) -> &str {
         self.category.as_deref().unwrap_or(self.kind.as_str())
+    }
+
+    /// The Python the answer completes (see [`Item::prompt`]); `None` for a prose code item
+    /// and any other kind.
+    pub fn code_stub(&self) -> Option<&str> {
+        if self.kind != Kind::Code {
+            return None;
+        }
+        if let Some(p) = self.prompt.as_deref().filter(|p| !p.trim().is_empty()) {
+            return Some(p);
+        }
+        let entry = self.entry_point.as_deref()?;
+        self.question.contains(&format!("def {entry}(")).then_some(self.question.as_str())
     }
 
     /// How many options a choice item has (letters A.. up to that many).
@@ -150,6 +170,7 @@ struct Row {
     choices: Option<Vec<String>>,
     entry_point: Option<String>,
     tests: Option<String>,
+    prompt: Option<String>,
 }
 
 /// Reads JSONL items; `origin` names the source in errors.
@@ -197,6 +218,7 @@ pub fn parse(name: &str, text: &str, origin: &str) -> Result<Suite, SuiteError> 
             choices: row.choices,
             entry_point: row.entry_point,
             tests: row.tests,
+            prompt: row.prompt,
         };
         check_item(&item).map_err(err)?;
         items.push(item);

@@ -122,6 +122,12 @@ fn write_run(md: &mut String, tree: &RunTree, h: &str) {
             None => String::new(),
         };
         let _ = writeln!(md, "{h}# Plan, round {}{origin}\n", plan.round);
+        for rejected in &plan.rejected {
+            let _ = writeln!(md, "> The conductor's plan was not used: {}\n", one_line(&rejected.reason));
+        }
+        if let Some(why) = &plan.fallback {
+            let _ = writeln!(md, "**Fallback:** {}.\n", one_line(why));
+        }
         let _ = writeln!(md, "```python\n{}```\n", plan.plan.to_python());
         for step in tree.steps.iter().filter(|s| s.round == plan.round) {
             write_step(md, step, h);

@@ -211,6 +211,9 @@ pub struct RejectedPlan {
     pub reason: String,
     /// The attempt's text, when the conductor finished one.
     pub raw: Option<String>,
+    /// What the conductor was asked for it.
+    #[serde(default)]
+    pub prompt: Option<baton_engine::PlanPrompt>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]

@@ -99,8 +99,8 @@ impl Recorder {
         // Texts this event puts in step rows; later requests may refer to them once committed.
         let mut stored_texts: Vec<(String, TextRef)> = Vec::new();
         match event {
-            RunEvent::PlanRejected { round, reason, raw, .. } => {
-                let rejected = crate::RejectedPlan { reason: reason.clone(), raw: raw.clone() };
+            RunEvent::PlanRejected { round, reason, raw, prompt, .. } => {
+                let rejected = crate::RejectedPlan { reason: reason.clone(), raw: raw.clone(), prompt: prompt.clone() };
                 self.rejected.entry(*round).or_default().push(rejected);
             }
             RunEvent::PlanReady { round, depth, parent, plan, raw, usage, stop_reason, prompt, fallback } => {
