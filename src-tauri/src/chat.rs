@@ -255,25 +255,6 @@ pub struct CompareResult {
     pub comparison_id: Option<i64>,
 }
 
-/// The one instruction a worker alone gets: the question, after the conversation so far when
-/// there is one (a worker sees no history of its own; the conductor puts what a step needs in
-/// its subtask, and this does the same for the whole conversation).
-pub fn alone_subtask(history: &[baton_providers::Message], question: &str) -> String {
-    if history.is_empty() {
-        return question.to_owned();
-    }
-    let mut text = String::from("The conversation so far:\n");
-    for m in history {
-        let who = match m.role {
-            baton_providers::Role::User => "User",
-            _ => "Assistant",
-        };
-        text.push_str(&format!("\n{who}: {}\n", m.content));
-    }
-    text.push_str(&format!("\nAnswer the user's new message:\n\n{question}"));
-    text
-}
-
 /// Asks `request.question` of the conductor (streamed on `on_event`, as [`ask`] does) and, at
 /// the same time, of `request.worker` alone (streamed on `on_single`); both runs are kept in
 /// the conversation, only the conductor's answer joins its turns, and the pair is kept as a
@@ -311,15 +292,10 @@ pub async fn ask_compared<R: Runtime>(
         Some(id) => (id, false),
         None => (store.new_conversation(&question).await?, true),
     };
-    let step = baton_plan::Step {
-        model_id: 0,
-        subtask: alone_subtask(&history, &question),
-        access: baton_plan::Access::Steps(vec![]),
-    };
     let single_run = RunRequest {
         run_id: new_run_id(),
         question: question.clone(),
-        plan: Some(Plan { steps: vec![step] }),
+        plan: Some(baton_engine::fallback::alone_plan(0, &history, &question)),
         ..RunRequest::default()
     };
     let conductor_run = RunRequest { run_id: new_run_id(), question, history, ..RunRequest::default() };

@@ -53,6 +53,10 @@ pub struct ConductorForm {
     pub max_steps: u32,
     pub recursion: bool,
     pub max_depth: u32,
+    /// When the conductor's plans cannot be used (they fail, copy an example, or keep the
+    /// question from the workers), answer with one worker alone (`[conductor] fallback`).
+    #[serde(default = "yes")]
+    pub fallback: bool,
     pub max_calls: Option<u32>,
     pub max_tokens: Option<u32>,
     pub max_cost_usd: Option<f64>,
@@ -165,11 +169,16 @@ pub fn read_form(text: &str) -> Result<PoolForm, String> {
             as u32,
         recursion: recursion.and_then(|t| t.get("enabled")?.as_bool()).unwrap_or(false),
         max_depth: int(recursion, "max_depth").unwrap_or(2) as u32,
+        fallback: conductor.and_then(|t| t.get("fallback")?.as_bool()).unwrap_or(true),
         max_calls: int(budget, "max_calls").map(|n| n as u32),
         max_tokens: int(budget, "max_tokens").map(|n| n as u32),
         max_cost_usd: budget.and_then(|t| float(t.get("max_cost_usd")?)),
     };
     Ok(PoolForm { workers, conductor: form })
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn float(item: &Item) -> Option<f64> {
@@ -251,6 +260,13 @@ pub fn apply_form(text: &str, form: &PoolForm, file: &str) -> AppResult<String> 
     // A grammar applies to a server only (the pool refuses one beside a local model).
     set_str(conductor, "grammar", c.grammar.as_deref().filter(|_| c.url.is_some()));
     set_str(conductor, "device", (c.device != "auto").then_some(c.device.as_str()));
+    // On is the default: only "off" is written.
+    match c.fallback {
+        true => {
+            conductor.remove("fallback");
+        }
+        false => put(conductor, "fallback", false),
+    }
     let recursion = table(&mut doc, "recursion");
     put(recursion, "enabled", c.recursion);
     put(recursion, "max_depth", i64::from(c.max_depth));

@@ -98,6 +98,12 @@ steps_finished: Array<number>, steps_failed: Array<number>,
  */
 rounds: number, };
 
+export type PlanPrompt = { 
+/**
+ * The prompt's version (`v2`, `v3`, …), from the conductor's prompt files.
+ */
+version: string, system: string, messages: Array<Message>, };
+
 export type RunEvent = { "type": "run_started", run_id: string, question: string, workers: Array<WorkerInfo>, 
 /**
  * The conductor that writes plans, when there is one.
@@ -209,6 +215,16 @@ totals: Totals | null, wall_ms: number | null,
  */
 rerun_of: RerunOf | null, };
 
+export type RejectedPlan = { reason: string, 
+/**
+ * The attempt's text, when the conductor finished one.
+ */
+raw: string | null, 
+/**
+ * What the conductor was asked for it.
+ */
+prompt: PlanPrompt | null, };
+
 export type PlanRecord = { round: number, depth: number, parent: StepRef | null, 
 /**
  * The conductor's whole text; `None` for a written plan.
@@ -302,7 +318,12 @@ grammar: string | null,
 /**
  * `auto` (GPU when there is one) or `cpu`.
  */
-device: string, max_steps: number, recursion: boolean, max_depth: number, max_calls: number | null, max_tokens: number | null, max_cost_usd: number | null, };
+device: string, max_steps: number, recursion: boolean, max_depth: number, 
+/**
+ * When the conductor's plans cannot be used (they fail, copy an example, or keep the
+ * question from the workers), answer with one worker alone (`[conductor] fallback`).
+ */
+fallback: boolean, max_calls: number | null, max_tokens: number | null, max_cost_usd: number | null, };
 
 export type PoolForm = { workers: Array<WorkerForm>, conductor: ConductorForm, };
 

@@ -544,18 +544,8 @@ async fn conductor_samples_export_as_grpo_groups_with_the_papers_reward() {
     // have changed or be gone since.
     std::fs::remove_file(&setup.pool).expect("remove the pool file");
     let file = setup.dir.path().join("grpo.jsonl");
-    let export = baton(&[
-        "eval",
-        "export-grpo",
-        "grpo",
-        "-o",
-        path(&file),
-        "--db",
-        path(&setup.db),
-        "--samples",
-        "2",
-    ])
-    .await;
+    let export =
+        baton(&["eval", "export-grpo", "grpo", "-o", path(&file), "--db", path(&setup.db), "--samples", "2"]).await;
     assert_eq!(export.code, Some(0), "{}", export.stderr);
     let plans: Value =
         serde_json::from_str(&std::fs::read_to_string(setup.dir.path().join("plans.json")).unwrap()).unwrap();
@@ -579,18 +569,8 @@ async fn conductor_samples_export_as_grpo_groups_with_the_papers_reward() {
         assert!(sent.contains(&g["prompt"]), "{id}: the prompt is exactly what the conductor was sent");
     }
     // Asking for more samples than were drawn leaves every item out, and says so.
-    let more = baton(&[
-        "eval",
-        "export-grpo",
-        "grpo",
-        "-o",
-        path(&file),
-        "--db",
-        path(&setup.db),
-        "--samples",
-        "3",
-    ])
-    .await;
+    let more =
+        baton(&["eval", "export-grpo", "grpo", "-o", path(&file), "--db", path(&setup.db), "--samples", "3"]).await;
     assert!(more.stderr.contains("0 prompts written"), "{}", more.stderr);
 }
 

@@ -175,6 +175,28 @@ describe("applyEvent and graphOf", () => {
     expect(findStep(t, 0, 0)).toMatchObject({ status: "running", output: "Hello" });
   });
 
+  it("keeps rejected plans with their reasons and marks a fallback", () => {
+    const t = fold([
+      started(),
+      { type: "plan_started", round: 0, depth: 0 },
+      { type: "plan_delta", round: 0, text: "copied plan" },
+      { type: "plan_rejected", round: 0, reason: "step 0 copies an example", retry: true },
+      { type: "plan_delta", round: 0, text: "second plan" },
+      { type: "plan_rejected", round: 0, reason: "step 0 is about an example's question", raw: "second plan", retry: false },
+      { type: "plan_ready", round: 0, depth: 0, plan: plan([[1, []]]), fallback: "…; the question went to b alone" },
+    ]);
+    expect(t.rounds[0].rejected).toEqual([
+      { reason: "step 0 copies an example", raw: "copied plan" },
+      { reason: "step 0 is about an example's question", raw: "second plan" },
+    ]);
+    expect(t.rounds[0]).toMatchObject({ raw: null, fallback: "…; the question went to b alone", status: "ready" });
+    expect(graphOf(t).nodes.find((n) => n.kind === "conductor")?.label).toBe("Conductor (round 0) · fallback");
+    // A plan the conductor wrote is not marked.
+    const plain = fold([started(), { type: "plan_ready", round: 0, depth: 0, plan: plan([[0, []]]) }]);
+    expect(plain.rounds[0]).toMatchObject({ fallback: null, rejected: [] });
+    expect(graphOf(plain).nodes.find((n) => n.kind === "conductor")?.label).toBe("Conductor (round 0)");
+  });
+
   it("accepts a given plan with no plan_started", () => {
     const t = fold([started(), { type: "plan_ready", round: 0, depth: 0, plan: plan([[2, []]]) }]);
     expect(t.rounds[0]).toMatchObject({ round: 0, status: "ready", raw: null, parent: null });
@@ -365,8 +387,8 @@ describe("fromRunTree", () => {
       rerun_of: null,
     },
     plans: [
-      { round: 1, depth: 1, parent, raw: "model_id = ...", plan: nested, usage: null, stop_reason: null },
-      { round: 0, depth: 0, parent: null, raw: "model_id = ...", plan: top, usage: null, stop_reason: null },
+      { round: 1, depth: 1, parent, raw: "model_id = ...", plan: nested, usage: null, stop_reason: null, prompt: null, rejected: [], fallback: null },
+      { round: 0, depth: 0, parent: null, raw: "model_id = ...", plan: top, usage: null, stop_reason: null, prompt: null, rejected: [], fallback: null },
     ],
     steps: [
       record(0, 0, 0, [], {}),
@@ -706,7 +728,7 @@ describe("re-runs", () => {
         wall_ms: 100,
         rerun_of: rerunOf,
       },
-      plans: [{ round: 0, depth: 0, parent: null, raw: null, plan: p, usage: null, stop_reason: null }],
+      plans: [{ round: 0, depth: 0, parent: null, raw: null, plan: p, usage: null, stop_reason: null, prompt: null, rejected: [], fallback: null }],
       steps: [
         step(0, 0, [], {
           output: "old 0",

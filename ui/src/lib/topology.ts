@@ -58,6 +58,10 @@ export interface TopologyRound {
   plan: Plan | null;
   /** The conductor's text: streamed while planning, whole once ready; null for a given plan. */
   raw: string | null;
+  /** The conductor's attempts that could not be used, and why (the last streamed text moves here). */
+  rejected: { reason: string; raw: string | null }[];
+  /** Why this round's plan is one worker alone instead of the conductor's; null when it is not. */
+  fallback: string | null;
   status: RoundStatus;
   /** Indexed by step number. */
   steps: TopologyStep[];
@@ -117,7 +121,7 @@ export function resolveAccess(access: Access, step: number): number[] {
 function ensureRound(t: Topology, round: number, depth: number, parent: StepRef | null): TopologyRound {
   let r = findRound(t, round);
   if (!r) {
-    r = { round, depth, parent, plan: null, raw: null, status: "planning", steps: [] };
+    r = { round, depth, parent, plan: null, raw: null, rejected: [], fallback: null, status: "planning", steps: [] };
     // Rounds arrive in order, so this is almost always a push.
     const at = t.rounds.findIndex((other) => other.round > round);
     if (at < 0) t.rounds.push(r);
@@ -174,6 +178,14 @@ export function applyEvent(t: Topology, e: RunEvent): Topology {
       if (r) r.raw = (r.raw ?? "") + e.text;
       break;
     }
+    case "plan_rejected": {
+      // The next attempt (or the fallback) starts its text afresh; this one is kept with its reason.
+      const r = findRound(t, e.round);
+      if (!r) break;
+      r.rejected.push({ reason: e.reason, raw: e.raw ?? r.raw });
+      r.raw = null;
+      break;
+    }
     case "plan_ready": {
       // A plan given up front has no plan_started, so the round may be new here.
       const r = ensureRound(t, e.round, e.depth, e.parent ?? null);
@@ -181,6 +193,7 @@ export function applyEvent(t: Topology, e: RunEvent): Topology {
       r.parent = e.parent ?? null;
       r.plan = e.plan;
       r.raw = e.raw ?? r.raw;
+      r.fallback = e.fallback ?? null;
       r.status = "ready";
       r.steps = planSteps(t, e.round, e.plan);
       break;
@@ -315,6 +328,13 @@ export function fromRunTree(tree: RunTree): Topology {
     rerun_of: run.rerun_of ?? undefined,
   });
   for (const p of [...tree.plans].sort((a, b) => a.round - b.round)) {
+    if (p.rejected.length > 0) {
+      // Rejected attempts only happen while the conductor writes: the round exists before them.
+      ensureRound(t, p.round, p.depth, p.parent ?? null);
+      for (const r of p.rejected) {
+        applyEvent(t, { type: "plan_rejected", round: p.round, reason: r.reason, raw: r.raw ?? undefined, retry: false });
+      }
+    }
     applyEvent(t, {
       type: "plan_ready",
       round: p.round,
@@ -322,6 +342,7 @@ export function fromRunTree(tree: RunTree): Topology {
       parent: p.parent ?? undefined,
       plan: p.plan,
       raw: p.raw ?? undefined,
+      fallback: p.fallback ?? undefined,
     });
   }
   for (const rec of tree.steps) {
@@ -450,7 +471,8 @@ export function graphOf(t: Topology): TopologyGraph {
     nodes.push({
       id: plan,
       kind: "conductor",
-      label: `Conductor (round ${r.round})`,
+      // A fallback's plan is not the conductor's: the node says so.
+      label: r.fallback ? `Conductor (round ${r.round}) · fallback` : `Conductor (round ${r.round})`,
       worker: "conductor",
       round: r.round,
       step: null,
