@@ -119,6 +119,9 @@ pub(crate) async fn executor<R: Runtime>(
     planner: bool,
 ) -> AppResult<Executor> {
     let notify = notifier(app);
+    let mut pool = pool.clone();
+    state.store().await?.choose_fallback_worker(&mut pool).await;
+    let pool = &pool;
     let mut executor = Executor::from_pool(pool);
     let models = &state.models;
     if planner {

@@ -39,7 +39,7 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> Outcome {
-    let pool = args.pool.load()?;
+    let mut pool = args.pool.load()?;
     if args.question == "-" && args.plan.as_ref().is_some_and(|p| p.as_os_str() == "-") {
         return Err(Failure::BadInput("the question and the plan cannot both come from stdin".into()));
     }
@@ -77,6 +77,9 @@ pub async fn run(args: Args) -> Outcome {
         _ => Vec::new(),
     };
     let mut recorder = store.as_ref().map(|s| s.recorder(args.conversation));
+    if let Some(store) = &store {
+        store.choose_fallback_worker(&mut pool).await;
+    }
 
     let mut executor = Executor::from_pool(&pool);
     let models = crate::conductor_setup::LocalModels::default();

@@ -69,9 +69,12 @@ pub struct ConductorArgs {
     /// Workers in the pool the plans are for.
     #[arg(long, default_value_t = 4)]
     workers: usize,
-    /// Longest reasoning before the lists.
-    #[arg(long, default_value_t = 400)]
-    max_reasoning_chars: usize,
+    /// The conductor's prompt version (v2, v3).
+    #[arg(long, default_value = baton_conductor::PROMPT_VERSION)]
+    prompt: String,
+    /// Longest reasoning before the lists (default: the prompt version's: 1200 for v2, 0 for v3).
+    #[arg(long)]
+    max_reasoning_chars: Option<usize>,
     /// Sampling temperature of the plans (0 is greedy); default the conductor's.
     #[arg(long)]
     temperature: Option<f64>,
@@ -406,12 +409,20 @@ mod conductor {
             })
             .collect();
         let defaults = ConductorOptions::default();
+        let version = baton_conductor::PromptVersion::parse(&a.prompt).ok_or_else(|| {
+            Failure::BadInput(format!(
+                "--prompt {}: expected one of {}",
+                a.prompt,
+                baton_conductor::PromptVersion::NAMES.join(", ")
+            ))
+        })?;
         let options = ConductorOptions {
-            max_reasoning_chars: a.max_reasoning_chars,
+            prompt_version: version,
+            max_reasoning_chars: a.max_reasoning_chars.unwrap_or(version.default_reasoning_chars()),
             temperature: a.temperature.or(defaults.temperature),
             ..defaults
         };
-        let prompts = PromptBuilder::new(workers.clone());
+        let prompts = PromptBuilder::new(workers.clone()).with_version(version);
         let conductor = LocalConductor::new(model.clone(), workers, options.clone());
         let stop = tokio_util::sync::CancellationToken::new();
         let mut samples = Vec::with_capacity(a.runs);

@@ -429,7 +429,7 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
     }
     let source = args.suite.clone().unwrap_or_default();
     let suite = baton_eval::suite::load(&source).map_err(|e| Failure::BadInput(e.to_string()))?;
-    let pool = args.pool.load()?;
+    let mut pool = args.pool.load()?;
     let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
     let strategies = Strategy::parse_list(&args.strategies, &workers).map_err(Failure::BadInput)?;
     if args.repeats == 0 || args.concurrency == 0 {
@@ -447,6 +447,7 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
     });
     // The history opens before anything runs, so a database problem costs no calls.
     let store = db.open().await?;
+    store.choose_fallback_worker(&mut pool).await;
 
     let mut executor = Executor::from_pool(&pool);
     let models = crate::conductor_setup::LocalModels::default();

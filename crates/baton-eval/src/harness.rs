@@ -175,7 +175,13 @@ impl Harness {
         cancel: &CancellationToken,
     ) -> Result<Ended, EvalError> {
         let needs_calibration = spec.strategies.iter().any(|s| matches!(s, Strategy::RouterLookup | Strategy::Moa));
-        let calibration = spec.calibration.unwrap_or(if needs_calibration { 0.3 } else { 0.0 });
+        let pinned = pinned_share(&spec.suite.items);
+        if pinned.is_some() && spec.calibration.is_some() {
+            return Err(EvalError::Settings(
+                "the suite's items say which split they are in (`split`); leave out --calibration".into(),
+            ));
+        }
+        let calibration = pinned.or(spec.calibration).unwrap_or(if needs_calibration { 0.3 } else { 0.0 });
         if !(0.0..0.9).contains(&calibration) {
             return Err(EvalError::Settings("--calibration must be at least 0 and below 0.9".into()));
         }
@@ -813,9 +819,23 @@ fn select(items: &[Item], limit: Option<usize>, seed: u64) -> Vec<Item> {
     out
 }
 
-/// Marks `fraction` of each category (rounded, at least one where a category has two or
-/// more items and the fraction is not zero) as calibration.
+/// The share of calibration items when the suite pins its items to splits (any item has
+/// `split`), else `None`.
+fn pinned_share(items: &[Item]) -> Option<f64> {
+    if !items.iter().any(|i| i.split.is_some()) {
+        return None;
+    }
+    let calibration = items.iter().filter(|i| i.split.as_deref() == Some("calibration")).count();
+    Some(calibration as f64 / items.len().max(1) as f64)
+}
+
+/// The items' own splits when the suite pins them (see [`Item::split`]); else marks `fraction`
+/// of each category (rounded, at least one where a category has two or more items and the
+/// fraction is not zero) as calibration.
 fn split(items: &[Item], fraction: f64, seed: u64) -> Vec<bool> {
+    if items.iter().any(|i| i.split.is_some()) {
+        return items.iter().map(|i| i.split.as_deref() == Some("calibration")).collect();
+    }
     let mut out = vec![false; items.len()];
     if fraction <= 0.0 {
         return out;
@@ -971,7 +991,21 @@ mod tests {
             entry_point: None,
             tests: None,
             prompt: None,
+            split: None,
         }
+    }
+
+    #[test]
+    fn items_that_name_their_split_keep_it() {
+        let mut items: Vec<Item> = (0..10).map(|i| item(&i.to_string(), "a")).collect();
+        assert_eq!(pinned_share(&items), None);
+        items[3].split = Some("calibration".into());
+        items[7].split = Some("calibration".into());
+        items[0].split = Some("test".into());
+        assert_eq!(pinned_share(&items), Some(0.2));
+        let cal = split(&items, 0.5, 1);
+        let marked: Vec<usize> = (0..10).filter(|i| cal[*i]).collect();
+        assert_eq!(marked, [3, 7], "exactly the pinned items, whatever the fraction or seed");
     }
 
     #[test]
@@ -1011,6 +1045,7 @@ mod tests {
             entry_point: Some("add".into()),
             tests: Some("def check(candidate):\n    assert candidate(2, 3) == 5\n".into()),
             prompt: prompt.map(str::to_owned),
+            split: None,
         }
     }
 

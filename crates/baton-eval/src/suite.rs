@@ -63,6 +63,11 @@ pub struct Item {
     /// (MBPP's form), and the answer must be the whole function.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt: Option<String>,
+    /// `calibration` or `test`: pins the item to that split. When any item of a suite says,
+    /// the split is exactly what the items say (so a held-out set never lends an item to the
+    /// router's calibration); otherwise it is drawn by `--calibration`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split: Option<String>,
 }
 
 impl Item {
@@ -171,6 +176,7 @@ struct Row {
     entry_point: Option<String>,
     tests: Option<String>,
     prompt: Option<String>,
+    split: Option<String>,
 }
 
 /// Reads JSONL items; `origin` names the source in errors.
@@ -219,6 +225,7 @@ pub fn parse(name: &str, text: &str, origin: &str) -> Result<Suite, SuiteError> 
             entry_point: row.entry_point,
             tests: row.tests,
             prompt: row.prompt,
+            split: row.split,
         };
         check_item(&item).map_err(err)?;
         items.push(item);
@@ -236,6 +243,11 @@ pub fn parse(name: &str, text: &str, origin: &str) -> Result<Suite, SuiteError> 
 }
 
 fn check_item(item: &Item) -> Result<(), String> {
+    if let Some(split) = item.split.as_deref()
+        && !["calibration", "test"].contains(&split)
+    {
+        return Err(format!("`split` is {split:?}; expected \"calibration\" or \"test\""));
+    }
     match item.kind {
         Kind::Code => {
             let entry = item.entry_point.as_deref().unwrap_or_default();

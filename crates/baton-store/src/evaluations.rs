@@ -231,6 +231,52 @@ impl Store {
 
     /// Deletes the evaluation, its results, and its runs with their conversations. False when
     /// there is no such evaluation.
+    /// Points `pool`'s fallback at the worker that did best alone in its newest evaluation
+    /// ([`Store::best_single_worker`]), unless the pool names one (`fallback_worker`). A history
+    /// that cannot be read leaves the default (the first worker): a fallback is no reason to
+    /// fail a run.
+    pub async fn choose_fallback_worker(&self, pool: &mut baton_engine::Pool) {
+        if pool.options.fallback.chosen {
+            return;
+        }
+        let names: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
+        match self.best_single_worker(&names).await {
+            Ok(best) => pool.options.fallback.worker = best,
+            Err(e) => tracing::warn!("the fallback worker stays the first: the evaluations cannot be read: {e}"),
+        }
+    }
+
+    /// The worker that did best alone in the newest evaluation of a pool with exactly these
+    /// workers (the same names in the same order), on its test items: what answers a question
+    /// alone when the conductor's plans cannot be used. `None` when no such evaluation ran any
+    /// worker alone. Ties go to the worker listed first.
+    pub async fn best_single_worker(&self, workers: &[String]) -> Result<Option<usize>, StoreError> {
+        for evaluation in self.evaluations().await? {
+            if evaluation.config["workers"] != serde_json::json!(workers) {
+                continue;
+            }
+            let mut tally = vec![(0u32, 0u32); workers.len()];
+            for r in self.eval_results(&evaluation.id).await? {
+                let Some(w) = r.strategy.strip_prefix("single:").and_then(|n| workers.iter().position(|x| x == n))
+                else {
+                    continue;
+                };
+                if r.split == "test" {
+                    tally[w].0 += u32::from(r.correct);
+                    tally[w].1 += 1;
+                }
+            }
+            let rate = |(c, n): (u32, u32)| f64::from(c) / f64::from(n);
+            let best = (0..workers.len())
+                .filter(|&w| tally[w].1 > 0)
+                .max_by(|&a, &b| rate(tally[a]).total_cmp(&rate(tally[b])).then(b.cmp(&a)));
+            if best.is_some() {
+                return Ok(best);
+            }
+        }
+        Ok(None)
+    }
+
     pub async fn delete_evaluation(&self, id: &str) -> Result<bool, StoreError> {
         let mut tx = self.write().await?;
         sqlx::query("DELETE FROM conversations WHERE evaluation_id = ?1").bind(id).execute(&mut *tx).await?;
