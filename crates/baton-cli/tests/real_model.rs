@@ -69,8 +69,9 @@ async fn baton_plan_ends_as_soon_as_the_plan_is_written() {
 
 /// `baton ask` under a token cap with the real conductor: the grammar's bound on a plan (its
 /// longest text in bytes, ~17k tokens) would not fit under a cap of 6000, yet the plan is
-/// written (in the room the cap leaves), ends on the model's end token and runs, and the
-/// conductor's tokens are in the totals, apart from the workers'.
+/// written (in the room the cap leaves), ends on the model's end token and runs, the
+/// conductor's tokens are in the totals, apart from the workers', and every worker is given
+/// the question.
 #[tokio::test(flavor = "multi_thread")]
 async fn ask_under_a_token_cap_plans_runs_and_counts_the_conductor() {
     let _turn = ONE_AT_A_TIME.lock().await;
@@ -105,6 +106,14 @@ async fn ask_under_a_token_cap_plans_runs_and_counts_the_conductor() {
     assert_eq!(tokens(&totals["conductor"]), tokens(plan), "the plan's tokens are the conductor's");
     assert_eq!(totals["workers"]["calls"].as_u64(), Some(server.requests().len() as u64));
     assert!(tokens(totals) <= 6000, "{totals}");
+    // The workers receive the question itself, word for word, whatever the plan's subtasks say
+    // (the pool shows it to them), and the plan records the request that produced it.
+    assert!(!server.requests().is_empty());
+    for request in server.requests() {
+        assert!(request.body.to_string().contains(question), "a worker without the question: {}", request.body);
+    }
+    assert_eq!(plan["prompt"]["version"], "v3", "{plan}");
+    assert!(plan["prompt"]["messages"].to_string().contains(question), "{plan}");
 }
 
 /// `baton eval` end to end with the real model as conductor and as the one worker, on five
