@@ -240,18 +240,18 @@ usage: Usage | null,
  */
 stop_reason: string | null, 
 /**
- * The conductor's exact request for this plan; `None` for a written plan, a fallback, or
- * one recorded before requests were kept.
+ * The conductor's exact request for this plan; absent for a written plan, a fallback, or
+ * one recorded before requests were kept. (Absent fields keep older exports as they were.)
  */
-prompt: PlanPrompt | null, 
+prompt?: PlanPrompt | null, 
 /**
  * The conductor's attempts that could not be used, in order.
  */
-rejected: Array<RejectedPlan>, 
+rejected?: Array<RejectedPlan>, 
 /**
- * Why this plan is one worker alone instead of the conductor's (`None`: it is not).
+ * Why this plan is one worker alone instead of the conductor's (absent: it is not).
  */
-fallback: string | null, };
+fallback?: string | null, };
 
 export type StepRecord = { round: number, step: number, worker_index: number, worker: string, subtask: string, access: Access, 
 /**

@@ -50,6 +50,15 @@ fn workers(n: usize) -> Vec<WorkerInfo> {
 
 /// Shorter reasoning than the default keeps each plan to a few seconds on two CPU cores; the
 /// ending is what is tested, and it does not depend on the length.
+/// The greedy test's pool: other tests share the model (and its prefix cache), but not this
+/// worker list, so at most the instructions before it can come from their prompts.
+fn conductor_workers() -> Vec<WorkerInfo> {
+    workers(3)
+        .into_iter()
+        .map(|w| WorkerInfo { description: Some(format!("{} (greedy test)", w.description.unwrap_or_default())), ..w })
+        .collect()
+}
+
 fn options(temperature: f64) -> ConductorOptions {
     ConductorOptions {
         max_reasoning_chars: 150,
@@ -106,13 +115,7 @@ async fn plans_end_as_soon_as_their_grammar_is_complete() {
 async fn greedy_plans_repeat_exactly_and_the_second_reuses_the_prompt_prefix() {
     let _turn = ONE_AT_A_TIME.lock().await;
     let Some(model) = model().await else { return };
-    // A pool of its own: other tests share the model (and its prefix cache), but not this worker
-    // list, so at most the instructions and examples before it can come from their prompts.
-    let pool: Vec<WorkerInfo> = workers(3)
-        .into_iter()
-        .map(|w| WorkerInfo { description: Some(format!("{} (greedy test)", w.description.unwrap_or_default())), ..w })
-        .collect();
-    let conductor = LocalConductor::new(model.clone(), pool, options(0.0));
+    let conductor = LocalConductor::new(model.clone(), conductor_workers(), options(0.0));
     let ctx = PlanningContext::question("How many prime numbers are there below 50?", 3, 4);
     let (first, cold) = conductor.plan_with_stats(&ctx, &mut |_| {}, unmetered()).await.expect("first plan");
     let (second, warm) = conductor.plan_with_stats(&ctx, &mut |_| {}, unmetered()).await.expect("second plan");
@@ -121,10 +124,11 @@ async fn greedy_plans_repeat_exactly_and_the_second_reuses_the_prompt_prefix() {
     assert_eq!(first.raw, second.raw, "greedy plans for the same prompt are the same");
     assert!(cold.usage.cached_input_tokens < cold.usage.input_tokens, "{:?}", cold.usage);
 
-    // Another question for the same pool: only the question is new.
-    let other = PlanningContext::question("What is the capital of Australia?", 3, 4);
-    let (_, next) = conductor.plan_with_stats(&other, &mut |_| {}, unmetered()).await.expect("third plan");
-    assert_ended_at_the_fence(&model, &next, "a plan for another question").await;
+    // Another question of the same kind for the same pool: the same examples fit it, so only
+    // the question is new.
+    let alike = PlanningContext::question("How many prime numbers are there below 70?", 3, 4);
+    let (_, next) = conductor.plan_with_stats(&alike, &mut |_| {}, unmetered()).await.expect("third plan");
+    assert_ended_at_the_fence(&model, &next, "a plan for a question of the same kind").await;
     let new_tokens = next.usage.input_tokens - next.usage.cached_input_tokens;
     assert!(new_tokens < 40, "only the question is prefilled again: {:?}", next.usage);
     assert!(
@@ -133,6 +137,19 @@ async fn greedy_plans_repeat_exactly_and_the_second_reuses_the_prompt_prefix() {
         next.time_to_first_token,
         cold.time_to_first_token
     );
+
+    // Another kind of question gets other examples: everything before them still comes from
+    // the cache, and at most the examples and the question are prefilled (a token is at least
+    // a byte).
+    let other = PlanningContext::question("What is the capital of Australia?", 3, 4);
+    let system = baton_conductor::PromptBuilder::new(conductor_workers()).system(&other);
+    let examples_at = system.find("Example workflows").expect("v3 shows examples");
+    let (_, next) = conductor.plan_with_stats(&other, &mut |_| {}, unmetered()).await.expect("fourth plan");
+    assert_ended_at_the_fence(&model, &next, "a plan for another kind of question").await;
+    let new_tokens = next.usage.input_tokens - next.usage.cached_input_tokens;
+    let bound = (system.len() - examples_at + "What is the capital of Australia?".len() + 40) as u64;
+    assert!(new_tokens <= bound, "at most the examples and the question are new: {:?}, bound {bound}", next.usage);
+    assert!(next.usage.cached_input_tokens > 0, "the prefix before the examples is reused: {:?}", next.usage);
 }
 
 #[tokio::test(flavor = "multi_thread")]

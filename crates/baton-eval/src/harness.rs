@@ -1056,13 +1056,19 @@ mod tests {
         let sandbox = Sandbox::new(crate::sandbox::Limits::default()).expect("python for the sandbox");
         let prose = code_item("Write a function that adds two numbers.", None);
         let stub = code_item("def add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n", None);
-        let both = code_item("Add two numbers.", Some("import math\n\ndef add(a, b):\n"));
+        // A stub is valid Python on its own (HumanEval's have a docstring for a body), so a whole
+        // function written after it replaces it.
+        let both = code_item("Add two numbers.", Some("import math\n\ndef add(a, b):\n    \"\"\"Add.\"\"\"\n"));
         assert!(prompt(&prose).contains("Python function named `add`"), "{}", prompt(&prose));
         assert!(!prompt(&prose).contains("above"));
         assert!(
             prompt(&stub).starts_with("def add(a, b):") && prompt(&stub).contains("Complete the Python function above")
         );
-        assert!(prompt(&both).contains("```python\nimport math\n\ndef add(a, b):\n```"), "{}", prompt(&both));
+        assert!(
+            prompt(&both).contains("```python\nimport math\n\ndef add(a, b):\n    \"\"\"Add.\"\"\"\n```"),
+            "{}",
+            prompt(&both)
+        );
         let right = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```";
         let wrong = "```python\ndef add(a, b):\n    return a - b\n```";
         for item in [&prose, &stub, &both] {

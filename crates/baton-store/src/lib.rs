@@ -196,12 +196,15 @@ pub struct PlanRecord {
     pub usage: Option<Usage>,
     /// Why the conductor's generation ended (`stop`, `length`).
     pub stop_reason: Option<String>,
-    /// The conductor's exact request for this plan; `None` for a written plan, a fallback, or
-    /// one recorded before requests were kept.
+    /// The conductor's exact request for this plan; absent for a written plan, a fallback, or
+    /// one recorded before requests were kept. (Absent fields keep older exports as they were.)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt: Option<baton_engine::PlanPrompt>,
     /// The conductor's attempts that could not be used, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rejected: Vec<RejectedPlan>,
-    /// Why this plan is one worker alone instead of the conductor's (`None`: it is not).
+    /// Why this plan is one worker alone instead of the conductor's (absent: it is not).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback: Option<String>,
 }
 

@@ -155,7 +155,12 @@ async fn exports_of_recorded_runs_match_the_pinned_format() {
         RunRequest { plan: Some(again.plan), reuse: Some(again.reuse), ..request(&tree.run.question, plan) };
     record(&store, &again.pool, Some(conversation), rerun_request).await;
 
-    let broken = self::pool(&server, "", &[("ok", "fine"), ("broken", "broken;fail=401"), ("judge", "judge")]);
+    // As the fixture was recorded: the workers see their subtasks only.
+    let broken = self::pool(
+        &server,
+        "show_question = false",
+        &[("ok", "fine"), ("broken", "broken;fail=401"), ("judge", "judge")],
+    );
     let plan = "model_id = [0, 1, 2]\nsubtasks = [\"A.\", \"B.\", \"Judge.\"]\naccess_list = [[], [], [1]]";
     let failed = record(&store, &broken, None, request("Will it fail?", plan)).await;
 

@@ -328,7 +328,7 @@ export function fromRunTree(tree: RunTree): Topology {
     rerun_of: run.rerun_of ?? undefined,
   });
   for (const p of [...tree.plans].sort((a, b) => a.round - b.round)) {
-    if (p.rejected.length > 0) {
+    if (p.rejected && p.rejected.length > 0) {
       // Rejected attempts only happen while the conductor writes: the round exists before them.
       ensureRound(t, p.round, p.depth, p.parent ?? null);
       for (const r of p.rejected) {
