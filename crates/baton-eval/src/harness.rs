@@ -181,7 +181,13 @@ impl Harness {
                 "the suite's items say which split they are in (`split`); leave out --calibration".into(),
             ));
         }
-        let calibration = pinned.or(spec.calibration).unwrap_or(if needs_calibration { 0.3 } else { 0.0 });
+        // Pinned calibration items run only when a strategy learns from them; either way they
+        // are never test items (`split` honours the pins whatever the fraction).
+        let calibration = match pinned {
+            Some(share) if needs_calibration => share,
+            Some(_) => 0.0,
+            None => spec.calibration.unwrap_or(if needs_calibration { 0.3 } else { 0.0 }),
+        };
         if !(0.0..0.9).contains(&calibration) {
             return Err(EvalError::Settings("--calibration must be at least 0 and below 0.9".into()));
         }
