@@ -53,11 +53,6 @@ impl PromptVersion {
         }
     }
 
-    /// Whether this version's workers must be shown the question (v3's subtasks do not hold it).
-    pub fn shows_question(self) -> bool {
-        self == PromptVersion::V3
-    }
-
     fn files(self) -> (&'static str, &'static str, &'static str) {
         match self {
             PromptVersion::V2 => (V2_SYSTEM, V2_RECURSION, V2_EXAMPLES),
