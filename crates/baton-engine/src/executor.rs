@@ -414,12 +414,13 @@ impl Executor {
             }
             break;
         }
-        let worker = self.options.fallback.worker.filter(|w| *w < self.workers.len()).unwrap_or(0);
+        let (worker, why) = crate::fallback::fallback_worker(&self.options.fallback, self.workers.len(), &ctx.question);
         let plan = crate::fallback::alone_plan(worker, &ctx.history, &ctx.question);
         let reason = format!(
-            "{}; the question went to {} alone",
+            "{}; the question went to {} alone{}",
             reasons.join("; then "),
-            self.workers.get(worker).map_or("the first worker", |w| w.info.name.as_str())
+            self.workers.get(worker).map_or("the first worker", |w| w.info.name.as_str()),
+            why.map(|w| format!(" ({w})")).unwrap_or_default()
         );
         ctx.emit(RunEvent::PlanReady {
             round,

@@ -8,11 +8,12 @@
 //! that it fell back and why.
 
 use baton_plan::{Access, Plan, Step};
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 
 use baton_providers::{Message, Role};
 
 use crate::planner::ShownExample;
+use crate::pool::FallbackOptions;
 
 /// A copy is a run of this many words, in order, shared with an example's subtask.
 pub const COPY_WORDS: usize = 8;
@@ -121,6 +122,83 @@ fn words(text: &str) -> Vec<String> {
     text.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()).map(str::to_lowercase).collect()
 }
 
+/// What an evaluation of the pool measured of its workers alone: the best one overall and per
+/// category, and the category of each question it asked, so a new question can be placed by
+/// the evaluated questions nearest to it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Measured {
+    /// The best worker alone over every test item.
+    pub best: Option<usize>,
+    /// Category → the best worker alone on its items (only categories with at least
+    /// [`MIN_CATEGORY_ITEMS`] items, where one right answer more is not the whole difference).
+    pub best_by_category: BTreeMap<String, usize>,
+    /// Each evaluated question with its category.
+    pub questions: Vec<(String, String)>,
+}
+
+/// The fewest items a category needs before its own best worker is trusted over the best
+/// overall.
+pub const MIN_CATEGORY_ITEMS: usize = 4;
+
+/// How many evaluated questions vote on a new question's category, and how alike (shared
+/// distinctive words over all of either's, Jaccard) the nearest must be for the vote to count.
+const NEIGHBOURS: usize = 3;
+const MIN_LIKENESS: f64 = 0.12;
+
+/// Which worker answers alone when the plans cannot be used, and why that one (`None`: no
+/// measurement chose it). The user's `fallback_worker` first; then the best worker for the
+/// question's category, when the evaluated questions nearest to it say which category that is;
+/// then the best overall; else the first worker.
+pub fn fallback_worker(options: &FallbackOptions, workers: usize, question: &str) -> (usize, Option<String>) {
+    let valid = |w: Option<usize>| w.filter(|w| *w < workers);
+    if options.chosen {
+        if let Some(w) = valid(options.worker) {
+            return (w, None);
+        }
+    }
+    let m = &options.measured;
+    if let Some(category) = category_of(question, &m.questions) {
+        if let Some(w) = valid(m.best_by_category.get(category).copied()) {
+            return (w, Some(format!("the best alone at {category} in this pool's latest evaluation")));
+        }
+    }
+    if let Some(w) = valid(m.best) {
+        return (w, Some("the best alone in this pool's latest evaluation".into()));
+    }
+    (valid(options.worker).unwrap_or(0), None)
+}
+
+/// The category of the evaluated questions most like `question`, by a vote of the
+/// [`NEIGHBOURS`] nearest weighted by likeness; `None` when none is alike enough.
+pub fn category_of<'a>(question: &str, evaluated: &'a [(String, String)]) -> Option<&'a str> {
+    let mine = distinctive(question);
+    if mine.is_empty() {
+        return None;
+    }
+    let mut near: Vec<(f64, &str)> = evaluated
+        .iter()
+        .map(|(q, category)| {
+            let theirs = distinctive(q);
+            let shared = mine.intersection(&theirs).count() as f64;
+            let all = mine.union(&theirs).count() as f64;
+            (if all > 0.0 { shared / all } else { 0.0 }, category.as_str())
+        })
+        .filter(|(likeness, _)| *likeness >= MIN_LIKENESS)
+        .collect();
+    near.sort_by(|a, b| b.0.total_cmp(&a.0));
+    near.truncate(NEIGHBOURS);
+    let mut votes: BTreeMap<&str, f64> = BTreeMap::new();
+    for (likeness, category) in near {
+        *votes.entry(category).or_default() += likeness;
+    }
+    votes.into_iter().max_by(|a, b| a.1.total_cmp(&b.1)).map(|(c, _)| c)
+}
+
+/// A text's words that can tell one subject from another: three letters or more, not common.
+fn distinctive(text: &str) -> HashSet<String> {
+    words(text).into_iter().filter(|w| w.chars().count() >= 3 && !COMMON.contains(&w.as_str())).collect()
+}
+
 /// The one instruction a worker alone gets: the question, after the conversation so far when
 /// there is one (a worker sees no history of its own).
 pub fn alone_subtask(history: &[Message], question: &str) -> String {
@@ -167,6 +245,35 @@ mod tests {
 
     fn shown(question: &str, subtasks: &[&str]) -> Vec<ShownExample> {
         vec![ShownExample { question: question.into(), subtasks: subtasks.iter().map(|s| (*s).to_owned()).collect() }]
+    }
+
+    #[test]
+    fn the_fallback_goes_to_the_best_worker_for_the_questions_category() {
+        let measured = Measured {
+            best: Some(0),
+            best_by_category: [("chemistry".to_owned(), 2)].into(),
+            questions: vec![
+                ("What is the pH of a 0.01 M solution of hydrochloric acid?".into(), "chemistry".into()),
+                ("Which gas is released when zinc reacts with hydrochloric acid?".into(), "chemistry".into()),
+                ("Who wrote the Federalist Papers with Madison and Jay?".into(), "history".into()),
+            ],
+        };
+        let mut options = FallbackOptions { measured, ..Default::default() };
+        let acid = "What is the pH of a 0.1 M solution of acetic acid?";
+        let (w, why) = fallback_worker(&options, 3, acid);
+        assert_eq!(w, 2);
+        assert!(why.unwrap().contains("chemistry"));
+        // A question like none evaluated goes to the best worker overall.
+        assert_eq!(category_of("Translate 'good morning' into French.", &options.measured.questions), None);
+        assert_eq!(fallback_worker(&options, 3, "Translate 'good morning' into French.").0, 0);
+        // A category's best that this pool does not have (a removed worker) is not used.
+        assert_eq!(fallback_worker(&options, 2, acid).0, 0);
+        // The user's choice wins over any measurement.
+        options.worker = Some(1);
+        options.chosen = true;
+        assert_eq!(fallback_worker(&options, 3, acid), (1, None));
+        // Nothing measured, nothing chosen: the first worker.
+        assert_eq!(fallback_worker(&FallbackOptions::default(), 3, acid), (0, None));
     }
 
     #[test]

@@ -48,16 +48,21 @@ pub struct FallbackOptions {
     /// Off: the conductor's plan runs as written, and a plan that fails fails the run.
     pub enabled: bool,
     /// The worker that answers alone: `[conductor] fallback_worker` when the pool names one,
-    /// else the best worker of this pool's latest evaluation (set by the app), else the first.
+    /// else the best worker of this pool's latest evaluation (set from the history), else the
+    /// first. [`crate::fallback::fallback_worker`] prefers the best for the question's category.
     pub worker: Option<usize>,
     /// Whether `worker` is the user's choice (`fallback_worker`), which an evaluation's does not
     /// replace.
     pub chosen: bool,
+    /// What the pool's latest evaluation measured of each worker alone, per category, so the
+    /// question can go to the best worker for its kind (set by the app and the CLI from the
+    /// history; empty otherwise). Not used when the user chose the worker.
+    pub measured: crate::fallback::Measured,
 }
 
 impl Default for FallbackOptions {
     fn default() -> Self {
-        FallbackOptions { enabled: true, worker: None, chosen: false }
+        FallbackOptions { enabled: true, worker: None, chosen: false, measured: Default::default() }
     }
 }
 

@@ -869,3 +869,92 @@ async fn record_with(mut recorder: baton_store::Recorder, executor: &Executor, r
     tokio::join!(run, record);
     recorder.run_id().expect("a run id")
 }
+
+/// The worker that answers alone when plans cannot be used is measured: from the newest
+/// evaluation of a pool with the same workers, the best alone for the question's category
+/// (told by the evaluated questions nearest to it), else the best overall. A worker the pool
+/// names wins over any measurement.
+#[tokio::test]
+async fn the_fallback_worker_is_the_best_alone_for_the_questions_category_in_the_newest_evaluation() {
+    use baton_engine::fallback::fallback_worker;
+    use baton_store::evaluations::EvalResult;
+
+    let server = TestServer::start().await.expect("server");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&dir.path().join("history.sqlite")).await.expect("opens");
+    let mut pool = pool(&server, &[("a", "model-a"), ("b", "model-b")]);
+    let names = serde_json::json!(["a", "b"]);
+    // An evaluation of other workers says nothing about these.
+    store.create_evaluation("others", "s", "0", &serde_json::json!({"workers": ["b", "a"]})).await.expect("created");
+    store.create_evaluation("ours", "s", "0", &serde_json::json!({"workers": names})).await.expect("created");
+    let chemistry = [
+        "What is the pH of a 0.01 M solution of hydrochloric acid?",
+        "Which gas is released when zinc reacts with hydrochloric acid?",
+        "What is the molar mass of sulfuric acid?",
+        "How many moles of sodium chloride are in 117 grams of it?",
+    ];
+    let history = [
+        "Who wrote the Federalist Papers with Madison and Jay?",
+        "In which year did the Berlin Wall fall?",
+        "Which treaty ended the Thirty Years' War?",
+        "Who was the first emperor of Rome?",
+        "Which empire built Machu Picchu?",
+        "When did the Byzantine Empire fall?",
+    ];
+    let plan = "model_id = [0]\nsubtasks = [\"Answer it.\"]\naccess_list = [[]]";
+    let mut item = 0;
+    for (questions, category, a_right) in [(&chemistry[..], "chemistry", false), (&history[..], "history", true)] {
+        for question in questions {
+            item += 1;
+            let run = run_recorded(&store, &pool, None, question, plan).await;
+            let uid = store.run(run).await.expect("reads").expect("recorded").run.uid;
+            for (worker, right) in [("a", a_right), ("b", !a_right)] {
+                let result = EvalResult {
+                    strategy: format!("single:{worker}"),
+                    item_id: format!("item-{item}"),
+                    repeat: 0,
+                    split: "test".into(),
+                    category: category.into(),
+                    run_uid: Some(uid.clone()),
+                    run_id: None,
+                    answer: None,
+                    extracted: None,
+                    correct: right,
+                    error: None,
+                    plan_valid: None,
+                    steps: None,
+                    calls: 1,
+                    input_tokens: 0,
+                    cached_input_tokens: 0,
+                    output_tokens: 0,
+                    conductor_input_tokens: 0,
+                    conductor_cached_input_tokens: 0,
+                    conductor_output_tokens: 0,
+                    cost_usd: 0.0,
+                    cost_complete: true,
+                    latency_ms: 0,
+                };
+                store.put_eval_result("ours", &result).await.expect("put");
+            }
+        }
+    }
+
+    let measured = store.measured_alone(&["a".into(), "b".into()]).await.expect("reads");
+    assert_eq!(measured.best, Some(0), "a is right on 6 of 10, b on 4");
+    assert_eq!(measured.best_by_category, [("chemistry".to_owned(), 1), ("history".to_owned(), 0)].into());
+    assert_eq!(measured.questions.len(), 10);
+    assert_eq!(store.measured_alone(&["a".into()]).await.expect("reads"), Default::default(), "another pool");
+
+    store.choose_fallback_worker(&mut pool).await;
+    let acid = "What is the pH of a 0.5 M solution of nitric acid?";
+    let (worker, why) = fallback_worker(&pool.options.fallback, 2, acid);
+    assert_eq!(worker, 1, "b is the best alone at chemistry");
+    assert!(why.expect("measured").contains("chemistry"));
+    assert_eq!(fallback_worker(&pool.options.fallback, 2, "Name a prime number above 100.").0, 0);
+
+    // The user's own choice stands.
+    let mut chosen = pool.clone();
+    chosen.options.fallback = baton_engine::FallbackOptions { worker: Some(0), chosen: true, ..Default::default() };
+    store.choose_fallback_worker(&mut chosen).await;
+    assert_eq!(fallback_worker(&chosen.options.fallback, 2, acid), (0, None));
+}
