@@ -564,4 +564,14 @@ async fn a_plan_that_copies_an_example_falls_back_to_one_worker_and_says_so() {
     let after: Vec<_> = s.requests().into_iter().skip(before).filter(|r| r.model != "copier").collect();
     assert_eq!(after.len(), 1);
     assert!(after[0].model.starts_with('a'));
+
+    // v3 promises the conductor that every worker sees the question: a pool that hides it is
+    // refused before anything is asked, naming both ways out.
+    let hidden = format!("show_question = false\n{}", conductor(""));
+    let pool = write_pool(dir.path(), &s, &hidden, &[W("a", "openai", "a"), W("b", "anthropic", "b")]);
+    let before = s.requests().len();
+    let out = baton(&["ask", "--pool", path(&pool), question], None, TEST_KEY).await;
+    assert_ne!(out.code, Some(0), "{}", out.stdout);
+    assert!(out.stderr.contains("show_question = false") && out.stderr.contains("prompt = \"v2\""), "{}", out.stderr);
+    assert_eq!(s.requests().len(), before, "nothing was asked");
 }
