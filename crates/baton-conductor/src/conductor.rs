@@ -280,8 +280,13 @@ impl RemoteConductor {
     ) -> Result<Asked, PlannerError> {
         let output_cap = REMOTE_MAX_TOKENS;
         let worst = WorstCase::of(Some(system), &messages, output_cap, &self.pricing);
-        let request =
-            ChatRequest { system: Some(system.to_owned()), messages, max_tokens: Some(output_cap), constraint };
+        let request = ChatRequest {
+            system: Some(system.to_owned()),
+            messages,
+            max_tokens: Some(output_cap),
+            constraint,
+            ..ChatRequest::default()
+        };
         // Both the attempts and the retry notes write to the plan's text.
         let deltas = std::sync::Mutex::new(deltas);
         let write = |text: &str| (deltas.lock().unwrap_or_else(std::sync::PoisonError::into_inner))(text);

@@ -600,7 +600,7 @@ impl ChatModel for LocalWorker {
                 let options = GenerateOptions {
                     grammar: None,
                     max_tokens: request.max_tokens.map_or(me.max_tokens, |m| m as usize),
-                    temperature: me.temperature,
+                    temperature: request.temperature.map(f64::from).or(me.temperature),
                     complete_at: None,
                 };
                 let result = me.model.generate(request.system.as_deref(), &request.messages, &options, &mut send).await;

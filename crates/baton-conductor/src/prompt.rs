@@ -220,6 +220,9 @@ impl PromptBuilder {
             out.remove(0);
         }
         let mut question = format!("Question: {}", ctx.question);
+        if let Some(instructions) = &ctx.instructions {
+            question.push_str(&format!("\n\nThe user's instructions for the answer: {instructions}"));
+        }
         if ctx.allow_stop {
             question.push_str("\n\nThe work so far:\n");
             let (instruction, pairs) = match ctx.work.split_last() {

@@ -160,8 +160,8 @@ async fn a_local_worker_answer_ends_on_its_end_of_turn_token() {
     let request = ChatRequest {
         system: None,
         messages: vec![Message::user("What is the capital of France? Answer in one short sentence.")],
-        max_tokens: None,
         constraint: None,
+        ..ChatRequest::default()
     };
     let mut stream = worker.stream(request).await.expect("stream");
     let mut text = String::new();

@@ -84,9 +84,36 @@ pub struct RunRequest {
     /// Round-0 outputs to keep from an earlier run instead of calling again (a re-run; see
     /// [`crate::rerun`]). Needs `plan`.
     pub reuse: Option<Reuse>,
+    /// The client's own instructions (an API request's `system` message): the conductor sees
+    /// them with the question, and every worker after Baton's step instructions.
+    pub instructions: Option<String>,
+    /// Settings for the steps that write an answer (the last step of each plan), from an API
+    /// client's request: they tighten or replace the worker's own.
+    pub answer: AnswerSettings,
     /// Caps for this run instead of the pool's (an evaluation gives each run its share of the
     /// evaluation's spending cap). Each cap is the tighter of this and the pool's.
     pub budget: Option<Budget>,
+}
+
+/// An API client's settings for the answer it gets: the last step of each plan (a recursive
+/// round's last step answers for the step that opened it).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct AnswerSettings {
+    /// At most this many output tokens (never more than the worker's own `max_tokens`).
+    pub max_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+}
+
+/// A worker's system message: Baton's step instructions (the question, when the pool shows it),
+/// then the client's own instructions, if any.
+fn worker_system(show_question: bool, ctx: &RunCtx<'_>) -> Option<String> {
+    let step = show_question
+        .then(|| format!("You are one step of a larger workflow. The user's original question:\n\n{}", ctx.question));
+    match (step, &ctx.instructions) {
+        (Some(step), Some(theirs)) => Some(format!("{step}\n\nThe user's instructions:\n\n{theirs}")),
+        (step, theirs) => step.or_else(|| theirs.clone()),
+    }
 }
 
 /// What a re-run keeps from the run it re-runs.
@@ -229,6 +256,8 @@ impl Executor {
             step_cap: AtomicUsize::new(usize::MAX),
             question: request.question.clone(),
             history: request.history.clone(),
+            instructions: request.instructions.clone().filter(|i| !i.trim().is_empty()),
+            answer: request.answer,
         };
         let reuse = request.reuse.unwrap_or_default();
         ctx.emit(RunEvent::RunStarted {
@@ -331,6 +360,7 @@ impl Executor {
         let mut context = PlanningContext {
             question: ctx.question.clone(),
             history: ctx.history.clone(),
+            instructions: ctx.instructions.clone(),
             work,
             depth,
             allow_self: self.recursive() && depth < self.options.recursion.max_depth,
@@ -514,13 +544,9 @@ impl Executor {
                         if worker == self.workers.len() {
                             running.push(Box::pin(self.run_recursive_step(ctx, round, i, depth, messages)));
                         } else {
-                            let system = self.options.show_question.then(|| {
-                                format!(
-                                    "You are one step of a larger workflow. The user's original question:\n\n{}",
-                                    ctx.question
-                                )
-                            });
-                            running.push(Box::pin(self.run_step(ctx, round, i, worker, system, messages)));
+                            let system = worker_system(self.options.show_question, ctx);
+                            let answers = i + 1 == n;
+                            running.push(Box::pin(self.run_step(ctx, round, i, worker, system, messages, answers)));
                         }
                     }
                 }
@@ -595,6 +621,7 @@ impl Executor {
         worker_index: usize,
         system: Option<String>,
         messages: Vec<Message>,
+        answers: bool,
     ) -> (usize, Result<StepDone, StepFailure>) {
         let worker = &self.workers[worker_index];
         let permit = match self.limits.get(&worker.endpoint) {
@@ -614,9 +641,16 @@ impl Executor {
             messages: messages.clone(),
         });
         let started = Instant::now();
-        let request = ChatRequest { system, messages, ..ChatRequest::default() };
+        let mut request = ChatRequest { system, messages, ..ChatRequest::default() };
+        let mut output_cap = worker.output_cap;
+        if answers {
+            let a = ctx.answer;
+            request.max_tokens = a.max_tokens.map(|m| m.min(worker.output_cap));
+            output_cap = request.max_tokens.unwrap_or(output_cap);
+            (request.temperature, request.top_p) = (a.temperature, a.top_p);
+        }
         // The same for every attempt: the messages do not change between retries.
-        let worst = WorstCase::of(request.system.as_deref(), &request.messages, worker.output_cap, &worker.pricing);
+        let worst = WorstCase::of(request.system.as_deref(), &request.messages, output_cap, &worker.pricing);
         // Every attempt's usage, failed ones included: the step's figures are what it cost.
         let mut spent = Usage::default();
         let mut cost = Some(0.0);
@@ -786,6 +820,8 @@ struct RunCtx<'a> {
     step_cap: AtomicUsize,
     question: String,
     history: Vec<Message>,
+    instructions: Option<String>,
+    answer: AnswerSettings,
 }
 
 impl RunCtx<'_> {

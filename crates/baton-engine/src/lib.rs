@@ -17,7 +17,7 @@ pub mod prices;
 pub mod rerun;
 
 pub use event::{RerunOf, RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, StepRef, Totals};
-pub use executor::{EventSink, Executor, Reuse, RunOutcome, RunRequest, RunStatus, Worker, new_run_id};
+pub use executor::{AnswerSettings, EventSink, Executor, Reuse, RunOutcome, RunRequest, RunStatus, Worker, new_run_id};
 pub use planner::{PlanDeltas, PlanPrompt, Planned, Planner, PlannerError, PlanningContext, ShownExample};
 pub use pool::{
     Budget, ConductorSpec, FallbackOptions, Pool, PoolError, PoolOptions, RecursionOptions, WorkerInfo, WorkerSpec,

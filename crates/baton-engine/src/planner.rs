@@ -13,6 +13,8 @@ pub struct PlanningContext {
     pub question: String,
     /// Earlier turns of the conversation, oldest first, already bounded by the caller.
     pub history: Vec<Message>,
+    /// The client's own instructions for the answer (an API request's `system` message).
+    pub instructions: Option<String>,
     /// For a recursive round: the work the conductor's step sees, as subtask/answer turns.
     pub work: Vec<Message>,
     /// 0 for the question's plan, 1 for a round opened by that plan, and so on.
@@ -37,6 +39,7 @@ impl PlanningContext {
         PlanningContext {
             question: question.into(),
             history: Vec::new(),
+            instructions: None,
             work: Vec::new(),
             depth: 0,
             allow_self: false,

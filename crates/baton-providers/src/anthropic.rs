@@ -233,8 +233,8 @@ pub(crate) fn request_body<'a>(call: &Call<'a>, req: &'a ChatRequest) -> Request
         system: req.system.as_deref(),
         stream: s.stream,
         // Anthropic rejects temperature and top_p together with thinking.
-        temperature: if thinking.is_some() { None } else { s.temperature },
-        top_p: if thinking.is_some() { None } else { s.top_p },
+        temperature: if thinking.is_some() { None } else { req.temperature.or(s.temperature) },
+        top_p: if thinking.is_some() { None } else { req.top_p.or(s.top_p) },
         thinking: if req.max_tokens.is_some() { None } else { thinking },
     }
 }

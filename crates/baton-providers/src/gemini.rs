@@ -195,8 +195,8 @@ pub(crate) fn request_body<'a>(call: &Call<'a>, req: &'a ChatRequest) -> Request
         system_instruction: req.system.as_deref().map(|text| SystemInstruction { parts: vec![RequestPart { text }] }),
         generation_config: GenerationConfig {
             max_output_tokens: req.max_tokens.unwrap_or(s.max_tokens),
-            temperature: s.temperature,
-            top_p: s.top_p,
+            temperature: req.temperature.or(s.temperature),
+            top_p: req.top_p.or(s.top_p),
             thinking_config: s.thinking_budget.map(|thinking_budget| ThinkingConfig { thinking_budget }),
         },
     }

@@ -56,6 +56,10 @@ pub struct ChatRequest {
     pub messages: Vec<Message>,
     /// Overrides the worker's `max_tokens` (used by connection checks to keep calls cheap).
     pub max_tokens: Option<u32>,
+    /// Override the worker's sampling settings for this call (an API client's own, for the
+    /// answer's step).
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
     /// A grammar the server must hold the answer to; only OpenAI-compatible servers take one.
     pub constraint: Option<Constraint>,
 }

@@ -208,8 +208,8 @@ pub(crate) fn request_body<'a>(call: &Call<'a>, req: &'a ChatRequest, official: 
         stream_options: s.stream.then_some(StreamOptions { include_usage: true }),
         max_tokens: (!completion_style).then_some(max),
         max_completion_tokens: completion_style.then_some(max),
-        temperature: s.temperature,
-        top_p: s.top_p,
+        temperature: req.temperature.or(s.temperature),
+        top_p: req.top_p.or(s.top_p),
         reasoning_effort: s.reasoning_effort.as_deref(),
         structured_outputs: match &req.constraint {
             Some(Constraint::VllmRegex(regex)) => Some(StructuredOutputs { regex }),

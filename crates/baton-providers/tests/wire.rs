@@ -29,8 +29,7 @@ fn request() -> ChatRequest {
             Message::assistant("4"),
             Message::user("Check the solution above."),
         ],
-        max_tokens: None,
-        constraint: None,
+        ..ChatRequest::default()
     }
 }
 

@@ -1,0 +1,688 @@
+//! `POST /v1/chat/completions`: one request is one run.
+//!
+//! The request's last message is the question; earlier user and assistant turns are the
+//! conversation the conductor sees; `system` and `developer` messages are the client's
+//! instructions, which the conductor sees with the question and every worker gets after Baton's
+//! own step instructions. `max_tokens`, `temperature` and `top_p` go to the steps that write
+//! the answer (the last step of each plan). Fields Baton cannot honour are refused by name.
+//!
+//! Streamed, the answer's step streams as `content`; the plan and each step's progress stream
+//! as `reasoning_content`, which clients show as thinking. Every chunk and the whole response
+//! carry a `baton` object (run id, plan, steps, status, usage) that other clients ignore.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use baton_engine::{AnswerSettings, Budget, RunErrorKind, RunEvent, RunRequest, StepErrorKind, Totals, new_run_id};
+use baton_providers::{Message, Role};
+use futures::StreamExt;
+use serde_json::{Map, Value, json};
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tokio_util::sync::CancellationToken;
+
+use crate::{ApiError, Service};
+
+/// Fields of OpenAI's Chat Completions request and what Baton does with each.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Field {
+    /// Read and honoured.
+    Used,
+    /// Accepted and not used (bookkeeping a local server has no use for).
+    Ignored,
+    /// Refused unless absent, `null`, or a value that asks for nothing (`n: 1`, `logprobs: false`).
+    Refused(&'static str),
+}
+
+const FIELDS: &[(&str, Field)] = &[
+    ("model", Field::Used),
+    ("messages", Field::Used),
+    ("stream", Field::Used),
+    ("stream_options", Field::Used),
+    ("max_tokens", Field::Used),
+    ("max_completion_tokens", Field::Used),
+    ("temperature", Field::Used),
+    ("top_p", Field::Used),
+    ("n", Field::Refused("Baton writes one answer per request (n = 1)")),
+    ("user", Field::Ignored),
+    ("metadata", Field::Ignored),
+    ("store", Field::Ignored),
+    ("service_tier", Field::Ignored),
+    ("prompt_cache_key", Field::Ignored),
+    ("safety_identifier", Field::Ignored),
+    ("parallel_tool_calls", Field::Ignored),
+    ("tools", Field::Refused("Baton's workers answer in text; tools are not supported")),
+    ("functions", Field::Refused("Baton's workers answer in text; functions are not supported")),
+    ("tool_choice", Field::Refused("Baton's workers answer in text; tools are not supported")),
+    ("function_call", Field::Refused("Baton's workers answer in text; functions are not supported")),
+    ("logprobs", Field::Refused("log probabilities are not available through a workflow")),
+    ("top_logprobs", Field::Refused("log probabilities are not available through a workflow")),
+    ("response_format", Field::Refused("only text answers are supported (response_format type \"text\")")),
+    ("audio", Field::Refused("only text is supported")),
+    ("modalities", Field::Refused("only text is supported (modalities [\"text\"])")),
+    ("seed", Field::Refused("a seed is not passed to the workers")),
+    ("stop", Field::Refused("stop sequences are not passed to the workers")),
+    ("presence_penalty", Field::Refused("penalties are not passed to the workers")),
+    ("frequency_penalty", Field::Refused("penalties are not passed to the workers")),
+    ("logit_bias", Field::Refused("logit bias is not passed to the workers")),
+    ("reasoning_effort", Field::Refused("set a worker's reasoning effort in the pool file instead")),
+    ("verbosity", Field::Refused("verbosity is not passed to the workers")),
+    ("prediction", Field::Refused("predicted outputs are not supported")),
+    ("web_search_options", Field::Refused("web search is not supported")),
+];
+
+/// Whether a refused field's value asks for nothing, so a client that sends defaults works.
+fn asks_for_nothing(name: &str, value: &Value) -> bool {
+    match (name, value) {
+        (_, Value::Null) => true,
+        ("n", v) => v.as_u64() == Some(1),
+        ("logprobs", Value::Bool(false)) => true,
+        ("tools" | "functions", Value::Array(a)) => a.is_empty(),
+        ("tool_choice" | "function_call", Value::String(s)) => s == "none",
+        ("response_format", v) => v.get("type").and_then(Value::as_str) == Some("text"),
+        ("modalities", Value::Array(a)) => a.iter().all(|m| m == "text"),
+        ("presence_penalty" | "frequency_penalty", v) => v.as_f64() == Some(0.0),
+        ("logit_bias", Value::Object(m)) => m.is_empty(),
+        ("stop", Value::Array(a)) => a.is_empty(),
+        _ => false,
+    }
+}
+
+/// A request, checked: what to run and how to answer.
+#[derive(Debug)]
+pub(crate) struct Call {
+    model: String,
+    /// `None`: the conductor plans; `Some(i)`: worker `i` alone.
+    worker: Option<usize>,
+    question: String,
+    history: Vec<Message>,
+    instructions: Option<String>,
+    answer: AnswerSettings,
+    stream: bool,
+    include_usage: bool,
+    budget: Option<Budget>,
+    conversation: Option<i64>,
+}
+
+fn number(body: &Map<String, Value>, name: &str) -> Result<Option<f64>, ApiError> {
+    match body.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_f64().map(Some).ok_or_else(|| ApiError::bad_field(name, format!("`{name}` must be a number"))),
+    }
+}
+
+/// The text of a message's `content`: a string, or text parts (anything else is refused).
+fn text_of(content: &Value, at: usize) -> Result<String, ApiError> {
+    match content {
+        Value::Null => Ok(String::new()),
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut text = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
+                if kind != "text" {
+                    return Err(ApiError::bad_field(
+                        &format!("messages[{at}].content[{j}].type"),
+                        format!("only text parts are supported, not `{kind}`"),
+                    ));
+                }
+                text.push_str(part.get("text").and_then(Value::as_str).unwrap_or(""));
+            }
+            Ok(text)
+        }
+        _ => Err(ApiError::bad_field(&format!("messages[{at}].content"), "content must be a string or text parts")),
+    }
+}
+
+/// Checks a request body and headers; every refusal names what to change.
+pub(crate) fn parse(service: &Service, headers: &HeaderMap, bytes: &[u8]) -> Result<Call, ApiError> {
+    let body: Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::bad_request(format!("the body is not JSON ({e}); send a Chat Completions request")))?;
+    let Value::Object(body) = body else {
+        return Err(ApiError::bad_request("the body must be a JSON object"));
+    };
+    for (name, value) in &body {
+        match FIELDS.iter().find(|(f, _)| f == name).map(|(_, f)| *f) {
+            None => return Err(ApiError::bad_field(name, format!("Unrecognized request argument supplied: {name}"))),
+            Some(Field::Refused(why)) if !asks_for_nothing(name, value) => {
+                return Err(ApiError::bad_field(name, format!("`{name}` is not supported: {why}")));
+            }
+            Some(_) => {}
+        }
+    }
+    let model = body
+        .get("model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::bad_field("model", "`model` is required: `baton`, or `baton/<worker>`"))?
+        .to_owned();
+    let worker = service.target(&model)?;
+    let messages = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or_else(|| ApiError::bad_field("messages", "`messages` is required: a list of messages"))?;
+    if messages.is_empty() {
+        return Err(ApiError::bad_field("messages", "`messages` is empty: the last message is the question"));
+    }
+    if messages.len() > service.options.max_messages {
+        return Err(ApiError::bad_field(
+            "messages",
+            format!("{} messages is over this server's limit of {}", messages.len(), service.options.max_messages),
+        ));
+    }
+    let mut instructions = Vec::new();
+    let mut turns = Vec::new();
+    for (i, m) in messages.iter().enumerate() {
+        let role = m.get("role").and_then(Value::as_str).unwrap_or("");
+        if m.get("tool_calls").is_some_and(|t| !t.is_null()) {
+            return Err(ApiError::bad_field(&format!("messages[{i}].tool_calls"), "tool calls are not supported"));
+        }
+        let text = text_of(m.get("content").unwrap_or(&Value::Null), i)?;
+        match role {
+            "system" | "developer" => instructions.push(text),
+            "user" => turns.push(Message::user(text)),
+            "assistant" => turns.push(Message::assistant(text)),
+            other => {
+                return Err(ApiError::bad_field(
+                    &format!("messages[{i}].role"),
+                    format!("role `{other}` is not supported: use system, developer, user or assistant"),
+                ));
+            }
+        }
+    }
+    let question = match turns.pop() {
+        Some(Message { role: Role::User, content }) if !content.trim().is_empty() => content,
+        _ => {
+            return Err(ApiError::bad_field(
+                "messages",
+                "the last user or assistant message must be the user's question, and not empty",
+            ));
+        }
+    };
+    let max_tokens = match (number(&body, "max_completion_tokens")?, number(&body, "max_tokens")?) {
+        (Some(m), _) | (None, Some(m)) if m >= 1.0 => Some(m as u32),
+        (None, None) => None,
+        _ => return Err(ApiError::bad_field("max_tokens", "`max_tokens` must be at least 1")),
+    };
+    let temperature = number(&body, "temperature")?.map(|t| t as f32);
+    let top_p = number(&body, "top_p")?.map(|t| t as f32);
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let include_usage =
+        body.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
+    Ok(Call {
+        model,
+        worker,
+        question,
+        history: turns,
+        instructions: (!instructions.is_empty()).then(|| instructions.join("\n\n")),
+        answer: AnswerSettings { max_tokens, temperature, top_p },
+        stream,
+        include_usage,
+        budget: budget(headers)?,
+        conversation: header_number(headers, "x-baton-conversation")?.map(|c| c as i64),
+    })
+}
+
+fn header_number(headers: &HeaderMap, name: &str) -> Result<Option<f64>, ApiError> {
+    let Some(value) = headers.get(name) else { return Ok(None) };
+    let parsed = value.to_str().ok().and_then(|v| v.trim().parse::<f64>().ok()).filter(|v| *v > 0.0);
+    parsed.map(Some).ok_or_else(|| ApiError::bad_request(format!("the header {name} must be a number above 0")))
+}
+
+/// A request's own caps (`x-baton-max-cost-usd`, `x-baton-max-tokens`): the executor applies
+/// the tighter of these and the pool's, so a request can lower a cap and never raise it.
+fn budget(headers: &HeaderMap) -> Result<Option<Budget>, ApiError> {
+    let cost = header_number(headers, "x-baton-max-cost-usd")?;
+    let tokens = header_number(headers, "x-baton-max-tokens")?.map(|t| t as u64);
+    Ok((cost.is_some() || tokens.is_some()).then_some(Budget {
+        max_calls: None,
+        max_tokens: tokens,
+        max_cost_usd: cost,
+    }))
+}
+
+pub async fn completions(
+    axum::extract::State(service): axum::extract::State<Arc<Service>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let bytes = match axum::body::to_bytes(body, service.options.max_body_bytes).await {
+        Ok(bytes) => bytes,
+        Err(_) => {
+            return ApiError::too_large(format!(
+                "the request is over this server's limit of {} bytes",
+                service.options.max_body_bytes
+            ))
+            .into_response();
+        }
+    };
+    let call = match parse(&service, &headers, &bytes) {
+        Ok(call) => call,
+        Err(e) => return e.into_response(),
+    };
+    let Ok(permit) = service.runs.clone().try_acquire_owned() else {
+        return ApiError::busy(
+            format!(
+                "all {} of this server's run slots are busy; try again shortly",
+                service.options.max_concurrent_runs
+            ),
+            Some(1),
+        )
+        .into_response();
+    };
+    if let (Some(id), Some(store)) = (call.conversation, &service.store) {
+        match store.conversation_title(id).await {
+            Ok(Some(_)) => {}
+            Ok(None) => {
+                return ApiError::bad_request(format!(
+                    "there is no conversation {id} in the history (x-baton-conversation)"
+                ))
+                .into_response();
+            }
+            Err(e) => return ApiError::internal(format!("the history cannot be read: {e}")).into_response(),
+        }
+    }
+    let run = start(&service, call, permit);
+    if run.stream { stream(run) } else { complete(run).await }
+}
+
+/// A run in flight: its events, and the token that stops it.
+struct Running {
+    run_id: String,
+    model: String,
+    stream: bool,
+    include_usage: bool,
+    events: mpsc::UnboundedReceiver<RunEvent>,
+    cancel: CancellationToken,
+    created: u64,
+    workers: Vec<String>,
+}
+
+/// Starts the run on its own task, which records every event in the history and passes it on;
+/// the run goes on to its end (or its cancellation) whatever the client does.
+fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePermit) -> Running {
+    let run_id = new_run_id();
+    let plan = call.worker.map(|w| baton_engine::fallback::alone_plan(w, &call.history, &call.question));
+    let request = RunRequest {
+        run_id: run_id.clone(),
+        question: call.question,
+        history: call.history,
+        plan,
+        instructions: call.instructions,
+        answer: call.answer,
+        budget: call.budget,
+        ..RunRequest::default()
+    };
+    let (to_client, events) = mpsc::unbounded_channel();
+    let cancel = CancellationToken::new();
+    let executor = service.executor.clone();
+    let mut recorder = service.store.as_ref().map(|s| s.recorder(call.conversation));
+    let stop = cancel.clone();
+    tokio::spawn(async move {
+        let _permit = permit;
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let relay = async {
+            while let Some(event) = rx.recv().await {
+                if let Some(r) = &mut recorder
+                    && let Err(e) = r.record(&event).await
+                {
+                    tracing::warn!("a served run is not fully recorded in the history: {e}");
+                    recorder = None;
+                }
+                let _ = to_client.send(event);
+            }
+        };
+        let run = async {
+            executor.run(request, &tx, &stop).await;
+            drop(tx);
+        };
+        tokio::join!(run, relay);
+    });
+    Running {
+        run_id,
+        model: call.model,
+        stream: call.stream,
+        include_usage: call.include_usage,
+        events,
+        cancel,
+        created: service.created,
+        workers: service.workers.clone(),
+    }
+}
+
+/// What a client is shown of a run as it goes: which step writes the answer, the plans, the
+/// steps and how they ended.
+#[derive(Debug, Default)]
+struct Progress {
+    /// The step whose text is the answer: the last step of the question's plan, or of the
+    /// round a final conductor step opened.
+    answer_step: Option<(u32, usize)>,
+    answer_worker: Option<usize>,
+    plans: Vec<Value>,
+    steps: Vec<Value>,
+    fallback: Option<String>,
+    /// The answer step's failure, to tell a time-out (504) from other failures (502).
+    answer_error: Option<StepErrorKind>,
+}
+
+impl Progress {
+    /// Takes in one event; returns the text it adds to the reasoning shown, if any.
+    fn see(&mut self, event: &RunEvent, workers: &[String]) -> Option<String> {
+        let name = |w: usize| workers.get(w).cloned().unwrap_or_else(|| "the conductor".to_owned());
+        match event {
+            RunEvent::PlanStarted { round, .. } => {
+                Some(format!("Planning{}…\n", if *round > 0 { " again" } else { "" }))
+            }
+            RunEvent::PlanDelta { text, .. } => Some(text.clone()),
+            RunEvent::PlanRejected { reason, retry, .. } => {
+                Some(format!("\nPlan not used: {reason}{}\n", if *retry { "; asking again" } else { "" }))
+            }
+            RunEvent::PlanReady { round, parent, plan, fallback, .. } => {
+                let last = plan.steps.len().checked_sub(1);
+                let continues = parent.is_some_and(|p| Some((p.round, p.step)) == self.answer_step);
+                if let (true, Some(last)) = (*round == 0 || continues, last) {
+                    self.answer_step = Some((*round, last));
+                    self.answer_worker = Some(plan.steps[last].model_id);
+                }
+                if fallback.is_some() {
+                    self.fallback = fallback.clone();
+                }
+                self.plans.push(json!({ "round": round, "plan": plan, "fallback": fallback }));
+                let mut text = String::from("\n");
+                if let Some(why) = fallback {
+                    text.push_str(&format!("Fallback: {why}\n"));
+                }
+                for (i, s) in plan.steps.iter().enumerate() {
+                    text.push_str(&format!("Step {i} · {}: {}\n", name(s.model_id), first_line(&s.subtask)));
+                }
+                Some(text)
+            }
+            RunEvent::StepStarted { round, step, worker, .. } => {
+                self.steps.push(json!({ "round": round, "step": step, "worker": name(*worker), "status": "running" }));
+                (Some((*round, *step)) != self.answer_step)
+                    .then(|| format!("Step {step} · {} working…\n", name(*worker)))
+            }
+            RunEvent::StepFinished { round, step, latency_ms, .. } => {
+                self.set_status(*round, *step, "finished");
+                (Some((*round, *step)) != self.answer_step)
+                    .then(|| format!("Step {step} done in {:.1} s\n", *latency_ms as f64 / 1000.0))
+            }
+            RunEvent::StepFailed { round, step, error } => {
+                self.set_status(*round, *step, "failed");
+                if Some((*round, *step)) == self.answer_step {
+                    self.answer_error = Some(error.kind);
+                }
+                Some(format!("Step {step} failed: {}\n", error.message))
+            }
+            RunEvent::StepRetrying { step, attempt, delay_ms, .. } => {
+                Some(format!("Step {step}: attempt {attempt} failed; retrying in {:.1} s\n", *delay_ms as f64 / 1000.0))
+            }
+            _ => None,
+        }
+    }
+
+    fn set_status(&mut self, round: u32, step: usize, status: &str) {
+        if let Some(s) = self.steps.iter_mut().rev().find(|s| s["round"] == round && s["step"] == step) {
+            s["status"] = json!(status);
+        }
+    }
+}
+
+fn first_line(text: &str) -> String {
+    let line = text.lines().next().unwrap_or_default();
+    let cut: String = line.chars().take(160).collect();
+    if cut.len() < text.len() { format!("{cut}…") } else { cut }
+}
+
+/// OpenAI's `usage`, with the conductor's share in the orchestration fields.
+fn usage(totals: &Totals) -> Value {
+    let all = totals.usage;
+    let c = totals.conductor.usage;
+    json!({
+        "prompt_tokens": all.input_tokens,
+        "completion_tokens": all.output_tokens,
+        "total_tokens": all.input_tokens + all.output_tokens,
+        "prompt_tokens_details": {
+            "cached_tokens": all.cached_input_tokens,
+            "orchestration_input_tokens": c.input_tokens,
+            "orchestration_input_cached_tokens": c.cached_input_tokens,
+        },
+        "completion_tokens_details": { "orchestration_output_tokens": c.output_tokens },
+    })
+}
+
+/// `x-baton-cost-usd`: the dollars, prefixed `>=` when some price is unknown (a lower bound).
+fn cost_text(totals: &Totals) -> String {
+    format!("{}{:.6}", if totals.cost_complete { "" } else { ">=" }, totals.cost_usd)
+}
+
+fn baton_object(run: &Running, progress: &Progress, status: &str, totals: Option<&Totals>) -> Value {
+    let mut o = json!({
+        "run_id": run.run_id,
+        "status": status,
+        "plans": progress.plans,
+        "steps": progress.steps,
+    });
+    if let Some(f) = &progress.fallback {
+        o["fallback"] = json!(f);
+    }
+    if let Some(t) = totals {
+        o["usage"] = usage(t);
+        o["cost_usd"] = json!(t.cost_usd);
+        o["cost_complete"] = json!(t.cost_complete);
+        o["wall_ms"] = json!(t.wall_ms);
+    }
+    o
+}
+
+/// How a run that ended without an answer reaches the client.
+fn failure(kind: Option<RunErrorKind>, message: &str, progress: &Progress, workers: &[String]) -> ApiError {
+    let worker = progress.answer_worker.and_then(|w| workers.get(w)).map_or("", String::as_str);
+    match kind {
+        Some(RunErrorKind::BudgetExceeded) => ApiError {
+            code: Some("budget_exceeded"),
+            ..ApiError::busy(format!("the run stopped at a budget cap: {message}"), None)
+        },
+        _ if progress.answer_error == Some(StepErrorKind::Timeout) => {
+            ApiError::timeout(format!("the answer's step (worker {worker}) timed out: {message}"))
+        }
+        _ => ApiError::bad_gateway(format!("the run failed: {message}")),
+    }
+}
+
+/// Not streamed: waits for the run's end, then answers in one body.
+async fn complete(mut run: Running) -> Response {
+    // A client that goes away drops this future, and the guard stops the run.
+    let _stop_on_drop = run.cancel.clone().drop_guard();
+    let mut progress = Progress::default();
+    let mut reasoning = String::new();
+    let mut end = None;
+    while let Some(event) = run.events.recv().await {
+        if let Some(text) = progress.see(&event, &run.workers) {
+            reasoning.push_str(&text);
+        }
+        if event.is_terminal() {
+            end = Some(event);
+        }
+    }
+    let (answer, totals, error) = match end {
+        Some(RunEvent::RunFinished { answer, totals }) => (answer, totals, None),
+        Some(RunEvent::RunFailed { error, totals }) => {
+            (String::new(), totals, Some(failure(Some(error.kind), &error.message, &progress, &run.workers)))
+        }
+        Some(RunEvent::RunCancelled { totals }) => {
+            (String::new(), totals, Some(ApiError::internal("the run was cancelled before it answered")))
+        }
+        _ => return ApiError::internal("the run ended without a result").into_response(),
+    };
+    let mut response = match error {
+        Some(e) => {
+            let mut body = e.body();
+            body["baton"] = baton_object(&run, &progress, "failed", Some(&totals));
+            let mut r = (e.status, axum::Json(body)).into_response();
+            if let Some(s) = e.retry_after {
+                r.headers_mut().insert(axum::http::header::RETRY_AFTER, HeaderValue::from(s));
+            }
+            r
+        }
+        None => {
+            let body = json!({
+                "id": format!("chatcmpl-{}", run.run_id),
+                "object": "chat.completion",
+                "created": run.created,
+                "model": run.model,
+                "choices": [{
+                    "index": 0,
+                    "message": { "role": "assistant", "content": answer, "reasoning_content": reasoning, "refusal": null },
+                    "finish_reason": "stop",
+                    "logprobs": null,
+                }],
+                "usage": usage(&totals),
+                "baton": baton_object(&run, &progress, "finished", Some(&totals)),
+            });
+            (StatusCode::OK, axum::Json(body)).into_response()
+        }
+    };
+    let headers = response.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&run.run_id) {
+        headers.insert("x-baton-run-id", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&cost_text(&totals)) {
+        headers.insert("x-baton-cost-usd", v);
+    }
+    response
+}
+
+/// Streamed: Server-Sent Events in OpenAI's chunk shape, ending with `data: [DONE]`. The run's
+/// cost is known only at its end, so it comes in the last chunk's `baton` object (headers go
+/// out first: `x-baton-run-id` is one).
+fn stream(run: Running) -> Response {
+    let run_id = run.run_id.clone();
+    // The body owns this guard: a client that disconnects drops the body, which stops the run.
+    let stop = run.cancel.clone().drop_guard();
+    let chunks = futures::stream::unfold(
+        (run, Progress::default(), Stage::Start, String::new()),
+        |(mut run, mut progress, stage, mut streamed)| async move {
+            let chunk = |run: &Running, delta: Value, finish: Option<&str>, baton: Value| {
+                json!({
+                    "id": format!("chatcmpl-{}", run.run_id),
+                    "object": "chat.completion.chunk",
+                    "created": run.created,
+                    "model": run.model,
+                    "choices": [{ "index": 0, "delta": delta, "finish_reason": finish, "logprobs": null }],
+                    "baton": baton,
+                })
+            };
+            match stage {
+                Stage::Start => {
+                    let first = chunk(
+                        &run,
+                        json!({ "role": "assistant", "content": "" }),
+                        None,
+                        json!({ "run_id": run.run_id, "status": "running" }),
+                    );
+                    Some((vec![sse(&first)], (run, progress, Stage::Events, streamed)))
+                }
+                Stage::Events => {
+                    let Some(event) = run.events.recv().await else {
+                        let e = ApiError::internal("the run ended without a result");
+                        return Some((vec![sse(&e.body()), DONE.to_owned()], (run, progress, Stage::Done, streamed)));
+                    };
+                    let mut out = Vec::new();
+                    if let Some(text) = progress.see(&event, &run.workers) {
+                        let baton = json!({ "run_id": run.run_id, "event": event_name(&event) });
+                        out.push(sse(&chunk(&run, json!({ "reasoning_content": text }), None, baton)));
+                    }
+                    match event {
+                        RunEvent::StepDelta { round, step, text } if Some((round, step)) == progress.answer_step => {
+                            streamed.push_str(&text);
+                            let baton = json!({ "run_id": run.run_id, "round": round, "step": step });
+                            out.push(sse(&chunk(&run, json!({ "content": text }), None, baton)));
+                        }
+                        RunEvent::RunFinished { answer, totals } => {
+                            // Nothing streamed (a stop, a retried answer step): the answer whole.
+                            if streamed.is_empty() && !answer.is_empty() {
+                                let baton = json!({ "run_id": run.run_id });
+                                out.push(sse(&chunk(&run, json!({ "content": answer }), None, baton)));
+                            }
+                            let baton = baton_object(&run, &progress, "finished", Some(&totals));
+                            let mut last = chunk(&run, json!({}), Some("stop"), baton);
+                            last["baton"]["cost_text"] = json!(cost_text(&totals));
+                            out.push(sse(&last));
+                            if run.include_usage {
+                                let mut u = chunk(&run, json!({}), None, json!({ "run_id": run.run_id }));
+                                u["choices"] = json!([]);
+                                u["usage"] = usage(&totals);
+                                out.push(sse(&u));
+                            }
+                            out.push(DONE.to_owned());
+                            return Some((out, (run, progress, Stage::Done, streamed)));
+                        }
+                        RunEvent::RunFailed { error, totals } => {
+                            let e = failure(Some(error.kind), &error.message, &progress, &run.workers);
+                            let mut body = e.body();
+                            body["baton"] = baton_object(&run, &progress, "failed", Some(&totals));
+                            out.push(sse(&body));
+                            out.push(DONE.to_owned());
+                            return Some((out, (run, progress, Stage::Done, streamed)));
+                        }
+                        RunEvent::RunCancelled { .. } => {
+                            out.push(sse(&ApiError::internal("the run was cancelled").body()));
+                            out.push(DONE.to_owned());
+                            return Some((out, (run, progress, Stage::Done, streamed)));
+                        }
+                        _ => {}
+                    }
+                    Some((out, (run, progress, Stage::Events, streamed)))
+                }
+                Stage::Done => None,
+            }
+        },
+    );
+    let body = chunks
+        .map(move |lines| {
+            let _ = &stop;
+            Ok::<_, std::convert::Infallible>(lines.concat())
+        })
+        .boxed();
+    let mut response = Response::new(Body::from_stream(body));
+    let h = response.headers_mut();
+    h.insert(axum::http::header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(axum::http::header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    if let Ok(v) = HeaderValue::from_str(&run_id) {
+        h.insert("x-baton-run-id", v);
+    }
+    response
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Stage {
+    Start,
+    Events,
+    Done,
+}
+
+const DONE: &str = "data: [DONE]\n\n";
+
+fn sse(value: &Value) -> String {
+    format!("data: {value}\n\n")
+}
+
+fn event_name(event: &RunEvent) -> &'static str {
+    match event {
+        RunEvent::RunStarted { .. } => "run_started",
+        RunEvent::PlanStarted { .. } => "plan_started",
+        RunEvent::PlanDelta { .. } => "plan_delta",
+        RunEvent::PlanReady { .. } => "plan_ready",
+        RunEvent::PlanRejected { .. } => "plan_rejected",
+        RunEvent::StepStarted { .. } => "step_started",
+        RunEvent::StepDelta { .. } => "step_delta",
+        RunEvent::StepRetrying { .. } => "step_retrying",
+        RunEvent::StepFinished { .. } => "step_finished",
+        RunEvent::StepFailed { .. } => "step_failed",
+        RunEvent::StepReused { .. } => "step_reused",
+        RunEvent::RunFinished { .. } => "run_finished",
+        RunEvent::RunFailed { .. } => "run_failed",
+        RunEvent::RunCancelled { .. } => "run_cancelled",
+    }
+}

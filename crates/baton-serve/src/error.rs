@@ -1,0 +1,102 @@
+//! Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with the HTTP
+//! status its SDKs map to their error classes (400 `BadRequestError`, 401
+//! `AuthenticationError`, 404 `NotFoundError`, 429 `RateLimitError`, …). Messages never carry
+//! a key or a path on this machine.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+
+/// One refusal or failure, as a client sees it.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{status}: {message}")]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    /// OpenAI's `type`: `invalid_request_error`, `authentication_error`, …
+    pub kind: &'static str,
+    /// The request field at fault, if one is.
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+    /// Seconds a client should wait before trying again (429).
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        ApiError { status, message: message.into(), kind, param: None, code: None, retry_after: None }
+    }
+
+    /// 400: the request asks for something Baton does not do, or is malformed.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+    }
+
+    /// 400 naming the field at fault.
+    pub fn bad_field(param: &str, message: impl Into<String>) -> Self {
+        ApiError { param: Some(param.to_owned()), ..Self::bad_request(message) }
+    }
+
+    /// 401: no token, or not this server's.
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        ApiError {
+            code: Some("invalid_api_key"),
+            ..Self::new(StatusCode::UNAUTHORIZED, "authentication_error", message)
+        }
+    }
+
+    /// 403: a request from a web page or a name this server does not answer to.
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "permission_error", message)
+    }
+
+    /// 404: no such model (or route).
+    pub fn not_found(param: Option<&str>, message: impl Into<String>) -> Self {
+        ApiError {
+            param: param.map(str::to_owned),
+            code: Some("model_not_found"),
+            ..Self::new(StatusCode::NOT_FOUND, "invalid_request_error", message)
+        }
+    }
+
+    /// 413: the body is over the server's limit.
+    pub fn too_large(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", message)
+    }
+
+    /// 429: every run slot is taken, or a cap is reached.
+    pub fn busy(message: impl Into<String>, retry_after: Option<u64>) -> Self {
+        ApiError { retry_after, ..Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message) }
+    }
+
+    /// 502: the run ended without an answer (its last step failed, the conductor failed).
+    pub fn bad_gateway(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_GATEWAY, "server_error", message)
+    }
+
+    /// 504: the answer's step ran out of time.
+    pub fn timeout(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::GATEWAY_TIMEOUT, "server_error", message)
+    }
+
+    /// 500: Baton itself failed.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
+    }
+
+    /// The JSON body (also sent as the last event of a stream that fails).
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({
+            "error": { "message": self.message, "type": self.kind, "param": self.param, "code": self.code }
+        })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, axum::Json(self.body())).into_response();
+        if let Some(seconds) = self.retry_after {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
+    }
+}

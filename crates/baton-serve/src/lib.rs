@@ -1,0 +1,155 @@
+//! `baton serve`: the orchestrated pool as one OpenAI-compatible model, over HTTP.
+//!
+//! `GET /v1/models` lists `baton` (the conductor over the whole pool) and `baton/<worker>` for
+//! each worker alone; `POST /v1/chat/completions` runs a question through the same executor,
+//! accounting and history as the app and `baton ask`, streamed (SSE) or not. Every request
+//! passes the [`guard`] first (token, `Host`, `Origin`). What a client cannot be given (tools,
+//! several choices, images, …) is refused by name with a 400, never ignored.
+//!
+//! The server holds a built [`Executor`], so the CLI and the app can each serve the conductor
+//! they already loaded.
+
+mod chat;
+mod error;
+pub mod guard;
+mod models;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::routing::{get, post};
+use baton_engine::{Executor, Pool};
+use baton_store::Store;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+pub use error::ApiError;
+pub use guard::Guard;
+
+/// How a server is bound and bounded.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub host: String,
+    pub port: u16,
+    /// The bearer token clients must send; `None` (`--no-token`) is refused off loopback.
+    pub token: Option<String>,
+    /// Web origins allowed to call (browsers are refused otherwise).
+    pub allow_origins: Vec<String>,
+    /// The largest request body, in bytes (413 above).
+    pub max_body_bytes: usize,
+    /// The most messages in one request (400 above).
+    pub max_messages: usize,
+    /// Runs at once; a request beyond them gets 429 with `Retry-After`.
+    pub max_concurrent_runs: usize,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        ServeOptions {
+            host: "127.0.0.1".into(),
+            port: 8765,
+            token: None,
+            allow_origins: Vec::new(),
+            max_body_bytes: 4 << 20,
+            max_messages: 500,
+            max_concurrent_runs: 8,
+        }
+    }
+}
+
+/// What every request handler shares.
+#[derive(Debug)]
+pub struct Service {
+    executor: Arc<Executor>,
+    /// Worker names, in pool order (model `baton/<name>` is worker `index`).
+    workers: Vec<String>,
+    /// Whether `baton` (the conductor) is served: the executor has a planner.
+    conductor: bool,
+    store: Option<Store>,
+    options: ServeOptions,
+    guard: Guard,
+    runs: Arc<Semaphore>,
+    /// Unix seconds the server started: the models' `created`.
+    created: u64,
+}
+
+impl Service {
+    /// A service over `executor`, built from `pool` (with its planner when `conductor`),
+    /// recording every run in `store` when there is one. Fails on a bind that needs a token
+    /// and has none.
+    pub fn new(
+        executor: Arc<Executor>,
+        pool: &Pool,
+        conductor: bool,
+        store: Option<Store>,
+        options: ServeOptions,
+    ) -> Result<Service, String> {
+        guard::check_bind(&options.host, options.token.is_some())?;
+        let guard = Guard {
+            token: options.token.clone(),
+            hosts: guard::allowed_hosts(&options.host, options.port),
+            origins: options.allow_origins.clone(),
+        };
+        Ok(Service {
+            executor,
+            workers: pool.workers.iter().map(|w| w.name.clone()).collect(),
+            conductor,
+            store,
+            runs: Arc::new(Semaphore::new(options.max_concurrent_runs.max(1))),
+            guard,
+            options,
+            created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        })
+    }
+
+    /// The model ids served, in order: `baton` when there is a conductor, then each worker.
+    pub fn model_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.conductor.then(|| "baton".to_owned()).into_iter().collect();
+        ids.extend(self.workers.iter().map(|w| format!("baton/{w}")));
+        ids
+    }
+
+    /// A model id's target: `None` for the conductor, `Some(i)` for worker `i` alone.
+    fn target(&self, model: &str) -> Result<Option<usize>, ApiError> {
+        let unknown = || {
+            ApiError::not_found(
+                Some("model"),
+                format!("The model `{model}` does not exist on this server; GET /v1/models lists its models"),
+            )
+        };
+        if model == "baton" {
+            return if self.conductor {
+                Ok(None)
+            } else {
+                Err(ApiError::not_found(
+                    Some("model"),
+                    "this server has no conductor (its pool names none); ask a worker alone as `baton/<worker>`",
+                ))
+            };
+        }
+        let name = model.strip_prefix("baton/").ok_or_else(unknown)?;
+        self.workers.iter().position(|w| w == name).map(Some).ok_or_else(unknown)
+    }
+}
+
+/// The routes, behind the guard.
+pub fn router(service: Arc<Service>) -> Router {
+    Router::new()
+        .route("/v1/models", get(models::list))
+        .route("/v1/models/{*id}", get(models::one))
+        .route("/v1/chat/completions", post(chat::completions))
+        .fallback(|| async {
+            ApiError::not_found(None, "no such route; this server serves /v1/models and /v1/chat/completions")
+        })
+        .layer(axum::middleware::from_fn_with_state(service.clone(), guard::check))
+        .with_state(service)
+}
+
+/// Serves until `shutdown` is cancelled; runs in flight are cancelled with their requests.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    service: Arc<Service>,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(service)).with_graceful_shutdown(shutdown.cancelled_owned()).await
+}

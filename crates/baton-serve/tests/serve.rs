@@ -1,0 +1,406 @@
+//! The server over loopback: real HTTP in, the real executor and a remote conductor over
+//! loopback providers that speak OpenAI's wire format, the history in a real SQLite file.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use baton_conductor::{ConductorOptions, RemoteConductor};
+use baton_engine::{Executor, Pool};
+use baton_providers::{ApiKey, HttpModel, ModelSettings, ProviderKind};
+use baton_serve::{ServeOptions, Service};
+use baton_store::{RunStatus, Store};
+use baton_testserver::{TestServer, Wire};
+use futures::StreamExt;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+const TOKEN: &str = "serve-test-token";
+/// The provider key the workers are called with: no response, header or history may show it.
+const CANARY: &str = "sk-canary-5f1e2d3c4b5a";
+const PLAN: &str = "```python\nmodel_id = [0, 1]\nsubtasks = [\"Draft an answer.\", \"Improve the draft.\"]\naccess_list = [[], \"all\"]\n```";
+
+struct Served {
+    url: String,
+    providers: TestServer,
+    store: Store,
+    shutdown: CancellationToken,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+async fn serve_with(workers: &[(&str, &str)], tweak: impl FnOnce(&mut ServeOptions)) -> Served {
+    let providers = TestServer::start().await.expect("providers");
+    let mut text = "[retry]\nmax_retries = 0\n".to_owned();
+    for (name, model) in workers {
+        text.push_str(&format!(
+            "\n[[worker]]\nname = \"{name}\"\nprovider = \"openai\"\nmodel = \"{model}\"\nbase_url = \"{}\"\n",
+            providers.base_url(Wire::OpenAi)
+        ));
+    }
+    let pool = Pool::parse(&text, "pool.toml").expect("pool");
+    let http = HttpModel::new(
+        ProviderKind::OpenAiCompatible,
+        &providers.base_url(Wire::OpenAi),
+        ModelSettings::new("planner"),
+        Arc::new(|| Ok(None)),
+        HttpModel::http_client(),
+    );
+    let conductor = RemoteConductor::new(Arc::new(http), "planner".into(), pool.infos(), &ConductorOptions::default());
+    let executor = Executor::from_pool_with_keys(&pool, |_| Arc::new(|| Ok(Some(ApiKey::new(CANARY)))))
+        .with_planner(Arc::new(conductor));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&dir.path().join("history.sqlite")).await.expect("history");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let mut options = ServeOptions { port, token: Some(TOKEN.into()), ..ServeOptions::default() };
+    tweak(&mut options);
+    let service = Service::new(Arc::new(executor), &pool, true, Some(store.clone()), options).expect("service");
+    let shutdown = CancellationToken::new();
+    tokio::spawn(baton_serve::serve(listener, Arc::new(service), shutdown.clone()));
+    Served { url: format!("http://127.0.0.1:{port}"), providers, store, shutdown, _dir: dir }
+}
+
+async fn serve() -> Served {
+    serve_with(&[("a", "alpha"), ("b", "beta")], |_| {}).await
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::new()
+}
+
+async fn post(s: &Served, body: Value) -> (u16, reqwest::header::HeaderMap, Value) {
+    let r = client().post(format!("{}/v1/chat/completions", s.url)).bearer_auth(TOKEN).json(&body).send().await;
+    let r = r.expect("sent");
+    let status = r.status().as_u16();
+    let headers = r.headers().clone();
+    let text = r.text().await.expect("body");
+    assert!(!text.contains(CANARY), "the key leaked: {text}");
+    (status, headers, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+}
+
+fn question(content: &str) -> Value {
+    json!([{ "role": "user", "content": content }])
+}
+
+/// The workers' requests (not the conductor's).
+fn worker_calls(s: &Served) -> Vec<baton_testserver::RecordedRequest> {
+    s.providers.requests().into_iter().filter(|r| r.model != "planner").collect()
+}
+
+#[tokio::test]
+async fn the_models_are_the_conductor_and_each_worker_alone() {
+    let s = serve().await;
+    let r = client().get(format!("{}/v1/models", s.url)).bearer_auth(TOKEN).send().await.expect("sent");
+    assert_eq!(r.status(), 200);
+    let list: Value = r.json().await.expect("json");
+    assert_eq!(list["object"], "list");
+    let ids: Vec<&str> = list["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["baton", "baton/a", "baton/b"]);
+    assert_eq!(list["data"][1]["object"], "model");
+    let one = client().get(format!("{}/v1/models/baton%2Fb", s.url)).bearer_auth(TOKEN).send().await.expect("sent");
+    assert_eq!(one.status(), 200);
+    assert_eq!(one.json::<Value>().await.unwrap()["id"], "baton/b");
+    let none = client().get(format!("{}/v1/models/gpt-4o", s.url)).bearer_auth(TOKEN).send().await.expect("sent");
+    assert_eq!(none.status(), 404);
+    let error: Value = none.json().await.unwrap();
+    assert_eq!(error["error"]["code"], "model_not_found");
+}
+
+#[tokio::test]
+async fn a_question_runs_the_conductors_plan_and_answers_with_the_last_steps_text() {
+    let s = serve().await;
+    s.providers.queue_replies("planner", [PLAN]);
+    let body = json!({
+        "model": "baton",
+        "messages": [
+            { "role": "system", "content": "Answer in French." },
+            { "role": "user", "content": "Earlier question?" },
+            { "role": "assistant", "content": "Earlier answer." },
+            { "role": "user", "content": [{ "type": "text", "text": "Why is the sky blue?" }] },
+        ],
+        "max_tokens": 7,
+        "temperature": 0.25,
+        "n": 1,
+        "user": "someone",
+    });
+    let (status, headers, r) = post(&s, body).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["object"], "chat.completion");
+    assert_eq!(r["model"], "baton");
+    let answer = r["choices"][0]["message"]["content"].as_str().expect("an answer");
+    assert!(!answer.is_empty());
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+    let reasoning = r["choices"][0]["message"]["reasoning_content"].as_str().unwrap();
+    assert!(reasoning.contains("Step 1 · b: Improve the draft."), "{reasoning}");
+
+    // The answer is the last step's output: worker b, given the client's settings.
+    let calls = worker_calls(&s);
+    assert_eq!(calls.len(), 2);
+    let b = calls.iter().find(|c| c.model == "beta").expect("b was called");
+    let a = calls.iter().find(|c| c.model == "alpha").expect("a was called");
+    let cap = |c: &baton_testserver::RecordedRequest| {
+        c.body.get("max_completion_tokens").or_else(|| c.body.get("max_tokens")).cloned()
+    };
+    assert_eq!(cap(b), Some(json!(7)), "{}", b.body);
+    assert_ne!(cap(a), Some(json!(7)), "only the answer's step is bounded");
+    assert_eq!(b.body["temperature"], json!(0.25));
+    // Every worker gets the client's instructions after Baton's own; so does the conductor.
+    let system = b.body["messages"][0]["content"].as_str().unwrap();
+    assert!(system.starts_with("You are one step") && system.ends_with("Answer in French."), "{system}");
+    let planner = s.providers.requests().into_iter().find(|r| r.model == "planner").unwrap();
+    let asked = planner.body.to_string();
+    assert!(asked.contains("The user's instructions for the answer: Answer in French."), "{asked}");
+    assert!(asked.contains("Earlier answer."), "the conversation reaches the conductor");
+
+    // Usage: everything billed, the conductor's share in the orchestration fields.
+    let u = &r["usage"];
+    let orchestration = u["prompt_tokens_details"]["orchestration_input_tokens"].as_u64().unwrap();
+    assert!(orchestration > 0 && u["prompt_tokens"].as_u64().unwrap() > orchestration, "{u}");
+    assert!(u["completion_tokens_details"]["orchestration_output_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(
+        u["total_tokens"].as_u64().unwrap(),
+        u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap()
+    );
+    // The run, by id, in the headers, the baton object and the history.
+    let run_id = headers["x-baton-run-id"].to_str().unwrap();
+    assert_eq!(r["baton"]["run_id"], run_id);
+    assert_eq!(r["baton"]["status"], "finished");
+    assert_eq!(r["baton"]["steps"].as_array().unwrap().len(), 2);
+    assert!(headers.contains_key("x-baton-cost-usd"));
+    let runs = s.store.list_runs(10, None).await.expect("history");
+    assert_eq!(runs.len(), 1);
+    assert_eq!(runs[0].question, "Why is the sky blue?");
+    assert_eq!(runs[0].status, RunStatus::Finished);
+}
+
+#[tokio::test]
+async fn a_worker_alone_gets_the_question_and_the_conductor_is_not_asked() {
+    let s = serve().await;
+    let (status, _, r) = post(&s, json!({ "model": "baton/b", "messages": question("What is 6 times 7?") })).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["model"], "baton/b");
+    let calls = s.providers.requests();
+    assert_eq!(calls.len(), 1, "one call, to b; no plan");
+    assert_eq!(calls[0].model, "beta");
+    assert!(calls[0].body.to_string().contains("What is 6 times 7?"));
+}
+
+/// Reads a whole SSE response: its `data:` payloads, in order.
+async fn events(response: reqwest::Response) -> Vec<String> {
+    let text = response.text().await.expect("body");
+    text.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).map(str::to_owned).collect()
+}
+
+#[tokio::test]
+async fn a_streamed_answer_sends_progress_as_reasoning_the_answer_as_content_and_ends_with_done() {
+    let s = serve().await;
+    s.providers.queue_replies("planner", [PLAN]);
+    let body = json!({
+        "model": "baton",
+        "messages": question("Name three primary colours."),
+        "stream": true,
+        "stream_options": { "include_usage": true },
+    });
+    let r = client().post(format!("{}/v1/chat/completions", s.url)).bearer_auth(TOKEN).json(&body).send().await;
+    let r = r.expect("sent");
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/event-stream");
+    let run_id = r.headers()["x-baton-run-id"].to_str().unwrap().to_owned();
+    let data = events(r).await;
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).expect("json")).collect();
+    assert!(chunks.iter().all(|c| c["baton"]["run_id"] == run_id.as_str()), "every chunk names the run");
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    let delta = |key: &str| -> String {
+        chunks.iter().filter_map(|c| c["choices"][0]["delta"][key].as_str()).collect::<Vec<_>>().concat()
+    };
+    let content = delta("content");
+    let reasoning = delta("reasoning_content");
+    assert!(reasoning.contains("Step 0 · a: Draft an answer."), "{reasoning}");
+    assert!(reasoning.contains("Step 0 done"), "{reasoning}");
+    // The content is exactly the answer the history keeps.
+    let runs = s.store.list_runs(1, None).await.unwrap();
+    let tree = s.store.run(runs[0].id).await.unwrap().unwrap();
+    assert_eq!(Some(content), tree.run.answer);
+    let finish = chunks.iter().find(|c| c["choices"][0]["finish_reason"] == "stop").expect("a finish chunk");
+    assert_eq!(finish["baton"]["status"], "finished");
+    assert!(finish["baton"]["cost_usd"].is_number());
+    let usage = chunks.iter().find(|c| c["usage"].is_object()).expect("a usage chunk");
+    assert_eq!(usage["choices"], json!([]));
+    assert!(usage["usage"]["prompt_tokens_details"]["orchestration_input_tokens"].as_u64().unwrap() > 0);
+}
+
+#[tokio::test]
+async fn a_client_that_disconnects_mid_stream_cancels_the_run_and_the_history_keeps_it() {
+    let s = serve_with(&[("slow", "slow;lines=40;latency=8000")], |_| {}).await;
+    let body = json!({ "model": "baton/slow", "messages": question("Write a long essay."), "stream": true });
+    let r = client().post(format!("{}/v1/chat/completions", s.url)).bearer_auth(TOKEN).json(&body).send().await;
+    let mut bytes = r.expect("sent").bytes_stream();
+    // Read until the answer has begun, then hang up.
+    let mut seen = String::new();
+    while !seen.contains("\"content\":\"") || !seen.contains("line") {
+        let chunk = bytes.next().await.expect("more").expect("bytes");
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    drop(bytes);
+    let mut status = None;
+    for _ in 0..100 {
+        let runs = s.store.list_runs(1, None).await.unwrap();
+        status = runs.first().map(|r| r.status);
+        if status == Some(RunStatus::Cancelled) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(status, Some(RunStatus::Cancelled), "the run stops when its client goes");
+    let runs = s.store.list_runs(1, None).await.unwrap();
+    let tree = s.store.run(runs[0].id).await.unwrap().unwrap();
+    let kept = tree.steps[0].output.clone().unwrap_or_default();
+    assert!(kept.contains("line 0"), "what streamed so far is kept: {kept:?}");
+}
+
+#[tokio::test]
+async fn what_baton_cannot_honour_is_refused_by_name_in_openais_error_shape() {
+    let s = serve().await;
+    let cases = [
+        (json!({ "tools": [{ "type": "function", "function": { "name": "f" } }] }), "tools"),
+        (json!({ "n": 2 }), "n"),
+        (json!({ "logprobs": true }), "logprobs"),
+        (json!({ "response_format": { "type": "json_object" } }), "response_format"),
+        (json!({ "seed": 4 }), "seed"),
+        (json!({ "stop": ["\n"] }), "stop"),
+        (json!({ "frobnicate": 1 }), "frobnicate"),
+    ];
+    for (extra, param) in cases {
+        let mut body = json!({ "model": "baton", "messages": question("Hi?") });
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let (status, _, r) = post(&s, body).await;
+        assert_eq!(status, 400, "{param}: {r}");
+        assert_eq!(r["error"]["param"], param, "{r}");
+        assert_eq!(r["error"]["type"], "invalid_request_error");
+        assert!(r["error"]["message"].as_str().unwrap().contains(param), "{r}");
+    }
+    let image = json!([{ "role": "user", "content": [{ "type": "image_url", "image_url": { "url": "x" } }] }]);
+    let (status, _, r) = post(&s, json!({ "model": "baton", "messages": image })).await;
+    assert_eq!((status, r["error"]["param"].as_str()), (400, Some("messages[0].content[0].type")), "{r}");
+    let tool = json!([{ "role": "tool", "content": "42", "tool_call_id": "t" }]);
+    let (status, _, r) = post(&s, json!({ "model": "baton", "messages": tool })).await;
+    assert_eq!((status, r["error"]["param"].as_str()), (400, Some("messages[0].role")), "{r}");
+    let (status, _, r) = post(&s, json!({ "model": "gpt-4o", "messages": question("Hi?") })).await;
+    assert_eq!((status, r["error"]["code"].as_str()), (404, Some("model_not_found")), "{r}");
+    let (status, _, _) = post(&s, json!({ "model": "baton", "messages": [] })).await;
+    assert_eq!(status, 400);
+    // Defaults that ask for nothing are fine.
+    s.providers.queue_replies("planner", [PLAN]);
+    let body = json!({ "model": "baton", "messages": question("Hi?"), "n": 1, "logprobs": false, "tools": [],
+        "response_format": { "type": "text" }, "presence_penalty": 0, "seed": null });
+    let (status, _, r) = post(&s, body).await;
+    assert_eq!(status, 200, "{r}");
+    assert!(s.providers.requests().len() == 3, "only the last request ran");
+}
+
+#[tokio::test]
+async fn the_token_the_host_and_the_origin_guard_every_request() {
+    let s = serve().await;
+    let url = format!("{}/v1/models", s.url);
+    let none = client().get(&url).send().await.unwrap();
+    assert_eq!(none.status(), 401);
+    let body: Value = none.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "authentication_error");
+    assert!(body["error"]["message"].as_str().unwrap().contains("baton serve token"));
+    assert_eq!(client().get(&url).bearer_auth("wrong").send().await.unwrap().status(), 401);
+    // DNS rebinding: a page whose name resolves to loopback still sends its own Host.
+    let foreign = client().get(&url).bearer_auth(TOKEN).header("host", "evil.example:8765").send().await.unwrap();
+    assert_eq!(foreign.status(), 403);
+    let page = client().get(&url).bearer_auth(TOKEN).header("origin", "https://evil.example").send().await.unwrap();
+    assert_eq!(page.status(), 403);
+    assert!(page.text().await.unwrap().contains("--allow-origin"));
+    let localhost = url.replace("127.0.0.1", "localhost");
+    assert_eq!(client().get(&localhost).bearer_auth(TOKEN).send().await.unwrap().status(), 200);
+    // Nothing ran for any refused request.
+    assert!(s.providers.requests().is_empty());
+
+    // A named web client is let in, with CORS headers, preflight included.
+    let s = serve_with(&[("a", "alpha")], |o| o.allow_origins = vec!["http://localhost:3000".into()]).await;
+    let url = format!("{}/v1/models", s.url);
+    let ok = client().get(&url).bearer_auth(TOKEN).header("origin", "http://localhost:3000").send().await.unwrap();
+    assert_eq!(ok.status(), 200);
+    assert_eq!(ok.headers()["access-control-allow-origin"], "http://localhost:3000");
+    let preflight = client()
+        .request(reqwest::Method::OPTIONS, format!("{}/v1/chat/completions", s.url))
+        .header("origin", "http://localhost:3000")
+        .header("access-control-request-method", "POST")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(preflight.status(), 204);
+}
+
+#[tokio::test]
+async fn limits_give_clear_errors_a_full_server_429_and_request_caps_only_lower_the_pools() {
+    let s = serve_with(&[("slow", "slow;latency=1500"), ("b", "beta")], |o| {
+        o.max_concurrent_runs = 1;
+        o.max_body_bytes = 4096;
+        o.max_messages = 3;
+    })
+    .await;
+    let big = json!({ "model": "baton/b", "messages": question(&"x".repeat(5000)) });
+    let (status, _, r) = post(&s, big).await;
+    assert_eq!(status, 413, "{r}");
+    let many: Vec<Value> = (0..4).map(|i| json!({ "role": "user", "content": format!("q{i}") })).collect();
+    let (status, _, r) = post(&s, json!({ "model": "baton/b", "messages": many })).await;
+    assert_eq!((status, r["error"]["param"].as_str()), (400, Some("messages")), "{r}");
+
+    let url = s.url.clone();
+    let first = tokio::spawn(async move {
+        let body = json!({ "model": "baton/slow", "messages": question("Slowly?") });
+        client()
+            .post(format!("{url}/v1/chat/completions"))
+            .bearer_auth(TOKEN)
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .status()
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let r = client()
+        .post(format!("{}/v1/chat/completions", s.url))
+        .bearer_auth(TOKEN)
+        .json(&json!({ "model": "baton/b", "messages": question("Now?") }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "1");
+    assert_eq!(first.await.unwrap(), 200);
+
+    // A request's own token cap: too small for any call, so nothing is sent.
+    let before = s.providers.requests().len();
+    let r = client()
+        .post(format!("{}/v1/chat/completions", s.url))
+        .bearer_auth(TOKEN)
+        .header("x-baton-max-tokens", "5")
+        .json(&json!({ "model": "baton/b", "messages": question("Capped?") }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "budget_exceeded", "{body}");
+    assert_eq!(s.providers.requests().len(), before);
+    let r = client()
+        .post(format!("{}/v1/chat/completions", s.url))
+        .bearer_auth(TOKEN)
+        .header("x-baton-max-tokens", "lots")
+        .json(&json!({ "model": "baton/b", "messages": question("Capped?") }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+}
