@@ -105,3 +105,18 @@ pub async fn planner(
 ) -> Result<Arc<dyn Planner>, Failure> {
     baton_conductor::setup::planner(pool, &args.choice(), models, &progress(quiet)).await.map_err(failure)
 }
+
+/// Like [`planner`], but a pool with no conductor (and none given) is `None`, not an error:
+/// `baton serve` then serves the workers alone.
+pub async fn optional_planner(
+    pool: &Pool,
+    args: &ConductorArgs,
+    models: &LocalModels,
+    quiet: bool,
+) -> Result<Option<Arc<dyn Planner>>, Failure> {
+    match baton_conductor::setup::planner(pool, &args.choice(), models, &progress(quiet)).await {
+        Ok(planner) => Ok(Some(planner)),
+        Err(SetupError::NotConfigured) => Ok(None),
+        Err(e) => Err(failure(e)),
+    }
+}

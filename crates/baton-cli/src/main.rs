@@ -14,6 +14,7 @@ mod models_cmd;
 mod plan_cmd;
 mod pool_cmd;
 mod progress;
+mod serve_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -51,6 +52,9 @@ enum Command {
     /// Evaluations: does the conductor beat the best single worker, a lookup table, MoA or
     /// best-of-n on this pool, and at what cost? run, list, show, export, delete, suites.
     Eval(eval_cmd::Args),
+    /// Serve the pool as one OpenAI-compatible model (`baton`, and `baton/<worker>` for each
+    /// worker alone) on this machine; `serve token` prints the token clients send.
+    Serve(serve_cmd::Args),
     /// Baton's log files (what to attach to a problem report).
     #[command(subcommand)]
     Logs(LogsCommand),
@@ -160,6 +164,7 @@ fn run() -> ExitCode {
             Command::Keys(cmd) => keys_cmd::run(cmd).await,
             Command::Models(cmd) => models_cmd::run(cmd).await,
             Command::Eval(args) => eval_cmd::run(args).await,
+            Command::Serve(args) => serve_cmd::run(args).await,
             Command::Logs(LogsCommand::Path) => Ok(()),
         }
     });

@@ -305,16 +305,6 @@ pub async fn planner(
             ))
         })?,
     };
-    // v3's words promise the conductor that every worker sees the question; without that, its
-    // short subtasks would reach workers that never saw what they are about.
-    if prompt_version == PromptVersion::V3 && !pool.options.show_question {
-        return Err(SetupError::Settings(
-            "prompt v3 tells the conductor that every worker is shown the question, but this pool sets \
-             show_question = false: set show_question = true, or [conductor] prompt = \"v2\" (whose subtasks \
-             carry the question themselves)"
-                .into(),
-        ));
-    }
     let options = ConductorOptions {
         prompt_version,
         max_reasoning_chars: spec.max_reasoning_chars.unwrap_or(prompt_version.default_reasoning_chars()),
@@ -333,6 +323,16 @@ pub async fn planner(
         (None, None, Some(model)) => model.clone(),
         (None, None, None) => return Err(SetupError::NotConfigured),
     };
+    // v3's words promise the conductor that every worker sees the question; without that, its
+    // short subtasks would reach workers that never saw what they are about.
+    if prompt_version == PromptVersion::V3 && !pool.options.show_question {
+        return Err(SetupError::Settings(
+            "prompt v3 tells the conductor that every worker is shown the question, but this pool sets \
+             show_question = false: set show_question = true, or [conductor] prompt = \"v2\" (whose subtasks \
+             carry the question themselves)"
+                .into(),
+        ));
+    }
     if is_remote(&source) {
         let model_name = choice
             .model_name

@@ -1,0 +1,140 @@
+//! `baton serve`: the pool as one OpenAI-compatible model on this machine (see `baton-serve`).
+//! `baton serve token` prints the token clients send, made once and kept in the keychain.
+
+use std::sync::Arc;
+
+use baton_engine::Executor;
+use baton_secrets::KeyStore;
+use baton_serve::{ServeOptions, Service, TOKEN_ACCOUNT};
+use tokio_util::sync::CancellationToken;
+
+use crate::{Failure, Outcome, PoolArg};
+
+#[derive(Debug, clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// The address to listen on. Anything but loopback needs a token.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8765)]
+    port: u16,
+    #[command(flatten)]
+    pool: PoolArg,
+    #[command(flatten)]
+    conductor: crate::conductor_setup::ConductorArgs,
+    #[command(flatten)]
+    db: crate::history_cmd::DbArg,
+    /// Take the token clients must send from this environment variable instead of the keychain.
+    #[arg(long, value_name = "VAR", conflicts_with = "no_token")]
+    token_env: Option<String>,
+    /// Accept requests without a token: loopback only, and any process of any user on this
+    /// machine can then spend your provider keys.
+    #[arg(long)]
+    no_token: bool,
+    /// Let a web client at this origin (e.g. http://localhost:3000) call the server from a
+    /// browser; repeat for more. Without it, requests from web pages are refused.
+    #[arg(long = "allow-origin", value_name = "ORIGIN")]
+    allow_origin: Vec<String>,
+    /// Runs at once; more requests get 429 with Retry-After.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    max_concurrent_runs: usize,
+    /// Do not record runs in the history.
+    #[arg(long)]
+    no_history: bool,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Command {
+    /// Print the token clients send (`Authorization: Bearer TOKEN`), making one the first time.
+    Token {
+        /// Replace the token with a new one (clients with the old one are refused).
+        #[arg(long)]
+        new: bool,
+    },
+}
+
+fn keychain() -> Result<KeyStore, Failure> {
+    KeyStore::open().map_err(|e| Failure::Failed(e.to_string()))
+}
+
+/// The keychain's token, made and stored when there is none (or `new`).
+fn stored_token(new: bool) -> Result<String, Failure> {
+    let keys = keychain()?;
+    if !new && let Some(token) = keys.get(TOKEN_ACCOUNT).map_err(|e| Failure::Failed(e.to_string()))? {
+        return Ok(token.expose().to_owned());
+    }
+    let token = baton_serve::new_token().map_err(Failure::Failed)?;
+    keys.set(TOKEN_ACCOUNT, &token).map_err(|e| Failure::Failed(e.to_string()))?;
+    Ok(token)
+}
+
+pub async fn run(args: Args) -> Outcome {
+    if let Some(Command::Token { new }) = args.command {
+        println!("{}", stored_token(new)?);
+        return Ok(());
+    }
+    // Refuse an unsafe bind before loading anything.
+    baton_serve::guard::check_bind(&args.host, !args.no_token).map_err(Failure::BadInput)?;
+    let token = if args.no_token {
+        eprintln!(
+            "warning: no token: any program of any user on this machine can use this server and spend your provider keys"
+        );
+        None
+    } else if let Some(var) = &args.token_env {
+        match std::env::var(var) {
+            Ok(t) if !t.trim().is_empty() => Some(t.trim().to_owned()),
+            _ => return Err(Failure::BadInput(format!("--token-env {var}: the variable is not set, or empty"))),
+        }
+    } else {
+        Some(stored_token(false)?)
+    };
+
+    let mut pool = args.pool.load()?;
+    let store = if args.no_history { None } else { Some(args.db.open().await?) };
+    if let Some(store) = &store {
+        store.choose_fallback_worker(&mut pool).await;
+    }
+    let models = crate::conductor_setup::LocalModels::default();
+    let planner = crate::conductor_setup::optional_planner(&pool, &args.conductor, &models, false).await?;
+    let mut executor = Executor::from_pool(&pool);
+    let conductor = planner.is_some();
+    if let Some(planner) = planner {
+        executor = executor.with_planner(planner);
+    }
+    let force_cpu = args.conductor.cpu || pool.options.conductor.device.as_deref() == Some("cpu");
+    crate::conductor_setup::attach_local_workers(&mut executor, &pool, &models, force_cpu, false).await?;
+
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .map_err(|e| Failure::BadInput(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
+    let port = listener.local_addr().map_or(args.port, |a| a.port());
+    let options = ServeOptions {
+        host: args.host.clone(),
+        port,
+        token,
+        allow_origins: args.allow_origin.clone(),
+        max_concurrent_runs: args.max_concurrent_runs,
+        ..ServeOptions::default()
+    };
+    let service =
+        Service::new(Arc::new(executor), &pool, conductor, store.clone(), options).map_err(Failure::BadInput)?;
+    let host = if args.host.contains(':') { format!("[{}]", args.host) } else { args.host.clone() };
+    eprintln!("serving on http://{host}:{port}/v1 as {}", service.model_ids().join(", "));
+    if !conductor {
+        eprintln!("the pool names no conductor: only the workers alone are served (baton/<worker>)");
+    }
+    if !args.no_token {
+        let from = args.token_env.as_ref().map_or("`baton serve token` prints it".to_owned(), |v| format!("from ${v}"));
+        eprintln!("clients send Authorization: Bearer TOKEN ({from}); Ctrl-C stops");
+    }
+    let shutdown = CancellationToken::new();
+    let ctrl_c = crate::cancel_on_ctrl_c(&shutdown);
+    let served = baton_serve::serve(listener, Arc::new(service), shutdown).await;
+    ctrl_c.abort();
+    if let Some(store) = &store {
+        store.close().await;
+    }
+    served.map_err(|e| Failure::Failed(format!("the server stopped: {e}")))
+}
