@@ -270,20 +270,36 @@ pub async fn completions(
         )
         .into_response();
     };
-    if let (Some(id), Some(store)) = (call.conversation, &service.store) {
-        match store.conversation_title(id).await {
-            Ok(Some(_)) => {}
-            Ok(None) => {
-                return ApiError::bad_request(format!(
-                    "there is no conversation {id} in the history (x-baton-conversation)"
-                ))
-                .into_response();
-            }
-            Err(e) => return ApiError::internal(format!("the history cannot be read: {e}")).into_response(),
+    let mut call = call;
+    if let Some(store) = &service.store {
+        match continued(store, &call).await {
+            Ok(conversation) => call.conversation = conversation,
+            Err(e) => return e.into_response(),
         }
     }
     let run = start(&service, call, permit);
     if run.stream { stream(run) } else { complete(run).await }
+}
+
+/// The history's conversation a request continues: the one `x-baton-conversation` names, else
+/// the one whose latest run is the request's last question and answer (a client resends the
+/// whole conversation each time), else none (a new one).
+async fn continued(store: &baton_store::Store, call: &Call) -> Result<Option<i64>, ApiError> {
+    let unreadable = |e: baton_store::StoreError| ApiError::internal(format!("the history cannot be read: {e}"));
+    if let Some(id) = call.conversation {
+        return match store.conversation_title(id).await.map_err(unreadable)? {
+            Some(_) => Ok(Some(id)),
+            None => Err(ApiError::bad_request(format!(
+                "there is no conversation {id} in the history (x-baton-conversation)"
+            ))),
+        };
+    }
+    match call.history.as_slice() {
+        [.., question, answer] if question.role == Role::User && answer.role == Role::Assistant => {
+            store.conversation_ending_with(&question.content, &answer.content).await.map_err(unreadable)
+        }
+        _ => Ok(None),
+    }
 }
 
 /// A run in flight: its events, and the token that stops it.

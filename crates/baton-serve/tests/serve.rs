@@ -404,3 +404,43 @@ async fn limits_give_clear_errors_a_full_server_429_and_request_caps_only_lower_
         .unwrap();
     assert_eq!(r.status(), 400);
 }
+
+#[tokio::test]
+async fn a_client_that_resends_the_conversation_continues_it_in_the_history() {
+    let s = serve().await;
+    let (_, _, first) = post(&s, json!({ "model": "baton/a", "messages": question("What is 2 + 2?") })).await;
+    let answer = first["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+    let (_, _, other) = post(&s, json!({ "model": "baton/a", "messages": question("Something else?") })).await;
+    assert_eq!(other["baton"]["status"], "finished");
+    let follow_up = json!([
+        { "role": "user", "content": "What is 2 + 2?" },
+        { "role": "assistant", "content": answer },
+        { "role": "user", "content": "And times 3?" },
+    ]);
+    let (status, _, _) = post(&s, json!({ "model": "baton/a", "messages": follow_up })).await;
+    assert_eq!(status, 200);
+    let runs = s.store.list_runs(10, None).await.unwrap();
+    let of = |q: &str| runs.iter().find(|r| r.question == q).unwrap().conversation_id;
+    assert_eq!(of("And times 3?"), of("What is 2 + 2?"), "the follow-up joins the first question's conversation");
+    assert_ne!(of("Something else?"), of("What is 2 + 2?"));
+    // An edited answer is not that conversation any more.
+    let edited = json!([
+        { "role": "user", "content": "What is 2 + 2?" },
+        { "role": "assistant", "content": "Five." },
+        { "role": "user", "content": "Sure?" },
+    ]);
+    post(&s, json!({ "model": "baton/a", "messages": edited })).await;
+    let runs = s.store.list_runs(10, None).await.unwrap();
+    let sure = runs.iter().find(|r| r.question == "Sure?").unwrap().conversation_id;
+    assert_ne!(sure, runs.iter().find(|r| r.question == "What is 2 + 2?").unwrap().conversation_id);
+    // A named conversation that does not exist is refused.
+    let r = client()
+        .post(format!("{}/v1/chat/completions", s.url))
+        .bearer_auth(TOKEN)
+        .header("x-baton-conversation", "999")
+        .json(&json!({ "model": "baton/a", "messages": question("Hi?") }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+}

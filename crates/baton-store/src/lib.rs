@@ -452,6 +452,22 @@ impl Store {
         Ok(alternating(rows))
     }
 
+    /// The conversation (not an evaluation's) whose latest run asked `question` and answered
+    /// `answer`: where a client that resends the whole conversation with each request (as the
+    /// OpenAI API does) left off. The newest such, if several.
+    pub async fn conversation_ending_with(&self, question: &str, answer: &str) -> Result<Option<i64>, StoreError> {
+        Ok(sqlx::query_scalar(
+            "SELECT r.conversation_id FROM runs r JOIN conversations c ON c.id = r.conversation_id
+             WHERE r.question = ?1 AND r.answer = ?2 AND c.evaluation_id IS NULL
+               AND r.id = (SELECT max(id) FROM runs WHERE conversation_id = r.conversation_id)
+             ORDER BY r.id DESC LIMIT 1",
+        )
+        .bind(question)
+        .bind(answer)
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
     pub async fn conversation_title(&self, conversation: i64) -> Result<Option<String>, StoreError> {
         Ok(sqlx::query_scalar("SELECT title FROM conversations WHERE id = ?1")
             .bind(conversation)
