@@ -232,7 +232,7 @@ pub async fn rerun_step<R: Runtime>(
         history,
         plan: Some(rerun.plan),
         reuse: Some(rerun.reuse),
-        budget: None,
+        ..RunRequest::default()
     };
     run_recorded(&app, &registration, &executor, store.recorder(Some(conversation)), run, on_event).await
 }

@@ -120,7 +120,10 @@ impl PromptBuilder {
                 let chosen = closest_examples(&bank, &ctx.question, V3_EXAMPLES_SHOWN);
                 let mut out = format!("\n{intro}");
                 for e in chosen {
-                    out.push_str(&format!("\n{}\n", e.text));
+                    out.push_str(&format!(
+                        "\n{}\n",
+                        with_models(e.text, ctx.lead.min(ctx.pool_size.saturating_sub(1)))
+                    ));
                 }
                 out
             }
@@ -256,6 +259,21 @@ struct Example<'a> {
     tag: &'a str,
     question: &'a str,
     text: &'a str,
+}
+
+/// An example with every step on Model `lead`. A small conductor copies an example's model
+/// numbers with its shape; written for the pool's strongest worker, the copy is harmless.
+fn with_models(text: &str, lead: usize) -> String {
+    text.lines()
+        .map(|line| match line.strip_prefix("model_id = [") {
+            Some(rest) => {
+                let steps = rest.trim_end_matches(']').split(',').count();
+                format!("model_id = [{}]", vec![lead.to_string(); steps].join(", "))
+            }
+            None => line.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// The bank's introduction and its examples (`Example [tag]. Question: …` to the fence).
@@ -423,6 +441,13 @@ mod tests {
         let shown = p.shown_examples(&math);
         assert_eq!(shown.len(), V3_EXAMPLES_SHOWN);
         assert!(shown.iter().any(|e| e.question.contains("360") && e.subtasks[0].contains("360")), "{shown:?}");
+        // Every example step is on the lead worker, whatever model the bank wrote.
+        let hard = PlanningContext::question("Which is larger, 2^100 or 3^63? Explain.", 3, 5);
+        let text = p.examples_for(&PlanningContext { lead: 2, ..hard.clone() });
+        assert!(text.contains("model_id = [2, 2, 2]") && !text.contains("model_id = [0"), "{text}");
+        assert!(p.examples_for(&hard).contains("model_id = [0, 0, 0]"));
+        let beyond = p.examples_for(&PlanningContext { lead: 7, ..hard });
+        assert!(beyond.contains("model_id = [2, 2, 2]"), "a lead outside the pool is its last worker");
         // A second attempt shows none, so it cannot copy one.
         let again = PlanningContext { attempt: 1, ..math };
         assert_eq!(p.examples_for(&again), "");

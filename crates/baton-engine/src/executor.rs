@@ -105,11 +105,20 @@ pub struct AnswerSettings {
     pub top_p: Option<f32>,
 }
 
-/// A worker's system message: Baton's step instructions (the question, when the pool shows it),
-/// then the client's own instructions, if any.
-fn worker_system(show_question: bool, ctx: &RunCtx<'_>) -> Option<String> {
-    let step = show_question
-        .then(|| format!("You are one step of a larger workflow. The user's original question:\n\n{}", ctx.question));
+/// A worker's system message: Baton's step instructions (the question, when the pool shows it;
+/// for a step whose answer is the plan's, to end with the answer in the form asked for), then
+/// the client's own instructions, if any.
+fn worker_system(show_question: bool, ctx: &RunCtx<'_>, answers: bool) -> Option<String> {
+    let step = show_question.then(|| {
+        let mut text =
+            format!("You are one step of a larger workflow. The user's original question:\n\n{}", ctx.question);
+        if answers {
+            text.push_str(
+                "\n\nYour answer is the one the user receives: end it with the final answer to that question, in the form the question asks for.",
+            );
+        }
+        text
+    });
     match (step, &ctx.instructions) {
         (Some(step), Some(theirs)) => Some(format!("{step}\n\nThe user's instructions:\n\n{theirs}")),
         (step, theirs) => step.or_else(|| theirs.clone()),
@@ -361,6 +370,7 @@ impl Executor {
             question: ctx.question.clone(),
             history: ctx.history.clone(),
             instructions: ctx.instructions.clone(),
+            lead: crate::fallback::fallback_worker(&self.options.fallback, self.workers.len(), &ctx.question).0,
             work,
             depth,
             allow_self: self.recursive() && depth < self.options.recursion.max_depth,
@@ -544,8 +554,8 @@ impl Executor {
                         if worker == self.workers.len() {
                             running.push(Box::pin(self.run_recursive_step(ctx, round, i, depth, messages)));
                         } else {
-                            let system = worker_system(self.options.show_question, ctx);
                             let answers = i + 1 == n;
+                            let system = worker_system(self.options.show_question, ctx, answers);
                             running.push(Box::pin(self.run_step(ctx, round, i, worker, system, messages, answers)));
                         }
                     }

@@ -15,6 +15,11 @@ pub struct PlanningContext {
     pub history: Vec<Message>,
     /// The client's own instructions for the answer (an API request's `system` message).
     pub instructions: Option<String>,
+    /// The worker the prompt's example workflows put on every step: the pool's best for this
+    /// question where an evaluation measured it (see [`crate::fallback::fallback_worker`]),
+    /// else the first. A small conductor copies an example's shape, models included, so the
+    /// examples must not send it to a weak worker.
+    pub lead: usize,
     /// For a recursive round: the work the conductor's step sees, as subtask/answer turns.
     pub work: Vec<Message>,
     /// 0 for the question's plan, 1 for a round opened by that plan, and so on.
@@ -40,6 +45,7 @@ impl PlanningContext {
             question: question.into(),
             history: Vec::new(),
             instructions: None,
+            lead: 0,
             work: Vec::new(),
             depth: 0,
             allow_self: false,

@@ -92,20 +92,20 @@ fn asks_for_nothing(name: &str, value: &Value) -> bool {
 /// A request, checked: what to run and how to answer.
 #[derive(Debug)]
 pub(crate) struct Call {
-    model: String,
+    pub(crate) model: String,
     /// `None`: the conductor plans; `Some(i)`: worker `i` alone.
-    worker: Option<usize>,
-    question: String,
-    history: Vec<Message>,
-    instructions: Option<String>,
-    answer: AnswerSettings,
-    stream: bool,
-    include_usage: bool,
-    budget: Option<Budget>,
-    conversation: Option<i64>,
+    pub(crate) worker: Option<usize>,
+    pub(crate) question: String,
+    pub(crate) history: Vec<Message>,
+    pub(crate) instructions: Option<String>,
+    pub(crate) answer: AnswerSettings,
+    pub(crate) stream: bool,
+    pub(crate) include_usage: bool,
+    pub(crate) budget: Option<Budget>,
+    pub(crate) conversation: Option<i64>,
 }
 
-fn number(body: &Map<String, Value>, name: &str) -> Result<Option<f64>, ApiError> {
+pub(crate) fn number(body: &Map<String, Value>, name: &str) -> Result<Option<f64>, ApiError> {
     match body.get(name) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v.as_f64().map(Some).ok_or_else(|| ApiError::bad_field(name, format!("`{name}` must be a number"))),
@@ -223,7 +223,7 @@ pub(crate) fn parse(service: &Service, headers: &HeaderMap, bytes: &[u8]) -> Res
     })
 }
 
-fn header_number(headers: &HeaderMap, name: &str) -> Result<Option<f64>, ApiError> {
+pub(crate) fn header_number(headers: &HeaderMap, name: &str) -> Result<Option<f64>, ApiError> {
     let Some(value) = headers.get(name) else { return Ok(None) };
     let parsed = value.to_str().ok().and_then(|v| v.trim().parse::<f64>().ok()).filter(|v| *v > 0.0);
     parsed.map(Some).ok_or_else(|| ApiError::bad_request(format!("the header {name} must be a number above 0")))
@@ -231,7 +231,7 @@ fn header_number(headers: &HeaderMap, name: &str) -> Result<Option<f64>, ApiErro
 
 /// A request's own caps (`x-baton-max-cost-usd`, `x-baton-max-tokens`): the executor applies
 /// the tighter of these and the pool's, so a request can lower a cap and never raise it.
-fn budget(headers: &HeaderMap) -> Result<Option<Budget>, ApiError> {
+pub(crate) fn budget(headers: &HeaderMap) -> Result<Option<Budget>, ApiError> {
     let cost = header_number(headers, "x-baton-max-cost-usd")?;
     let tokens = header_number(headers, "x-baton-max-tokens")?.map(|t| t as u64);
     Ok((cost.is_some() || tokens.is_some()).then_some(Budget {
@@ -284,7 +284,7 @@ pub async fn completions(
 /// The history's conversation a request continues: the one `x-baton-conversation` names, else
 /// the one whose latest run is the request's last question and answer (a client resends the
 /// whole conversation each time), else none (a new one).
-async fn continued(store: &baton_store::Store, call: &Call) -> Result<Option<i64>, ApiError> {
+pub(crate) async fn continued(store: &baton_store::Store, call: &Call) -> Result<Option<i64>, ApiError> {
     let unreadable = |e: baton_store::StoreError| ApiError::internal(format!("the history cannot be read: {e}"));
     if let Some(id) = call.conversation {
         return match store.conversation_title(id).await.map_err(unreadable)? {
@@ -303,20 +303,20 @@ async fn continued(store: &baton_store::Store, call: &Call) -> Result<Option<i64
 }
 
 /// A run in flight: its events, and the token that stops it.
-struct Running {
-    run_id: String,
-    model: String,
-    stream: bool,
-    include_usage: bool,
-    events: mpsc::UnboundedReceiver<RunEvent>,
-    cancel: CancellationToken,
-    created: u64,
-    workers: Vec<String>,
+pub(crate) struct Running {
+    pub(crate) run_id: String,
+    pub(crate) model: String,
+    pub(crate) stream: bool,
+    pub(crate) include_usage: bool,
+    pub(crate) events: mpsc::UnboundedReceiver<RunEvent>,
+    pub(crate) cancel: CancellationToken,
+    pub(crate) created: u64,
+    pub(crate) workers: Vec<String>,
 }
 
 /// Starts the run on its own task, which records every event in the history and passes it on;
 /// the run goes on to its end (or its cancellation) whatever the client does.
-fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePermit) -> Running {
+pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePermit) -> Running {
     let run_id = new_run_id();
     let plan = call.worker.map(|w| baton_engine::fallback::alone_plan(w, &call.history, &call.question));
     let request = RunRequest {
@@ -369,10 +369,10 @@ fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePermit) -> Ru
 /// What a client is shown of a run as it goes: which step writes the answer, the plans, the
 /// steps and how they ended.
 #[derive(Debug, Default)]
-struct Progress {
+pub(crate) struct Progress {
     /// The step whose text is the answer: the last step of the question's plan, or of the
     /// round a final conductor step opened.
-    answer_step: Option<(u32, usize)>,
+    pub(crate) answer_step: Option<(u32, usize)>,
     answer_worker: Option<usize>,
     plans: Vec<Value>,
     steps: Vec<Value>,
@@ -383,7 +383,7 @@ struct Progress {
 
 impl Progress {
     /// Takes in one event; returns the text it adds to the reasoning shown, if any.
-    fn see(&mut self, event: &RunEvent, workers: &[String]) -> Option<String> {
+    pub(crate) fn see(&mut self, event: &RunEvent, workers: &[String]) -> Option<String> {
         let name = |w: usize| workers.get(w).cloned().unwrap_or_else(|| "the conductor".to_owned());
         match event {
             RunEvent::PlanStarted { round, .. } => {
@@ -444,14 +444,14 @@ impl Progress {
     }
 }
 
-fn first_line(text: &str) -> String {
+pub(crate) fn first_line(text: &str) -> String {
     let line = text.lines().next().unwrap_or_default();
     let cut: String = line.chars().take(160).collect();
     if cut.len() < text.len() { format!("{cut}…") } else { cut }
 }
 
 /// OpenAI's `usage`, with the conductor's share in the orchestration fields.
-fn usage(totals: &Totals) -> Value {
+pub(crate) fn usage(totals: &Totals) -> Value {
     let all = totals.usage;
     let c = totals.conductor.usage;
     json!({
@@ -468,11 +468,11 @@ fn usage(totals: &Totals) -> Value {
 }
 
 /// `x-baton-cost-usd`: the dollars, prefixed `>=` when some price is unknown (a lower bound).
-fn cost_text(totals: &Totals) -> String {
+pub(crate) fn cost_text(totals: &Totals) -> String {
     format!("{}{:.6}", if totals.cost_complete { "" } else { ">=" }, totals.cost_usd)
 }
 
-fn baton_object(run: &Running, progress: &Progress, status: &str, totals: Option<&Totals>) -> Value {
+pub(crate) fn baton_object(run: &Running, progress: &Progress, status: &str, totals: Option<&Totals>) -> Value {
     let mut o = json!({
         "run_id": run.run_id,
         "status": status,
@@ -492,7 +492,7 @@ fn baton_object(run: &Running, progress: &Progress, status: &str, totals: Option
 }
 
 /// How a run that ended without an answer reaches the client.
-fn failure(kind: Option<RunErrorKind>, message: &str, progress: &Progress, workers: &[String]) -> ApiError {
+pub(crate) fn failure(kind: Option<RunErrorKind>, message: &str, progress: &Progress, workers: &[String]) -> ApiError {
     let worker = progress.answer_worker.and_then(|w| workers.get(w)).map_or("", String::as_str);
     match kind {
         Some(RunErrorKind::BudgetExceeded) => ApiError {
@@ -680,7 +680,7 @@ enum Stage {
 
 const DONE: &str = "data: [DONE]\n\n";
 
-fn sse(value: &Value) -> String {
+pub(crate) fn sse(value: &Value) -> String {
     format!("data: {value}\n\n")
 }
 

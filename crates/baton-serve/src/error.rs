@@ -91,6 +91,18 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// The response for this error with `body` (its [`ApiError::body`], plus whatever a
+    /// caller adds) and its headers.
+    pub fn into_response_with(self, body: serde_json::Value) -> Response {
+        let mut response = (self.status, axum::Json(body)).into_response();
+        if let Some(seconds) = self.retry_after {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status, axum::Json(self.body())).into_response();

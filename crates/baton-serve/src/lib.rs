@@ -1,7 +1,7 @@
 //! `baton serve`: the orchestrated pool as one OpenAI-compatible model, over HTTP.
 //!
 //! `GET /v1/models` lists `baton` (the conductor over the whole pool) and `baton/<worker>` for
-//! each worker alone; `POST /v1/chat/completions` runs a question through the same executor,
+//! each worker alone; `POST /v1/chat/completions` (and `POST /v1/responses`, its text form) runs a question through the same executor,
 //! accounting and history as the app and `baton ask`, streamed (SSE) or not. Every request
 //! passes the [`guard`] first (token, `Host`, `Origin`). What a client cannot be given (tools,
 //! several choices, images, …) is refused by name with a 400, never ignored.
@@ -13,6 +13,7 @@ mod chat;
 mod error;
 pub mod guard;
 mod models;
+mod responses;
 
 use std::sync::Arc;
 
@@ -148,8 +149,12 @@ pub fn router(service: Arc<Service>) -> Router {
         .route("/v1/models", get(models::list))
         .route("/v1/models/{*id}", get(models::one))
         .route("/v1/chat/completions", post(chat::completions))
+        .route("/v1/responses", post(responses::create))
         .fallback(|| async {
-            ApiError::not_found(None, "no such route; this server serves /v1/models and /v1/chat/completions")
+            ApiError::not_found(
+                None,
+                "no such route; this server serves /v1/models, /v1/chat/completions and /v1/responses",
+            )
         })
         .layer(axum::middleware::from_fn_with_state(service.clone(), guard::check))
         .with_state(service)

@@ -86,6 +86,27 @@ try:
 except openai.AuthenticationError as e:
     assert e.status_code == 401, e
 
+# The Responses API: text in and out, streamed and not, continued by previous_response_id.
+first = client.responses.create(model="baton", input="Why is the sea salty?", instructions="Be brief.")
+assert first.status == "completed" and first.output_text, first
+assert first.usage.input_tokens_details.model_extra["orchestration_input_tokens"] > 0, first.usage
+assert first.model_extra["baton"]["status"] == "finished"
+deltas, completed = "", None
+with client.responses.stream(model="baton/fast", input="And the rivers?", previous_response_id=first.id) as stream:
+    for event in stream:
+        if event.type == "response.output_text.delta":
+            deltas += event.delta
+        elif event.type == "response.completed":
+            completed = event.response
+assert completed is not None and completed.output_text == deltas and deltas, (deltas, completed)
+assert completed.previous_response_id == first.id
+try:
+    client.responses.create(model="baton", input="Hi?", tools=[{"type": "web_search"}])
+    raise AssertionError("tools were not refused")
+except openai.BadRequestError as e:
+    assert e.param == "tools", e
+facts["responses"] = deltas
+
 # A client that hangs up mid-answer: the run is cancelled (the test reads the history).
 stream = client.chat.completions.create(
     model="baton/slow", messages=[{"role": "user", "content": "Write at length."}], stream=True

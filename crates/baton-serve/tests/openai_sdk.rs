@@ -33,7 +33,7 @@ async fn the_official_openai_package_lists_asks_streams_and_gets_each_error_clas
         ));
     }
     let pool = Pool::parse(&text, "pool.toml").expect("pool");
-    providers.queue_replies("planner", [PLAN; 4]);
+    providers.queue_replies("planner", [PLAN; 5]);
     let http = HttpModel::new(
         ProviderKind::OpenAiCompatible,
         &providers.base_url(Wire::OpenAi),

@@ -444,3 +444,77 @@ async fn a_client_that_resends_the_conversation_continues_it_in_the_history() {
         .unwrap();
     assert_eq!(r.status(), 400);
 }
+
+/// `event:`/`data:` pairs of a Responses stream.
+async fn typed_events(response: reqwest::Response) -> Vec<(String, Value)> {
+    let text = response.text().await.expect("body");
+    text.split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let kind = e.lines().find_map(|l| l.strip_prefix("event: ")).expect("an event name").to_owned();
+            let data = e.lines().find_map(|l| l.strip_prefix("data: ")).expect("data");
+            (kind, serde_json::from_str(data).expect("json"))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn the_responses_api_answers_streams_and_continues_from_a_previous_response() {
+    let s = serve().await;
+    s.providers.queue_replies("planner", [PLAN]);
+    let url = format!("{}/v1/responses", s.url);
+    let body = json!({ "model": "baton", "input": "Why is the sky blue?", "instructions": "Be brief.", "max_output_tokens": 9 });
+    let r = client().post(&url).bearer_auth(TOKEN).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let first: Value = r.json().await.unwrap();
+    assert_eq!((first["object"].as_str(), first["status"].as_str()), (Some("response"), Some("completed")), "{first}");
+    let id = first["id"].as_str().unwrap().to_owned();
+    assert!(id.starts_with("resp_"));
+    let text = first["output"][0]["content"][0]["text"].as_str().unwrap().to_owned();
+    assert!(!text.is_empty());
+    assert_eq!(first["output"][0]["content"][0]["type"], "output_text");
+    assert!(first["usage"]["input_tokens_details"]["orchestration_input_tokens"].as_u64().unwrap() > 0, "{first}");
+    let b = worker_calls(&s).into_iter().find(|c| c.model == "beta").unwrap();
+    assert_eq!(b.body.get("max_completion_tokens").or_else(|| b.body.get("max_tokens")), Some(&json!(9)));
+    assert!(b.body["messages"][0]["content"].as_str().unwrap().ends_with("Be brief."));
+
+    // Streamed, continuing the first response: worker a alone sees the earlier exchange.
+    let body = json!({ "model": "baton/a", "input": "And at sunset?", "previous_response_id": id, "stream": true });
+    let r = client().post(&url).bearer_auth(TOKEN).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let events = typed_events(r).await;
+    let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).filter(|k| !k.starts_with("baton.")).collect();
+    assert_eq!(kinds.first(), Some(&"response.created"));
+    assert_eq!(kinds.last(), Some(&"response.completed"));
+    for kind in [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+    ] {
+        assert!(kinds.contains(&kind), "{kind}: {kinds:?}");
+    }
+    let numbers: Vec<u64> = events.iter().map(|(_, d)| d["sequence_number"].as_u64().unwrap()).collect();
+    assert!(numbers.windows(2).all(|w| w[1] == w[0] + 1), "{numbers:?}");
+    let deltas: String = events
+        .iter()
+        .filter(|(k, _)| k == "response.output_text.delta")
+        .map(|(_, d)| d["delta"].as_str().unwrap())
+        .collect();
+    let done = &events.iter().find(|(k, _)| k == "response.completed").unwrap().1["response"];
+    assert_eq!(done["output"][0]["content"][0]["text"].as_str(), Some(deltas.as_str()));
+    assert_eq!(done["previous_response_id"], id.as_str());
+    let a = worker_calls(&s).into_iter().filter(|c| c.model == "alpha").last().unwrap();
+    assert!(a.body.to_string().contains("Why is the sky blue?"), "the earlier exchange reaches the worker: {}", a.body);
+    let runs = s.store.list_runs(10, None).await.unwrap();
+    assert_eq!(runs.len(), 2);
+    assert_eq!(runs[0].conversation_id, runs[1].conversation_id, "one conversation in the history");
+
+    let unknown = json!({ "model": "baton/a", "input": "Hi?", "previous_response_id": "resp_nothing" });
+    let r = client().post(&url).bearer_auth(TOKEN).json(&unknown).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    let tools = json!({ "model": "baton", "input": "Hi?", "tools": [{ "type": "web_search" }] });
+    let r = client().post(&url).bearer_auth(TOKEN).json(&tools).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(r.json::<Value>().await.unwrap()["error"]["param"], "tools");
+}

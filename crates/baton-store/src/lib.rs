@@ -452,6 +452,31 @@ impl Store {
         Ok(alternating(rows))
     }
 
+    /// The run with the executor's id `uid`: its number and its conversation's.
+    pub async fn run_by_uid(&self, uid: &str) -> Result<Option<(i64, i64)>, StoreError> {
+        Ok(sqlx::query_as("SELECT id, conversation_id FROM runs WHERE uid = ?1")
+            .bind(uid)
+            .fetch_optional(&self.pool)
+            .await?)
+    }
+
+    /// The conversation's messages up to run `run`'s answer, oldest first: what a reply to
+    /// that answer continues (the Responses API's `previous_response_id`).
+    pub async fn messages_through_run(&self, conversation: i64, run: i64) -> Result<Vec<Message>, StoreError> {
+        let rows: Vec<MessageRow> = sqlx::query_as(
+            "SELECT m.run_id, m.role, m.content, r.status, r.error_kind
+             FROM messages m LEFT JOIN runs r ON r.id = m.run_id
+             WHERE m.conversation_id = ?1
+               AND m.id <= coalesce((SELECT max(id) FROM messages WHERE run_id = ?2), -1)
+             ORDER BY m.id",
+        )
+        .bind(conversation)
+        .bind(run)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(alternating(rows))
+    }
+
     /// The conversation (not an evaluation's) whose latest run asked `question` and answered
     /// `answer`: where a client that resends the whole conversation with each request (as the
     /// OpenAI API does) left off. The newest such, if several.

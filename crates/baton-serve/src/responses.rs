@@ -1,0 +1,477 @@
+//! `POST /v1/responses`, for text in and text out: the same run as a chat completion, in the
+//! Responses API's shape. `input` is the question (a string) or messages; `instructions` are the
+//! client's system message; `previous_response_id` continues that response's conversation from
+//! the history (a response's id is `resp_` and its run's id). Streamed, the events are
+//! `response.created`, `response.in_progress`, the output item and text part opening,
+//! `response.output_text.delta` as the answer is written, their closing, and
+//! `response.completed` (or `response.failed`); the plan and the steps' progress come as
+//! `baton.progress` events, which clients that do not know them skip.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use baton_engine::{AnswerSettings, RunEvent, Totals};
+use baton_providers::{Message, Role};
+use serde_json::{Map, Value, json};
+
+use crate::chat::{self, Call, Progress, Running};
+use crate::{ApiError, Service};
+
+/// Fields of the Responses API's create request and what Baton does with each.
+const FIELDS: &[(&str, Option<&str>)] = &[
+    ("model", None),
+    ("input", None),
+    ("instructions", None),
+    ("stream", None),
+    ("previous_response_id", None),
+    ("max_output_tokens", None),
+    ("temperature", None),
+    ("top_p", None),
+    ("store", None),
+    ("metadata", None),
+    ("user", None),
+    ("service_tier", None),
+    ("prompt_cache_key", None),
+    ("safety_identifier", None),
+    ("parallel_tool_calls", None),
+    ("truncation", None),
+    ("text", Some("only text answers are supported (text.format type \"text\")")),
+    ("tools", Some("Baton's workers answer in text; tools are not supported")),
+    ("tool_choice", Some("Baton's workers answer in text; tools are not supported")),
+    ("max_tool_calls", Some("Baton's workers answer in text; tools are not supported")),
+    ("include", Some("no extra output is available")),
+    ("reasoning", Some("set a worker's reasoning effort in the pool file instead")),
+    ("background", Some("responses run in the foreground")),
+    ("conversation", Some("continue a conversation with previous_response_id or x-baton-conversation")),
+    ("prompt", Some("stored prompts are not supported")),
+    ("top_logprobs", Some("log probabilities are not available through a workflow")),
+    ("stream_options", Some("stream options are not supported here")),
+];
+
+fn asks_for_nothing(name: &str, value: &Value) -> bool {
+    match (name, value) {
+        (_, Value::Null) => true,
+        ("text", v) => v.get("format").is_none_or(|f| f.get("type").and_then(Value::as_str) == Some("text")),
+        ("tools" | "include", Value::Array(a)) => a.is_empty(),
+        ("tool_choice", Value::String(s)) => s == "none",
+        ("background", Value::Bool(false)) => true,
+        ("top_logprobs", v) => v.as_u64() == Some(0),
+        _ => false,
+    }
+}
+
+/// The text of an input message's content: a string, or `input_text` / `output_text` parts.
+fn text_of(content: &Value, at: usize) -> Result<String, ApiError> {
+    match content {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut text = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
+                if !matches!(kind, "input_text" | "output_text" | "text") {
+                    return Err(ApiError::bad_field(
+                        &format!("input[{at}].content[{j}].type"),
+                        format!("only text parts are supported, not `{kind}`"),
+                    ));
+                }
+                text.push_str(part.get("text").and_then(Value::as_str).unwrap_or(""));
+            }
+            Ok(text)
+        }
+        _ => Err(ApiError::bad_field(&format!("input[{at}].content"), "content must be a string or text parts")),
+    }
+}
+
+struct Parsed {
+    call: Call,
+    previous: Option<String>,
+    instructions: Option<String>,
+}
+
+fn parse(service: &Service, headers: &HeaderMap, bytes: &[u8]) -> Result<Parsed, ApiError> {
+    let body: Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::bad_request(format!("the body is not JSON ({e}); send a Responses request")))?;
+    let Value::Object(body) = body else {
+        return Err(ApiError::bad_request("the body must be a JSON object"));
+    };
+    for (name, value) in &body {
+        match FIELDS.iter().find(|(f, _)| f == name) {
+            None => return Err(ApiError::bad_field(name, format!("Unrecognized request argument supplied: {name}"))),
+            Some((_, Some(why))) if !asks_for_nothing(name, value) => {
+                return Err(ApiError::bad_field(name, format!("`{name}` is not supported: {why}")));
+            }
+            Some(_) => {}
+        }
+    }
+    let model = body
+        .get("model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::bad_field("model", "`model` is required: `baton`, or `baton/<worker>`"))?
+        .to_owned();
+    let worker = service.target(&model)?;
+    let mut instructions: Vec<String> =
+        body.get("instructions").and_then(Value::as_str).map(str::to_owned).into_iter().collect();
+    let mut turns = Vec::new();
+    match body.get("input") {
+        Some(Value::String(s)) => turns.push(Message::user(s.clone())),
+        Some(Value::Array(items)) => {
+            if items.len() > service.options.max_messages {
+                return Err(ApiError::bad_field(
+                    "input",
+                    format!("{} items is over this server's limit of {}", items.len(), service.options.max_messages),
+                ));
+            }
+            for (i, item) in items.iter().enumerate() {
+                let kind = item.get("type").and_then(Value::as_str).unwrap_or("message");
+                if kind != "message" {
+                    return Err(ApiError::bad_field(
+                        &format!("input[{i}].type"),
+                        format!("only messages are supported as input, not `{kind}`"),
+                    ));
+                }
+                let text = text_of(item.get("content").unwrap_or(&Value::Null), i)?;
+                match item.get("role").and_then(Value::as_str).unwrap_or("") {
+                    "system" | "developer" => instructions.push(text),
+                    "user" => turns.push(Message::user(text)),
+                    "assistant" => turns.push(Message::assistant(text)),
+                    other => {
+                        return Err(ApiError::bad_field(
+                            &format!("input[{i}].role"),
+                            format!("role `{other}` is not supported: use system, developer, user or assistant"),
+                        ));
+                    }
+                }
+            }
+        }
+        _ => return Err(ApiError::bad_field("input", "`input` is required: the question, or a list of messages")),
+    }
+    let question = match turns.pop() {
+        Some(Message { role: Role::User, content }) if !content.trim().is_empty() => content,
+        _ => {
+            return Err(ApiError::bad_field(
+                "input",
+                "the last input message must be the user's question, and not empty",
+            ));
+        }
+    };
+    let max_tokens = match chat::number(&body, "max_output_tokens")? {
+        Some(m) if m >= 1.0 => Some(m as u32),
+        Some(_) => return Err(ApiError::bad_field("max_output_tokens", "`max_output_tokens` must be at least 1")),
+        None => None,
+    };
+    let instructions = (!instructions.is_empty()).then(|| instructions.join("\n\n"));
+    let call = Call {
+        model,
+        worker,
+        question,
+        history: turns,
+        instructions: instructions.clone(),
+        answer: AnswerSettings {
+            max_tokens,
+            temperature: chat::number(&body, "temperature")?.map(|t| t as f32),
+            top_p: chat::number(&body, "top_p")?.map(|t| t as f32),
+        },
+        stream: body.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        include_usage: true,
+        budget: chat::budget(headers)?,
+        conversation: chat::header_number(headers, "x-baton-conversation")?.map(|c| c as i64),
+    };
+    let previous = body.get("previous_response_id").and_then(Value::as_str).map(str::to_owned);
+    Ok(Parsed { call, previous, instructions })
+}
+
+pub async fn create(
+    axum::extract::State(service): axum::extract::State<Arc<Service>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let Ok(bytes) = axum::body::to_bytes(body, service.options.max_body_bytes).await else {
+        return ApiError::too_large(format!(
+            "the request is over this server's limit of {} bytes",
+            service.options.max_body_bytes
+        ))
+        .into_response();
+    };
+    let Parsed { mut call, previous, instructions } = match parse(&service, &headers, &bytes) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let Ok(permit) = service.runs.clone().try_acquire_owned() else {
+        return ApiError::busy(
+            format!(
+                "all {} of this server's run slots are busy; try again shortly",
+                service.options.max_concurrent_runs
+            ),
+            Some(1),
+        )
+        .into_response();
+    };
+    if let Some(store) = &service.store {
+        if let Some(previous) = &previous {
+            // The earlier response's conversation, as the history keeps it, comes before
+            // whatever this request's input adds.
+            let unreadable =
+                |e: baton_store::StoreError| ApiError::internal(format!("the history cannot be read: {e}"));
+            let found = match previous.strip_prefix("resp_") {
+                Some(uid) => store.run_by_uid(uid).await.map_err(unreadable),
+                None => Ok(None),
+            };
+            match found {
+                Ok(Some((run, conversation))) => match store.messages_through_run(conversation, run).await {
+                    Ok(mut history) => {
+                        history.append(&mut call.history);
+                        call.history = history;
+                        call.conversation = Some(conversation);
+                    }
+                    Err(e) => return unreadable(e).into_response(),
+                },
+                Ok(None) => {
+                    return ApiError::not_found(
+                        Some("previous_response_id"),
+                        format!("there is no response {previous} in this server's history"),
+                    )
+                    .into_response();
+                }
+                Err(e) => return e.into_response(),
+            }
+        } else {
+            match chat::continued(store, &call).await {
+                Ok(conversation) => call.conversation = conversation,
+                Err(e) => return e.into_response(),
+            }
+        }
+    } else if previous.is_some() {
+        return ApiError::bad_field("previous_response_id", "this server keeps no history (--no-history)")
+            .into_response();
+    }
+    let run = chat::start(&service, call, permit);
+    let echo = Echo { previous, instructions };
+    if run.stream { stream(run, echo) } else { complete(run, echo).await }
+}
+
+/// What a response repeats of its request.
+struct Echo {
+    previous: Option<String>,
+    instructions: Option<String>,
+}
+
+/// The Responses API's `usage`, with the conductor's share in the orchestration fields.
+fn usage(totals: &Totals) -> Value {
+    let all = totals.usage;
+    let c = totals.conductor.usage;
+    json!({
+        "input_tokens": all.input_tokens,
+        "input_tokens_details": {
+            "cached_tokens": all.cached_input_tokens,
+            "orchestration_input_tokens": c.input_tokens,
+            "orchestration_input_cached_tokens": c.cached_input_tokens,
+        },
+        "output_tokens": all.output_tokens,
+        "output_tokens_details": { "reasoning_tokens": 0, "orchestration_output_tokens": c.output_tokens },
+        "total_tokens": all.input_tokens + all.output_tokens,
+    })
+}
+
+fn message(run: &Running, text: &str, status: &str) -> Value {
+    let content: Vec<Value> = if status == "in_progress" && text.is_empty() {
+        Vec::new()
+    } else {
+        vec![json!({ "type": "output_text", "text": text, "annotations": [] })]
+    };
+    json!({ "type": "message", "id": format!("msg_{}", run.run_id), "status": status, "role": "assistant", "content": content })
+}
+
+/// The response object, in any state.
+fn response(run: &Running, echo: &Echo, status: &str, output: Vec<Value>, extra: Map<String, Value>) -> Value {
+    let mut r = json!({
+        "id": format!("resp_{}", run.run_id),
+        "object": "response",
+        "created_at": run.created,
+        "status": status,
+        "model": run.model,
+        "output": output,
+        "previous_response_id": echo.previous,
+        "instructions": echo.instructions,
+        "error": null,
+        "incomplete_details": null,
+        "parallel_tool_calls": false,
+        "tool_choice": "none",
+        "tools": [],
+        "text": { "format": { "type": "text" } },
+        "truncation": "disabled",
+        "metadata": {},
+    });
+    r.as_object_mut().expect("an object").extend(extra);
+    r
+}
+
+fn finished(
+    run: &Running,
+    echo: &Echo,
+    progress: &Progress,
+    end: Option<RunEvent>,
+) -> Result<(Value, Totals), (ApiError, Value)> {
+    match end {
+        Some(RunEvent::RunFinished { answer, totals }) => {
+            let mut extra = Map::new();
+            extra.insert("usage".into(), usage(&totals));
+            extra.insert("baton".into(), chat::baton_object(run, progress, "finished", Some(&totals)));
+            Ok((response(run, echo, "completed", vec![message(run, &answer, "completed")], extra), totals))
+        }
+        Some(RunEvent::RunFailed { error, totals }) => {
+            let e = chat::failure(Some(error.kind), &error.message, progress, &run.workers);
+            Err((e, chat::baton_object(run, progress, "failed", Some(&totals))))
+        }
+        Some(RunEvent::RunCancelled { totals }) => Err((
+            ApiError::internal("the run was cancelled before it answered"),
+            chat::baton_object(run, progress, "cancelled", Some(&totals)),
+        )),
+        _ => Err((ApiError::internal("the run ended without a result"), json!({ "run_id": run.run_id }))),
+    }
+}
+
+async fn complete(mut run: Running, echo: Echo) -> Response {
+    let _stop_on_drop = run.cancel.clone().drop_guard();
+    let mut progress = Progress::default();
+    let mut end = None;
+    while let Some(event) = run.events.recv().await {
+        progress.see(&event, &run.workers);
+        if event.is_terminal() {
+            end = Some(event);
+        }
+    }
+    let (mut out, cost) = match finished(&run, &echo, &progress, end) {
+        Ok((body, totals)) => ((StatusCode::OK, axum::Json(body)).into_response(), Some(chat::cost_text(&totals))),
+        Err((e, baton)) => {
+            let mut body = e.body();
+            body["baton"] = baton;
+            let cost = body["baton"]["cost_usd"].as_f64().map(|c| format!("{c:.6}"));
+            (e.into_response_with(body), cost)
+        }
+    };
+    let h = out.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&run.run_id) {
+        h.insert("x-baton-run-id", v);
+    }
+    if let Some(v) = cost.and_then(|c| HeaderValue::from_str(&c).ok()) {
+        h.insert("x-baton-cost-usd", v);
+    }
+    out
+}
+
+fn event(kind: &str, sequence: &mut u64, mut data: Value) -> String {
+    data["type"] = json!(kind);
+    data["sequence_number"] = json!(*sequence);
+    *sequence += 1;
+    format!("event: {kind}\ndata: {data}\n\n")
+}
+
+fn stream(run: Running, echo: Echo) -> Response {
+    let run_id = run.run_id.clone();
+    let stop = run.cancel.clone().drop_guard();
+    let chunks = futures::stream::unfold(
+        (run, echo, Progress::default(), 0u64, false, String::new()),
+        |(mut run, echo, mut progress, mut seq, mut done, mut text)| async move {
+            if done {
+                return None;
+            }
+            let item = format!("msg_{}", run.run_id);
+            let mut out = String::new();
+            if seq == 0 {
+                let created = response(&run, &echo, "in_progress", vec![], Map::new());
+                out.push_str(&event("response.created", &mut seq, json!({ "response": created })));
+                out.push_str(&event("response.in_progress", &mut seq, json!({ "response": created })));
+                return Some((out, (run, echo, progress, seq, done, text)));
+            }
+            let Some(ev) = run.events.recv().await else {
+                return None;
+            };
+            if let Some(note) = progress.see(&ev, &run.workers) {
+                out.push_str(&event("baton.progress", &mut seq, json!({ "run_id": run.run_id, "text": note })));
+            }
+            match ev {
+                RunEvent::StepDelta { round, step, text: piece } if Some((round, step)) == progress.answer_step => {
+                    if text.is_empty() {
+                        out.push_str(&open(&run, &item, &mut seq));
+                    }
+                    text.push_str(&piece);
+                    out.push_str(&event(
+                        "response.output_text.delta",
+                        &mut seq,
+                        json!({ "item_id": item, "output_index": 0, "content_index": 0, "delta": piece, "logprobs": [] }),
+                    ));
+                }
+                end if end.is_terminal() => {
+                    done = true;
+                    match finished(&run, &echo, &progress, Some(end)) {
+                        Ok((body, _)) => {
+                            let answer =
+                                body["output"][0]["content"][0]["text"].as_str().unwrap_or_default().to_owned();
+                            if text.is_empty() {
+                                out.push_str(&open(&run, &item, &mut seq));
+                                if !answer.is_empty() {
+                                    out.push_str(&event(
+                                        "response.output_text.delta",
+                                        &mut seq,
+                                        json!({ "item_id": item, "output_index": 0, "content_index": 0, "delta": answer, "logprobs": [] }),
+                                    ));
+                                }
+                            }
+                            let part = json!({ "type": "output_text", "text": answer, "annotations": [] });
+                            out.push_str(&event(
+                                "response.output_text.done",
+                                &mut seq,
+                                json!({ "item_id": item, "output_index": 0, "content_index": 0, "text": answer, "logprobs": [] }),
+                            ));
+                            out.push_str(&event(
+                                "response.content_part.done",
+                                &mut seq,
+                                json!({ "item_id": item, "output_index": 0, "content_index": 0, "part": part }),
+                            ));
+                            out.push_str(&event(
+                                "response.output_item.done",
+                                &mut seq,
+                                json!({ "output_index": 0, "item": body["output"][0] }),
+                            ));
+                            out.push_str(&event("response.completed", &mut seq, json!({ "response": body })));
+                        }
+                        Err((e, baton)) => {
+                            let mut failed = response(&run, &echo, "failed", vec![], Map::new());
+                            failed["error"] = json!({ "code": e.code.unwrap_or(e.kind), "message": e.message });
+                            failed["baton"] = baton;
+                            out.push_str(&event("response.failed", &mut seq, json!({ "response": failed })));
+                        }
+                    }
+                }
+                _ => {}
+            }
+            Some((out, (run, echo, progress, seq, done, text)))
+        },
+    );
+    let body = futures::StreamExt::map(chunks, move |text| {
+        let _ = &stop;
+        Ok::<_, std::convert::Infallible>(text)
+    });
+    let mut response = Response::new(Body::from_stream(body));
+    let h = response.headers_mut();
+    h.insert(axum::http::header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(axum::http::header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    if let Ok(v) = HeaderValue::from_str(&run_id) {
+        h.insert("x-baton-run-id", v);
+    }
+    response
+}
+
+/// The output item and its text part, opened.
+fn open(run: &Running, item: &str, seq: &mut u64) -> String {
+    let mut out =
+        event("response.output_item.added", seq, json!({ "output_index": 0, "item": message(run, "", "in_progress") }));
+    out.push_str(&event(
+        "response.content_part.added",
+        seq,
+        json!({ "item_id": item, "output_index": 0, "content_index": 0, "part": { "type": "output_text", "text": "", "annotations": [] } }),
+    ));
+    out
+}
