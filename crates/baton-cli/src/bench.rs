@@ -4,7 +4,8 @@
 //! latency, one per step, so each step's real duration is known exactly; the critical path is
 //! the longest chain of those durations through the plan's DAG, and anything above it is the
 //! executor's (scheduling, message building, events). `bench history`: the history database at
-//! scale. `bench conductor`: a local conductor model's speed.
+//! scale. `bench serve`: what `baton serve` adds to a run. `bench conductor`: a local
+//! conductor model's speed.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -48,6 +49,20 @@ pub enum Command {
         /// Repetitions of each query.
         #[arg(long, default_value_t = 50)]
         repeat: usize,
+        /// One JSON object on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+    /// What `baton serve` adds to a run: concurrent streamed requests over loopback to fake
+    /// workers with a fixed latency, each one's time at the client against the executor's own
+    /// wall time for its run (the difference is HTTP, checks, recording and streaming).
+    Serve {
+        /// Requests sent at once.
+        #[arg(long, default_value_t = 64)]
+        requests: usize,
+        /// Latency of every fake worker call.
+        #[arg(long, default_value_t = 200)]
+        latency_ms: u64,
         /// One JSON object on stdout.
         #[arg(long)]
         json: bool,
@@ -112,6 +127,7 @@ pub async fn run(cmd: Command) -> Outcome {
     match cmd {
         Command::Executor { latency_ms, runs, json } => executor(latency_ms, runs, json).await,
         Command::History { db, runs, steps, repeat, json } => history(&db, runs, steps, repeat, json).await,
+        Command::Serve { requests, latency_ms, json } => serve(requests, latency_ms, json).await,
         #[cfg(feature = "local")]
         Command::Conductor(args) => conductor::run(args).await,
         #[cfg(not(feature = "local"))]
@@ -238,6 +254,135 @@ async fn measure(plan: &Plan, latency: Duration) -> Result<Sample, Failure> {
     }
     let critical = finish.iter().copied().fold(0.0, f64::max);
     Ok(Sample { wall, critical })
+}
+
+async fn serve(requests: usize, latency_ms: u64, json: bool) -> Outcome {
+    use futures::StreamExt;
+    if requests == 0 {
+        return Err(Failure::BadInput("--requests must be at least 1".into()));
+    }
+    let failed = |e: &dyn std::fmt::Display| Failure::Failed(e.to_string());
+    let latency = Duration::from_millis(latency_ms);
+    let fake = FakeModel::new("w0", latency);
+    let worker = Worker {
+        info: WorkerInfo {
+            index: 0,
+            name: "w0".into(),
+            provider: ProviderKind::OpenAiCompatible,
+            model: "fake".into(),
+            description: None,
+        },
+        model: Arc::new(fake),
+        pricing: prices::lookup(ProviderKind::OpenAi, "", "gpt-4o"),
+        output_cap: 4096,
+        timeout: Duration::from_secs(60),
+        endpoint: "fake".into(),
+    };
+    let options = PoolOptions { max_concurrency_per_provider: requests, ..PoolOptions::default() };
+    let executor = Arc::new(Executor::new(vec![worker], options));
+    let dir = tempfile::tempdir().map_err(|e| failed(&e))?;
+    let store = baton_store::Store::open(&dir.path().join("history.sqlite")).await.map_err(|e| failed(&e))?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| failed(&e))?;
+    let port = listener.local_addr().map_err(|e| failed(&e))?.port();
+    let token = "bench-token";
+    let serve_options = baton_serve::ServeOptions {
+        port,
+        token: Some(token.into()),
+        // The warm-up run may still be finishing its record when the others start.
+        max_concurrent_runs: requests + 1,
+        ..baton_serve::ServeOptions::default()
+    };
+    let service =
+        baton_serve::Service::new(executor, false, Some(store.clone()), serve_options).map_err(|e| failed(&e))?;
+    let shutdown = CancellationToken::new();
+    let server = tokio::spawn(baton_serve::serve(listener, Arc::new(service), shutdown.clone()));
+    let client = reqwest::Client::builder().pool_max_idle_per_host(requests).build().map_err(|e| failed(&e))?;
+    let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
+    let body = serde_json::json!({
+        "model": "baton/w0",
+        "messages": [{ "role": "user", "content": "How fast is the server?" }],
+        "stream": true,
+    });
+    // One request first, so that connection set-up and first-use costs are not in the figures.
+    let one = |client: reqwest::Client, url: String, body: serde_json::Value| async move {
+        let started = Instant::now();
+        let response = client.post(&url).bearer_auth(token).json(&body).send().await.map_err(|e| e.to_string())?;
+        if !response.status().is_success() {
+            return Err(format!("status {}", response.status()));
+        }
+        let mut stream = response.bytes_stream();
+        let mut text = String::new();
+        while let Some(chunk) = stream.next().await {
+            text.push_str(&String::from_utf8_lossy(&chunk.map_err(|e| e.to_string())?));
+        }
+        let wall = started.elapsed().as_secs_f64() * 1000.0;
+        if !text.ends_with("data: [DONE]\n\n") {
+            return Err("the stream did not end with [DONE]".to_owned());
+        }
+        let last = text.rsplit("data: ").nth(1).unwrap_or_default();
+        let chunk: serde_json::Value = serde_json::from_str(last.trim()).map_err(|e| e.to_string())?;
+        let run_ms = chunk["baton"]["wall_ms"].as_f64().ok_or("no wall_ms in the last chunk")?;
+        Ok::<(f64, f64), String>((wall, run_ms))
+    };
+    one(client.clone(), url.clone(), body.clone())
+        .await
+        .map_err(|e| Failure::Failed(format!("warm-up request: {e}")))?;
+    let started = Instant::now();
+    let all = futures::future::join_all((0..requests).map(|_| one(client.clone(), url.clone(), body.clone()))).await;
+    let total_s = started.elapsed().as_secs_f64();
+    let mut overhead: Vec<f64> = Vec::new();
+    let mut errors = Vec::new();
+    for r in all {
+        match r {
+            Ok((wall, run)) => overhead.push((wall - run).max(0.0)),
+            Err(e) => errors.push(e),
+        }
+    }
+    // The history records beside the answers: give it a moment to catch up, then count.
+    let mut finished = 0;
+    for _ in 0..100 {
+        let recorded =
+            store.list_runs(u32::try_from(requests + 10).unwrap_or(u32::MAX), None).await.map_err(|e| failed(&e))?;
+        finished = recorded.iter().filter(|r| r.status == baton_store::RunStatus::Finished).count();
+        if finished == requests + 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    shutdown.cancel();
+    let _ = server.await;
+    store.close().await;
+    overhead.sort_by(f64::total_cmp);
+    let pct = |p: f64| overhead.get(((overhead.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(f64::NAN);
+    let (p50, p99, max) = (pct(0.5), pct(0.99), overhead.last().copied().unwrap_or(f64::NAN));
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "requests": requests, "latency_ms": latency_ms, "ok": overhead.len(), "errors": errors,
+                "recorded_finished": finished, "overhead_ms_p50": p50, "overhead_ms_p99": p99,
+                "overhead_ms_max": max, "total_s": total_s,
+            })
+        );
+    } else {
+        println!("{requests} streamed requests at once over loopback, fake worker at {latency_ms} ms");
+        println!("  answered: {} of {requests}; runs finished in the history: {finished}", overhead.len());
+        println!("  added by the server (client wall − run wall): p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms");
+        println!("  all done in {total_s:.2} s");
+        for e in errors.iter().take(5) {
+            println!("  error: {e}");
+        }
+    }
+    // The warm-up run is in the history too.
+    if !errors.is_empty() || finished != requests + 1 {
+        return Err(Failure::Failed(format!(
+            "{} requests failed and {} of {} runs finished in the history",
+            errors.len(),
+            finished,
+            requests + 1
+        )));
+    }
+    Ok(())
 }
 
 async fn history(db: &std::path::Path, runs: u32, steps: u32, repeat: usize, json: bool) -> Outcome {

@@ -118,8 +118,7 @@ pub async fn run(args: Args) -> Outcome {
         max_concurrent_runs: args.max_concurrent_runs,
         ..ServeOptions::default()
     };
-    let service =
-        Service::new(Arc::new(executor), &pool, conductor, store.clone(), options).map_err(Failure::BadInput)?;
+    let service = Service::new(Arc::new(executor), conductor, store.clone(), options).map_err(Failure::BadInput)?;
     let host = if args.host.contains(':') { format!("[{}]", args.host) } else { args.host.clone() };
     eprintln!("serving on http://{host}:{port}/v1 as {}", service.model_ids().join(", "));
     if !conductor {

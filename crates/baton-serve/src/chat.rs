@@ -272,7 +272,7 @@ pub async fn completions(
     };
     let mut call = call;
     if let Some(store) = &service.store {
-        match continued(store, &call).await {
+        match continued(&service, store, &call).await {
             Ok(conversation) => call.conversation = conversation,
             Err(e) => return e.into_response(),
         }
@@ -284,7 +284,11 @@ pub async fn completions(
 /// The history's conversation a request continues: the one `x-baton-conversation` names, else
 /// the one whose latest run is the request's last question and answer (a client resends the
 /// whole conversation each time), else none (a new one).
-pub(crate) async fn continued(store: &baton_store::Store, call: &Call) -> Result<Option<i64>, ApiError> {
+pub(crate) async fn continued(
+    service: &Service,
+    store: &baton_store::Store,
+    call: &Call,
+) -> Result<Option<i64>, ApiError> {
     let unreadable = |e: baton_store::StoreError| ApiError::internal(format!("the history cannot be read: {e}"));
     if let Some(id) = call.conversation {
         return match store.conversation_title(id).await.map_err(unreadable)? {
@@ -294,12 +298,18 @@ pub(crate) async fn continued(store: &baton_store::Store, call: &Call) -> Result
             ))),
         };
     }
-    match call.history.as_slice() {
-        [.., question, answer] if question.role == Role::User && answer.role == Role::Assistant => {
-            store.conversation_ending_with(&question.content, &answer.content).await.map_err(unreadable)
-        }
-        _ => Ok(None),
+    let [.., question, answer] = call.history.as_slice() else { return Ok(None) };
+    if question.role != Role::User || answer.role != Role::Assistant {
+        return Ok(None);
     }
+    let found = store.conversation_ending_with(&question.content, &answer.content).await.map_err(unreadable)?;
+    if found.is_some() {
+        return Ok(found);
+    }
+    // The answer may have reached the client a moment before its run was recorded: let the
+    // history catch up (briefly; under steady load it may never be idle) and look again.
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), service.settle()).await;
+    store.conversation_ending_with(&question.content, &answer.content).await.map_err(unreadable)
 }
 
 /// A run in flight: its events, and the token that stops it.
@@ -334,25 +344,39 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
     let executor = service.executor.clone();
     let mut recorder = service.store.as_ref().map(|s| s.recorder(call.conversation));
     let stop = cancel.clone();
+    let recording = service.recording.enter();
     tokio::spawn(async move {
         let _permit = permit;
-        let (tx, mut rx) = mpsc::unbounded_channel();
+        let _recording = recording;
+        let (tx, mut rx) = mpsc::unbounded_channel::<RunEvent>();
+        // The client gets each event as the executor emits it; the history records them in
+        // order beside it, so a busy database never holds up an answer.
+        let (to_history, mut for_history) = mpsc::unbounded_channel::<RunEvent>();
+        let recording = recorder.is_some();
         let relay = async {
             while let Some(event) = rx.recv().await {
+                if recording {
+                    let _ = to_history.send(event.clone());
+                }
+                let _ = to_client.send(event);
+            }
+            drop(to_history);
+        };
+        let record = async {
+            while let Some(event) = for_history.recv().await {
                 if let Some(r) = &mut recorder
                     && let Err(e) = r.record(&event).await
                 {
                     tracing::warn!("a served run is not fully recorded in the history: {e}");
                     recorder = None;
                 }
-                let _ = to_client.send(event);
             }
         };
         let run = async {
             executor.run(request, &tx, &stop).await;
             drop(tx);
         };
-        tokio::join!(run, relay);
+        tokio::join!(run, relay, record);
     });
     Running {
         run_id,

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::routing::{get, post};
-use baton_engine::{Executor, Pool};
+use baton_engine::Executor;
 use baton_store::Store;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -80,17 +80,17 @@ pub struct Service {
     options: ServeOptions,
     guard: Guard,
     runs: Arc<Semaphore>,
+    /// Runs whose events the history is still recording (it records beside the answer).
+    recording: Arc<InFlight>,
     /// Unix seconds the server started: the models' `created`.
     created: u64,
 }
 
 impl Service {
-    /// A service over `executor`, built from `pool` (with its planner when `conductor`),
-    /// recording every run in `store` when there is one. Fails on a bind that needs a token
-    /// and has none.
+    /// A service over `executor` (with its planner when `conductor`), recording every run in
+    /// `store` when there is one. Fails on a bind that needs a token and has none.
     pub fn new(
         executor: Arc<Executor>,
-        pool: &Pool,
         conductor: bool,
         store: Option<Store>,
         options: ServeOptions,
@@ -101,12 +101,14 @@ impl Service {
             hosts: guard::allowed_hosts(&options.host, options.port),
             origins: options.allow_origins.clone(),
         };
+        let workers = executor.workers().iter().map(|w| w.info.name.clone()).collect();
         Ok(Service {
             executor,
-            workers: pool.workers.iter().map(|w| w.name.clone()).collect(),
+            workers,
             conductor,
             store,
             runs: Arc::new(Semaphore::new(options.max_concurrent_runs.max(1))),
+            recording: Arc::default(),
             guard,
             options,
             created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
@@ -143,6 +145,50 @@ impl Service {
     }
 }
 
+/// A count of tasks in flight, and a way to wait for none.
+#[derive(Debug, Default)]
+pub(crate) struct InFlight {
+    count: std::sync::atomic::AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+impl InFlight {
+    pub(crate) fn enter(self: &Arc<Self>) -> InFlightGuard {
+        self.count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        InFlightGuard(self.clone())
+    }
+
+    async fn idle(&self) {
+        loop {
+            let notified = self.idle.notified();
+            if self.count.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+/// Leaves the count when dropped.
+#[derive(Debug)]
+pub(crate) struct InFlightGuard(Arc<InFlight>);
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        if self.0.count.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+impl Service {
+    /// Waits until the history has recorded every run so far (a server that stops calls it
+    /// before closing the history, so no run is lost).
+    pub async fn settle(&self) {
+        self.recording.idle().await;
+    }
+}
+
 /// The routes, behind the guard.
 pub fn router(service: Arc<Service>) -> Router {
     Router::new()
@@ -160,11 +206,15 @@ pub fn router(service: Arc<Service>) -> Router {
         .with_state(service)
 }
 
-/// Serves until `shutdown` is cancelled; runs in flight are cancelled with their requests.
+/// Serves until `shutdown` is cancelled, then waits for the history to record every run
+/// (runs still in flight are cancelled with their requests).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     service: Arc<Service>,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(service)).with_graceful_shutdown(shutdown.cancelled_owned()).await
+    let served =
+        axum::serve(listener, router(service.clone())).with_graceful_shutdown(shutdown.cancelled_owned()).await;
+    service.settle().await;
+    served
 }

@@ -237,7 +237,7 @@ pub async fn create(
                 Err(e) => return e.into_response(),
             }
         } else {
-            match chat::continued(store, &call).await {
+            match chat::continued(&service, store, &call).await {
                 Ok(conversation) => call.conversation = conversation,
                 Err(e) => return e.into_response(),
             }

@@ -49,7 +49,7 @@ async fn the_official_openai_package_lists_asks_streams_and_gets_each_error_clas
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let port = listener.local_addr().unwrap().port();
     let options = ServeOptions { port, token: Some("sdk-token".into()), ..ServeOptions::default() };
-    let service = Service::new(Arc::new(executor), &pool, true, Some(store.clone()), options).expect("service");
+    let service = Service::new(Arc::new(executor), true, Some(store.clone()), options).expect("service");
     let shutdown = CancellationToken::new();
     tokio::spawn(baton_serve::serve(listener, Arc::new(service), shutdown.clone()));
 

@@ -21,6 +21,7 @@ const PLAN: &str = "```python\nmodel_id = [0, 1]\nsubtasks = [\"Draft an answer.
 
 struct Served {
     url: String,
+    service: Arc<Service>,
     providers: TestServer,
     store: Store,
     shutdown: CancellationToken,
@@ -59,10 +60,10 @@ async fn serve_with(workers: &[(&str, &str)], tweak: impl FnOnce(&mut ServeOptio
     let port = listener.local_addr().expect("addr").port();
     let mut options = ServeOptions { port, token: Some(TOKEN.into()), ..ServeOptions::default() };
     tweak(&mut options);
-    let service = Service::new(Arc::new(executor), &pool, true, Some(store.clone()), options).expect("service");
+    let service = Arc::new(Service::new(Arc::new(executor), true, Some(store.clone()), options).expect("service"));
     let shutdown = CancellationToken::new();
-    tokio::spawn(baton_serve::serve(listener, Arc::new(service), shutdown.clone()));
-    Served { url: format!("http://127.0.0.1:{port}"), providers, store, shutdown, _dir: dir }
+    tokio::spawn(baton_serve::serve(listener, service.clone(), shutdown.clone()));
+    Served { url: format!("http://127.0.0.1:{port}"), service, providers, store, shutdown, _dir: dir }
 }
 
 async fn serve() -> Served {
@@ -172,6 +173,7 @@ async fn a_question_runs_the_conductors_plan_and_answers_with_the_last_steps_tex
     assert_eq!(r["baton"]["status"], "finished");
     assert_eq!(r["baton"]["steps"].as_array().unwrap().len(), 2);
     assert!(headers.contains_key("x-baton-cost-usd"));
+    s.service.settle().await;
     let runs = s.store.list_runs(10, None).await.expect("history");
     assert_eq!(runs.len(), 1);
     assert_eq!(runs[0].question, "Why is the sky blue?");
@@ -224,6 +226,7 @@ async fn a_streamed_answer_sends_progress_as_reasoning_the_answer_as_content_and
     assert!(reasoning.contains("Step 0 · a: Draft an answer."), "{reasoning}");
     assert!(reasoning.contains("Step 0 done"), "{reasoning}");
     // The content is exactly the answer the history keeps.
+    s.service.settle().await;
     let runs = s.store.list_runs(1, None).await.unwrap();
     let tree = s.store.run(runs[0].id).await.unwrap().unwrap();
     assert_eq!(Some(content), tree.run.answer);
@@ -419,6 +422,7 @@ async fn a_client_that_resends_the_conversation_continues_it_in_the_history() {
     ]);
     let (status, _, _) = post(&s, json!({ "model": "baton/a", "messages": follow_up })).await;
     assert_eq!(status, 200);
+    s.service.settle().await;
     let runs = s.store.list_runs(10, None).await.unwrap();
     let of = |q: &str| runs.iter().find(|r| r.question == q).unwrap().conversation_id;
     assert_eq!(of("And times 3?"), of("What is 2 + 2?"), "the follow-up joins the first question's conversation");
@@ -430,6 +434,7 @@ async fn a_client_that_resends_the_conversation_continues_it_in_the_history() {
         { "role": "user", "content": "Sure?" },
     ]);
     post(&s, json!({ "model": "baton/a", "messages": edited })).await;
+    s.service.settle().await;
     let runs = s.store.list_runs(10, None).await.unwrap();
     let sure = runs.iter().find(|r| r.question == "Sure?").unwrap().conversation_id;
     assert_ne!(sure, runs.iter().find(|r| r.question == "What is 2 + 2?").unwrap().conversation_id);
@@ -506,6 +511,7 @@ async fn the_responses_api_answers_streams_and_continues_from_a_previous_respons
     assert_eq!(done["previous_response_id"], id.as_str());
     let a = worker_calls(&s).into_iter().filter(|c| c.model == "alpha").last().unwrap();
     assert!(a.body.to_string().contains("Why is the sky blue?"), "the earlier exchange reaches the worker: {}", a.body);
+    s.service.settle().await;
     let runs = s.store.list_runs(10, None).await.unwrap();
     assert_eq!(runs.len(), 2);
     assert_eq!(runs[0].conversation_id, runs[1].conversation_id, "one conversation in the history");
