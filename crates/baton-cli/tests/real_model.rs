@@ -188,3 +188,89 @@ async fn a_five_item_evaluation_runs_with_the_real_model_as_conductor_and_worker
     assert_eq!(shown.code, Some(0), "{}", shown.stderr);
     eprintln!("{}", out.stdout.lines().last().unwrap_or_default());
 }
+
+/// `baton serve` with the real model as conductor, asked through the official `openai` package
+/// as a client would: the plan is written and ends, its steps run, and the answer streams.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_served_real_conductor_plans_and_streams_an_answer_to_the_openai_package() {
+    use tokio::io::AsyncBufReadExt;
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let Some(model) = baton_tests::real_model() else { return };
+    let Some(python) = std::env::var_os("BATON_OPENAI_PYTHON") else {
+        assert!(std::env::var_os("CI").is_none(), "BATON_OPENAI_PYTHON is unset: run the tests through scripts/test");
+        eprintln!("skipped: BATON_OPENAI_PYTHON is unset (scripts/test sets it)");
+        return;
+    };
+    let server = baton_testserver::TestServer::start().await.expect("server");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut text = format!("[conductor]\nmodel = \"{}\"\ndevice = \"cpu\"\n", model.display());
+    for (name, description) in [("writer", "a good writer"), ("checker", "a careful reviewer")] {
+        text.push_str(&format!(
+            "\n[[worker]]\nname = \"{name}\"\nprovider = \"openai-compatible\"\nmodel = \"{name}\"\nbase_url = \"{}\"\ndescription = \"{description}\"\n",
+            server.base_url(baton_testserver::Wire::OpenAi)
+        ));
+    }
+    let pool = dir.path().join("pool.toml");
+    std::fs::write(&pool, text).expect("pool");
+    let db = dir.path().join("history.sqlite");
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["serve", "--port", "0", "--token-env", "BATON_SERVE_TEST_TOKEN", "--pool"])
+        .arg(&pool)
+        .arg("--db")
+        .arg(&db)
+        .env("BATON_SERVE_TEST_TOKEN", "real-token")
+        .env("BATON_LOG_DIR", dir.path().join("logs"))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn");
+    let mut lines = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let url = tokio::time::timeout(Duration::from_secs(120), async {
+        while let Some(line) = lines.next_line().await.expect("stderr") {
+            if let Some(rest) = line.strip_prefix("serving on ") {
+                return rest.split_whitespace().next().unwrap().to_owned();
+            }
+        }
+        panic!("the server ended before it served");
+    })
+    .await
+    .expect("the server starts with the model loaded");
+    let script = r#"
+import json, sys, openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key="real-token", max_retries=0, timeout=240)
+content, reasoning, last = "", "", None
+for chunk in client.chat.completions.create(model="baton", stream=True,
+        messages=[{"role": "user", "content": "Write a haiku about rain, then check its syllables."}]):
+    for choice in chunk.choices:
+        content += choice.delta.content or ""
+        reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+        if choice.finish_reason:
+            last = chunk.model_extra["baton"]
+print(json.dumps({"content": content, "reasoning": reasoning, "baton": last}))
+"#;
+    let out = tokio::time::timeout(
+        Duration::from_secs(240),
+        tokio::process::Command::new(python).args(["-c", script, &url]).output(),
+    )
+    .await
+    .expect("the answer comes")
+    .expect("python runs");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let got: serde_json::Value = serde_json::from_str(stdout.trim()).expect("json");
+    assert!(!got["content"].as_str().unwrap().is_empty(), "{got}");
+    let reasoning = got["reasoning"].as_str().unwrap();
+    assert!(reasoning.contains("```python") && reasoning.contains("Step 0 · "), "the plan streamed: {reasoning}");
+    assert_eq!(got["baton"]["status"], "finished", "{got}");
+    let conductor_tokens = &got["baton"]["usage"]["completion_tokens_details"]["orchestration_output_tokens"];
+    assert!(conductor_tokens.as_u64().unwrap() > 0, "{got}");
+    // The answer is the last step's: the worker the plan gave it to.
+    let steps = got["baton"]["steps"].as_array().unwrap();
+    assert!(steps.iter().all(|s| s["status"] == "finished"), "{got}");
+    let pid = child.id().expect("running").to_string();
+    std::process::Command::new("kill").args(["-INT", &pid]).status().expect("kill");
+    let status = tokio::time::timeout(Duration::from_secs(20), child.wait()).await.expect("stops").unwrap();
+    assert!(status.success(), "{status:?}");
+}
