@@ -15,11 +15,13 @@ use crate::{Failure, Outcome, PoolArg};
 pub struct Args {
     #[command(subcommand)]
     command: Option<Command>,
-    /// The address to listen on. Anything but loopback needs a token.
-    #[arg(long, default_value = "127.0.0.1")]
-    host: String,
-    #[arg(long, default_value_t = 8765)]
-    port: u16,
+    /// The address to listen on (default: the pool's [serve] host, else 127.0.0.1). Anything
+    /// but loopback needs a token.
+    #[arg(long)]
+    host: Option<String>,
+    /// The port (default: the pool's [serve] port, else 8765; 0 picks a free one).
+    #[arg(long)]
+    port: Option<u16>,
     #[command(flatten)]
     pool: PoolArg,
     #[command(flatten)]
@@ -37,9 +39,14 @@ pub struct Args {
     /// browser; repeat for more. Without it, requests from web pages are refused.
     #[arg(long = "allow-origin", value_name = "ORIGIN")]
     allow_origin: Vec<String>,
-    /// Runs at once; more requests get 429 with Retry-After.
-    #[arg(long, default_value_t = 8, value_name = "N")]
-    max_concurrent_runs: usize,
+    /// Runs at once; more requests get 429 with Retry-After (default: the pool's [serve]
+    /// max_concurrent_runs, else 8).
+    #[arg(long, value_name = "N")]
+    max_concurrent_runs: Option<usize>,
+    /// The most the server spends in a day (UTC), all requests together (default: the pool's
+    /// [serve] daily_max_cost_usd, else no cap).
+    #[arg(long, value_name = "USD")]
+    daily_max_cost_usd: Option<f64>,
     /// Do not record runs in the history.
     #[arg(long)]
     no_history: bool,
@@ -75,23 +82,30 @@ pub async fn run(args: Args) -> Outcome {
         println!("{}", stored_token(new)?);
         return Ok(());
     }
-    // Refuse an unsafe bind before loading anything.
-    baton_serve::guard::check_bind(&args.host, !args.no_token).map_err(Failure::BadInput)?;
+    // An unsafe bind is refused before anything loads (and again once the pool has its say).
+    if let Some(host) = &args.host {
+        baton_serve::guard::check_bind(host, !args.no_token).map_err(Failure::BadInput)?;
+    }
+    let mut pool = args.pool.load()?;
+    let spec = pool.options.serve.clone();
+    let host = args.host.clone().or(spec.host).unwrap_or_else(|| "127.0.0.1".to_owned());
+    let port = args.port.or(spec.port).unwrap_or(8765);
+    baton_serve::guard::check_bind(&host, !args.no_token).map_err(Failure::BadInput)?;
+    let token_env = args.token_env.clone().or(spec.token_env);
     let token = if args.no_token {
         eprintln!(
             "warning: no token: any program of any user on this machine can use this server and spend your provider keys"
         );
         None
-    } else if let Some(var) = &args.token_env {
+    } else if let Some(var) = &token_env {
         match std::env::var(var) {
             Ok(t) if !t.trim().is_empty() => Some(t.trim().to_owned()),
-            _ => return Err(Failure::BadInput(format!("--token-env {var}: the variable is not set, or empty"))),
+            _ => return Err(Failure::BadInput(format!("token_env {var}: the variable is not set, or empty"))),
         }
     } else {
         Some(stored_token(false)?)
     };
 
-    let mut pool = args.pool.load()?;
     let store = if args.no_history { None } else { Some(args.db.open().await?) };
     if let Some(store) = &store {
         store.choose_fallback_worker(&mut pool).await;
@@ -106,26 +120,31 @@ pub async fn run(args: Args) -> Outcome {
     let force_cpu = args.conductor.cpu || pool.options.conductor.device.as_deref() == Some("cpu");
     crate::conductor_setup::attach_local_workers(&mut executor, &pool, &models, force_cpu, false).await?;
 
-    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+    let listener = tokio::net::TcpListener::bind((host.as_str(), port))
         .await
-        .map_err(|e| Failure::BadInput(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
-    let port = listener.local_addr().map_or(args.port, |a| a.port());
+        .map_err(|e| Failure::BadInput(format!("cannot listen on {host}:{port}: {e}")))?;
+    let port = listener.local_addr().map_or(port, |a| a.port());
+    let defaults = ServeOptions::default();
     let options = ServeOptions {
-        host: args.host.clone(),
+        host: host.clone(),
         port,
         token,
-        allow_origins: args.allow_origin.clone(),
-        max_concurrent_runs: args.max_concurrent_runs,
-        ..ServeOptions::default()
+        allow_origins: [args.allow_origin.clone(), spec.allow_origins].concat(),
+        max_concurrent_runs: args
+            .max_concurrent_runs
+            .or(spec.max_concurrent_runs)
+            .unwrap_or(defaults.max_concurrent_runs),
+        daily_max_cost_usd: args.daily_max_cost_usd.or(spec.daily_max_cost_usd),
+        ..defaults
     };
     let service = Service::new(Arc::new(executor), conductor, store.clone(), options).map_err(Failure::BadInput)?;
-    let host = if args.host.contains(':') { format!("[{}]", args.host) } else { args.host.clone() };
-    eprintln!("serving on http://{host}:{port}/v1 as {}", service.model_ids().join(", "));
+    let shown = if host.contains(':') { format!("[{host}]") } else { host.clone() };
+    eprintln!("serving on http://{shown}:{port}/v1 as {}", service.model_ids().join(", "));
     if !conductor {
         eprintln!("the pool names no conductor: only the workers alone are served (baton/<worker>)");
     }
     if !args.no_token {
-        let from = args.token_env.as_ref().map_or("`baton serve token` prints it".to_owned(), |v| format!("from ${v}"));
+        let from = token_env.as_ref().map_or("`baton serve token` prints it".to_owned(), |v| format!("from ${v}"));
         eprintln!("clients send Authorization: Bearer TOKEN ({from}); Ctrl-C stops");
     }
     let shutdown = CancellationToken::new();

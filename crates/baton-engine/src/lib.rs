@@ -20,5 +20,6 @@ pub use event::{RerunOf, RunError, RunErrorKind, RunEvent, StepError, StepErrorK
 pub use executor::{AnswerSettings, EventSink, Executor, Reuse, RunOutcome, RunRequest, RunStatus, Worker, new_run_id};
 pub use planner::{PlanDeltas, PlanPrompt, Planned, Planner, PlannerError, PlanningContext, ShownExample};
 pub use pool::{
-    Budget, ConductorSpec, FallbackOptions, Pool, PoolError, PoolOptions, RecursionOptions, WorkerInfo, WorkerSpec,
+    Budget, ConductorSpec, FallbackOptions, Pool, PoolError, PoolOptions, RecursionOptions, ServeSpec, WorkerInfo,
+    WorkerSpec,
 };

@@ -38,6 +38,22 @@ pub struct PoolOptions {
     pub conductor: ConductorSpec,
     /// What runs when the conductor's plans cannot be used (`[conductor] fallback`).
     pub fallback: FallbackOptions,
+    /// The `[serve]` table: `baton serve`'s settings (its flags override them).
+    pub serve: ServeSpec,
+}
+
+/// `baton serve`'s settings from the pool file; `None` leaves the server's default.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ServeSpec {
+    pub host: Option<String>,
+    pub port: Option<u16>,
+    /// The environment variable that holds the token (else the keychain's).
+    pub token_env: Option<String>,
+    /// Web origins allowed to call the server from a browser.
+    pub allow_origins: Vec<String>,
+    pub max_concurrent_runs: Option<usize>,
+    /// The most the server spends in a day (UTC), all requests together.
+    pub daily_max_cost_usd: Option<f64>,
 }
 
 /// When the conductor's plan for a question cannot be used (it failed, copies an example, or
@@ -121,6 +137,7 @@ impl Default for PoolOptions {
             recursion: RecursionOptions::default(),
             conductor: ConductorSpec::default(),
             fallback: FallbackOptions::default(),
+            serve: ServeSpec::default(),
         }
     }
 }
@@ -236,8 +253,11 @@ const TOP_LEVEL_KEYS: &[&str] = &[
     "retry",
     "recursion",
     "conductor",
+    "serve",
     "worker",
 ];
+const SERVE_KEYS: &[&str] =
+    &["host", "port", "token_env", "allow_origins", "max_concurrent_runs", "daily_max_cost_usd"];
 const RECURSION_KEYS: &[&str] = &["enabled", "max_depth", "max_total_steps"];
 const CONDUCTOR_KEYS: &[&str] = &[
     "model",
@@ -373,6 +393,19 @@ impl Pool {
             }
             options.recursion.max_total_steps =
                 r.int("max_total_steps", 1, 1000).map_err(field_err)?.map(|n| n as usize);
+        }
+
+        if let Some(serve) = top.table("serve").map_err(field_err)? {
+            let s = Fields { table: serve, allowed: SERVE_KEYS };
+            let field_err = |e: FieldError| err(None, None, Some(&format!("serve.{}", e.field)), e.message);
+            s.check_unknown().map_err(field_err)?;
+            options.serve.host = s.string("host").map_err(field_err)?;
+            options.serve.port = s.int("port", 0, 65_535).map_err(field_err)?.map(|n| n as u16);
+            options.serve.token_env = s.string("token_env").map_err(field_err)?;
+            options.serve.allow_origins = s.strings("allow_origins").map_err(field_err)?;
+            options.serve.max_concurrent_runs =
+                s.int("max_concurrent_runs", 1, 10_000).map_err(field_err)?.map(|n| n as usize);
+            options.serve.daily_max_cost_usd = s.float("daily_max_cost_usd", 0.0).map_err(field_err)?;
         }
 
         if let Some(conductor) = top.table("conductor").map_err(field_err)? {
@@ -534,6 +567,20 @@ impl<'a> Fields<'a> {
             None => Ok(None),
             Some(toml::Value::String(s)) => Ok(Some(s.clone())),
             Some(v) => Err(Self::wrong_type(field, "a string", v)),
+        }
+    }
+
+    fn strings(&self, field: &'static str) -> Result<Vec<String>, FieldError> {
+        match self.table.get(field) {
+            None => Ok(Vec::new()),
+            Some(toml::Value::Array(items)) => items
+                .iter()
+                .map(|v| match v {
+                    toml::Value::String(s) => Ok(s.clone()),
+                    v => Err(Self::wrong_type(field, "a list of strings", v)),
+                })
+                .collect(),
+            Some(v) => Err(Self::wrong_type(field, "a list of strings", v)),
         }
     }
 
@@ -750,6 +797,26 @@ pub fn default_pool_path(config_dir: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_serve_table_is_read_and_checked() {
+        let pool = Pool::parse(
+            "[serve]\nhost = \"0.0.0.0\"\nport = 9000\ntoken_env = \"T\"\nallow_origins = [\"http://localhost:3000\"]\nmax_concurrent_runs = 2\ndaily_max_cost_usd = 5\n\n[[worker]]\nname = \"a\"\nprovider = \"openai\"\nmodel = \"m\"\n",
+            "pool.toml",
+        )
+        .expect("parses");
+        let s = &pool.options.serve;
+        assert_eq!((s.host.as_deref(), s.port, s.token_env.as_deref()), (Some("0.0.0.0"), Some(9000), Some("T")));
+        assert_eq!(s.allow_origins, ["http://localhost:3000"]);
+        assert_eq!((s.max_concurrent_runs, s.daily_max_cost_usd), (Some(2), Some(5.0)));
+        let worker = "\n[[worker]]\nname = \"a\"\nprovider = \"openai\"\nmodel = \"m\"\n";
+        let e = Pool::parse(&format!("[serve]\nprot = 1\n{worker}"), "pool.toml").unwrap_err().to_string();
+        assert!(e.contains("serve.prot"), "{e}");
+        let e = Pool::parse(&format!("[serve]\nallow_origins = \"x\"\n{worker}"), "pool.toml").unwrap_err().to_string();
+        assert!(e.contains("serve.allow_origins") && e.contains("a list of strings"), "{e}");
+        let e = Pool::parse(&format!("[serve]\nport = 70000\n{worker}"), "pool.toml").unwrap_err().to_string();
+        assert!(e.contains("out of range"), "{e}");
+    }
 
     const GOOD: &str = r#"
 max_steps = 4

@@ -105,6 +105,24 @@ pub(crate) struct Call {
     pub(crate) conversation: Option<i64>,
 }
 
+#[cfg(test)]
+impl Call {
+    pub(crate) fn for_tests() -> Call {
+        Call {
+            model: "baton".into(),
+            worker: None,
+            question: "Q?".into(),
+            history: Vec::new(),
+            instructions: None,
+            answer: AnswerSettings::default(),
+            stream: false,
+            include_usage: false,
+            budget: None,
+            conversation: None,
+        }
+    }
+}
+
 pub(crate) fn number(body: &Map<String, Value>, name: &str) -> Result<Option<f64>, ApiError> {
     match body.get(name) {
         None | Some(Value::Null) => Ok(None),
@@ -271,6 +289,9 @@ pub async fn completions(
         .into_response();
     };
     let mut call = call;
+    if let Err(e) = service.limit_to_today(&mut call) {
+        return e.into_response();
+    }
     if let Some(store) = &service.store {
         match continued(&service, store, &call).await {
             Ok(conversation) => call.conversation = conversation,
@@ -342,6 +363,8 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
     let (to_client, events) = mpsc::unbounded_channel();
     let cancel = CancellationToken::new();
     let executor = service.executor.clone();
+    let (created, workers) = (service.created, service.workers.clone());
+    let service = service.clone();
     let mut recorder = service.store.as_ref().map(|s| s.recorder(call.conversation));
     let stop = cancel.clone();
     let recording = service.recording.enter();
@@ -355,6 +378,12 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
         let recording = recorder.is_some();
         let relay = async {
             while let Some(event) = rx.recv().await {
+                if let RunEvent::RunFinished { totals, .. }
+                | RunEvent::RunFailed { totals, .. }
+                | RunEvent::RunCancelled { totals } = &event
+                {
+                    service.spend(totals.cost_usd);
+                }
                 if recording {
                     let _ = to_history.send(event.clone());
                 }
@@ -385,8 +414,8 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
         include_usage: call.include_usage,
         events,
         cancel,
-        created: service.created,
-        workers: service.workers.clone(),
+        created,
+        workers,
     }
 }
 

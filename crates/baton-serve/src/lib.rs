@@ -52,6 +52,10 @@ pub struct ServeOptions {
     pub max_messages: usize,
     /// Runs at once; a request beyond them gets 429 with `Retry-After`.
     pub max_concurrent_runs: usize,
+    /// The most the server spends in a day (UTC), all requests together; each run gets at
+    /// most what is left as its cost cap, and once it is spent requests get 429 until
+    /// midnight. Runs already in flight may together pass it by what they spend.
+    pub daily_max_cost_usd: Option<f64>,
 }
 
 impl Default for ServeOptions {
@@ -64,6 +68,7 @@ impl Default for ServeOptions {
             max_body_bytes: 4 << 20,
             max_messages: 500,
             max_concurrent_runs: 8,
+            daily_max_cost_usd: None,
         }
     }
 }
@@ -82,6 +87,8 @@ pub struct Service {
     runs: Arc<Semaphore>,
     /// Runs whose events the history is still recording (it records beside the answer).
     recording: Arc<InFlight>,
+    /// What the server spent on the day it is counting (days since 1970, UTC; dollars).
+    spent_today: std::sync::Mutex<(u64, f64)>,
     /// Unix seconds the server started: the models' `created`.
     created: u64,
 }
@@ -109,6 +116,7 @@ impl Service {
             store,
             runs: Arc::new(Semaphore::new(options.max_concurrent_runs.max(1))),
             recording: Arc::default(),
+            spent_today: std::sync::Mutex::new((0, 0.0)),
             guard,
             options,
             created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
@@ -181,7 +189,56 @@ impl Drop for InFlightGuard {
     }
 }
 
+/// Seconds since 1970 (UTC).
+fn now_secs() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
 impl Service {
+    /// What is left of the daily cap (`None`: no cap), or a 429 once it is spent.
+    fn left_today(&self) -> Result<Option<f64>, ApiError> {
+        let Some(cap) = self.options.daily_max_cost_usd else { return Ok(None) };
+        let now = now_secs();
+        let mut spent = self.spent_today.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if spent.0 != now / 86_400 {
+            *spent = (now / 86_400, 0.0);
+        }
+        let left = cap - spent.1;
+        if left <= 0.0 {
+            let until_midnight = 86_400 - now % 86_400;
+            return Err(ApiError {
+                code: Some("daily_cap_reached"),
+                ..ApiError::busy(
+                    format!(
+                        "this server's daily spending cap of ${cap:.2} is reached (spent ${:.4} today, UTC); it resets at midnight UTC",
+                        spent.1
+                    ),
+                    Some(until_midnight),
+                )
+            });
+        }
+        Ok(Some(left))
+    }
+
+    /// Caps `call`'s cost at what is left of the day's cap (refused once it is spent).
+    pub(crate) fn limit_to_today(&self, call: &mut chat::Call) -> Result<(), ApiError> {
+        if let Some(left) = self.left_today()? {
+            let budget = call.budget.get_or_insert_with(Default::default);
+            budget.max_cost_usd = Some(budget.max_cost_usd.map_or(left, |c| c.min(left)));
+        }
+        Ok(())
+    }
+
+    /// Counts a finished run's cost against the day.
+    fn spend(&self, usd: f64) {
+        let now = now_secs();
+        let mut spent = self.spent_today.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if spent.0 != now / 86_400 {
+            *spent = (now / 86_400, 0.0);
+        }
+        spent.1 += usd;
+    }
+
     /// Waits until the history has recorded every run so far (a server that stops calls it
     /// before closing the history, so no run is lost).
     pub async fn settle(&self) {
@@ -217,4 +274,37 @@ pub async fn serve(
         axum::serve(listener, router(service.clone())).with_graceful_shutdown(shutdown.cancelled_owned()).await;
     service.settle().await;
     served
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_daily_cap_caps_each_run_at_what_is_left_then_refuses_until_midnight() {
+        let executor = Arc::new(Executor::new(Vec::new(), baton_engine::PoolOptions::default()));
+        let options =
+            ServeOptions { token: Some("t".into()), daily_max_cost_usd: Some(1.0), ..ServeOptions::default() };
+        let service = Service::new(executor, false, None, options).expect("service");
+        let mut call = chat::Call::for_tests();
+        service.limit_to_today(&mut call).expect("nothing spent yet");
+        assert_eq!(call.budget.and_then(|b| b.max_cost_usd), Some(1.0));
+        service.spend(0.75);
+        let mut call = chat::Call::for_tests();
+        call.budget = Some(baton_engine::Budget { max_cost_usd: Some(0.5), ..Default::default() });
+        service.limit_to_today(&mut call).expect("a quarter is left");
+        assert_eq!(call.budget.and_then(|b| b.max_cost_usd), Some(0.25), "the tighter of the request's and the day's");
+        service.spend(0.3);
+        let refused = service.limit_to_today(&mut chat::Call::for_tests()).unwrap_err();
+        assert_eq!((refused.status.as_u16(), refused.code), (429, Some("daily_cap_reached")));
+        assert!(refused.retry_after.is_some_and(|s| (1..=86_400).contains(&s)), "{refused:?}");
+        // Without a cap nothing is added.
+        let executor = Arc::new(Executor::new(Vec::new(), baton_engine::PoolOptions::default()));
+        let free =
+            Service::new(executor, false, None, ServeOptions { token: Some("t".into()), ..ServeOptions::default() })
+                .expect("service");
+        let mut call = chat::Call::for_tests();
+        free.limit_to_today(&mut call).expect("no cap");
+        assert_eq!(call.budget, None);
+    }
 }

@@ -208,6 +208,9 @@ pub async fn create(
         )
         .into_response();
     };
+    if let Err(e) = service.limit_to_today(&mut call) {
+        return e.into_response();
+    }
     if let Some(store) = &service.store {
         if let Some(previous) = &previous {
             // The earlier response's conversation, as the history keeps it, comes before
