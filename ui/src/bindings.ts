@@ -26,7 +26,13 @@ cached_input_tokens: number,
 /**
  * Of `input_tokens`, those written to a prompt cache (Anthropic bills them at a premium).
  */
-cache_write_input_tokens: number, };
+cache_write_input_tokens: number, 
+/**
+ * Some of these counts are Baton's upper estimate, not the provider's report: a call cut
+ * off before its usage arrived (OpenAI reports it only at the end) is still billed for
+ * what it sent. See `Usage::estimate_cut_call`.
+ */
+estimated?: boolean, };
 
 export type Plan = { model_id: Array<number>, subtasks: Array<string>, access_list: Array<Access> };
 

@@ -21,7 +21,11 @@ async fn an_open_bind_without_a_token_is_refused_before_anything_loads() {
     let out = baton(&["serve", "--host", "0.0.0.0", "--no-token", "--pool", "/nonexistent/pool.toml"], &[]).await;
     assert_eq!(out.code, Some(2), "{}", out.stderr);
     assert!(out.stderr.contains("--no-token") && out.stderr.contains("--token-env"), "{}", out.stderr);
-    let out = baton(&["serve", "--token-env", "BATON_SERVE_TEST_UNSET", "--pool", "/nonexistent/pool.toml"], &[]).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = dir.path().join("pool.toml");
+    std::fs::write(&pool, "[[worker]]\nname = \"a\"\nprovider = \"openai\"\nmodel = \"m\"\n").expect("pool");
+    let pool = pool.to_str().unwrap();
+    let out = baton(&["serve", "--token-env", "BATON_SERVE_TEST_UNSET", "--pool", pool, "--no-history"], &[]).await;
     assert_eq!(out.code, Some(2), "{}", out.stderr);
     assert!(out.stderr.contains("BATON_SERVE_TEST_UNSET"), "{}", out.stderr);
 }

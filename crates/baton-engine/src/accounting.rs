@@ -94,7 +94,8 @@ impl Figures {
         let calls = if self.calls == 1 { "1 call".to_owned() } else { format!("{} calls", self.calls) };
         let cost =
             if self.cost_complete { format!("${:.4}", self.cost_usd) } else { format!("≥ ${:.4}", self.cost_usd) };
-        format!("{calls} · {input} / {} out tokens · {cost}", u.output_tokens)
+        let estimated = if u.estimated { " (partly estimated: a call was cut off before its usage came)" } else { "" };
+        format!("{calls} · {input} / {} out tokens · {cost}{estimated}", u.output_tokens)
     }
 }
 

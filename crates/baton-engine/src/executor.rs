@@ -105,25 +105,23 @@ pub struct AnswerSettings {
     pub top_p: Option<f32>,
 }
 
-/// A worker's system message: Baton's step instructions (the question, when the pool shows it;
-/// for a step whose answer is the plan's, to end with the answer in the form asked for), then
-/// the client's own instructions, if any.
-fn worker_system(show_question: bool, ctx: &RunCtx<'_>, answers: bool) -> Option<String> {
-    let step = show_question.then(|| {
-        let mut text =
-            format!("You are one step of a larger workflow. The user's original question:\n\n{}", ctx.question);
-        if answers {
-            text.push_str(
-                "\n\nYour answer is the one the user receives: end it with the final answer to that question, in the form the question asks for.",
-            );
-        }
-        text
-    });
+/// A worker's system message: Baton's step instructions (the question, when the pool shows it),
+/// then the client's own instructions, if any.
+fn worker_system(show_question: bool, ctx: &RunCtx<'_>) -> Option<String> {
+    let step = show_question
+        .then(|| format!("You are one step of a larger workflow. The user's original question:\n\n{}", ctx.question));
     match (step, &ctx.instructions) {
         (Some(step), Some(theirs)) => Some(format!("{step}\n\nThe user's instructions:\n\n{theirs}")),
         (step, theirs) => step.or_else(|| theirs.clone()),
     }
 }
+
+/// Added to the instruction of the step whose answer is a conductor's plan's answer: a small
+/// conductor's last subtask often asks for something short of the answer ("Compare the two
+/// definitions."), and the user would get no answer. In the step's own turn, not the system
+/// message, so the steps of a plan still share a cached prefix.
+const ANSWER_NOTE: &str =
+    "End your reply with the final answer to the user's question, in the form the question asks for.";
 
 /// What a re-run keeps from the run it re-runs.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -267,6 +265,7 @@ impl Executor {
             history: request.history.clone(),
             instructions: request.instructions.clone().filter(|i| !i.trim().is_empty()),
             answer: request.answer,
+            written: Mutex::new(Vec::new()),
         };
         let reuse = request.reuse.unwrap_or_default();
         ctx.emit(RunEvent::RunStarted {
@@ -437,6 +436,7 @@ impl Executor {
                                 prompt: planned.prompt,
                                 fallback: None,
                             });
+                            ctx.written.lock().unwrap_or_else(|p| p.into_inner()).push(round);
                             return Ok(Written { round, plan: planned.plan, usage: spent.0, cost_usd: spent.1 });
                         }
                         Some(p) if !checked => return Err(StepFailure::Conductor(p)),
@@ -548,14 +548,22 @@ impl Executor {
                             messages.push(Message::user(plan.steps[j].subtask.clone()));
                             messages.push(Message::assistant(output.clone()));
                         }
-                        messages.push(Message::user(plan.steps[i].subtask.clone()));
-                        states[i] = State::Running;
+                        let answers = i + 1 == n;
                         let worker = plan.steps[i].model_id;
+                        let mut instruction = plan.steps[i].subtask.clone();
+                        if answers
+                            && worker < self.workers.len()
+                            && self.options.show_question
+                            && ctx.conductor_wrote(round)
+                        {
+                            instruction = format!("{instruction}\n\n{ANSWER_NOTE}");
+                        }
+                        messages.push(Message::user(instruction));
+                        states[i] = State::Running;
                         if worker == self.workers.len() {
                             running.push(Box::pin(self.run_recursive_step(ctx, round, i, depth, messages)));
                         } else {
-                            let answers = i + 1 == n;
-                            let system = worker_system(self.options.show_question, ctx, answers);
+                            let system = worker_system(self.options.show_question, ctx);
                             running.push(Box::pin(self.run_step(ctx, round, i, worker, system, messages, answers)));
                         }
                     }
@@ -674,14 +682,19 @@ impl Executor {
             // What the provider reported before the call ended; a call cut short by the
             // timeout below or by a stop still counts it.
             let reported = Mutex::new(Usage::default());
+            let received = AtomicUsize::new(0);
             let attempt = tokio::time::timeout(
                 worker.timeout,
-                attempt(worker.model.as_ref(), request.clone(), round, step, ctx.events, &reported),
+                attempt(worker.model.as_ref(), request.clone(), round, step, ctx.events, &reported, &received),
             );
+            // A call that ends without its usage is billed for what it read and sent.
+            let cut = |usage: Usage| {
+                usage.estimate_cut_call(received.load(Ordering::SeqCst) as u64, worst.input_tokens, worst.output_tokens)
+            };
             let result = tokio::select! {
                 biased;
                 () = ctx.stop.cancelled() => {
-                    let usage = *reported.lock().unwrap_or_else(|p| p.into_inner());
+                    let usage = cut(*reported.lock().unwrap_or_else(|p| p.into_inner()));
                     reservation.settle(usage, worker.pricing.cost(&usage));
                     return (step, Err(StepFailure::Stopped));
                 }
@@ -695,7 +708,7 @@ impl Executor {
             let usage = match &result {
                 Ok((_, usage)) => *usage,
                 // Our own timeout dropped the call: what had been reported by then.
-                Err(error) => error.usage.unwrap_or_else(|| *reported.lock().unwrap_or_else(|p| p.into_inner())),
+                Err(error) => cut(error.usage.unwrap_or_else(|| *reported.lock().unwrap_or_else(|p| p.into_inner()))),
             };
             let call_cost = worker.pricing.cost(&usage);
             reservation.settle(usage, call_cost);
@@ -793,8 +806,10 @@ async fn attempt(
     step: usize,
     events: &EventSink,
     reported: &Mutex<Usage>,
+    received: &AtomicUsize,
 ) -> Result<(String, Usage), ProviderError> {
     let mut forward = |text: &str| {
+        received.fetch_add(text.len(), Ordering::SeqCst);
         let _ = events.send(RunEvent::StepDelta { round, step, text: text.to_owned() });
     };
     let answer = baton_providers::read_answer(model, request, &mut forward, reported).await?;
@@ -832,9 +847,16 @@ struct RunCtx<'a> {
     history: Vec<Message>,
     instructions: Option<String>,
     answer: AnswerSettings,
+    /// Rounds whose plan the conductor wrote (not a given plan, not a fallback).
+    written: Mutex<Vec<u32>>,
 }
 
 impl RunCtx<'_> {
+    /// Whether the conductor wrote round `round`'s plan.
+    fn conductor_wrote(&self, round: u32) -> bool {
+        self.written.lock().unwrap_or_else(|p| p.into_inner()).contains(&round)
+    }
+
     fn emit(&self, event: RunEvent) {
         crate::logs::log_event(&event);
         // A consumer that went away must not stop the run.

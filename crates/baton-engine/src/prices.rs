@@ -124,6 +124,7 @@ mod tests {
             cached_input_tokens: cached,
             cache_write_input_tokens: written,
             output_tokens: output,
+            estimated: false,
         };
         pricing.cost(&usage).expect("priced")
     }

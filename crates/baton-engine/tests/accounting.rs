@@ -182,7 +182,12 @@ async fn one_case(server: &TestServer, seed: u64) -> u64 {
     assert_eq!(requests.len() as u32, t.calls, "{context}");
     let (input, output) =
         requests.iter().map(|r| r.reported()).fold((0, 0), |(i, o), u| (i + u.input_tokens, o + u.output_tokens));
-    assert_eq!((t.usage.input_tokens, t.usage.output_tokens), (input, output), "{context}");
+    if t.usage.estimated {
+        // A call cut off before its usage came is counted at Baton's upper estimate.
+        assert!(t.usage.input_tokens >= input && t.usage.output_tokens > output, "{context}");
+    } else {
+        assert_eq!((t.usage.input_tokens, t.usage.output_tokens), (input, output), "{context}");
+    }
     assert_eq!(t.workers.calls, t.calls, "{context}: no conductor here");
     u64::from(t.calls)
 }

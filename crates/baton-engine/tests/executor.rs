@@ -542,3 +542,32 @@ async fn a_rerun_keeps_a_conductor_step_without_a_conductor() {
     let calls: Vec<String> = server.requests().iter().map(|r| r.model.clone()).collect();
     assert_eq!(calls, ["b;reply=again"]);
 }
+
+/// A stream cut off before the provider's usage came (OpenAI sends it only at the end) is still
+/// billed: the run counts an upper estimate of what was read and sent, marked as estimated, and
+/// its cost with it.
+#[tokio::test]
+async fn a_stream_cut_before_its_usage_counts_an_estimate_and_says_so() {
+    let server = TestServer::start().await.expect("server");
+    let p = pool(&server, "[budget]\nmax_cost_usd = 10", &[compat("cut", "cut;cut=1;chunks=4")]);
+    let mut p = p;
+    p.options.retry.max_retries = 0;
+    p.workers[0].price_in = Some(1.0);
+    p.workers[0].price_out = Some(2.0);
+    let executor = Executor::from_pool(&p);
+    let (outcome, events) = run(&executor, "model_id = [0]\nsubtasks = ['Answer.']\naccess_list = [[]]", None).await;
+    assert_eq!(outcome.status, RunStatus::Failed);
+    let sent: usize = events
+        .iter()
+        .filter_map(|e| if let RunEvent::StepDelta { text, .. } = e { Some(text.len()) } else { None })
+        .sum();
+    assert!(sent > 0, "some text came before the cut: {events:?}");
+    let u = outcome.totals.usage;
+    assert!(u.estimated, "{u:?}");
+    assert_eq!(u.output_tokens, sent as u64, "one token per byte received");
+    assert!(u.input_tokens > 0);
+    assert!(outcome.totals.cost_usd > 0.0, "the estimate is priced");
+    assert!(outcome.totals.all().summary().contains("estimated"), "{}", outcome.totals.all().summary());
+    // The provider reported nothing for it.
+    assert_eq!(server.requests()[0].reported().output_tokens, 0);
+}

@@ -107,6 +107,7 @@ impl From<UsageMetadata> for Usage {
             output_tokens: u.candidates_token_count + u.thoughts_token_count,
             cached_input_tokens: u.cached_content_token_count.min(u.prompt_token_count),
             cache_write_input_tokens: 0,
+            estimated: false,
         }
     }
 }

@@ -119,11 +119,35 @@ pub struct Usage {
     /// Of `input_tokens`, those written to a prompt cache (Anthropic bills them at a premium).
     #[serde(default)]
     pub cache_write_input_tokens: u64,
+    /// Some of these counts are Baton's upper estimate, not the provider's report: a call cut
+    /// off before its usage arrived (OpenAI reports it only at the end) is still billed for
+    /// what it sent. See `Usage::estimate_cut_call`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    #[ts(optional = nullable)]
+    pub estimated: bool,
 }
 
 impl Usage {
     pub fn total(&self) -> u64 {
         self.input_tokens + self.output_tokens
+    }
+
+    /// A call that ended without its usage (a stream cut off, a time-out, a stop) after
+    /// sending `received_bytes` of text, for a request of at most `input_bound` input tokens
+    /// and `output_bound` output tokens: the provider bills what it read and sent, so count
+    /// an upper estimate of both, marked as such. Output: one token per byte received (a
+    /// token is at least a byte), at most the request's cap. What the provider did report is
+    /// kept where it is larger.
+    pub fn estimate_cut_call(self, received_bytes: u64, input_bound: u64, output_bound: u64) -> Usage {
+        if self.output_tokens > 0 || received_bytes == 0 {
+            return self;
+        }
+        Usage {
+            input_tokens: self.input_tokens.max(input_bound),
+            output_tokens: received_bytes.min(output_bound),
+            estimated: true,
+            ..self
+        }
     }
 }
 
@@ -133,6 +157,7 @@ impl std::ops::AddAssign for Usage {
         self.output_tokens += rhs.output_tokens;
         self.cached_input_tokens += rhs.cached_input_tokens;
         self.cache_write_input_tokens += rhs.cache_write_input_tokens;
+        self.estimated |= rhs.estimated;
     }
 }
 

@@ -120,6 +120,7 @@ impl From<WireUsage> for Usage {
             // A server that reports more cached than prompt tokens is wrong; keep the parts within the whole.
             cached_input_tokens: cached.min(u.prompt_tokens),
             cache_write_input_tokens: 0,
+            estimated: false,
         }
     }
 }

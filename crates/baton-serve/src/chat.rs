@@ -517,12 +517,17 @@ pub(crate) fn usage(totals: &Totals) -> Value {
             "orchestration_input_cached_tokens": c.cached_input_tokens,
         },
         "completion_tokens_details": { "orchestration_output_tokens": c.output_tokens },
+        "estimated": all.estimated,
     })
 }
 
-/// `x-baton-cost-usd`: the dollars, prefixed `>=` when some price is unknown (a lower bound).
+/// `x-baton-cost-usd`: the dollars, prefixed `>=` when some price is unknown (a lower bound)
+/// and `~` when some call's tokens are Baton's upper estimate (it was cut off before its usage
+/// came).
 pub(crate) fn cost_text(totals: &Totals) -> String {
-    format!("{}{:.6}", if totals.cost_complete { "" } else { ">=" }, totals.cost_usd)
+    let bound = if totals.cost_complete { "" } else { ">=" };
+    let estimated = if totals.usage.estimated { "~" } else { "" };
+    format!("{bound}{estimated}{:.6}", totals.cost_usd)
 }
 
 pub(crate) fn baton_object(run: &Running, progress: &Progress, status: &str, totals: Option<&Totals>) -> Value {

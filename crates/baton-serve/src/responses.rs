@@ -274,6 +274,7 @@ fn usage(totals: &Totals) -> Value {
         "output_tokens": all.output_tokens,
         "output_tokens_details": { "reasoning_tokens": 0, "orchestration_output_tokens": c.output_tokens },
         "total_tokens": all.input_tokens + all.output_tokens,
+        "estimated": all.estimated,
     })
 }
 
