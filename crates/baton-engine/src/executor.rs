@@ -564,7 +564,8 @@ impl Executor {
                             running.push(Box::pin(self.run_recursive_step(ctx, round, i, depth, messages)));
                         } else {
                             let system = worker_system(self.options.show_question, ctx);
-                            running.push(Box::pin(self.run_step(ctx, round, i, worker, system, messages, answers)));
+                            let at = StepRef { round, step: i };
+                            running.push(Box::pin(self.run_step(ctx, at, worker, system, messages, answers)));
                         }
                     }
                 }
@@ -634,13 +635,13 @@ impl Executor {
     async fn run_step(
         &self,
         ctx: &RunCtx<'_>,
-        round: u32,
-        step: usize,
+        at: StepRef,
         worker_index: usize,
         system: Option<String>,
         messages: Vec<Message>,
         answers: bool,
     ) -> (usize, Result<StepDone, StepFailure>) {
+        let StepRef { round, step } = at;
         let worker = &self.workers[worker_index];
         let permit = match self.limits.get(&worker.endpoint) {
             Some(limit) => tokio::select! {

@@ -151,16 +151,16 @@ const MIN_LIKENESS: f64 = 0.12;
 /// then the best overall; else the first worker.
 pub fn fallback_worker(options: &FallbackOptions, workers: usize, question: &str) -> (usize, Option<String>) {
     let valid = |w: Option<usize>| w.filter(|w| *w < workers);
-    if options.chosen {
-        if let Some(w) = valid(options.worker) {
-            return (w, None);
-        }
+    if options.chosen
+        && let Some(w) = valid(options.worker)
+    {
+        return (w, None);
     }
     let m = &options.measured;
-    if let Some(category) = category_of(question, &m.questions) {
-        if let Some(w) = valid(m.best_by_category.get(category).copied()) {
-            return (w, Some(format!("the best alone at {category} in this pool's latest evaluation")));
-        }
+    if let Some(category) = category_of(question, &m.questions)
+        && let Some(w) = valid(m.best_by_category.get(category).copied())
+    {
+        return (w, Some(format!("the best alone at {category} in this pool's latest evaluation")));
     }
     if let Some(w) = valid(m.best) {
         return (w, Some("the best alone in this pool's latest evaluation".into()));

@@ -316,7 +316,7 @@ fn finished(
     echo: &Echo,
     progress: &Progress,
     end: Option<RunEvent>,
-) -> Result<(Value, Totals), (ApiError, Value)> {
+) -> Result<(Value, Totals), Box<(ApiError, Value)>> {
     match end {
         Some(RunEvent::RunFinished { answer, totals }) => {
             let mut extra = Map::new();
@@ -326,13 +326,13 @@ fn finished(
         }
         Some(RunEvent::RunFailed { error, totals }) => {
             let e = chat::failure(Some(error.kind), &error.message, progress, &run.workers);
-            Err((e, chat::baton_object(run, progress, "failed", Some(&totals))))
+            Err(Box::new((e, chat::baton_object(run, progress, "failed", Some(&totals)))))
         }
-        Some(RunEvent::RunCancelled { totals }) => Err((
+        Some(RunEvent::RunCancelled { totals }) => Err(Box::new((
             ApiError::internal("the run was cancelled before it answered"),
             chat::baton_object(run, progress, "cancelled", Some(&totals)),
-        )),
-        _ => Err((ApiError::internal("the run ended without a result"), json!({ "run_id": run.run_id }))),
+        ))),
+        _ => Err(Box::new((ApiError::internal("the run ended without a result"), json!({ "run_id": run.run_id })))),
     }
 }
 
@@ -348,7 +348,8 @@ async fn complete(mut run: Running, echo: Echo) -> Response {
     }
     let (mut out, cost) = match finished(&run, &echo, &progress, end) {
         Ok((body, totals)) => ((StatusCode::OK, axum::Json(body)).into_response(), Some(chat::cost_text(&totals))),
-        Err((e, baton)) => {
+        Err(failed) => {
+            let (e, baton) = *failed;
             let mut body = e.body();
             body["baton"] = baton;
             let cost = body["baton"]["cost_usd"].as_f64().map(|c| format!("{c:.6}"));
@@ -389,9 +390,7 @@ fn stream(run: Running, echo: Echo) -> Response {
                 out.push_str(&event("response.in_progress", &mut seq, json!({ "response": created })));
                 return Some((out, (run, echo, progress, seq, done, text)));
             }
-            let Some(ev) = run.events.recv().await else {
-                return None;
-            };
+            let ev = run.events.recv().await?;
             if let Some(note) = progress.see(&ev, &run.workers) {
                 out.push_str(&event("baton.progress", &mut seq, json!({ "run_id": run.run_id, "text": note })));
             }
@@ -441,7 +440,8 @@ fn stream(run: Running, echo: Echo) -> Response {
                             ));
                             out.push_str(&event("response.completed", &mut seq, json!({ "response": body })));
                         }
-                        Err((e, baton)) => {
+                        Err(failure) => {
+                            let (e, baton) = *failure;
                             let mut failed = response(&run, &echo, "failed", vec![], Map::new());
                             failed["error"] = json!({ "code": e.code.unwrap_or(e.kind), "message": e.message });
                             failed["baton"] = baton;

@@ -291,10 +291,10 @@ impl Store {
                 let tally = by_category.entry(category.clone()).or_insert_with(|| vec![(0, 0); workers.len()]);
                 tally[w].0 += right;
                 tally[w].1 += 1;
-                if let Some(question) = r.try_get::<Option<String>, _>("question")? {
-                    if questions.insert(item.clone(), (question, category.clone())).is_none() {
-                        *items.entry(category).or_default() += 1;
-                    }
+                if let Some(question) = r.try_get::<Option<String>, _>("question")?
+                    && questions.insert(item.clone(), (question, category.clone())).is_none()
+                {
+                    *items.entry(category).or_default() += 1;
                 }
             }
             let Some(best) = best_of(&overall) else { continue };
