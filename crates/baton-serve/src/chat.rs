@@ -264,34 +264,19 @@ pub async fn completions(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let bytes = match axum::body::to_bytes(body, service.options.max_body_bytes).await {
+    let bytes = match read_body(&service, body).await {
         Ok(bytes) => bytes,
-        Err(_) => {
-            return ApiError::too_large(format!(
-                "the request is over this server's limit of {} bytes",
-                service.options.max_body_bytes
-            ))
-            .into_response();
-        }
+        Err(e) => return e.into_response(),
     };
     let call = match parse(&service, &headers, &bytes) {
         Ok(call) => call,
         Err(e) => return e.into_response(),
     };
-    let Ok(permit) = service.runs.clone().try_acquire_owned() else {
-        return ApiError::busy(
-            format!(
-                "all {} of this server's run slots are busy; try again shortly",
-                service.options.max_concurrent_runs
-            ),
-            Some(1),
-        )
-        .into_response();
-    };
     let mut call = call;
-    if let Err(e) = service.limit_to_today(&mut call) {
-        return e.into_response();
-    }
+    let permit = match admit(&service, &mut call) {
+        Ok(permit) => permit,
+        Err(e) => return e.into_response(),
+    };
     if let Some(store) = &service.store {
         match continued(&service, store, &call).await {
             Ok(conversation) => call.conversation = conversation,
@@ -300,6 +285,32 @@ pub async fn completions(
     }
     let run = start(&service, call, permit);
     if run.stream { stream(run) } else { complete(run).await }
+}
+
+/// A request's body, up to the server's limit (413 above it).
+pub(crate) async fn read_body(service: &Service, body: Body) -> Result<axum::body::Bytes, ApiError> {
+    axum::body::to_bytes(body, service.options.max_body_bytes).await.map_err(|_| {
+        ApiError::too_large(format!(
+            "the request is over this server's limit of {} bytes",
+            service.options.max_body_bytes
+        ))
+    })
+}
+
+/// A run slot for `call` (429 when all are busy), with its cost capped at what is left of the
+/// day's cap.
+pub(crate) fn admit(service: &Service, call: &mut Call) -> Result<OwnedSemaphorePermit, ApiError> {
+    let Ok(permit) = service.runs.clone().try_acquire_owned() else {
+        return Err(ApiError::busy(
+            format!(
+                "all {} of this server's run slots are busy; try again shortly",
+                service.options.max_concurrent_runs
+            ),
+            Some(1),
+        ));
+    };
+    service.limit_to_today(call)?;
+    Ok(permit)
 }
 
 /// The history's conversation a request continues: the one `x-baton-conversation` names, else

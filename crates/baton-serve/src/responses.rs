@@ -187,30 +187,18 @@ pub async fn create(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let Ok(bytes) = axum::body::to_bytes(body, service.options.max_body_bytes).await else {
-        return ApiError::too_large(format!(
-            "the request is over this server's limit of {} bytes",
-            service.options.max_body_bytes
-        ))
-        .into_response();
+    let bytes = match chat::read_body(&service, body).await {
+        Ok(bytes) => bytes,
+        Err(e) => return e.into_response(),
     };
     let Parsed { mut call, previous, instructions } = match parse(&service, &headers, &bytes) {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
-    let Ok(permit) = service.runs.clone().try_acquire_owned() else {
-        return ApiError::busy(
-            format!(
-                "all {} of this server's run slots are busy; try again shortly",
-                service.options.max_concurrent_runs
-            ),
-            Some(1),
-        )
-        .into_response();
+    let permit = match chat::admit(&service, &mut call) {
+        Ok(permit) => permit,
+        Err(e) => return e.into_response(),
     };
-    if let Err(e) = service.limit_to_today(&mut call) {
-        return e.into_response();
-    }
     if let Some(store) = &service.store {
         if let Some(previous) = &previous {
             // The earlier response's conversation, as the history keeps it, comes before
