@@ -116,13 +116,6 @@ fn worker_system(show_question: bool, ctx: &RunCtx<'_>) -> Option<String> {
     }
 }
 
-/// Added to the instruction of the step whose answer is a conductor's plan's answer: a small
-/// conductor's last subtask often asks for something short of the answer ("Compare the two
-/// definitions."), and the user would get no answer. In the step's own turn, not the system
-/// message, so the steps of a plan still share a cached prefix.
-const ANSWER_NOTE: &str =
-    "End your reply with the final answer to the user's question, in the form the question asks for.";
-
 /// What a re-run keeps from the run it re-runs.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Reuse {
@@ -265,7 +258,6 @@ impl Executor {
             history: request.history.clone(),
             instructions: request.instructions.clone().filter(|i| !i.trim().is_empty()),
             answer: request.answer,
-            written: Mutex::new(Vec::new()),
         };
         let reuse = request.reuse.unwrap_or_default();
         ctx.emit(RunEvent::RunStarted {
@@ -436,7 +428,6 @@ impl Executor {
                                 prompt: planned.prompt,
                                 fallback: None,
                             });
-                            ctx.written.lock().unwrap_or_else(|p| p.into_inner()).push(round);
                             return Ok(Written { round, plan: planned.plan, usage: spent.0, cost_usd: spent.1 });
                         }
                         Some(p) if !checked => return Err(StepFailure::Conductor(p)),
@@ -550,15 +541,7 @@ impl Executor {
                         }
                         let answers = i + 1 == n;
                         let worker = plan.steps[i].model_id;
-                        let mut instruction = plan.steps[i].subtask.clone();
-                        if answers
-                            && worker < self.workers.len()
-                            && self.options.show_question
-                            && ctx.conductor_wrote(round)
-                        {
-                            instruction = format!("{instruction}\n\n{ANSWER_NOTE}");
-                        }
-                        messages.push(Message::user(instruction));
+                        messages.push(Message::user(plan.steps[i].subtask.clone()));
                         states[i] = State::Running;
                         if worker == self.workers.len() {
                             running.push(Box::pin(self.run_recursive_step(ctx, round, i, depth, messages)));
@@ -848,16 +831,9 @@ struct RunCtx<'a> {
     history: Vec<Message>,
     instructions: Option<String>,
     answer: AnswerSettings,
-    /// Rounds whose plan the conductor wrote (not a given plan, not a fallback).
-    written: Mutex<Vec<u32>>,
 }
 
 impl RunCtx<'_> {
-    /// Whether the conductor wrote round `round`'s plan.
-    fn conductor_wrote(&self, round: u32) -> bool {
-        self.written.lock().unwrap_or_else(|p| p.into_inner()).contains(&round)
-    }
-
     fn emit(&self, event: RunEvent) {
         crate::logs::log_event(&event);
         // A consumer that went away must not stop the run.
