@@ -48,4 +48,8 @@ const COMMANDS: &[&str] = &[
     "get_evaluation",
     "delete_evaluation",
     "export_evaluation",
+    "local_api_status",
+    "save_local_api",
+    "restart_local_api",
+    "local_api_token",
 ];

@@ -73,6 +73,8 @@ pub fn typescript() -> String {
         crate::eval::EvalRequest::decl(&cfg),
         crate::eval::EvalProgress::decl(&cfg),
         crate::eval::EvalView::decl(&cfg),
+        crate::local_api::LocalApiForm::decl(&cfg),
+        crate::local_api::LocalApiStatus::decl(&cfg),
     ];
     let mut out = String::from(
         "// Generated from Baton's Rust types by `src-tauri/src/bindings.rs`; do not edit.\n\

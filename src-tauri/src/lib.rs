@@ -9,6 +9,7 @@ pub mod error;
 pub mod eval;
 pub mod history;
 pub mod keys;
+pub mod local_api;
 pub mod models;
 pub mod settings;
 pub mod state;
@@ -70,47 +71,57 @@ fn open_logs_folder() -> Result<String, error::AppError> {
 /// The app on top of `base`: `run` starts from the real webview's builder, the command tests
 /// from Tauri's mock runtime.
 pub fn builder<R: Runtime>(base: tauri::Builder<R>, state: AppState) -> tauri::Builder<R> {
-    base.plugin(tauri_plugin_dialog::init()).manage(state).invoke_handler(tauri::generate_handler![
-        app_info,
-        open_logs_folder,
-        settings::get_settings,
-        settings::save_settings,
-        chat::load_conductor,
-        chat::ask,
-        chat::rerun_step,
-        chat::ask_compared,
-        chat::mark_comparison,
-        chat::cancel_run,
-        chat::draft_plan,
-        chat::validate_plan,
-        chat::test_worker,
-        keys::list_keys,
-        keys::set_key,
-        keys::delete_key,
-        history::list_conversations,
-        history::set_conversation_choices,
-        history::get_conversation,
-        history::conversation_runs,
-        history::list_runs,
-        history::search_history,
-        history::get_run,
-        history::delete_run,
-        history::delete_conversation,
-        history::export_history,
-        history::worker_figures,
-        history::conversation_comparisons,
-        history::export_preferences,
-        models::model_catalog,
-        models::pull_model,
-        models::delete_model,
-        models::loaded_models,
-        eval::eval_suites,
-        eval::run_evaluation,
-        eval::list_evaluations,
-        eval::get_evaluation,
-        eval::delete_evaluation,
-        eval::export_evaluation,
-    ])
+    base.plugin(tauri_plugin_dialog::init())
+        .manage(state)
+        .invoke_handler(tauri::generate_handler![
+            app_info,
+            open_logs_folder,
+            settings::get_settings,
+            settings::save_settings,
+            chat::load_conductor,
+            chat::ask,
+            chat::rerun_step,
+            chat::ask_compared,
+            chat::mark_comparison,
+            chat::cancel_run,
+            chat::draft_plan,
+            chat::validate_plan,
+            chat::test_worker,
+            keys::list_keys,
+            keys::set_key,
+            keys::delete_key,
+            history::list_conversations,
+            history::set_conversation_choices,
+            history::get_conversation,
+            history::conversation_runs,
+            history::list_runs,
+            history::search_history,
+            history::get_run,
+            history::delete_run,
+            history::delete_conversation,
+            history::export_history,
+            history::worker_figures,
+            history::conversation_comparisons,
+            history::export_preferences,
+            models::model_catalog,
+            models::pull_model,
+            models::delete_model,
+            models::loaded_models,
+            eval::eval_suites,
+            eval::run_evaluation,
+            eval::list_evaluations,
+            eval::get_evaluation,
+            eval::delete_evaluation,
+            eval::export_evaluation,
+            local_api::local_api_status,
+            local_api::save_local_api,
+            local_api::restart_local_api,
+            local_api::local_api_token,
+        ])
+        .setup(|app| {
+            tauri::async_runtime::spawn(local_api::start_at_launch(app.handle().clone()));
+            Ok(())
+        })
 }
 
 /// The app's configuration, capabilities and (in release builds) embedded UI, from

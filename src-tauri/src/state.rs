@@ -51,6 +51,8 @@ pub struct AppState {
     /// Where exports go: the native save dialog, opened from here so the webview cannot name a
     /// path. Tests that run without a window answer it themselves ([`AppState::with_save_dialog`]).
     pub save_dialog: Option<SaveDialog>,
+    /// The Local API server, while it runs.
+    pub local_api: crate::local_api::LocalApi,
 }
 
 impl std::fmt::Debug for AppState {
@@ -67,6 +69,7 @@ impl AppState {
             models: LocalModels::default(),
             runs: Mutex::new(HashMap::new()),
             save_dialog: None,
+            local_api: Default::default(),
         }
     }
 

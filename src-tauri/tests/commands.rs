@@ -540,3 +540,106 @@ fn a_question_is_compared_with_one_worker_alone_and_the_mark_is_kept() {
     let err = compare("Why is the sky blue?", Value::Null, "zed", 2).unwrap_err();
     assert_eq!(err["kind"], "not_found", "{err}");
 }
+
+/// The Local API: switched on from its screen, it serves the pool to an OpenAI client over
+/// loopback with the app's conductor, history and token; its runs are in the app's history
+/// with their topology; an edited pool shows as stale until a restart; switched off, the port
+/// is closed; a port in use is a clear error kept for the screen.
+#[test]
+fn the_local_api_serves_the_pool_and_its_runs_are_in_the_history() {
+    // Its token lives in the keychain.
+    if !baton_tests::private_keychain() {
+        return;
+    }
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let server = rt.block_on(baton_testserver::TestServer::start()).unwrap();
+    let base = server.base_url(baton_testserver::Wire::OpenAi);
+    let dir = tempfile::tempdir().unwrap();
+    let h = app(dir.path(), "main");
+    let plans = dir.path().join("plans.json");
+    let plan = "model_id = [0, 1]\nsubtasks = [\"Gather facts.\", \"Answer.\"]\naccess_list = [[], [0]]";
+    std::fs::write(&plans, json!({ "sky": plan }).to_string()).unwrap();
+    let mut remote = conductor();
+    remote["url"] = json!(base);
+    remote["model"] = json!(format!("cond;knows={}", plans.display()));
+    let workers = [worker("a", "a;reply=facts", &base), worker("b", "b;reply=blue_light_scatters", &base)];
+    invoke(&h, "save_settings", json!({ "form": { "workers": workers, "conductor": remote.clone() } })).unwrap();
+    let off = invoke(&h, "local_api_status", json!({})).unwrap();
+    assert_eq!(
+        (&off["running"], &off["form"]["enabled"], &off["form"]["port"]),
+        (&json!(false), &json!(false), &json!(8765))
+    );
+    assert!(off["token_source"].as_str().unwrap().contains("keychain"), "{off}");
+    let mut form = off["form"].clone();
+    form["enabled"] = json!(true);
+    form["port"] = json!(0);
+    let on = invoke(&h, "save_local_api", json!({ "form": form.clone() })).unwrap();
+    assert_eq!(on["running"], true, "{on}");
+    assert_eq!(on["models"], json!(["baton", "baton/a", "baton/b"]));
+    let url = on["url"].as_str().unwrap().to_owned();
+    assert!(url.starts_with("http://127.0.0.1:") && url.ends_with("/v1"), "{url}");
+    let token = invoke(&h, "local_api_token", json!({ "new": false })).unwrap().as_str().unwrap().to_owned();
+    assert_eq!(token.len(), 64, "{token}");
+    assert!(std::fs::read_to_string(dir.path().join("pool.toml")).unwrap().contains("app = true"));
+
+    let client = reqwest::Client::new();
+    let refused = rt.block_on(client.get(format!("{url}/models")).send()).unwrap();
+    assert_eq!(refused.status(), 401);
+    let asked = rt
+        .block_on(
+            client
+                .post(format!("{url}/chat/completions"))
+                .bearer_auth(&token)
+                .json(&json!({ "model": "baton", "messages": [{ "role": "user", "content": "Why is the sky blue?" }] }))
+                .send(),
+        )
+        .unwrap();
+    assert_eq!(asked.status(), 200);
+    let run_uid = asked.headers()["x-baton-run-id"].to_str().unwrap().to_owned();
+    let body: Value = rt.block_on(asked.json()).unwrap();
+    assert_eq!(body["choices"][0]["message"]["content"], "blue light scatters", "{body}");
+
+    // The served run is in the app's history, with its plan and events, like any other.
+    let runs = invoke(&h, "list_runs", json!({ "before": null })).unwrap();
+    assert_eq!(runs.as_array().unwrap().len(), 1, "{runs}");
+    let run = invoke(&h, "get_run", json!({ "id": runs[0]["id"] })).unwrap();
+    assert_eq!((&run["run"]["answer"], &run["steps"][0]["worker"]), (&json!("blue light scatters"), &json!("a")));
+    assert_eq!(run["run"]["uid"], json!(run_uid), "{}", run["run"]);
+    let events: Vec<baton_engine::RunEvent> = serde_json::from_value(run["events"].clone()).unwrap();
+    baton_engine::event::check_sequence(&events).unwrap();
+    let seen = invoke(&h, "local_api_status", json!({})).unwrap();
+    assert_eq!((&seen["requests"], &seen["failed_requests"], &seen["stale"]), (&json!(2), &json!(1), &json!(false)));
+
+    // A pool edited while it serves: shown, and applied by a restart.
+    let mut more = workers.to_vec();
+    more.push(worker("c", "c;reply=x", &base));
+    invoke(&h, "save_settings", json!({ "form": { "workers": more, "conductor": remote } })).unwrap();
+    assert_eq!(invoke(&h, "local_api_status", json!({})).unwrap()["stale"], true);
+    let restarted = invoke(&h, "restart_local_api", json!({})).unwrap();
+    assert_eq!((&restarted["stale"], &restarted["models"][3]), (&json!(false), &json!("baton/c")), "{restarted}");
+
+    // A new token: the server restarts with it, and the old one is refused.
+    let new = invoke(&h, "local_api_token", json!({ "new": true })).unwrap();
+    assert_ne!(new, json!(token));
+    let url = invoke(&h, "local_api_status", json!({})).unwrap()["url"].as_str().unwrap().to_owned();
+    let old = rt.block_on(client.get(format!("{url}/models")).bearer_auth(&token).send()).unwrap();
+    assert_eq!(old.status(), 401);
+    let models = rt.block_on(client.get(format!("{url}/models")).bearer_auth(new.as_str().unwrap()).send()).unwrap();
+    assert_eq!(models.status(), 200);
+
+    // Off: the port no longer answers.
+    form["enabled"] = json!(false);
+    let stopped = invoke(&h, "save_local_api", json!({ "form": form.clone() })).unwrap();
+    assert_eq!((&stopped["running"], &stopped["url"]), (&json!(false), &Value::Null));
+    assert!(rt.block_on(client.get(format!("{url}/models")).send()).is_err(), "the port is closed");
+
+    // A port another program holds: a clear error, kept for the screen.
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    form["enabled"] = json!(true);
+    form["port"] = json!(held.local_addr().unwrap().port());
+    let err = invoke(&h, "save_local_api", json!({ "form": form })).unwrap_err();
+    assert!(err["message"].as_str().unwrap().contains("cannot listen on 127.0.0.1"), "{err}");
+    let failed = invoke(&h, "local_api_status", json!({})).unwrap();
+    assert_eq!(failed["running"], false);
+    assert_eq!(failed["error"], err["message"], "{failed}");
+}

@@ -45,6 +45,8 @@ pub struct PoolOptions {
 /// `baton serve`'s settings from the pool file; `None` leaves the server's default.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ServeSpec {
+    /// Whether the desktop app serves its Local API while it is open (`baton serve` always serves).
+    pub app: bool,
     pub host: Option<String>,
     pub port: Option<u16>,
     /// The environment variable that holds the token (else the keychain's).
@@ -257,7 +259,7 @@ const TOP_LEVEL_KEYS: &[&str] = &[
     "worker",
 ];
 const SERVE_KEYS: &[&str] =
-    &["host", "port", "token_env", "allow_origins", "max_concurrent_runs", "daily_max_cost_usd"];
+    &["app", "host", "port", "token_env", "allow_origins", "max_concurrent_runs", "daily_max_cost_usd"];
 const RECURSION_KEYS: &[&str] = &["enabled", "max_depth", "max_total_steps"];
 const CONDUCTOR_KEYS: &[&str] = &[
     "model",
@@ -399,6 +401,7 @@ impl Pool {
             let s = Fields { table: serve, allowed: SERVE_KEYS };
             let field_err = |e: FieldError| err(None, None, Some(&format!("serve.{}", e.field)), e.message);
             s.check_unknown().map_err(field_err)?;
+            options.serve.app = s.bool("app").map_err(field_err)?.unwrap_or(false);
             options.serve.host = s.string("host").map_err(field_err)?;
             options.serve.port = s.int("port", 0, 65_535).map_err(field_err)?.map(|n| n as u16);
             options.serve.token_env = s.string("token_env").map_err(field_err)?;
@@ -801,14 +804,22 @@ mod tests {
     #[test]
     fn the_serve_table_is_read_and_checked() {
         let pool = Pool::parse(
-            "[serve]\nhost = \"0.0.0.0\"\nport = 9000\ntoken_env = \"T\"\nallow_origins = [\"http://localhost:3000\"]\nmax_concurrent_runs = 2\ndaily_max_cost_usd = 5\n\n[[worker]]\nname = \"a\"\nprovider = \"openai\"\nmodel = \"m\"\n",
+            "[serve]\napp = true\nhost = \"0.0.0.0\"\nport = 9000\ntoken_env = \"T\"\nallow_origins = [\"http://localhost:3000\"]\nmax_concurrent_runs = 2\ndaily_max_cost_usd = 5\n\n[[worker]]\nname = \"a\"\nprovider = \"openai\"\nmodel = \"m\"\n",
             "pool.toml",
         )
         .expect("parses");
         let s = &pool.options.serve;
         assert_eq!((s.host.as_deref(), s.port, s.token_env.as_deref()), (Some("0.0.0.0"), Some(9000), Some("T")));
         assert_eq!(s.allow_origins, ["http://localhost:3000"]);
-        assert_eq!((s.max_concurrent_runs, s.daily_max_cost_usd), (Some(2), Some(5.0)));
+        assert_eq!((s.max_concurrent_runs, s.daily_max_cost_usd, s.app), (Some(2), Some(5.0), true));
+        let e = Pool::parse(
+            &format!(
+                "[serve]\napp = \"yes\"{worker}",
+                worker = "\n[[worker]]\nname = \"a\"\nprovider = \"openai\"\nmodel = \"m\"\n"
+            ),
+            "pool.toml",
+        );
+        assert!(e.unwrap_err().to_string().contains("serve.app"));
         let worker = "\n[[worker]]\nname = \"a\"\nprovider = \"openai\"\nmodel = \"m\"\n";
         let e = Pool::parse(&format!("[serve]\nprot = 1\n{worker}"), "pool.toml").unwrap_err().to_string();
         assert!(e.contains("serve.prot"), "{e}");

@@ -91,6 +91,22 @@ pub struct Service {
     spent_today: std::sync::Mutex<(u64, f64)>,
     /// Unix seconds the server started: the models' `created`.
     created: u64,
+    /// Requests seen, and those answered with an error (refused by the guard included).
+    requests: std::sync::atomic::AtomicU64,
+    failed: std::sync::atomic::AtomicU64,
+}
+
+/// What a server has done since it started, for the app's Local API section.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Stats {
+    /// Every request that reached the server, refused ones included.
+    pub requests: u64,
+    /// Those answered with an error status (4xx or 5xx).
+    pub failed: u64,
+    /// Runs going now.
+    pub runs_in_flight: usize,
+    /// What the runs finished today (UTC) cost, in dollars.
+    pub spent_today_usd: f64,
 }
 
 impl Service {
@@ -119,8 +135,22 @@ impl Service {
             spent_today: std::sync::Mutex::new((0, 0.0)),
             guard,
             options,
-            created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+            created: now_secs(),
+            requests: Default::default(),
+            failed: Default::default(),
         })
+    }
+
+    /// What the server has done since it started.
+    pub fn stats(&self) -> Stats {
+        use std::sync::atomic::Ordering::Relaxed;
+        let spent = *self.spent_today.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        Stats {
+            requests: self.requests.load(Relaxed),
+            failed: self.failed.load(Relaxed),
+            runs_in_flight: self.options.max_concurrent_runs.max(1) - self.runs.available_permits(),
+            spent_today_usd: if spent.0 == now_secs() / 86_400 { spent.1 } else { 0.0 },
+        }
     }
 
     /// The model ids served, in order: `baton` when there is a conductor, then each worker.
@@ -260,7 +290,23 @@ pub fn router(service: Arc<Service>) -> Router {
             )
         })
         .layer(axum::middleware::from_fn_with_state(service.clone(), guard::check))
+        .layer(axum::middleware::from_fn_with_state(service.clone(), count))
         .with_state(service)
+}
+
+/// Counts every request and every error answer (outside the guard, so refusals count too).
+async fn count(
+    axum::extract::State(service): axum::extract::State<Arc<Service>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use std::sync::atomic::Ordering::Relaxed;
+    service.requests.fetch_add(1, Relaxed);
+    let response = next.run(request).await;
+    if response.status().is_client_error() || response.status().is_server_error() {
+        service.failed.fetch_add(1, Relaxed);
+    }
+    response
 }
 
 /// Serves until `shutdown` is cancelled, then waits for the history to record every run

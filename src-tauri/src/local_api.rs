@@ -1,0 +1,406 @@
+//! The Local API: `baton serve` inside the app (see the `baton-serve` crate), so any OpenAI
+//! client can ask the pool while the app is open. It shares what the app already has: the
+//! loaded conductor and local workers, the history (its runs open in the topology view like
+//! any other), the keychain and the pool file. Its settings are the pool file's `[serve]`
+//! table, which `baton serve` reads too; `app = true` there is the on switch, so the app
+//! serves again when it next opens.
+//!
+//! The server is built from the pool as it was when it started: an edit to the pool while it
+//! runs shows as `stale` and applies on a restart (a restart cancels the runs in flight, so
+//! it is the user's choice, not automatic).
+
+use std::sync::Arc;
+
+use baton_engine::{Pool, ServeSpec};
+use baton_secrets::KeyStore;
+use baton_serve::{ServeOptions, Service, TOKEN_ACCOUNT};
+use serde::{Deserialize, Serialize};
+use tauri::{AppHandle, Runtime, State};
+use tokio_util::sync::CancellationToken;
+use toml_edit::{Array, DocumentMut, Item, Table};
+
+use crate::error::{AppError, AppResult, ErrorKind};
+use crate::state::AppState;
+
+/// The `[serve]` table as the Local API screen edits it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ts_rs::TS)]
+pub struct LocalApiForm {
+    /// Serve while the app is open (`app`).
+    pub enabled: bool,
+    /// `127.0.0.1` unless the pool file says otherwise; only the pool file can change it, since
+    /// anything but loopback opens the server to the network.
+    pub host: String,
+    /// 0 picks a free port each time.
+    pub port: u16,
+    pub max_concurrent_runs: u32,
+    pub daily_max_cost_usd: Option<f64>,
+    /// Web clients (origins such as `http://localhost:3000`) allowed to call from a browser.
+    pub allow_origins: Vec<String>,
+}
+
+/// What the Local API screen shows.
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
+pub struct LocalApiStatus {
+    /// The settings as the pool file has them.
+    pub form: LocalApiForm,
+    pub running: bool,
+    /// It is starting, stopping or restarting now (a conductor may be loading).
+    pub busy: bool,
+    /// The base URL clients use (`http://127.0.0.1:8765/v1`) while it runs.
+    pub url: Option<String>,
+    /// The model ids served (`baton`, `baton/<worker>`).
+    pub models: Vec<String>,
+    /// Where the token comes from: the keychain, or the environment variable `[serve]` names.
+    pub token_source: String,
+    pub requests: u64,
+    pub failed_requests: u64,
+    pub runs_in_flight: u32,
+    pub spent_today_usd: f64,
+    /// The pool file changed since the server started; a restart applies it.
+    pub stale: bool,
+    /// Why the server is not running when it should be (the last start failed).
+    pub error: Option<String>,
+}
+
+/// The server the app runs, when it runs.
+struct Running {
+    service: Arc<Service>,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    url: String,
+    /// The pool file's text when the server started.
+    pool_text: String,
+}
+
+/// The Local API's place in [`AppState`]: the server while it runs, and why the last start failed.
+#[derive(Default)]
+pub struct LocalApi {
+    running: tokio::sync::Mutex<(Option<Running>, Option<String>)>,
+}
+
+impl std::fmt::Debug for LocalApi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalApi").finish_non_exhaustive()
+    }
+}
+
+const DEFAULT_PORT: u16 = 8765;
+
+fn form_of(spec: &ServeSpec) -> LocalApiForm {
+    let defaults = ServeOptions::default();
+    LocalApiForm {
+        enabled: spec.app,
+        host: spec.host.clone().unwrap_or(defaults.host),
+        port: spec.port.unwrap_or(DEFAULT_PORT),
+        max_concurrent_runs: spec.max_concurrent_runs.unwrap_or(defaults.max_concurrent_runs) as u32,
+        daily_max_cost_usd: spec.daily_max_cost_usd,
+        allow_origins: spec.allow_origins.clone(),
+    }
+}
+
+fn token_source(spec: &ServeSpec) -> String {
+    match &spec.token_env {
+        Some(var) => format!("the environment variable {var} (the pool file's [serve] token_env)"),
+        None => "the keychain (`baton serve token` prints the same one)".to_owned(),
+    }
+}
+
+/// The token clients must send: `[serve] token_env`'s variable, else the keychain's, made the
+/// first time (or anew when `new`). The CLI's `baton serve token` keeps the same entry.
+fn token(spec: &ServeSpec, new: bool) -> AppResult<String> {
+    if let Some(var) = &spec.token_env {
+        if new {
+            return Err(AppError::bad_input(format!(
+                "the token comes from the environment variable {var} ([serve] token_env in the pool file): change it there"
+            )));
+        }
+        return match std::env::var(var) {
+            Ok(t) if !t.trim().is_empty() => Ok(t.trim().to_owned()),
+            _ => Err(AppError::bad_input(format!(
+                "[serve] token_env names {var}, which is not set or empty in the app's environment; set it, or remove token_env to use the keychain's token"
+            ))),
+        };
+    }
+    let keys = KeyStore::open()?;
+    if !new && let Some(token) = keys.get(TOKEN_ACCOUNT)? {
+        return Ok(token.expose().to_owned());
+    }
+    let token = baton_serve::new_token().map_err(|e| AppError::new(ErrorKind::Io, e))?;
+    keys.set(TOKEN_ACCOUNT, &token)?;
+    Ok(token)
+}
+
+fn read_pool(state: &AppState) -> AppResult<(String, Pool)> {
+    let path = &state.paths.pool;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| AppError::new(ErrorKind::Pool, format!("{}: cannot read the pool file: {e}", path.display())))?;
+    let pool = Pool::parse(&text, &path.display().to_string())?;
+    Ok((text, pool))
+}
+
+/// Starts the server over the pool as it is now (the caller holds the lock and has stopped
+/// any server before).
+async fn start<R: Runtime>(app: &AppHandle<R>, state: &AppState) -> AppResult<Running> {
+    let (pool_text, pool) = read_pool(state)?;
+    let spec = pool.options.serve.clone();
+    let form = form_of(&spec);
+    baton_serve::guard::check_bind(&form.host, true).map_err(AppError::bad_input)?;
+    let token = token(&spec, false)?;
+    let store = state.store().await?.clone();
+    let conductor = pool.options.conductor.model.is_some() || pool.options.conductor.url.is_some();
+    let executor = crate::chat::executor(app, state, &pool, conductor).await?;
+    let listener = tokio::net::TcpListener::bind((form.host.as_str(), form.port)).await.map_err(|e| {
+        AppError::new(
+            ErrorKind::Io,
+            format!(
+                "cannot listen on {}:{}: {e}; choose another port (0 picks a free one), or stop what uses it (a `baton serve`?)",
+                form.host, form.port
+            ),
+        )
+    })?;
+    let port = listener.local_addr().map_or(form.port, |a| a.port());
+    let options = ServeOptions {
+        host: form.host.clone(),
+        port,
+        token: Some(token),
+        allow_origins: form.allow_origins.clone(),
+        max_concurrent_runs: form.max_concurrent_runs as usize,
+        daily_max_cost_usd: form.daily_max_cost_usd,
+        ..ServeOptions::default()
+    };
+    let service =
+        Arc::new(Service::new(Arc::new(executor), conductor, Some(store), options).map_err(AppError::bad_input)?);
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(baton_serve::serve(listener, service.clone(), shutdown.clone()));
+    let host = if form.host.contains(':') { format!("[{}]", form.host) } else { form.host.clone() };
+    tracing::info!("the Local API serves on http://{host}:{port}/v1");
+    Ok(Running { service, shutdown, task, url: format!("http://{host}:{port}/v1"), pool_text })
+}
+
+/// Stops the server: runs in flight are cancelled (and recorded so), then the port is free.
+async fn stop(running: Running) {
+    running.shutdown.cancel();
+    let _ = running.task.await;
+    tracing::info!("the Local API stopped");
+}
+
+/// Brings the server in line with the pool file: started when `[serve] app` is on and it is
+/// not running (or `restart`), stopped when it is off.
+async fn apply<R: Runtime>(app: &AppHandle<R>, state: &AppState, restart: bool) -> AppResult<()> {
+    let wanted = read_pool(state).map(|(_, pool)| pool.options.serve.app);
+    let mut slot = state.local_api.running.lock().await;
+    let (running, error) = &mut *slot;
+    let on = matches!(wanted, Ok(true));
+    if running.is_some() && (!on || restart) {
+        stop(running.take().expect("checked")).await;
+    }
+    *error = None;
+    if on && running.is_none() {
+        match start(app, state).await {
+            Ok(r) => *running = Some(r),
+            Err(e) => {
+                *error = Some(e.message.clone());
+                return Err(e);
+            }
+        }
+    }
+    wanted.map(|_| ())
+}
+
+/// Starts the Local API when the app opens, if the pool file has it on. A failure is kept for
+/// the Local API screen (and logged); the app opens regardless.
+pub async fn start_at_launch<R: Runtime>(app: AppHandle<R>) {
+    let state = tauri::Manager::state::<AppState>(&app);
+    let on = read_pool(&state).is_ok_and(|(_, pool)| pool.options.serve.app);
+    if on && let Err(e) = apply(&app, &state, false).await {
+        tracing::warn!("the Local API did not start: {}", e.message);
+    }
+}
+
+#[tauri::command]
+pub async fn local_api_status(state: State<'_, AppState>) -> AppResult<LocalApiStatus> {
+    status(&state).await
+}
+
+async fn status(state: &AppState) -> AppResult<LocalApiStatus> {
+    let pool = read_pool(state);
+    let spec = pool.as_ref().map(|(_, p)| p.options.serve.clone()).unwrap_or_default();
+    let now_text = pool.as_ref().map(|(t, _)| t.clone()).ok();
+    // A start may take minutes (the conductor loads): the screen polls, so it is told, not held.
+    let Ok(slot) = state.local_api.running.try_lock() else {
+        return Ok(LocalApiStatus {
+            form: form_of(&spec),
+            running: false,
+            busy: true,
+            url: None,
+            models: Vec::new(),
+            token_source: token_source(&spec),
+            requests: 0,
+            failed_requests: 0,
+            runs_in_flight: 0,
+            spent_today_usd: 0.0,
+            stale: false,
+            error: None,
+        });
+    };
+    let (running, error) = &*slot;
+    let stats = running.as_ref().map(|r| r.service.stats());
+    Ok(LocalApiStatus {
+        form: form_of(&spec),
+        running: running.is_some(),
+        busy: false,
+        url: running.as_ref().map(|r| r.url.clone()),
+        models: running.as_ref().map(|r| r.service.model_ids()).unwrap_or_default(),
+        token_source: token_source(&spec),
+        requests: stats.map_or(0, |s| s.requests),
+        failed_requests: stats.map_or(0, |s| s.failed),
+        runs_in_flight: stats.map_or(0, |s| s.runs_in_flight as u32),
+        spent_today_usd: stats.map_or(0.0, |s| s.spent_today_usd),
+        stale: running.as_ref().is_some_and(|r| now_text.as_deref() != Some(r.pool_text.as_str())),
+        error: error.clone().or_else(|| match (&pool, running) {
+            (Err(e), _) => Some(e.message.clone()),
+            _ => None,
+        }),
+    })
+}
+
+/// Saves the Local API's settings to the pool file's `[serve]` table (keeping what the form
+/// does not show), then starts, stops or restarts the server to match.
+#[tauri::command]
+pub async fn save_local_api<R: Runtime>(
+    app: AppHandle<R>,
+    state: State<'_, AppState>,
+    form: LocalApiForm,
+) -> AppResult<LocalApiStatus> {
+    let path = &state.paths.pool;
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        AppError::new(
+            ErrorKind::Pool,
+            format!("{}: cannot read the pool file: {e}; add a worker first (Workers & keys)", path.display()),
+        )
+    })?;
+    let new = apply_form(&text, &form)?;
+    let file = path.display().to_string();
+    Pool::parse(&new, &file).map_err(|e| AppError::bad_input(e.to_string()))?;
+    let before = Pool::parse(&text, &file).map(|p| p.options.serve).ok();
+    crate::settings::write_atomically(path, &new)?;
+    // A restart only when what the server was built from changed (not for switching it on).
+    let restart = before.is_some_and(|b| ServeSpec { app: form.enabled, ..b } != spec_now(&new, &file));
+    apply(&app, &state, restart).await?;
+    status(&state).await
+}
+
+fn spec_now(text: &str, file: &str) -> ServeSpec {
+    Pool::parse(text, file).map(|p| p.options.serve).unwrap_or_default()
+}
+
+/// Restarts the server over the pool file as it is now (cancelling the runs in flight).
+#[tauri::command]
+pub async fn restart_local_api<R: Runtime>(app: AppHandle<R>, state: State<'_, AppState>) -> AppResult<LocalApiStatus> {
+    apply(&app, &state, true).await?;
+    status(&state).await
+}
+
+/// The token clients send (`Authorization: Bearer TOKEN`), for the user to copy; `new`
+/// replaces it (clients with the old one are refused once the server restarts, which this does).
+/// It is the server's own token, not a provider key: it opens this server, and nothing else.
+#[tauri::command]
+pub async fn local_api_token<R: Runtime>(
+    app: AppHandle<R>,
+    state: State<'_, AppState>,
+    new: bool,
+) -> AppResult<String> {
+    let (_, pool) = read_pool(&state)?;
+    let token = token(&pool.options.serve, new)?;
+    if new && state.local_api.running.lock().await.0.is_some() {
+        apply(&app, &state, true).await?;
+    }
+    Ok(token)
+}
+
+/// Writes `form` into the `[serve]` table of pool TOML `text`.
+pub fn apply_form(text: &str, form: &LocalApiForm) -> AppResult<String> {
+    let mut doc: DocumentMut =
+        text.parse().map_err(|e: toml_edit::TomlError| AppError::new(ErrorKind::Pool, e.to_string()))?;
+    if !doc.get("serve").is_some_and(Item::is_table) {
+        doc.insert("serve", Item::Table(Table::new()));
+    }
+    let t = doc["serve"].as_table_mut().expect("inserted above");
+    let host = form.host.trim();
+    let host = (!host.is_empty() && host != "127.0.0.1").then(|| host.to_owned());
+    if host.as_deref() != t.get("host").and_then(Item::as_str) {
+        return Err(AppError::bad_input(
+            "the Local API's address (host) can only be changed in the pool file itself: anything but loopback opens the server to the network",
+        ));
+    }
+    let origins: Vec<String> = form
+        .allow_origins
+        .iter()
+        .map(|o| o.trim().trim_end_matches('/').to_owned())
+        .filter(|o| !o.is_empty())
+        .collect();
+    for origin in &origins {
+        let after_scheme = origin.strip_prefix("http://").or_else(|| origin.strip_prefix("https://"));
+        if after_scheme.is_none_or(|rest| rest.is_empty() || rest.contains('/')) {
+            return Err(AppError::bad_input(format!(
+                "{origin:?} is not a web origin: write it as the browser shows it, e.g. http://localhost:3000 (scheme, host and port, no path)"
+            )));
+        }
+    }
+    t["app"] = toml_edit::value(form.enabled);
+    t["port"] = toml_edit::value(i64::from(form.port));
+    t["max_concurrent_runs"] = toml_edit::value(i64::from(form.max_concurrent_runs));
+    match form.daily_max_cost_usd {
+        Some(usd) => t["daily_max_cost_usd"] = toml_edit::value(usd),
+        None => {
+            t.remove("daily_max_cost_usd");
+        }
+    }
+    if origins.is_empty() {
+        t.remove("allow_origins");
+    } else {
+        t["allow_origins"] = toml_edit::value(origins.into_iter().collect::<Array>());
+    }
+    Ok(doc.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const POOL: &str = "# mine\n[serve]\nport = 9000 # fixed for my editor\ntoken_env = \"T\"\n\n[[worker]]\nname = \"a\"\nprovider = \"openai\"\nmodel = \"m\"\n";
+
+    fn form() -> LocalApiForm {
+        form_of(&Pool::parse(POOL, "pool.toml").unwrap().options.serve)
+    }
+
+    #[test]
+    fn a_save_keeps_what_the_form_does_not_show() {
+        let mut f = form();
+        assert_eq!((f.port, f.enabled, f.host.as_str()), (9000, false, "127.0.0.1"));
+        f.enabled = true;
+        f.daily_max_cost_usd = Some(2.5);
+        f.allow_origins = vec!["http://localhost:3000/".into()];
+        let text = apply_form(POOL, &f).unwrap();
+        assert!(text.contains("# mine") && text.contains("token_env = \"T\""), "{text}");
+        let spec = Pool::parse(&text, "pool.toml").unwrap().options.serve;
+        assert!(spec.app);
+        assert_eq!((spec.port, spec.daily_max_cost_usd), (Some(9000), Some(2.5)));
+        assert_eq!(spec.allow_origins, ["http://localhost:3000"]);
+        f.daily_max_cost_usd = None;
+        let text = apply_form(&text, &f).unwrap();
+        assert_eq!(Pool::parse(&text, "pool.toml").unwrap().options.serve.daily_max_cost_usd, None);
+    }
+
+    #[test]
+    fn the_form_cannot_open_the_server_to_the_network_or_name_a_page_as_an_origin() {
+        let mut f = form();
+        f.host = "0.0.0.0".into();
+        assert!(apply_form(POOL, &f).unwrap_err().message.contains("pool file itself"));
+        let mut f = form();
+        f.allow_origins = vec!["localhost:3000".into()];
+        assert!(apply_form(POOL, &f).unwrap_err().message.contains("not a web origin"));
+        f.allow_origins = vec!["https://chat.example.com/page".into()];
+        assert!(apply_form(POOL, &f).unwrap_err().message.contains("no path"));
+    }
+}
