@@ -22,6 +22,8 @@ import type {
   ExportTarget,
   KeysView,
   LoadedModel,
+  LocalApiForm,
+  LocalApiStatus,
   ModelCatalog,
   ModelLoad,
   Plan,
@@ -141,6 +143,12 @@ export const api = {
   deleteEvaluation: (id: string) => invoke<null>("delete_evaluation", { id }),
   /** Asks where in the save dialog and writes the HTML report there; the path, or null. */
   exportEvaluation: (id: string) => invoke<string | null>("export_evaluation", { id }),
+  localApiStatus: () => invoke<LocalApiStatus>("local_api_status"),
+  /** Saves the [serve] settings and starts, stops or restarts the server to match. */
+  saveLocalApi: (form: LocalApiForm) => invoke<LocalApiStatus>("save_local_api", { form }),
+  restartLocalApi: () => invoke<LocalApiStatus>("restart_local_api"),
+  /** The token clients send; `fresh` replaces it (and restarts a running server). */
+  localApiToken: (fresh: boolean) => invoke<string>("local_api_token", { new: fresh }),
 };
 
 export function onModelDownload(handler: (download: Download) => void): Promise<UnlistenFn> {

@@ -751,3 +751,52 @@ seed: number | null, };
 export type EvalProgress = { "type": "started", id: string, } | { "type": "planned", total: number, done: number, } | { "type": "scored", strategy: string, item: string, correct: boolean, cost_usd: number, spent_usd: number, } | { "type": "note", text: string, };
 
 export type EvalView = { evaluation: Evaluation, report: Report, results: Array<EvalResult>, };
+
+export type LocalApiForm = { 
+/**
+ * Serve while the app is open (`app`).
+ */
+enabled: boolean, 
+/**
+ * `127.0.0.1` unless the pool file says otherwise; only the pool file can change it, since
+ * anything but loopback opens the server to the network.
+ */
+host: string, 
+/**
+ * 0 picks a free port each time.
+ */
+port: number, max_concurrent_runs: number, daily_max_cost_usd: number | null, 
+/**
+ * Web clients (origins such as `http://localhost:3000`) allowed to call from a browser.
+ */
+allow_origins: Array<string>, };
+
+export type LocalApiStatus = { 
+/**
+ * The settings as the pool file has them.
+ */
+form: LocalApiForm, running: boolean, 
+/**
+ * It is starting, stopping or restarting now (a conductor may be loading).
+ */
+busy: boolean, 
+/**
+ * The base URL clients use (`http://127.0.0.1:8765/v1`) while it runs.
+ */
+url: string | null, 
+/**
+ * The model ids served (`baton`, `baton/<worker>`).
+ */
+models: Array<string>, 
+/**
+ * Where the token comes from: the keychain, or the environment variable `[serve]` names.
+ */
+token_source: string, requests: number, failed_requests: number, runs_in_flight: number, spent_today_usd: number, 
+/**
+ * The pool file changed since the server started; a restart applies it.
+ */
+stale: boolean, 
+/**
+ * Why the server is not running when it should be (the last start failed).
+ */
+error: string | null, };

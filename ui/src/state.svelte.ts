@@ -7,7 +7,7 @@ import { formatCost } from "./lib/figures";
 export { figuresLine, formatCost, totalsBreakdown } from "./lib/figures";
 import { choiceOf, namesOf } from "./lib/choices";
 
-export type View = "chat" | "history" | "workers" | "conductor" | "evaluate" | "welcome";
+export type View = "chat" | "history" | "workers" | "conductor" | "evaluate" | "local-api" | "welcome";
 
 export const app = $state({
   view: "chat" as View,
