@@ -917,6 +917,7 @@ api_key_env = "BATON_E2E_CONDUCTOR_KEY"
     const url = await textOf(await find("local-api-url", 60000));
     assert.match(url, /^http:\/\/127\.0\.0\.1:\d+\/v1$/);
     assert.match(readFileSync(POOL, "utf8"), /\[serve\][^[]*app = true/, "the switch is kept in the pool file");
+    assert.equal((await driver.findElements(byTest("local-api-unsaved"))).length, 0, "what was saved is not unsaved");
     await click(await find("local-api-show-token"));
     const token = await textOf(await find("local-api-token"));
     assert.match(token, /^[0-9a-f]{64}$/);
