@@ -68,8 +68,9 @@ async fn baton_plan_ends_as_soon_as_the_plan_is_written() {
 }
 
 /// `baton ask` under a token cap with the real conductor: the grammar's bound on a plan (its
-/// longest text in bytes, ~17k tokens) would not fit under a cap of 6000, yet the plan is
-/// written (in the room the cap leaves), ends on the model's end token and runs, the
+/// longest text in bytes, ~17k tokens) would not fit under a cap of 2300, nor would the
+/// prompt counted by its bytes (~2,150) with room to plan, yet the plan is written (its prompt
+/// counted by the model's tokenizer, the plan in the room the cap leaves), ends on the model's end token and runs, the
 /// conductor's tokens are in the totals, apart from the workers', and every worker is given
 /// the question.
 #[tokio::test(flavor = "multi_thread")]
@@ -79,10 +80,10 @@ async fn ask_under_a_token_cap_plans_runs_and_counts_the_conductor() {
     let server = baton_testserver::TestServer::start().await.expect("server");
     let dir = tempfile::tempdir().expect("tempdir");
     let mut text =
-        format!("[conductor]\nmodel = \"{}\"\ndevice = \"cpu\"\n\n[budget]\nmax_tokens = 6000\n", model.display());
+        format!("[conductor]\nmodel = \"{}\"\ndevice = \"cpu\"\n\n[budget]\nmax_tokens = 2300\n", model.display());
     for (name, description) in [("solver", "strong at math"), ("checker", "a careful reviewer")] {
         text.push_str(&format!(
-            "\n[[worker]]\nname = \"{name}\"\nprovider = \"openai-compatible\"\nmodel = \"{name}\"\nbase_url = \"{}\"\nmax_tokens = 256\ndescription = \"{description}\"\n",
+            "\n[[worker]]\nname = \"{name}\"\nprovider = \"openai-compatible\"\nmodel = \"{name}\"\nbase_url = \"{}\"\nmax_tokens = 64\ndescription = \"{description}\"\n",
             server.base_url(baton_testserver::Wire::OpenAi)
         ));
     }
@@ -110,7 +111,7 @@ async fn ask_under_a_token_cap_plans_runs_and_counts_the_conductor() {
     assert_eq!(totals["conductor"]["calls"].as_u64(), Some(1 + rejected as u64), "{}", out.stdout);
     assert_eq!(tokens(&totals["conductor"]), tokens(plan), "the plan's tokens are the conductor's");
     assert_eq!(totals["workers"]["calls"].as_u64(), Some(server.requests().len() as u64));
-    assert!(tokens(totals) <= 6000, "{totals}");
+    assert!(tokens(totals) <= 2300, "{totals}");
     // The workers receive the question itself, word for word, whatever the plan's subtasks say
     // (the pool shows it to them), and the plan records the request that produced it.
     assert!(!server.requests().is_empty());
@@ -121,6 +122,25 @@ async fn ask_under_a_token_cap_plans_runs_and_counts_the_conductor() {
         if plan["fallback"].is_null() { plan } else { events.iter().find(|e| e["type"] == "plan_rejected").unwrap() };
     assert_eq!(asked["prompt"]["version"], "v3", "{asked}");
     assert!(asked["prompt"]["messages"].to_string().contains(question), "{asked}");
+    // Counted by its bytes, the first prompt and the least room Baton gives a plan (256
+    // tokens) would not have fit under the cap: the tokenizer's count is what let it run.
+    let bytes = |prompt: &serde_json::Value| {
+        prompt["system"].as_str().map_or(0, str::len)
+            + prompt["messages"]
+                .as_array()
+                .expect("messages")
+                .iter()
+                .map(|m| m["content"].as_str().map_or(0, str::len))
+                .sum::<usize>()
+    };
+    let first =
+        events.iter().find(|e| e["type"] == "plan_rejected" || e["type"] == "plan_ready").expect("a first attempt");
+    let first_bytes = bytes(&first["prompt"]);
+    assert!(
+        first_bytes + 256 > 2300,
+        "the first prompt is {first_bytes} bytes ({rejected} rejected; totals {totals}): lower the cap so the test still shows the count matters"
+    );
+    assert!(tokens(plan) < 2000, "the plan's real tokens: {plan}");
 }
 
 /// `baton eval` end to end with the real model as conductor and as the one worker, on five

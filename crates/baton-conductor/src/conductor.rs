@@ -143,7 +143,12 @@ impl LocalConductor {
         // instead, so a cap a user would set does not refuse every plan; one that runs into it
         // ends with stop reason `length`, which the error below names.
         let full = grammar.max_tokens();
-        let input = WorstCase::of(Some(&system), &messages, 0, &Pricing::Free).input_tokens;
+        // The prompt's real tokens (its bytes, ~4 times as many, would leave a cap of a few
+        // thousand tokens no room to plan in).
+        let input = match self.model.prompt_tokens(Some(&system), &messages).await {
+            Some(tokens) => tokens,
+            None => WorstCase::of(Some(&system), &messages, 0, &Pricing::Free).input_tokens,
+        };
         let max_tokens = match meter.output_room(input) {
             Some(room) => full.min(usize::try_from(room).unwrap_or(usize::MAX).max(MIN_BUDGETED_PLAN_TOKENS)),
             None => full,
@@ -155,7 +160,7 @@ impl LocalConductor {
             complete_at: Some(crate::grammar::FENCE_CLOSE.to_owned()),
         };
         let output_cap = u32::try_from(options.max_tokens).unwrap_or(u32::MAX);
-        let worst = WorstCase::of(Some(&system), &messages, output_cap, &Pricing::Free);
+        let worst = WorstCase::of_size(input, u64::from(output_cap), &Pricing::Free);
         let reservation = meter.reserve("the conductor", worst).await.map_err(PlannerError::refused)?;
         let generated = within_time_limit(self.options.plan_time_limit, async {
             self.model

@@ -493,6 +493,25 @@ impl LocalModel {
         });
     }
 
+    /// How many tokens the model reads for this prompt, its chat template applied: what a call's
+    /// reservation counts (its bytes, the bound for a model whose tokenizer Baton does not hold,
+    /// are about four times as many). `None` when the template cannot be applied.
+    pub async fn prompt_tokens(&self, system: Option<&str>, messages: &[Message]) -> Option<u64> {
+        let mut turns = TextMessages::new();
+        if let Some(system) = system {
+            turns = turns.add_message(TextMessageRole::System, system);
+        }
+        for m in messages {
+            let role = match m.role {
+                Role::User => TextMessageRole::User,
+                Role::Assistant => TextMessageRole::Assistant,
+            };
+            turns = turns.add_message(role, &m.content);
+        }
+        let tokens = self.model.tokenize(Either::Left(turns), None, true, true, None).await.ok()?;
+        Some(tokens.len() as u64)
+    }
+
     /// How many tokens `text` is, as the model's tokenizer splits it (no special tokens added).
     pub async fn token_count(&self, text: &str) -> usize {
         self.model.tokenize(Either::Right(text.to_owned()), None, false, false, None).await.map_or(0, |t| t.len())
@@ -587,6 +606,11 @@ pub struct LocalWorker {
 }
 
 impl ChatModel for LocalWorker {
+    fn input_tokens(&self, request: &ChatRequest) -> BoxFuture<'static, Option<u64>> {
+        let (model, system, messages) = (self.model.clone(), request.system.clone(), request.messages.clone());
+        Box::pin(async move { model.prompt_tokens(system.as_deref(), &messages).await })
+    }
+
     fn stream(&self, request: ChatRequest) -> BoxFuture<'static, Result<ChatStream, ProviderError>> {
         let me = self.clone();
         Box::pin(async move {

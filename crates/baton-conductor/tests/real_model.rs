@@ -152,6 +152,8 @@ async fn greedy_plans_repeat_exactly_and_the_second_reuses_the_prompt_prefix() {
     assert!(next.usage.cached_input_tokens > 0, "the prefix before the examples is reused: {:?}", next.usage);
 }
 
+/// A worker's answer ends on its end-of-turn token, and its prompt is counted before the call
+/// exactly as the model then reads it (what its reservation under a token cap counts).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_local_worker_answer_ends_on_its_end_of_turn_token() {
     let _turn = ONE_AT_A_TIME.lock().await;
@@ -163,6 +165,8 @@ async fn a_local_worker_answer_ends_on_its_end_of_turn_token() {
         constraint: None,
         ..ChatRequest::default()
     };
+    // What the worker's reservation counts before the call: the tokens the model then reads.
+    let counted = worker.input_tokens(&request).await;
     let mut stream = worker.stream(request).await.expect("stream");
     let mut text = String::new();
     let mut done = None;
@@ -177,4 +181,5 @@ async fn a_local_worker_answer_ends_on_its_end_of_turn_token() {
     assert!(text.contains("Paris"), "{text}");
     assert_eq!(stop_reason.as_deref(), Some("stop"), "{text}");
     assert!(usage.output_tokens < 100, "ended long before its cap: {usage:?}\n{text}");
+    assert_eq!(counted, Some(usage.input_tokens), "counted before the call, as the model read it");
 }

@@ -3,7 +3,9 @@
 //! Every request a run sends goes through one [`Ledger`]: the workers' calls, their retries and
 //! failed attempts, and the conductor's own calls (local or remote). Before a call, the ledger
 //! *reserves* the call's worst case — its input bounded by its UTF-8 bytes (no tokenizer yields
-//! more tokens than bytes) plus an allowance per message, its output by the call's token cap,
+//! more tokens than bytes) plus an allowance per message, or counted exactly where the model
+//! holds its tokenizer (a local model: `ChatModel::input_tokens`, and the local conductor, whose
+//! prompt's bytes are about four times its tokens), its output by the call's token cap,
 //! both priced — and refuses a call that would not fit. When the call ends it is *settled* to
 //! what the provider reported, and the reservation is released. So the totals of a run never pass
 //! a cap, however many steps run at once: a call is only made when the spent figures, plus every

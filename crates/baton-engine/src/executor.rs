@@ -651,8 +651,12 @@ impl Executor {
             output_cap = request.max_tokens.unwrap_or(output_cap);
             (request.temperature, request.top_p) = (a.temperature, a.top_p);
         }
-        // The same for every attempt: the messages do not change between retries.
-        let worst = WorstCase::of(request.system.as_deref(), &request.messages, output_cap, &worker.pricing);
+        // The same for every attempt: the messages do not change between retries. A model that
+        // counts its input exactly (a local one) is reserved for that, not for its bytes.
+        let worst = match worker.model.input_tokens(&request).await {
+            Some(input) => WorstCase::of_size(input, u64::from(output_cap), &worker.pricing),
+            None => WorstCase::of(request.system.as_deref(), &request.messages, output_cap, &worker.pricing),
+        };
         // Every attempt's usage, failed ones included: the step's figures are what it cost.
         let mut spent = Usage::default();
         let mut cost = Some(0.0);

@@ -220,6 +220,13 @@ pub async fn read_answer(
 /// Dropping the future or the stream cancels the call (the HTTP connection is closed).
 pub trait ChatModel: Send + Sync {
     fn stream(&self, request: ChatRequest) -> BoxFuture<'static, Result<ChatStream, ProviderError>>;
+
+    /// The exact number of tokens `request`'s input is, when this model can count them before
+    /// the call (a local model holds its tokenizer). `None`, the default, leaves the caller to
+    /// bound it by the input's bytes.
+    fn input_tokens(&self, _request: &ChatRequest) -> BoxFuture<'static, Option<u64>> {
+        Box::pin(async { None })
+    }
 }
 
 /// The wire formats Baton speaks.
