@@ -387,6 +387,7 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
         // order beside it, so a busy database never holds up an answer.
         let (to_history, mut for_history) = mpsc::unbounded_channel::<RunEvent>();
         let recording = recorder.is_some();
+        let mut cost = 0.0;
         let relay = async {
             while let Some(event) = rx.recv().await {
                 if let RunEvent::RunFinished { totals, .. }
@@ -394,6 +395,7 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
                 | RunEvent::RunCancelled { totals } = &event
                 {
                     service.spend(totals.cost_usd);
+                    cost = totals.cost_usd;
                 }
                 if recording {
                     let _ = to_history.send(event.clone());
@@ -417,6 +419,7 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
             drop(tx);
         };
         tokio::join!(run, relay, record);
+        service.record_spend(cost).await;
     });
     Running {
         run_id,

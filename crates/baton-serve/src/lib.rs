@@ -54,7 +54,8 @@ pub struct ServeOptions {
     pub max_concurrent_runs: usize,
     /// The most the server spends in a day (UTC), all requests together; each run gets at
     /// most what is left as its cost cap, and once it is spent requests get 429 until
-    /// midnight. Runs already in flight may together pass it by what they spend.
+    /// midnight. Runs already in flight may together pass it by what they spend. The day's
+    /// count is kept in the history, so it survives a restart.
     pub daily_max_cost_usd: Option<f64>,
 }
 
@@ -259,6 +260,27 @@ impl Service {
         Ok(())
     }
 
+    /// Takes up what servers on this history spent today (UTC), so a server that restarts goes
+    /// on counting the day's cap instead of starting it again. Called before it serves.
+    pub async fn restore_spend(&self) {
+        let Some(store) = &self.store else { return };
+        let day = now_secs() / 86_400;
+        match store.serve_spend(day).await {
+            Ok(usd) => *self.spent_today.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = (day, usd),
+            Err(e) => tracing::warn!("today's spending so far could not be read from the history: {e}"),
+        }
+    }
+
+    /// Keeps a finished run's cost in the history, for [`Service::restore_spend`].
+    async fn record_spend(&self, usd: f64) {
+        if let Some(store) = &self.store
+            && usd > 0.0
+            && let Err(e) = store.add_serve_spend(now_secs() / 86_400, usd).await
+        {
+            tracing::warn!("a run's cost could not be added to today's spending in the history: {e}");
+        }
+    }
+
     /// Counts a finished run's cost against the day.
     fn spend(&self, usd: f64) {
         let now = now_secs();
@@ -316,6 +338,7 @@ pub async fn serve(
     service: Arc<Service>,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
+    service.restore_spend().await;
     let served =
         axum::serve(listener, router(service.clone())).with_graceful_shutdown(shutdown.cancelled_owned()).await;
     service.settle().await;

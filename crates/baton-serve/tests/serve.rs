@@ -524,3 +524,61 @@ async fn the_responses_api_answers_streams_and_continues_from_a_previous_respons
     assert_eq!(r.status(), 400);
     assert_eq!(r.json::<Value>().await.unwrap()["error"]["param"], "tools");
 }
+
+/// The daily cap counts what the servers on this history spent today, across a restart (the
+/// app restarts its Local API when the pool changes): a server started again on a day whose cap
+/// is spent refuses at once.
+#[tokio::test]
+async fn the_daily_cap_goes_on_counting_the_day_after_a_restart() {
+    let providers = TestServer::start().await.expect("providers");
+    // A dear worker, so that one call costs something.
+    let text = format!(
+        "[[worker]]\nname = \"dear\"\nprovider = \"openai\"\nmodel = \"dear\"\nbase_url = \"{}\"\nprice_in = 100000.0\nprice_out = 100000.0\n",
+        providers.base_url(Wire::OpenAi)
+    );
+    let pool = Pool::parse(&text, "pool.toml").expect("pool");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&dir.path().join("history.sqlite")).await.expect("history");
+    let start = |cap: f64| {
+        let executor = Executor::from_pool_with_keys(&pool, |_| Arc::new(|| Ok(Some(ApiKey::new(CANARY)))));
+        let store = store.clone();
+        async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let port = listener.local_addr().expect("addr").port();
+            let options = ServeOptions {
+                port,
+                token: Some(TOKEN.into()),
+                daily_max_cost_usd: Some(cap),
+                ..ServeOptions::default()
+            };
+            let service = Arc::new(Service::new(Arc::new(executor), false, Some(store), options).expect("service"));
+            let shutdown = CancellationToken::new();
+            let task = tokio::spawn(baton_serve::serve(listener, service, shutdown.clone()));
+            (format!("http://127.0.0.1:{port}/v1/chat/completions"), shutdown, task)
+        }
+    };
+    let ask = |url: String| async move {
+        let body = json!({ "model": "baton/dear", "messages": question("How much?") });
+        client().post(url).bearer_auth(TOKEN).json(&body).send().await.expect("sent")
+    };
+
+    let (url, shutdown, task) = start(1000.0).await;
+    let first = ask(url).await;
+    assert_eq!(first.status(), 200);
+    let cost: f64 = first.headers()["x-baton-cost-usd"].to_str().unwrap().parse().expect("a cost");
+    assert!(cost > 0.0, "{cost}");
+    shutdown.cancel();
+    task.await.expect("joined").expect("served");
+    let today = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() / 86_400;
+    assert!((store.serve_spend(today).await.expect("read") - cost).abs() < 1e-9, "the day's spending is kept");
+
+    // Started again with a cap of what was spent: nothing is left today.
+    let (url, shutdown, task) = start(cost).await;
+    let refused = ask(url).await;
+    assert_eq!(refused.status(), 429);
+    let body: Value = refused.json().await.expect("json");
+    assert_eq!(body["error"]["code"], "daily_cap_reached", "{body}");
+    assert_eq!(providers.requests().len(), 1, "no call after the cap");
+    shutdown.cancel();
+    task.await.expect("joined").expect("served");
+}

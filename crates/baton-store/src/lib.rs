@@ -14,6 +14,7 @@ pub mod evaluations;
 pub mod export;
 pub mod figures;
 mod recorder;
+mod serve_spend;
 mod stored;
 pub mod synthetic;
 pub mod time;
