@@ -225,42 +225,27 @@ pub async fn local_api_status(state: State<'_, AppState>) -> AppResult<LocalApiS
 async fn status(state: &AppState) -> AppResult<LocalApiStatus> {
     let pool = read_pool(state);
     let spec = pool.as_ref().map(|(_, p)| p.options.serve.clone()).unwrap_or_default();
-    let now_text = pool.as_ref().map(|(t, _)| t.clone()).ok();
+    let now_text = pool.as_ref().ok().map(|(t, _)| t.as_str());
     // A start may take minutes (the conductor loads): the screen polls, so it is told, not held.
-    let Ok(slot) = state.local_api.running.try_lock() else {
-        return Ok(LocalApiStatus {
-            form: form_of(&spec),
-            running: false,
-            busy: true,
-            url: None,
-            models: Vec::new(),
-            token_source: token_source(&spec),
-            requests: 0,
-            failed_requests: 0,
-            runs_in_flight: 0,
-            spent_today_usd: 0.0,
-            stale: false,
-            error: None,
-        });
+    let slot = state.local_api.running.try_lock();
+    let (running, error) = match &slot {
+        Ok(slot) => (slot.0.as_ref(), slot.1.clone()),
+        Err(_) => (None, None),
     };
-    let (running, error) = &*slot;
-    let stats = running.as_ref().map(|r| r.service.stats());
+    let stats = running.map(|r| r.service.stats());
     Ok(LocalApiStatus {
         form: form_of(&spec),
         running: running.is_some(),
-        busy: false,
-        url: running.as_ref().map(|r| r.url.clone()),
-        models: running.as_ref().map(|r| r.service.model_ids()).unwrap_or_default(),
+        busy: slot.is_err(),
+        url: running.map(|r| r.url.clone()),
+        models: running.map(|r| r.service.model_ids()).unwrap_or_default(),
         token_source: token_source(&spec),
         requests: stats.map_or(0, |s| s.requests),
         failed_requests: stats.map_or(0, |s| s.failed),
         runs_in_flight: stats.map_or(0, |s| s.runs_in_flight as u32),
         spent_today_usd: stats.map_or(0.0, |s| s.spent_today_usd),
-        stale: running.as_ref().is_some_and(|r| now_text.as_deref() != Some(r.pool_text.as_str())),
-        error: error.clone().or_else(|| match (&pool, running) {
-            (Err(e), _) => Some(e.message.clone()),
-            _ => None,
-        }),
+        stale: running.is_some_and(|r| now_text != Some(r.pool_text.as_str())),
+        error: error.or_else(|| pool.as_ref().err().map(|e| e.message.clone())),
     })
 }
 
@@ -281,17 +266,13 @@ pub async fn save_local_api<R: Runtime>(
     })?;
     let new = apply_form(&text, &form)?;
     let file = path.display().to_string();
-    Pool::parse(&new, &file).map_err(|e| AppError::bad_input(e.to_string()))?;
+    let after = Pool::parse(&new, &file).map_err(|e| AppError::bad_input(e.to_string()))?.options.serve;
     let before = Pool::parse(&text, &file).map(|p| p.options.serve).ok();
     crate::settings::write_atomically(path, &new)?;
     // A restart only when what the server was built from changed (not for switching it on).
-    let restart = before.is_some_and(|b| ServeSpec { app: form.enabled, ..b } != spec_now(&new, &file));
+    let restart = before.is_some_and(|b| ServeSpec { app: after.app, ..b } != after);
     apply(&app, &state, restart).await?;
     status(&state).await
-}
-
-fn spec_now(text: &str, file: &str) -> ServeSpec {
-    Pool::parse(text, file).map(|p| p.options.serve).unwrap_or_default()
 }
 
 /// Restarts the server over the pool file as it is now (cancelling the runs in flight).

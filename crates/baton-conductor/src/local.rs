@@ -313,19 +313,8 @@ impl LocalModel {
         on_text: &mut (dyn FnMut(&str) + Send),
     ) -> Result<Generated, ProviderError> {
         let mut request = RequestBuilder::new();
-        // The same turns again, to count the prompt's tokens and what the prefix cache holds.
-        let mut turns = TextMessages::new();
-        if let Some(system) = system {
-            request = request.add_message(TextMessageRole::System, system);
-            turns = turns.add_message(TextMessageRole::System, system);
-        }
-        for m in messages {
-            let role = match m.role {
-                Role::User => TextMessageRole::User,
-                Role::Assistant => TextMessageRole::Assistant,
-            };
-            request = request.add_message(role.clone(), &m.content);
-            turns = turns.add_message(role, &m.content);
+        for (role, content) in chat_turns(system, messages) {
+            request = request.add_message(role, content);
         }
         if let Some(grammar) = &options.grammar {
             request = request.set_constraint(Constraint::Lark(grammar.clone()));
@@ -339,7 +328,8 @@ impl LocalModel {
         }
         request = request.set_sampler_max_len(options.max_tokens);
         request = request.set_sampler_stop_toks(StopTokens::Ids(self.end_tokens.all()));
-        let prompt_tokens = self.model.tokenize(Either::Left(turns), None, true, true, None).await.unwrap_or_default();
+        // The same turns again, to count the prompt's tokens and what the prefix cache holds.
+        let prompt_tokens = self.prompt(system, messages).await.unwrap_or_default();
         let cached_tokens = self.cached_prefix(&prompt_tokens);
 
         let started = Instant::now();
@@ -497,19 +487,16 @@ impl LocalModel {
     /// reservation counts (its bytes, the bound for a model whose tokenizer Baton does not hold,
     /// are about four times as many). `None` when the template cannot be applied.
     pub async fn prompt_tokens(&self, system: Option<&str>, messages: &[Message]) -> Option<u64> {
+        self.prompt(system, messages).await.map(|tokens| tokens.len() as u64)
+    }
+
+    /// The prompt's tokens as the model reads them: the chat template applied, then tokenized.
+    async fn prompt(&self, system: Option<&str>, messages: &[Message]) -> Option<Vec<u32>> {
         let mut turns = TextMessages::new();
-        if let Some(system) = system {
-            turns = turns.add_message(TextMessageRole::System, system);
+        for (role, content) in chat_turns(system, messages) {
+            turns = turns.add_message(role, content);
         }
-        for m in messages {
-            let role = match m.role {
-                Role::User => TextMessageRole::User,
-                Role::Assistant => TextMessageRole::Assistant,
-            };
-            turns = turns.add_message(role, &m.content);
-        }
-        let tokens = self.model.tokenize(Either::Left(turns), None, true, true, None).await.ok()?;
-        Some(tokens.len() as u64)
+        self.model.tokenize(Either::Left(turns), None, true, true, None).await.ok()
     }
 
     /// How many tokens `text` is, as the model's tokenizer splits it (no special tokens added).
@@ -595,6 +582,21 @@ fn generation_error(message: &str) -> ProviderError {
         );
     }
     ProviderError::new(ErrorKind::Overloaded, format!("local generation failed: {message}"))
+}
+
+/// A prompt as mistral.rs's chat turns: the system message, if any, then each message.
+fn chat_turns<'a>(
+    system: Option<&'a str>,
+    messages: &'a [Message],
+) -> impl Iterator<Item = (TextMessageRole, &'a str)> + 'a {
+    let rest = messages.iter().map(|m| {
+        let role = match m.role {
+            Role::User => TextMessageRole::User,
+            Role::Assistant => TextMessageRole::Assistant,
+        };
+        (role, m.content.as_str())
+    });
+    system.map(|s| (TextMessageRole::System, s)).into_iter().chain(rest)
 }
 
 /// A pool worker that runs on a local model (`provider = "local"`).

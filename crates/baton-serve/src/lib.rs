@@ -145,12 +145,12 @@ impl Service {
     /// What the server has done since it started.
     pub fn stats(&self) -> Stats {
         use std::sync::atomic::Ordering::Relaxed;
-        let spent = *self.spent_today.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let spent_today_usd = self.today().1;
         Stats {
             requests: self.requests.load(Relaxed),
             failed: self.failed.load(Relaxed),
             runs_in_flight: self.options.max_concurrent_runs.max(1) - self.runs.available_permits(),
-            spent_today_usd: if spent.0 == now_secs() / 86_400 { spent.1 } else { 0.0 },
+            spent_today_usd,
         }
     }
 
@@ -226,17 +226,23 @@ fn now_secs() -> u64 {
 }
 
 impl Service {
+    /// What the server spent today (UTC), as `(day, dollars)`; a new day starts at 0.
+    fn today(&self) -> std::sync::MutexGuard<'_, (u64, f64)> {
+        let day = now_secs() / 86_400;
+        let mut spent = self.spent_today.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if spent.0 != day {
+            *spent = (day, 0.0);
+        }
+        spent
+    }
+
     /// What is left of the daily cap (`None`: no cap), or a 429 once it is spent.
     fn left_today(&self) -> Result<Option<f64>, ApiError> {
         let Some(cap) = self.options.daily_max_cost_usd else { return Ok(None) };
-        let now = now_secs();
-        let mut spent = self.spent_today.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if spent.0 != now / 86_400 {
-            *spent = (now / 86_400, 0.0);
-        }
+        let spent = self.today();
         let left = cap - spent.1;
         if left <= 0.0 {
-            let until_midnight = 86_400 - now % 86_400;
+            let until_midnight = 86_400 - now_secs() % 86_400;
             return Err(ApiError {
                 code: Some("daily_cap_reached"),
                 ..ApiError::busy(
@@ -266,7 +272,7 @@ impl Service {
         let Some(store) = &self.store else { return };
         let day = now_secs() / 86_400;
         match store.serve_spend(day).await {
-            Ok(usd) => *self.spent_today.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = (day, usd),
+            Ok(usd) => *self.today() = (day, usd),
             Err(e) => tracing::warn!("today's spending so far could not be read from the history: {e}"),
         }
     }
@@ -283,12 +289,7 @@ impl Service {
 
     /// Counts a finished run's cost against the day.
     fn spend(&self, usd: f64) {
-        let now = now_secs();
-        let mut spent = self.spent_today.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if spent.0 != now / 86_400 {
-            *spent = (now / 86_400, 0.0);
-        }
-        spent.1 += usd;
+        self.today().1 += usd;
     }
 
     /// Waits until the history has recorded every run so far (a server that stops calls it
