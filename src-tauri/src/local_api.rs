@@ -12,8 +12,7 @@
 use std::sync::Arc;
 
 use baton_engine::{Pool, ServeSpec};
-use baton_secrets::KeyStore;
-use baton_serve::{ServeOptions, Service, TOKEN_ACCOUNT};
+use baton_serve::{ServeOptions, Service};
 use serde::{Deserialize, Serialize};
 use tauri::{AppHandle, Runtime, State};
 use tokio_util::sync::CancellationToken;
@@ -108,26 +107,11 @@ fn token_source(spec: &ServeSpec) -> String {
 /// The token clients must send: `[serve] token_env`'s variable, else the keychain's, made the
 /// first time (or anew when `new`). The CLI's `baton serve token` keeps the same entry.
 fn token(spec: &ServeSpec, new: bool) -> AppResult<String> {
-    if let Some(var) = &spec.token_env {
-        if new {
-            return Err(AppError::bad_input(format!(
-                "the token comes from the environment variable {var} ([serve] token_env in the pool file): change it there"
-            )));
-        }
-        return match std::env::var(var) {
-            Ok(t) if !t.trim().is_empty() => Ok(t.trim().to_owned()),
-            _ => Err(AppError::bad_input(format!(
-                "[serve] token_env names {var}, which is not set or empty in the app's environment; set it, or remove token_env to use the keychain's token"
-            ))),
-        };
-    }
-    let keys = KeyStore::open()?;
-    if !new && let Some(token) = keys.get(TOKEN_ACCOUNT)? {
-        return Ok(token.expose().to_owned());
-    }
-    let token = baton_serve::new_token().map_err(|e| AppError::new(ErrorKind::Io, e))?;
-    keys.set(TOKEN_ACCOUNT, &token)?;
-    Ok(token)
+    baton_serve::token(spec.token_env.as_deref(), new).map_err(|e| match e {
+        baton_serve::TokenError::Keychain(e) => e.into(),
+        baton_serve::TokenError::NoRandom(_) => AppError::new(ErrorKind::Io, e.to_string()),
+        _ => AppError::bad_input(e.to_string()),
+    })
 }
 
 fn read_pool(state: &AppState) -> AppResult<(String, Pool)> {

@@ -64,8 +64,8 @@ fn show(pool: &Pool) {
     }
     let o = &pool.options;
     println!(
-        "max_steps = {}, show_question = {}, max_concurrency_per_provider = {}",
-        o.max_steps, o.show_question, o.max_concurrency_per_provider
+        "max_steps = {}, show_question = {}, question_to_answer_step = {}, max_concurrency_per_provider = {}",
+        o.max_steps, o.show_question, o.question_to_answer_step, o.max_concurrency_per_provider
     );
 }
 

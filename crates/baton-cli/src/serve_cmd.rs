@@ -4,8 +4,7 @@
 use std::sync::Arc;
 
 use baton_engine::Executor;
-use baton_secrets::KeyStore;
-use baton_serve::{ServeOptions, Service, TOKEN_ACCOUNT};
+use baton_serve::{ServeOptions, Service};
 use tokio_util::sync::CancellationToken;
 
 use crate::{Failure, Outcome, PoolArg};
@@ -62,24 +61,20 @@ enum Command {
     },
 }
 
-fn keychain() -> Result<KeyStore, Failure> {
-    KeyStore::open().map_err(|e| Failure::Failed(e.to_string()))
-}
-
-/// The keychain's token, made and stored when there is none (or `new`).
-fn stored_token(new: bool) -> Result<String, Failure> {
-    let keys = keychain()?;
-    if !new && let Some(token) = keys.get(TOKEN_ACCOUNT).map_err(|e| Failure::Failed(e.to_string()))? {
-        return Ok(token.expose().to_owned());
+/// A token failure: a variable the user must set is bad input; a keychain failure is not.
+fn token_failure(e: baton_serve::TokenError) -> Failure {
+    match e {
+        baton_serve::TokenError::VariableUnset(_) | baton_serve::TokenError::FromVariable(_) => {
+            Failure::BadInput(e.to_string())
+        }
+        _ => Failure::Failed(e.to_string()),
     }
-    let token = baton_serve::new_token().map_err(Failure::Failed)?;
-    keys.set(TOKEN_ACCOUNT, &token).map_err(|e| Failure::Failed(e.to_string()))?;
-    Ok(token)
 }
 
 pub async fn run(args: Args) -> Outcome {
     if let Some(Command::Token { new }) = args.command {
-        println!("{}", stored_token(new)?);
+        // Always the keychain's: a token from a variable is the user's own to print.
+        println!("{}", baton_serve::token(None, new).map_err(token_failure)?);
         return Ok(());
     }
     // An unsafe bind is refused before anything loads (and again once the pool has its say).
@@ -97,13 +92,8 @@ pub async fn run(args: Args) -> Outcome {
             "warning: no token: any program of any user on this machine can use this server and spend your provider keys"
         );
         None
-    } else if let Some(var) = &token_env {
-        match std::env::var(var) {
-            Ok(t) if !t.trim().is_empty() => Some(t.trim().to_owned()),
-            _ => return Err(Failure::BadInput(format!("token_env {var}: the variable is not set, or empty"))),
-        }
     } else {
-        Some(stored_token(false)?)
+        Some(baton_serve::token(token_env.as_deref(), false).map_err(token_failure)?)
     };
 
     let store = if args.no_history { None } else { Some(args.db.open().await?) };

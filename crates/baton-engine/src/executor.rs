@@ -410,7 +410,8 @@ impl Executor {
                     let problem = match planned.plan.validate(&limits) {
                         Err(e) => Some(format!("the conductor's plan is not usable: {e}")),
                         Ok(()) if checked => {
-                            crate::fallback::check(&planned.plan, &shown, &ctx.question, self.options.show_question)
+                            let pool_gives_it = self.options.show_question || self.options.question_to_answer_step;
+                            crate::fallback::check(&planned.plan, &shown, &ctx.question, pool_gives_it)
                                 .map(|u| u.to_string())
                         }
                         Ok(()) => None,
@@ -541,7 +542,19 @@ impl Executor {
                         }
                         let answers = i + 1 == n;
                         let worker = plan.steps[i].model_id;
-                        messages.push(Message::user(plan.steps[i].subtask.clone()));
+                        let subtask = &plan.steps[i].subtask;
+                        let replies = answers && depth == 0 && worker < self.workers.len();
+                        if replies
+                            && self.options.question_to_answer_step
+                            && !crate::fallback::holds_question(subtask, &ctx.question)
+                        {
+                            let question = crate::fallback::alone_subtask(&ctx.history, &ctx.question);
+                            messages.push(Message::user(format!(
+                                "{subtask}\n\nThen answer the user's question:\n\n{question}"
+                            )));
+                        } else {
+                            messages.push(Message::user(subtask.clone()));
+                        }
                         states[i] = State::Running;
                         if worker == self.workers.len() {
                             running.push(Box::pin(self.run_recursive_step(ctx, round, i, depth, messages)));

@@ -26,8 +26,9 @@ pub enum Unusable {
     /// Step `step`'s subtask names what only an example's question has (its numbers, its
     /// subject): it is about that question, not the user's.
     AboutAnExample { step: usize, term: String },
-    /// No worker would see the whole question: no subtask holds it, and the pool does not
-    /// show it to the workers (`show_question`).
+    /// No worker would see the whole question: no subtask holds it, and the pool neither shows
+    /// it to the workers (`show_question`) nor gives it to the answer step
+    /// (`question_to_answer_step`).
     QuestionNotGiven,
 }
 
@@ -47,11 +48,11 @@ impl std::fmt::Display for Unusable {
 
 /// Checks a plan for the question: copies of an example come first, since a copied plan is
 /// about another question whatever it shows its workers.
-pub fn check(plan: &Plan, examples: &[ShownExample], question: &str, show_question: bool) -> Option<Unusable> {
+pub fn check(plan: &Plan, examples: &[ShownExample], question: &str, pool_gives_it: bool) -> Option<Unusable> {
     if let Some(u) = copied_example(plan, examples).or_else(|| about_an_example(plan, examples, question)) {
         return Some(u);
     }
-    if !show_question && !plan.steps.iter().any(|s| holds_question(&s.subtask, question)) {
+    if !pool_gives_it && !plan.steps.iter().any(|s| holds_question(&s.subtask, question)) {
         return Some(Unusable::QuestionNotGiven);
     }
     None

@@ -29,6 +29,11 @@ pub struct PoolOptions {
     /// not: its workers see only their subtasks). On by default: a small conductor's subtasks
     /// often leave out what the question says, and the default prompt (v3) relies on it.
     pub show_question: bool,
+    /// Give the step that writes the reply the question itself (what a worker alone would get),
+    /// after its subtask, unless the subtask already holds it. On by default: a small
+    /// conductor's last subtask often narrows the question ("Identify the author.") and drops
+    /// the form the reply must take, and the user is answered with that narrower reply.
+    pub question_to_answer_step: bool,
     /// Calls in flight at once per provider endpoint.
     pub max_concurrency_per_provider: usize,
     pub budget: Budget,
@@ -133,6 +138,7 @@ impl Default for PoolOptions {
         PoolOptions {
             max_steps: DEFAULT_MAX_STEPS,
             show_question: true,
+            question_to_answer_step: true,
             max_concurrency_per_provider: 4,
             budget: Budget::default(),
             retry: RetryPolicy::default(),
@@ -250,6 +256,7 @@ impl fmt::Display for PoolError {
 const TOP_LEVEL_KEYS: &[&str] = &[
     "max_steps",
     "show_question",
+    "question_to_answer_step",
     "max_concurrency_per_provider",
     "budget",
     "retry",
@@ -353,6 +360,9 @@ impl Pool {
         }
         if let Some(b) = top.bool("show_question").map_err(field_err)? {
             options.show_question = b;
+        }
+        if let Some(b) = top.bool("question_to_answer_step").map_err(field_err)? {
+            options.question_to_answer_step = b;
         }
         if let Some(n) = top.int("max_concurrency_per_provider", 1, 1024).map_err(field_err)? {
             options.max_concurrency_per_provider = n as usize;

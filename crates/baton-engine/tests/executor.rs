@@ -145,7 +145,7 @@ async fn workers_see_exactly_their_access_list_as_a_conversation() {
     // The paper's setting: a worker sees its subtask and the steps it may see, nothing else.
     let p = pool(
         &server,
-        "show_question = false",
+        "show_question = false\nquestion_to_answer_step = false",
         &[
             compat("solver", "solver;reply=x_=_4"),
             compat("checker", "checker;reply=looks_right"),
@@ -196,6 +196,42 @@ async fn the_question_is_shown_only_when_the_pool_asks() {
     let body = &server.requests()[0].body;
     assert_eq!(body["messages"][0]["role"], "system");
     assert!(body["messages"][0]["content"].as_str().unwrap_or_default().contains("What is 2+2?"));
+}
+
+#[tokio::test]
+async fn the_step_that_replies_gets_the_question_after_its_subtask() {
+    let server = TestServer::start().await.expect("server");
+    let last_user = |body: &serde_json::Value| {
+        let messages = body["messages"].as_array().expect("messages").clone();
+        messages.iter().rev().find(|m| m["role"] == "user").expect("a user message")["content"].clone()
+    };
+    let two_steps = "model_id = [0, 0]\nsubtasks = ['Solve it.', 'Name the letter.']\naccess_list = [[], [0]]";
+
+    let p = pool(&server, "show_question = false", &[compat("a", "a")]);
+    let (outcome, events) = run(&executor(&p), two_steps, None).await;
+    assert_eq!(outcome.status, RunStatus::Finished, "{outcome:?}");
+    let reqs = server.requests();
+    assert_eq!(last_user(&reqs[0].body), "Solve it.", "an earlier step gets its subtask alone");
+    assert_eq!(last_user(&reqs[1].body), "Name the letter.\n\nThen answer the user's question:\n\nWhat is 2+2?");
+    let recorded = events
+        .iter()
+        .find_map(|e| match e {
+            RunEvent::StepStarted { step: 1, messages, .. } => messages.last().map(|m| m.content.clone()),
+            _ => None,
+        })
+        .expect("step 1 started");
+    assert!(recorded.ends_with("What is 2+2?"), "the history records what the worker got: {recorded}");
+
+    // A subtask that already holds the question is sent as written.
+    let before = server.requests().len();
+    run(&executor(&p), "model_id = [0]\nsubtasks = ['What is 2+2?']\naccess_list = [[]]", None).await;
+    assert_eq!(last_user(&server.requests()[before].body), "What is 2+2?");
+
+    // Off: the paper's setting, subtasks only.
+    let p = pool(&server, "show_question = false\nquestion_to_answer_step = false", &[compat("a", "a")]);
+    let before = server.requests().len();
+    run(&executor(&p), two_steps, None).await;
+    assert_eq!(last_user(&server.requests()[before + 1].body), "Name the letter.");
 }
 
 #[tokio::test]

@@ -26,7 +26,7 @@ use crate::{ApiError, Service};
 
 /// Fields of OpenAI's Chat Completions request and what Baton does with each.
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Field {
+pub(crate) enum Field {
     /// Read and honoured.
     Used,
     /// Accepted and not used (bookkeeping a local server has no use for).
@@ -87,6 +87,25 @@ fn asks_for_nothing(name: &str, value: &Value) -> bool {
         ("stop", Value::Array(a)) => a.is_empty(),
         _ => false,
     }
+}
+
+/// Refuses the first field of `body` that `fields` does not list (as OpenAI does), or that asks
+/// for what Baton cannot do.
+pub(crate) fn check_fields(
+    body: &Map<String, Value>,
+    fields: &[(&str, Field)],
+    asks_for_nothing: fn(&str, &Value) -> bool,
+) -> Result<(), ApiError> {
+    for (name, value) in body {
+        match fields.iter().find(|(f, _)| f == name).map(|(_, f)| *f) {
+            None => return Err(ApiError::bad_field(name, format!("Unrecognized request argument supplied: {name}"))),
+            Some(Field::Refused(why)) if !asks_for_nothing(name, value) => {
+                return Err(ApiError::bad_field(name, format!("`{name}` is not supported: {why}")));
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
 }
 
 /// A request, checked: what to run and how to answer.
@@ -160,15 +179,7 @@ pub(crate) fn parse(service: &Service, headers: &HeaderMap, bytes: &[u8]) -> Res
     let Value::Object(body) = body else {
         return Err(ApiError::bad_request("the body must be a JSON object"));
     };
-    for (name, value) in &body {
-        match FIELDS.iter().find(|(f, _)| f == name).map(|(_, f)| *f) {
-            None => return Err(ApiError::bad_field(name, format!("Unrecognized request argument supplied: {name}"))),
-            Some(Field::Refused(why)) if !asks_for_nothing(name, value) => {
-                return Err(ApiError::bad_field(name, format!("`{name}` is not supported: {why}")));
-            }
-            Some(_) => {}
-        }
-    }
+    check_fields(&body, FIELDS, asks_for_nothing)?;
     let model = body
         .get("model")
         .and_then(Value::as_str)

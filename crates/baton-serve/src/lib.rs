@@ -14,6 +14,7 @@ mod error;
 pub mod guard;
 mod models;
 mod responses;
+mod token;
 
 use std::sync::Arc;
 
@@ -26,16 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use error::ApiError;
 pub use guard::Guard;
-
-/// The keychain entry that holds the server's token (`baton serve token`).
-pub const TOKEN_ACCOUNT: &str = "baton-serve-token";
-
-/// A new token: 32 random bytes from the operating system, as 64 hex digits.
-pub fn new_token() -> Result<String, String> {
-    let mut bytes = [0u8; 32];
-    getrandom::fill(&mut bytes).map_err(|e| format!("the operating system gave no random bytes: {e}"))?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
-}
+pub use token::{TOKEN_ACCOUNT, TokenError, new_token, token};
 
 /// How a server is bound and bounded.
 #[derive(Debug, Clone)]

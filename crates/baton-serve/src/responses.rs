@@ -16,38 +16,39 @@ use baton_engine::{AnswerSettings, RunEvent, Totals};
 use baton_providers::{Message, Role};
 use serde_json::{Map, Value, json};
 
-use crate::chat::{self, Call, Progress, Running};
+use crate::chat::{self, Call, Field, Progress, Running};
 use crate::{ApiError, Service};
 
-/// Fields of the Responses API's create request and what Baton does with each.
-const FIELDS: &[(&str, Option<&str>)] = &[
-    ("model", None),
-    ("input", None),
-    ("instructions", None),
-    ("stream", None),
-    ("previous_response_id", None),
-    ("max_output_tokens", None),
-    ("temperature", None),
-    ("top_p", None),
-    ("store", None),
-    ("metadata", None),
-    ("user", None),
-    ("service_tier", None),
-    ("prompt_cache_key", None),
-    ("safety_identifier", None),
-    ("parallel_tool_calls", None),
-    ("truncation", None),
-    ("text", Some("only text answers are supported (text.format type \"text\")")),
-    ("tools", Some("Baton's workers answer in text; tools are not supported")),
-    ("tool_choice", Some("Baton's workers answer in text; tools are not supported")),
-    ("max_tool_calls", Some("Baton's workers answer in text; tools are not supported")),
-    ("include", Some("no extra output is available")),
-    ("reasoning", Some("set a worker's reasoning effort in the pool file instead")),
-    ("background", Some("responses run in the foreground")),
-    ("conversation", Some("continue a conversation with previous_response_id or x-baton-conversation")),
-    ("prompt", Some("stored prompts are not supported")),
-    ("top_logprobs", Some("log probabilities are not available through a workflow")),
-    ("stream_options", Some("stream options are not supported here")),
+/// Fields of the Responses API's create request and what Baton does with each (as for chat
+/// completions: [`Field`]).
+const FIELDS: &[(&str, Field)] = &[
+    ("model", Field::Used),
+    ("input", Field::Used),
+    ("instructions", Field::Used),
+    ("stream", Field::Used),
+    ("previous_response_id", Field::Used),
+    ("max_output_tokens", Field::Used),
+    ("temperature", Field::Used),
+    ("top_p", Field::Used),
+    ("store", Field::Ignored),
+    ("metadata", Field::Ignored),
+    ("user", Field::Ignored),
+    ("service_tier", Field::Ignored),
+    ("prompt_cache_key", Field::Ignored),
+    ("safety_identifier", Field::Ignored),
+    ("parallel_tool_calls", Field::Ignored),
+    ("truncation", Field::Ignored),
+    ("text", Field::Refused("only text answers are supported (text.format type \"text\")")),
+    ("tools", Field::Refused("Baton's workers answer in text; tools are not supported")),
+    ("tool_choice", Field::Refused("Baton's workers answer in text; tools are not supported")),
+    ("max_tool_calls", Field::Refused("Baton's workers answer in text; tools are not supported")),
+    ("include", Field::Refused("no extra output is available")),
+    ("reasoning", Field::Refused("set a worker's reasoning effort in the pool file instead")),
+    ("background", Field::Refused("responses run in the foreground")),
+    ("conversation", Field::Refused("continue a conversation with previous_response_id or x-baton-conversation")),
+    ("prompt", Field::Refused("stored prompts are not supported")),
+    ("top_logprobs", Field::Refused("log probabilities are not available through a workflow")),
+    ("stream_options", Field::Refused("stream options are not supported here")),
 ];
 
 fn asks_for_nothing(name: &str, value: &Value) -> bool {
@@ -96,15 +97,7 @@ fn parse(service: &Service, headers: &HeaderMap, bytes: &[u8]) -> Result<Parsed,
     let Value::Object(body) = body else {
         return Err(ApiError::bad_request("the body must be a JSON object"));
     };
-    for (name, value) in &body {
-        match FIELDS.iter().find(|(f, _)| f == name) {
-            None => return Err(ApiError::bad_field(name, format!("Unrecognized request argument supplied: {name}"))),
-            Some((_, Some(why))) if !asks_for_nothing(name, value) => {
-                return Err(ApiError::bad_field(name, format!("`{name}` is not supported: {why}")));
-            }
-            Some(_) => {}
-        }
-    }
+    chat::check_fields(&body, FIELDS, asks_for_nothing)?;
     let model = body
         .get("model")
         .and_then(Value::as_str)

@@ -439,18 +439,7 @@ impl Store {
     /// The conversation's messages before run `run` was asked, oldest first: the conversation
     /// as that run's conductor saw it (turns that alternate, like [`Self::messages`]).
     pub async fn messages_before_run(&self, conversation: i64, run: i64) -> Result<Vec<Message>, StoreError> {
-        let rows: Vec<MessageRow> = sqlx::query_as(
-            "SELECT m.run_id, m.role, m.content, r.status, r.error_kind
-             FROM messages m LEFT JOIN runs r ON r.id = m.run_id
-             WHERE m.conversation_id = ?1
-               AND m.id < coalesce((SELECT min(id) FROM messages WHERE run_id = ?2), 9223372036854775807)
-             ORDER BY m.id",
-        )
-        .bind(conversation)
-        .bind(run)
-        .fetch_all(&self.pool)
-        .await?;
-        Ok(alternating(rows))
+        self.messages_around_run(conversation, run, false).await
     }
 
     /// The run with the executor's id `uid`: its number and its conversation's.
@@ -464,15 +453,27 @@ impl Store {
     /// The conversation's messages up to run `run`'s answer, oldest first: what a reply to
     /// that answer continues (the Responses API's `previous_response_id`).
     pub async fn messages_through_run(&self, conversation: i64, run: i64) -> Result<Vec<Message>, StoreError> {
+        self.messages_around_run(conversation, run, true).await
+    }
+
+    /// The conversation's messages before run `run`'s first message, or through its last.
+    async fn messages_around_run(
+        &self,
+        conversation: i64,
+        run: i64,
+        through: bool,
+    ) -> Result<Vec<Message>, StoreError> {
         let rows: Vec<MessageRow> = sqlx::query_as(
             "SELECT m.run_id, m.role, m.content, r.status, r.error_kind
              FROM messages m LEFT JOIN runs r ON r.id = m.run_id
              WHERE m.conversation_id = ?1
-               AND m.id <= coalesce((SELECT max(id) FROM messages WHERE run_id = ?2), -1)
+               AND CASE WHEN ?3 THEN m.id <= coalesce((SELECT max(id) FROM messages WHERE run_id = ?2), -1)
+                   ELSE m.id < coalesce((SELECT min(id) FROM messages WHERE run_id = ?2), 9223372036854775807) END
              ORDER BY m.id",
         )
         .bind(conversation)
         .bind(run)
+        .bind(through)
         .fetch_all(&self.pool)
         .await?;
         Ok(alternating(rows))

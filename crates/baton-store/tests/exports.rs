@@ -132,7 +132,8 @@ fn pinned(name: &str, text: &str) -> Option<String> {
 async fn exports_of_recorded_runs_match_the_pinned_format() {
     let server = TestServer::start().await.expect("server");
     let workers = [("physicist", "phys"), ("teacher", "teach;fail=429x1"), ("judge", "judge"), ("poet", "poet")];
-    let pool = pool(&server, "show_question = true", &workers);
+    // As the fixture was recorded: the answer step gets its subtask only.
+    let pool = pool(&server, "show_question = true\nquestion_to_answer_step = false", &workers);
     server.queue_replies(
         "phys",
         ["Sunlight scatters off air molecules.\n\n- shorter wavelengths scatter more\n- so blue dominates\n\n```text\nI ∝ 1/λ⁴\n```"],
@@ -158,7 +159,7 @@ async fn exports_of_recorded_runs_match_the_pinned_format() {
     // As the fixture was recorded: the workers see their subtasks only.
     let broken = self::pool(
         &server,
-        "show_question = false",
+        "show_question = false\nquestion_to_answer_step = false",
         &[("ok", "fine"), ("broken", "broken;fail=401"), ("judge", "judge")],
     );
     let plan = "model_id = [0, 1, 2]\nsubtasks = [\"A.\", \"B.\", \"Judge.\"]\naccess_list = [[], [], [1]]";

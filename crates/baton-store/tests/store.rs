@@ -16,8 +16,10 @@ use baton_testserver::{TestServer, Wire};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+/// Workers whose answers echo their subtasks (the answer step gets no question after its
+/// subtask), so what a test reads back names the step that wrote it.
 fn pool(server: &TestServer, workers: &[(&str, &str)]) -> Pool {
-    let mut text = "[retry]\nmax_retries = 0\n".to_owned();
+    let mut text = "question_to_answer_step = false\n[retry]\nmax_retries = 0\n".to_owned();
     for (name, model) in workers {
         text.push_str(&format!(
             "\n[[worker]]\nname = \"{name}\"\nprovider = \"openai\"\nmodel = \"{model}\"\nbase_url = \"{}\"\n",
