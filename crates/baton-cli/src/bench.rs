@@ -63,6 +63,9 @@ pub enum Command {
         /// Latency of every fake worker call.
         #[arg(long, default_value_t = 200)]
         latency_ms: u64,
+        /// Serve without a history, to see what recording adds.
+        #[arg(long)]
+        no_history: bool,
         /// One JSON object on stdout.
         #[arg(long)]
         json: bool,
@@ -127,7 +130,9 @@ pub async fn run(cmd: Command) -> Outcome {
     match cmd {
         Command::Executor { latency_ms, runs, json } => executor(latency_ms, runs, json).await,
         Command::History { db, runs, steps, repeat, json } => history(&db, runs, steps, repeat, json).await,
-        Command::Serve { requests, latency_ms, json } => serve(requests, latency_ms, json).await,
+        Command::Serve { requests, latency_ms, no_history, json } => {
+            serve(requests, latency_ms, !no_history, json).await
+        }
         #[cfg(feature = "local")]
         Command::Conductor(args) => conductor::run(args).await,
         #[cfg(not(feature = "local"))]
@@ -256,7 +261,7 @@ async fn measure(plan: &Plan, latency: Duration) -> Result<Sample, Failure> {
     Ok(Sample { wall, critical })
 }
 
-async fn serve(requests: usize, latency_ms: u64, json: bool) -> Outcome {
+async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> Outcome {
     use futures::StreamExt;
     if requests == 0 {
         return Err(Failure::BadInput("--requests must be at least 1".into()));
@@ -292,8 +297,8 @@ async fn serve(requests: usize, latency_ms: u64, json: bool) -> Outcome {
         max_concurrent_runs: requests + 1,
         ..baton_serve::ServeOptions::default()
     };
-    let service =
-        baton_serve::Service::new(executor, false, Some(store.clone()), serve_options).map_err(|e| failed(&e))?;
+    let service = baton_serve::Service::new(executor, false, history.then(|| store.clone()), serve_options)
+        .map_err(|e| failed(&e))?;
     let shutdown = CancellationToken::new();
     let server = tokio::spawn(baton_serve::serve(listener, Arc::new(service), shutdown.clone()));
     let client = reqwest::Client::builder().pool_max_idle_per_host(requests).build().map_err(|e| failed(&e))?;
@@ -340,7 +345,7 @@ async fn serve(requests: usize, latency_ms: u64, json: bool) -> Outcome {
     }
     // The history records beside the answers: give it a moment to catch up, then count.
     let mut finished = 0;
-    for _ in 0..100 {
+    for _ in 0..if history { 100 } else { 0 } {
         let recorded =
             store.list_runs(u32::try_from(requests + 10).unwrap_or(u32::MAX), None).await.map_err(|e| failed(&e))?;
         finished = recorded.iter().filter(|r| r.status == baton_store::RunStatus::Finished).count();
@@ -360,13 +365,17 @@ async fn serve(requests: usize, latency_ms: u64, json: bool) -> Outcome {
             "{}",
             serde_json::json!({
                 "requests": requests, "latency_ms": latency_ms, "ok": overhead.len(), "errors": errors,
-                "recorded_finished": finished, "overhead_ms_p50": p50, "overhead_ms_p99": p99,
+                "history": history, "recorded_finished": finished, "overhead_ms_p50": p50, "overhead_ms_p99": p99,
                 "overhead_ms_max": max, "total_s": total_s,
             })
         );
     } else {
         println!("{requests} streamed requests at once over loopback, fake worker at {latency_ms} ms");
-        println!("  answered: {} of {requests}; runs finished in the history: {finished}", overhead.len());
+        if history {
+            println!("  answered: {} of {requests}; runs finished in the history: {finished}", overhead.len());
+        } else {
+            println!("  answered: {} of {requests}; no history", overhead.len());
+        }
         println!("  added by the server (client wall − run wall): p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms");
         println!("  all done in {total_s:.2} s");
         for e in errors.iter().take(5) {
@@ -374,7 +383,7 @@ async fn serve(requests: usize, latency_ms: u64, json: bool) -> Outcome {
         }
     }
     // The warm-up run is in the history too.
-    if !errors.is_empty() || finished != requests + 1 {
+    if !errors.is_empty() || (history && finished != requests + 1) {
         return Err(Failure::Failed(format!(
             "{} requests failed and {} of {} runs finished in the history",
             errors.len(),

@@ -652,6 +652,11 @@ async fn complete(mut run: Running) -> Response {
     response
 }
 
+/// What a streamed answer gets when its step broke off mid-answer and is retried: the retry's
+/// text follows, from its start. The history keeps the retry's answer alone (and a Responses
+/// stream's `response.completed` carries it).
+pub(crate) const RESTARTED: &str = "\n\n[The answer broke off here; it is written again from the start.]\n\n";
+
 /// Streamed: Server-Sent Events in OpenAI's chunk shape, ending with `data: [DONE]`. The run's
 /// cost is known only at its end, so it comes in the last chunk's `baton` object (headers go
 /// out first: `x-baton-run-id` is one).
@@ -697,6 +702,15 @@ fn stream(run: Running) -> Response {
                             streamed.push_str(&text);
                             let baton = json!({ "run_id": run.run_id, "round": round, "step": step });
                             out.push(sse(&chunk(&run, json!({ "content": text }), None, baton)));
+                        }
+                        RunEvent::StepRetrying { round, step, .. }
+                            if Some((round, step)) == progress.answer_step && !streamed.is_empty() =>
+                        {
+                            // The retry writes the answer again from its start, and what was sent
+                            // cannot be taken back: say so in the answer itself.
+                            streamed.push_str(RESTARTED);
+                            let baton = json!({ "run_id": run.run_id, "round": round, "step": step });
+                            out.push(sse(&chunk(&run, json!({ "content": RESTARTED }), None, baton)));
                         }
                         RunEvent::RunFinished { answer, totals } => {
                             // Nothing streamed (a stop, a retried answer step): the answer whole.

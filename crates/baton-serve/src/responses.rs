@@ -387,6 +387,16 @@ fn stream(run: Running, echo: Echo) -> Response {
                         json!({ "item_id": item, "output_index": 0, "content_index": 0, "delta": piece, "logprobs": [] }),
                     ));
                 }
+                RunEvent::StepRetrying { round, step, .. }
+                    if Some((round, step)) == progress.answer_step && !text.is_empty() =>
+                {
+                    text.push_str(chat::RESTARTED);
+                    out.push_str(&event(
+                        "response.output_text.delta",
+                        &mut seq,
+                        json!({ "item_id": item, "output_index": 0, "content_index": 0, "delta": chat::RESTARTED, "logprobs": [] }),
+                    ));
+                }
                 end if end.is_terminal() => {
                     done = true;
                     match finished(&run, &echo, &progress, Some(end)) {

@@ -35,8 +35,13 @@ impl Drop for Served {
 }
 
 async fn serve_with(workers: &[(&str, &str)], tweak: impl FnOnce(&mut ServeOptions)) -> Served {
+    serve_retrying(0, workers, tweak).await
+}
+
+/// A server whose workers' calls are retried `retries` times, at once.
+async fn serve_retrying(retries: u32, workers: &[(&str, &str)], tweak: impl FnOnce(&mut ServeOptions)) -> Served {
     let providers = TestServer::start().await.expect("providers");
-    let mut text = "[retry]\nmax_retries = 0\n".to_owned();
+    let mut text = format!("[retry]\nmax_retries = {retries}\ninitial_delay_ms = 1\n");
     for (name, model) in workers {
         text.push_str(&format!(
             "\n[[worker]]\nname = \"{name}\"\nprovider = \"openai\"\nmodel = \"{model}\"\nbase_url = \"{}\"\n",
@@ -236,6 +241,29 @@ async fn a_streamed_answer_sends_progress_as_reasoning_the_answer_as_content_and
     let usage = chunks.iter().find(|c| c["usage"].is_object()).expect("a usage chunk");
     assert_eq!(usage["choices"], json!([]));
     assert!(usage["usage"]["prompt_tokens_details"]["orchestration_input_tokens"].as_u64().unwrap() > 0);
+}
+
+#[tokio::test]
+async fn an_answer_that_breaks_off_and_is_retried_says_so_in_the_stream() {
+    // The first call's stream is cut halfway; the retry answers whole.
+    let s = serve_retrying(1, &[("a", "alpha;cut=1;reply=one_two_three_four_five_six")], |_| {}).await;
+    let body = json!({ "model": "baton/a", "messages": question("Count to six."), "stream": true });
+    let r = client().post(format!("{}/v1/chat/completions", s.url)).bearer_auth(TOKEN).json(&body).send().await;
+    let data = events(r.expect("sent")).await;
+    let content: String = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str::<Value>(d).expect("json"))
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+        .collect();
+    let (before, after) = content
+        .split_once("[The answer broke off here")
+        .unwrap_or_else(|| panic!("the break is marked in the content: {content}"));
+    assert!(!before.trim().is_empty() && "one two three four five six".starts_with(before.trim()), "{content}");
+    s.service.settle().await;
+    let runs = s.store.list_runs(1, None).await.unwrap();
+    let tree = s.store.run(runs[0].id).await.unwrap().unwrap();
+    assert_eq!(tree.run.answer.as_deref(), Some("one two three four five six"), "the history keeps the retry's answer");
+    assert!(after.ends_with("one two three four five six"), "the retry streams from its start: {content}");
 }
 
 #[tokio::test]
