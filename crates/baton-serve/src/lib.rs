@@ -96,7 +96,9 @@ pub struct Stats {
     pub requests: u64,
     /// Those answered with an error status (4xx or 5xx).
     pub failed: u64,
-    /// Runs going now.
+    /// Runs going now, counted until the history has recorded them (a run holds its place
+    /// under `max_concurrent_runs` that long too, so a slow history slows new requests rather
+    /// than falling behind).
     pub runs_in_flight: usize,
     /// What the runs finished today (UTC) cost, in dollars.
     pub spent_today_usd: f64,
