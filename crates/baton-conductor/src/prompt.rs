@@ -117,6 +117,8 @@ impl PromptBuilder {
             PromptVersion::V2 => V2_EXAMPLES.to_owned(),
             PromptVersion::V3 => {
                 let (intro, bank) = split_bank(V3_EXAMPLES);
+                // A workflow longer than this round may be would teach a shape it cannot take.
+                let bank: Vec<Example> = bank.into_iter().filter(|e| steps_in(e.text) <= ctx.max_steps).collect();
                 let chosen = closest_examples(&bank, &ctx.question, V3_EXAMPLES_SHOWN);
                 let mut out = format!("\n{intro}");
                 for e in chosen {
@@ -259,6 +261,13 @@ struct Example<'a> {
     tag: &'a str,
     question: &'a str,
     text: &'a str,
+}
+
+/// How many steps an example's workflow has (its `model_id` list's length).
+fn steps_in(text: &str) -> usize {
+    text.lines()
+        .find_map(|line| line.strip_prefix("model_id = ["))
+        .map_or(0, |rest| rest.trim_end_matches(']').split(',').filter(|n| !n.trim().is_empty()).count())
 }
 
 /// An example with every step on Model `lead`. A small conductor copies an example's model
@@ -448,6 +457,10 @@ mod tests {
         assert!(p.examples_for(&hard).contains("model_id = [0, 0, 0]"));
         let beyond = p.examples_for(&PlanningContext { lead: 7, ..hard });
         assert!(beyond.contains("model_id = [2, 2, 2]"), "a lead outside the pool is its last worker");
+        // A round capped at fewer steps is shown only workflows it may write.
+        let one = PlanningContext::question("Which is larger, 2^100 or 3^63? Explain.", 3, 1);
+        let text = p.examples_for(&one);
+        assert!(text.contains("\nExample [") && !text.contains(", 0]"), "{text}");
         // A second attempt shows none, so it cannot copy one.
         let again = PlanningContext { attempt: 1, ..math };
         assert_eq!(p.examples_for(&again), "");
