@@ -73,9 +73,8 @@ async fn ask_runs_a_plan_over_all_three_wire_formats() {
     let out = baton(&["ask", "--pool", path(&pool), "--plan", path(&plan), "What is 2+2?"], None, TEST_KEY).await;
     assert_eq!(out.code, Some(0), "{}", out.stderr);
     assert_eq!(
-        out.stdout,
-        "gemini-2.5-pro (saw 2 earlier answers) answers: Write the final answer.\n\nThen answer the user's question:\n\nWhat is 2+2?\n",
-        "only the answer on stdout (the last step got the question after its subtask)"
+        out.stdout, "gemini-2.5-pro (saw 2 earlier answers) answers: What is 2+2?\n",
+        "only the answer on stdout (the last step is asked the question)"
     );
     assert!(out.stderr.contains("plan: 3 steps"), "{}", out.stderr);
     assert!(out.stderr.contains("step 2 finished   gemini"), "{}", out.stderr);
@@ -110,10 +109,7 @@ async fn ask_json_writes_every_event_as_a_json_line() {
         assert!(types.iter().filter(|x| **x == t).count() >= 3, "{t}: {types:?}");
     }
     let last = events.last().expect("event");
-    assert_eq!(
-        last["answer"],
-        "c (saw 2 earlier answers) answers: Write the final answer.\n\nThen answer the user's question:\n\nQ"
-    );
+    assert_eq!(last["answer"], "c (saw 2 earlier answers) answers: Q");
     assert_eq!(last["totals"]["calls"], 3);
     let started = events.iter().find(|e| e["type"] == "step_started" && e["step"] == 1).expect("step 1");
     assert_eq!(started["messages"][1]["role"], "assistant", "the exact messages are in the event");
@@ -162,10 +158,7 @@ async fn whole_body_workers_work_too() {
     let out =
         baton(&["ask", "--pool", path(&pool), "--plan", path(&fixture("chain-plan.txt")), "Q"], None, TEST_KEY).await;
     assert_eq!(out.code, Some(0), "{}", out.stderr);
-    assert_eq!(
-        out.stdout,
-        "c (saw 2 earlier answers) answers: Write the final answer.\n\nThen answer the user's question:\n\nQ\n"
-    );
+    assert_eq!(out.stdout, "c (saw 2 earlier answers) answers: Q\n");
     assert!(s.requests().iter().all(|r| r.body.get("stream") != Some(&Value::Bool(true))));
     assert!(s.requests().iter().any(|r| r.path.ends_with(":generateContent")));
 }
@@ -404,10 +397,7 @@ async fn a_remote_conductor_gets_the_plan_grammar_its_server_reads() {
     s.queue_replies("big-conductor", [plan, plan]);
     let out = baton(&["ask", "--pool", path(&pool), "What is 2+2?"], None, TEST_KEY).await;
     assert_eq!(out.code, Some(0), "{}", out.stderr);
-    assert_eq!(
-        out.stdout,
-        "c (saw 1 earlier answers) answers: Check.\n\nThen answer the user's question:\n\nWhat is 2+2?\n"
-    );
+    assert_eq!(out.stdout, "c (saw 1 earlier answers) answers: What is 2+2?\n");
     let first = &s.requests()[0];
     assert_eq!(first.body["model"], "big-conductor");
     let regex = first.body["structured_outputs"]["regex"].as_str().expect("vLLM's field");

@@ -182,10 +182,7 @@ async fn a_worker_without_api_key_env_gets_its_key_from_the_keychain() {
     assert_eq!(set.code, Some(0), "{}", set.stderr);
     let out = baton(&ask, None, &[]).await;
     assert_eq!(out.code, Some(0), "{}", out.stderr);
-    assert_eq!(
-        out.stdout,
-        "third (saw 2 earlier answers) answers: Write the final answer.\n\nThen answer the user's question:\n\nWhat is 2+2?\n"
-    );
+    assert_eq!(out.stdout, "third (saw 2 earlier answers) answers: What is 2+2?\n");
     assert_eq!(s.requests().len(), 3, "every step reached the server with the stored key");
     assert!(!out.stdout.contains(TEST_KEY) && !out.stderr.contains(TEST_KEY));
     // Nor did the key go into the history: the database, its WAL, its lock files.

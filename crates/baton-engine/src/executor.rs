@@ -105,11 +105,17 @@ pub struct AnswerSettings {
     pub top_p: Option<f32>,
 }
 
-/// A worker's system message: Baton's step instructions (the question, when the pool shows it),
-/// then the client's own instructions, if any.
-fn worker_system(show_question: bool, ctx: &RunCtx<'_>) -> Option<String> {
-    let step = show_question
+/// A worker's system message: Baton's step instructions (the question, when the pool shows it;
+/// the step's part, for a step asked the question itself), then the client's own instructions,
+/// if any.
+fn worker_system(show_question: bool, part: Option<&str>, ctx: &RunCtx<'_>) -> Option<String> {
+    let question = show_question
         .then(|| format!("You are one step of a larger workflow. The user's original question:\n\n{}", ctx.question));
+    let part = part.map(|p| format!("Your part in this workflow: {p}"));
+    let step = match (question, part) {
+        (Some(q), Some(p)) => Some(format!("{q}\n\n{p}")),
+        (q, p) => q.or(p),
+    };
     match (step, &ctx.instructions) {
         (Some(step), Some(theirs)) => Some(format!("{step}\n\nThe user's instructions:\n\n{theirs}")),
         (step, theirs) => step.or_else(|| theirs.clone()),
@@ -544,22 +550,21 @@ impl Executor {
                         let worker = plan.steps[i].model_id;
                         let subtask = &plan.steps[i].subtask;
                         let replies = answers && depth == 0 && worker < self.workers.len();
-                        if replies
+                        // The step that replies is asked the question itself, its subtask
+                        // being its part, so a narrowed subtask cannot drop what was asked.
+                        let asked = replies
                             && self.options.question_to_answer_step
-                            && !crate::fallback::holds_question(subtask, &ctx.question)
-                        {
-                            let question = crate::fallback::alone_subtask(&ctx.history, &ctx.question);
-                            messages.push(Message::user(format!(
-                                "{subtask}\n\nThen answer the user's question:\n\n{question}"
-                            )));
+                            && !crate::fallback::holds_question(subtask, &ctx.question);
+                        let system = worker_system(self.options.show_question, asked.then_some(subtask.as_str()), ctx);
+                        messages.push(Message::user(if asked {
+                            crate::fallback::alone_subtask(&ctx.history, &ctx.question)
                         } else {
-                            messages.push(Message::user(subtask.clone()));
-                        }
+                            subtask.clone()
+                        }));
                         states[i] = State::Running;
                         if worker == self.workers.len() {
                             running.push(Box::pin(self.run_recursive_step(ctx, round, i, depth, messages)));
                         } else {
-                            let system = worker_system(self.options.show_question, ctx);
                             let at = StepRef { round, step: i };
                             running.push(Box::pin(self.run_step(ctx, at, worker, system, messages, answers)));
                         }

@@ -29,10 +29,11 @@ pub struct PoolOptions {
     /// not: its workers see only their subtasks). On by default: a small conductor's subtasks
     /// often leave out what the question says, and the default prompt (v3) relies on it.
     pub show_question: bool,
-    /// Give the step that writes the reply the question itself (what a worker alone would get),
-    /// after its subtask, unless the subtask already holds it. On by default: a small
-    /// conductor's last subtask often narrows the question ("Identify the author.") and drops
-    /// the form the reply must take, and the user is answered with that narrower reply.
+    /// Ask the step that writes the reply the question itself (what a worker alone is asked),
+    /// with its subtask as "your part in this workflow" in its system message, unless the
+    /// subtask already holds the question. On by default: a small conductor's last subtask
+    /// often narrows the question ("Identify the author.") and drops the form the reply must
+    /// take, and the user was answered with that narrower reply.
     pub question_to_answer_step: bool,
     /// Calls in flight at once per provider endpoint.
     pub max_concurrency_per_provider: usize,

@@ -199,33 +199,52 @@ async fn the_question_is_shown_only_when_the_pool_asks() {
 }
 
 #[tokio::test]
-async fn the_step_that_replies_gets_the_question_after_its_subtask() {
+async fn the_step_that_replies_is_asked_the_question_with_its_subtask_as_its_part() {
     let server = TestServer::start().await.expect("server");
     let last_user = |body: &serde_json::Value| {
         let messages = body["messages"].as_array().expect("messages").clone();
         messages.iter().rev().find(|m| m["role"] == "user").expect("a user message")["content"].clone()
     };
+    let system = |body: &serde_json::Value| body["messages"][0]["content"].as_str().unwrap_or_default().to_owned();
     let two_steps = "model_id = [0, 0]\nsubtasks = ['Solve it.', 'Name the letter.']\naccess_list = [[], [0]]";
 
     let p = pool(&server, "show_question = false", &[compat("a", "a")]);
     let (outcome, events) = run(&executor(&p), two_steps, None).await;
     assert_eq!(outcome.status, RunStatus::Finished, "{outcome:?}");
     let reqs = server.requests();
-    assert_eq!(last_user(&reqs[0].body), "Solve it.", "an earlier step gets its subtask alone");
-    assert_eq!(last_user(&reqs[1].body), "Name the letter.\n\nThen answer the user's question:\n\nWhat is 2+2?");
+    assert_eq!(last_user(&reqs[0].body), "Solve it.", "an earlier step gets its subtask");
+    assert_eq!(reqs[0].body["messages"][0]["role"], "user", "and no system message");
+    assert_eq!(last_user(&reqs[1].body), "What is 2+2?", "the step that replies is asked the question");
+    assert_eq!(system(&reqs[1].body), "Your part in this workflow: Name the letter.");
+    assert_eq!(
+        reqs[1].body["messages"][2]["content"], "a (saw 0 earlier answers) answers: Solve it.",
+        "after the work it sees"
+    );
     let recorded = events
         .iter()
         .find_map(|e| match e {
-            RunEvent::StepStarted { step: 1, messages, .. } => messages.last().map(|m| m.content.clone()),
+            RunEvent::StepStarted { step: 1, system, messages, .. } => Some((system.clone(), messages.clone())),
             _ => None,
         })
         .expect("step 1 started");
-    assert!(recorded.ends_with("What is 2+2?"), "the history records what the worker got: {recorded}");
+    assert_eq!(recorded.0.as_deref(), Some("Your part in this workflow: Name the letter."), "the history records it");
+    assert_eq!(recorded.1.last().map(|m| m.content.as_str()), Some("What is 2+2?"));
+
+    // With the question shown to every worker, the part follows it.
+    let shown = pool(&server, "show_question = true", &[compat("a", "a")]);
+    let before = server.requests().len();
+    run(&executor(&shown), two_steps, None).await;
+    let reply = system(&server.requests()[before + 1].body);
+    assert!(
+        reply.contains("What is 2+2?") && reply.ends_with("\n\nYour part in this workflow: Name the letter."),
+        "{reply}"
+    );
 
     // A subtask that already holds the question is sent as written.
     let before = server.requests().len();
     run(&executor(&p), "model_id = [0]\nsubtasks = ['What is 2+2?']\naccess_list = [[]]", None).await;
     assert_eq!(last_user(&server.requests()[before].body), "What is 2+2?");
+    assert_eq!(server.requests()[before].body["messages"][0]["role"], "user");
 
     // Off: the paper's setting, subtasks only.
     let p = pool(&server, "show_question = false\nquestion_to_answer_step = false", &[compat("a", "a")]);
