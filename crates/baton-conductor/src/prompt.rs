@@ -118,7 +118,7 @@ impl PromptBuilder {
             PromptVersion::V3 => {
                 let (intro, bank) = split_bank(V3_EXAMPLES);
                 // A workflow longer than this round may be would teach a shape it cannot take.
-                let bank: Vec<Example> = bank.into_iter().filter(|e| steps_in(e.text) <= ctx.max_steps).collect();
+                let bank: Vec<Example<'_>> = bank.into_iter().filter(|e| steps_in(e.text) <= ctx.max_steps).collect();
                 let chosen = closest_examples(&bank, &ctx.question, V3_EXAMPLES_SHOWN);
                 let mut out = format!("\n{intro}");
                 for e in chosen {
