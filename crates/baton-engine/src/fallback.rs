@@ -26,9 +26,6 @@ pub enum Unusable {
     /// Step `step`'s subtask names what only an example's question has (its numbers, its
     /// subject): it is about that question, not the user's.
     AboutAnExample { step: usize, term: String },
-    /// Step `step`'s subtask says the same words over and over (`words`, three times or more):
-    /// a small model caught in a loop, not an instruction.
-    Repeats { step: usize, words: String },
     /// No worker would see the whole question: no subtask holds it, and the pool neither shows
     /// it to the workers (`show_question`) nor gives it to the answer step
     /// (`question_to_answer_step`).
@@ -44,9 +41,6 @@ impl std::fmt::Display for Unusable {
             Unusable::AboutAnExample { step, term } => {
                 write!(f, "step {step} is about an example's question, not this one (\"{term}\")")
             }
-            Unusable::Repeats { step, words } => {
-                write!(f, "step {step} repeats itself (\"{words}\" again and again)")
-            }
             Unusable::QuestionNotGiven => f.write_str("no step gives the workers the question"),
         }
     }
@@ -55,10 +49,7 @@ impl std::fmt::Display for Unusable {
 /// Checks a plan for the question: copies of an example come first, since a copied plan is
 /// about another question whatever it shows its workers.
 pub fn check(plan: &Plan, examples: &[ShownExample], question: &str, pool_gives_it: bool) -> Option<Unusable> {
-    if let Some(u) = copied_example(plan, examples)
-        .or_else(|| about_an_example(plan, examples, question))
-        .or_else(|| repeats_itself(plan, question))
-    {
+    if let Some(u) = copied_example(plan, examples).or_else(|| about_an_example(plan, examples, question)) {
         return Some(u);
     }
     if !pool_gives_it && !plan.steps.iter().any(|s| holds_question(&s.subtask, question)) {
@@ -81,35 +72,6 @@ pub fn copied_example(plan: &Plan, examples: &[ShownExample]) -> Option<Unusable
         let w = words(&step.subtask);
         if let Some(run) = w.windows(COPY_WORDS).find(|run| runs.contains(*run)) {
             return Some(Unusable::CopiesExample { step: i, words: run.join(" ") });
-        }
-    }
-    None
-}
-
-/// Words in a row that, said [`REPEATS`] times in one subtask, make it a loop.
-const REPEAT_WORDS: usize = 4;
-const REPEATS: usize = 3;
-
-/// The first step whose subtask says a run of [`REPEAT_WORDS`] words [`REPEATS`] times or more,
-/// and more often than the question does (a subtask that quotes the question may repeat what
-/// the question repeats).
-pub fn repeats_itself(plan: &Plan, question: &str) -> Option<Unusable> {
-    let counts = |text: &str| {
-        let mut n: std::collections::HashMap<Vec<String>, usize> = std::collections::HashMap::new();
-        for run in words(text).windows(REPEAT_WORDS) {
-            *n.entry(run.to_vec()).or_default() += 1;
-        }
-        n
-    };
-    let asked = counts(question);
-    for (i, step) in plan.steps.iter().enumerate() {
-        let said = counts(&step.subtask);
-        let mut looped: Vec<(&Vec<String>, &usize)> =
-            said.iter().filter(|(run, n)| **n >= REPEATS && **n > asked.get(*run).copied().unwrap_or(0)).collect();
-        // The most repeated run names the loop; ties go to the first in word order.
-        looped.sort_by(|a, b| b.1.cmp(a.1).then_with(|| a.0.cmp(b.0)));
-        if let Some((run, _)) = looped.first() {
-            return Some(Unusable::Repeats { step: i, words: run.join(" ") });
         }
     }
     None
@@ -336,18 +298,6 @@ mod tests {
         let vague = plan(&["Count the apples Tom has after buying more."]);
         assert_eq!(check(&vague, &[], question, false), Some(Unusable::QuestionNotGiven));
         assert_eq!(check(&vague, &[], question, true), None, "show_question gives it to every worker");
-        let looped = plan(&[
-            "Solve it.",
-            "]  # to avoid a list in the output. `[]` is used to avoid a list in the output. `[]` is used to avoid a list in the output.",
-        ]);
-        assert!(
-            matches!(check(&looped, &[], question, true), Some(Unusable::Repeats { step: 1, .. })),
-            "{:?}",
-            check(&looped, &[], question, true)
-        );
-        // Quoting a question that repeats itself is not a loop.
-        let chant = "Say it: go team go, go team go, go team go. How many times?";
-        assert_eq!(check(&plan(&[chant]), &[], chant, false), None);
         // A copy is unusable even when the workers see the question.
         let copy = plan(&[EXAMPLE]);
         assert!(matches!(
