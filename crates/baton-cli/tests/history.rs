@@ -28,10 +28,12 @@ async fn every_ask_is_recorded_and_found_again() {
     let s = server(TEST_KEY).await;
     let dir = tempfile::tempdir().expect("tempdir");
     let db = dir.path().join("history.sqlite");
+    // The answers echo their subtasks (not the question and its conversation), so a search
+    // finds each question in its own run only.
     let pool = write_pool(
         dir.path(),
         &s,
-        "",
+        "question_to_answer_step = false",
         &[W("solver", "openai", "s"), W("checker", "anthropic", "c"), W("writer", "gemini", "w")],
     );
     let plan = fixture("chain-plan.txt");
