@@ -15,6 +15,8 @@ fn ask(h: &harness::Harness, question: &str, conversation: &Value, n: u32) -> Va
     invoke(h, "ask", args).unwrap_or_else(|e| panic!("ask {question}: {e}"))
 }
 
+/// The fallback is off: with it, a plan its check rejects is asked for again, and the recorded
+/// plan's tokens are then both attempts'; this test is about the one plan written per question.
 #[test]
 fn the_app_plans_with_a_real_model_and_records_a_plan_that_ended_at_its_fence() {
     let Some(model) = baton_tests::real_model() else { return };
@@ -23,7 +25,7 @@ fn the_app_plans_with_a_real_model_and_records_a_plan_that_ended_at_its_fence() 
     let base = server.base_url(baton_testserver::Wire::OpenAi);
     let dir = tempfile::tempdir().unwrap();
     let pool = format!(
-        "[conductor]\nmodel = \"{}\"\ndevice = \"cpu\"\ntemperature = 0.0\nmax_reasoning_chars = 150\nmax_subtask_chars = 150\n\n\
+        "[conductor]\nmodel = \"{}\"\ndevice = \"cpu\"\ntemperature = 0.0\nmax_reasoning_chars = 150\nmax_subtask_chars = 150\nfallback = false\n\n\
          [[worker]]\nname = \"math\"\nprovider = \"openai-compatible\"\nmodel = \"a\"\nbase_url = \"{base}\"\ndescription = \"strong at math\"\n\n\
          [[worker]]\nname = \"writer\"\nprovider = \"openai-compatible\"\nmodel = \"b\"\nbase_url = \"{base}\"\ndescription = \"a good writer\"\n",
         model.display()
