@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use error::ApiError;
 pub use guard::Guard;
-pub use token::{TOKEN_ACCOUNT, TokenError, new_token, token};
+pub use token::{TOKEN_ACCOUNT, TokenError, token};
 
 /// How a server is bound and bounded.
 #[derive(Debug, Clone)]

@@ -21,7 +21,7 @@ pub enum TokenError {
 }
 
 /// A new token: 32 random bytes from the operating system, as 64 hex digits.
-pub fn new_token() -> Result<String, TokenError> {
+fn new_token() -> Result<String, TokenError> {
     let mut bytes = [0u8; 32];
     getrandom::fill(&mut bytes).map_err(|e| TokenError::NoRandom(e.to_string()))?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
