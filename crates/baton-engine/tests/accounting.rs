@@ -214,7 +214,11 @@ async fn prompt_caching_is_counted_and_lowers_the_cost() {
             );
             // OpenAI caches on its own; only the Anthropic case can be turned off from Baton.
             let model = if provider == "openai" && !cache { "w;cache_min=100000000" } else { "w" };
-            let p = pool(&server, "show_question = true", &[W("w", provider, model.into(), extra)]);
+            // The step that writes the reply has its part in its system message when it is
+            // asked the question itself, so it shares no prefix with the steps before; the
+            // paper's setting keeps all four prompts on one growing prefix.
+            let top = "show_question = true\nquestion_to_answer_step = false";
+            let p = pool(&server, top, &[W("w", provider, model.into(), extra)]);
             server.queue_replies("w", std::iter::repeat_n(long.clone(), 4));
             let (outcome, events) = run_asking(&executor(&p), plan.clone(), &question).await;
             assert!(outcome.error.is_none(), "{provider}: {outcome:?}");
