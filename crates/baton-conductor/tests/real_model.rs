@@ -183,3 +183,39 @@ async fn a_local_worker_answer_ends_on_its_end_of_turn_token() {
     assert!(usage.output_tokens < 100, "ended long before its cap: {usage:?}\n{text}");
     assert_eq!(counted, Some(usage.input_tokens), "counted before the call, as the model read it");
 }
+
+/// Two requests to one local worker at once, with prompts of the same length: what a plan sends
+/// when two steps of the same shape run side by side (or `best-of-n` on a local worker). The
+/// engine prefills them as one batch; each is answered in full.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_prompts_of_one_length_at_once_are_both_answered() {
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let Some(model) = model().await else { return };
+    let worker = Arc::new(LocalWorker { model: model.clone(), max_tokens: 60, temperature: Some(0.0) });
+    let ask = |question: &'static str| {
+        let worker = worker.clone();
+        async move {
+            let request = ChatRequest { messages: vec![Message::user(question)], ..ChatRequest::default() };
+            let mut stream = worker.stream(request).await.map_err(|e| e.to_string())?;
+            let mut text = String::new();
+            while let Some(item) = stream.next().await {
+                match item.map_err(|e| e.to_string())? {
+                    ChatEvent::Text(t) => text.push_str(&t),
+                    ChatEvent::Usage(_) | ChatEvent::Done { .. } => {}
+                }
+            }
+            Ok::<String, String>(text)
+        }
+    };
+    // Same words, other names: the same number of tokens, so neither is a cached prefix of the
+    // other and both are prefilled together.
+    let (sky, sea) = ("Name one colour of the sky.", "Name one colour of the sea.");
+    let count =
+        |q: &str| worker.input_tokens(&ChatRequest { messages: vec![Message::user(q)], ..ChatRequest::default() });
+    assert_eq!(count(sky).await, count(sea).await, "the two prompts are the same length");
+    let (a, b) = tokio::join!(ask(sky), ask(sea));
+    for (question, answer) in [("sky", a), ("sea", b)] {
+        let answer = answer.unwrap_or_else(|e| panic!("{question}: {e}"));
+        assert!(!answer.trim().is_empty(), "{question}: an answer");
+    }
+}

@@ -846,7 +846,10 @@ impl LogitsSelection {
                 if *start == 0 && *len == seq_len {
                     Ok(logits.clone())
                 } else {
-                    logits.narrow(1, *start, *len)
+                    // Baton: a batch of two or more prompts of one length, prefilled together,
+                    // keeps one position of each: a strided view. A quantized (GGUF) `lm_head`
+                    // takes only contiguous input ("input tensor is not contiguous"), so copy.
+                    logits.narrow(1, *start, *len)?.contiguous()
                 }
             }
             Self::Indices {
