@@ -416,9 +416,13 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
             drop(to_history);
         };
         let record = async {
-            while let Some(event) = for_history.recv().await {
+            // Under load the history falls behind the runs: what waits is recorded in one
+            // transaction, which keeps the database's share of the machine small.
+            let mut waiting = Vec::new();
+            while for_history.recv_many(&mut waiting, 64).await > 0 {
+                let events = std::mem::take(&mut waiting);
                 if let Some(r) = &mut recorder
-                    && let Err(e) = r.record(&event).await
+                    && let Err(e) = r.record_all(&events).await
                 {
                     tracing::warn!("a served run is not fully recorded in the history: {e}");
                     recorder = None;

@@ -1,7 +1,8 @@
 //! From `RunEvent`s to rows, as they happen.
 //!
 //! Each event is one transaction (its row changes and its line in `events`), so a crash loses
-//! at most what was in flight. While a run records, its recorder holds an OS lock on a file
+//! at most what was in flight; a writer that fell behind may record the events waiting for it
+//! in one ([`Recorder::record_all`]). While a run records, its recorder holds an OS lock on a file
 //! beside the database (`<db>.locks/<run uid>.lock`); the lock dies with the process, which is
 //! how [`crate::Store::open`] tells a run that is still going in another process from one whose
 //! process was killed.
@@ -79,24 +80,74 @@ impl Recorder {
     }
 
     pub async fn record(&mut self, event: &RunEvent) -> Result<(), StoreError> {
-        if let RunEvent::RunStarted { run_id, question, workers, conductor, rerun_of } = event {
-            return self.start(event, run_id, question, workers, conductor.as_deref(), rerun_of.as_ref()).await;
-        }
+        self.record_all(std::slice::from_ref(event)).await
+    }
+
+    /// Records `events`, in order, in one transaction: a writer that fell behind (a server with
+    /// many runs at once) catches up in one commit instead of one per event. On an error none of
+    /// them is recorded.
+    pub async fn record_all(&mut self, events: &[RunEvent]) -> Result<(), StoreError> {
         // Text deltas are not stored: the finished texts arrive with PlanReady and StepFinished.
         // A step's text so far is kept in memory, for a stop that cuts it short.
-        match event {
-            RunEvent::PlanDelta { .. } => return Ok(()),
-            RunEvent::StepDelta { round, step, text } => {
-                self.partial.entry((*round, *step)).or_default().push_str(text);
-                return Ok(());
+        let stored: Vec<&RunEvent> = events
+            .iter()
+            .filter(|event| match event {
+                RunEvent::PlanDelta { .. } => false,
+                RunEvent::StepDelta { round, step, text } => {
+                    self.partial.entry((*round, *step)).or_default().push_str(text);
+                    false
+                }
+                _ => true,
+            })
+            .collect();
+        if stored.is_empty() {
+            return Ok(());
+        }
+        let before = (self.conversation, self.run, self.seq);
+        let mut added: Vec<String> = Vec::new();
+        let mut tx = self.store.write().await?;
+        let mut applied = Ok(());
+        for event in &stored {
+            applied = self.apply(&mut tx, event, &mut added).await;
+            if applied.is_err() {
+                break;
             }
-            _ => {}
+        }
+        if let Err(e) = match applied {
+            Ok(()) => tx.commit().await.map_err(StoreError::from),
+            Err(e) => Err(e),
+        } {
+            // Nothing of this batch is in the database: forget what it would have made.
+            (self.conversation, self.run, self.seq) = before;
+            for text in added {
+                self.texts.remove(&text);
+            }
+            return Err(e);
+        }
+        if stored.iter().any(|e| e.is_terminal())
+            && let Some((file, path)) = self.lock.take()
+        {
+            drop(file);
+            let _ = std::fs::remove_file(path);
+        }
+        Ok(())
+    }
+
+    /// One event's rows, in the batch's transaction. Texts it stores are known to later events
+    /// at once (`added` lists them, to be forgotten if the batch fails).
+    async fn apply(
+        &mut self,
+        tx: &mut sqlx::SqliteConnection,
+        event: &RunEvent,
+        added: &mut Vec<String>,
+    ) -> Result<(), StoreError> {
+        if let RunEvent::RunStarted { run_id, question, workers, conductor, rerun_of } = event {
+            return self.start(tx, event, run_id, question, workers, conductor.as_deref(), rerun_of.as_ref()).await;
         }
         let Some(run) = self.run else {
             return Err(StoreError::Sql(sqlx::Error::Protocol("an event arrived before run_started".into())));
         };
-        let mut tx = self.store.write().await?;
-        // Texts this event puts in step rows; later requests may refer to them once committed.
+        // Texts this event puts in step rows; later requests may refer to them.
         let mut stored_texts: Vec<(String, TextRef)> = Vec::new();
         match event {
             RunEvent::PlanRejected { round, reason, raw, prompt, .. } => {
@@ -246,37 +297,35 @@ impl Recorder {
                 .await?;
             }
             RunEvent::RunFinished { answer, totals } => {
-                self.finish(&mut tx, run, "finished", Some(answer), None, totals).await?;
+                self.finish(tx, run, "finished", Some(answer), None, totals).await?;
                 if let Some(conversation) = self.conversation.filter(|_| self.messages) {
-                    add_message(&mut tx, conversation, run, "assistant", answer).await?;
+                    add_message(tx, conversation, run, "assistant", answer).await?;
                 }
             }
             RunEvent::RunFailed { error, totals } => {
                 let kind = serde_json::to_value(error.kind).ok().and_then(|v| v.as_str().map(str::to_owned));
-                self.finish(&mut tx, run, "failed", None, Some((kind, &error.message)), totals).await?;
+                self.finish(tx, run, "failed", None, Some((kind, &error.message)), totals).await?;
             }
             RunEvent::RunCancelled { totals } => {
-                self.finish(&mut tx, run, "cancelled", None, None, totals).await?;
+                self.finish(tx, run, "cancelled", None, None, totals).await?;
             }
             RunEvent::RunStarted { .. } | RunEvent::PlanDelta { .. } | RunEvent::StepDelta { .. } => {}
             RunEvent::PlanStarted { .. } => {}
         }
-        self.append_event(&mut tx, run, event).await?;
-        tx.commit().await?;
+        self.append_event(tx, run, event).await?;
         for (text, at) in stored_texts {
-            self.texts.entry(text).or_insert(at);
-        }
-        if event.is_terminal()
-            && let Some((file, path)) = self.lock.take()
-        {
-            drop(file);
-            let _ = std::fs::remove_file(path);
+            if !self.texts.contains_key(&text) {
+                self.texts.insert(text.clone(), at);
+                added.push(text);
+            }
         }
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn start(
         &mut self,
+        tx: &mut sqlx::SqliteConnection,
         event: &RunEvent,
         uid: &str,
         question: &str,
@@ -287,7 +336,6 @@ impl Recorder {
         self.lock = Some(take_lock(self.store.path(), uid)?);
         self.workers = workers.to_vec();
         let now = now_ms();
-        let mut tx = self.store.write().await?;
         let conversation = match self.conversation {
             Some(id) => {
                 let touched = sqlx::query("UPDATE conversations SET updated_at = ?2 WHERE id = ?1")
@@ -325,10 +373,9 @@ impl Recorder {
         .fetch_one(&mut *tx)
         .await?;
         if self.messages {
-            add_message(&mut tx, conversation, run, "user", question).await?;
+            add_message(tx, conversation, run, "user", question).await?;
         }
-        self.append_event(&mut tx, run, event).await?;
-        tx.commit().await?;
+        self.append_event(tx, run, event).await?;
         self.conversation = Some(conversation);
         self.run = Some(run);
         Ok(())

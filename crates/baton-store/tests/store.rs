@@ -558,6 +558,77 @@ async fn a_five_step_all_plan_stores_each_output_once() {
     assert!(grown <= 3 * output_bytes as i64, "{grown} bytes for {output_bytes} bytes of outputs");
 }
 
+/// A writer that fell behind (a server under load) records the events waiting for it in one
+/// transaction. The history it leaves is the one an event-by-event writer leaves, down to the
+/// stored rows: later steps' requests refer to answers stored earlier in the same batch. A batch
+/// that cannot be recorded leaves nothing of itself.
+#[tokio::test]
+async fn events_recorded_in_batches_leave_the_same_history_as_one_by_one() {
+    let server = TestServer::start().await.expect("server");
+    let pool = pool(&server, &[("writer", "long")]);
+    server.queue_replies("long", (20..23).map(|i| prose(i, 2_000)));
+    let plan =
+        "model_id = [0, 0, 0]\nsubtasks = [\"Draft.\", \"Check.\", \"Finish.\"]\naccess_list = [[], \"all\", \"all\"]";
+    let executor = Executor::from_pool_with_keys(&pool, |_| Arc::new(|| Ok(Some(ApiKey::new("test-key")))));
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    executor.run(given("Why is the sky blue?", plan), &tx, &CancellationToken::new()).await;
+    drop(tx);
+    let mut events = Vec::new();
+    while let Some(e) = rx.recv().await {
+        events.push(e);
+    }
+    assert!(events.len() > 8, "{} events", events.len());
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut stores, mut ids) = (Vec::new(), Vec::new());
+    // One by one; in two batches split between a step's answer and the next step's request;
+    // all at once.
+    let split = events.iter().position(|e| matches!(e, RunEvent::StepFinished { step: 0, .. })).expect("step 0") + 1;
+    let batches: [Vec<&[RunEvent]>; 3] =
+        [events.chunks(1).collect(), vec![&events[..split], &events[split..]], vec![&events[..]]];
+    for (i, batches) in batches.into_iter().enumerate() {
+        let store = Store::open(&dir.path().join(format!("{i}.sqlite"))).await.expect("opens");
+        let mut recorder = store.recorder(None);
+        for batch in batches {
+            recorder.record_all(batch).await.expect("recorded");
+        }
+        ids.push(recorder.run_id().expect("a run id"));
+        stores.push(store);
+    }
+    let rows = async |store: &Store| -> Vec<(String, Option<String>, Option<String>)> {
+        let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", store.path().display())).await.expect("connect");
+        let rows = sqlx::query_as("SELECT status, output, request FROM steps ORDER BY step").fetch_all(&pool).await;
+        pool.close().await;
+        rows.expect("steps")
+    };
+    let tree = async |store: &Store, id: i64| {
+        let mut tree = serde_json::to_value(store.run(id).await.expect("query").expect("run")).expect("json");
+        tree["run"]["started_at"] = serde_json::Value::Null;
+        tree["run"]["finished_at"] = serde_json::Value::Null;
+        tree
+    };
+    let one_by_one = (tree(&stores[0], ids[0]).await, rows(&stores[0]).await);
+    assert_eq!(one_by_one.0["run"]["status"], "finished");
+    // Step 2's stored request refers to step 0's answer rather than holding it.
+    let step2 = one_by_one.1[2].2.as_deref().expect("a request");
+    assert!(!step2.contains(&prose(20, 2_000)[..200]), "{step2}");
+    for (store, id) in stores.iter().zip(&ids).skip(1) {
+        assert_eq!(tree(store, *id).await, one_by_one.0, "{}", store.path().display());
+        assert_eq!(rows(store).await, one_by_one.1, "{}", store.path().display());
+    }
+
+    // A batch whose last event cannot be recorded (a step that starts twice) takes the events
+    // before it down with it.
+    let store = Store::open(&dir.path().join("failed.sqlite")).await.expect("opens");
+    let mut recorder = store.recorder(None);
+    let first_step = events.iter().position(|e| matches!(e, RunEvent::StepStarted { .. })).expect("step_started");
+    let mut broken = events[..=first_step].to_vec();
+    broken.push(events[first_step].clone());
+    assert!(recorder.record_all(&broken).await.is_err(), "a step started twice");
+    assert!(store.list_runs(10, None).await.expect("list").is_empty(), "nothing of the batch is kept");
+    assert_eq!(recorder.run_id(), None);
+}
+
 /// Runs `request`, recording it, and stops the run once `deltas` text deltas have arrived;
 /// returns the run's id and the text streamed before the stop.
 async fn record_stopped_after(
