@@ -903,7 +903,8 @@ impl RunCtx<'_> {
             conductor: spent.conductor,
             workers: spent.workers,
             cost_unknown_for: spent.cost_unknown_for,
-            wall_ms: started.elapsed().as_millis() as u64,
+            // To the nearest millisecond: truncating would understate every run by half of one.
+            wall_ms: ((started.elapsed().as_micros() + 500) / 1000) as u64,
             steps_finished: finished.to_vec(),
             steps_failed: failed.to_vec(),
             rounds: self.rounds.load(Ordering::SeqCst),

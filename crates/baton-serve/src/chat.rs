@@ -682,19 +682,23 @@ fn stream(run: Running) -> Response {
                     Some((vec![sse(&first)], (run, progress, Stage::Events, streamed)))
                 }
                 Stage::Events => {
-                    let Some(event) = run.events.recv().await else {
-                        let e = ApiError::internal("the run ended without a result");
-                        return Some((vec![sse(&e.body()), DONE.to_owned()], (run, progress, Stage::Done, streamed)));
-                    };
-                    // Events that are already waiting go out in the same write: under load,
-                    // fewer and fuller writes for the server and the client alike.
+                    // Events that are already waiting go out in the same write, and events
+                    // that show nothing make no write: under load, fewer and fuller writes for
+                    // the server and the client alike.
                     let mut out = Vec::new();
-                    let mut next = Some(event);
-                    while let Some(event) = next {
-                        if on_event(&run, &mut progress, &mut streamed, event, &mut out) {
+                    while out.is_empty() {
+                        let Some(event) = run.events.recv().await else {
+                            let e = ApiError::internal("the run ended without a result");
+                            out.extend([sse(&e.body()), DONE.to_owned()]);
                             return Some((out, (run, progress, Stage::Done, streamed)));
+                        };
+                        let mut next = Some(event);
+                        while let Some(event) = next {
+                            if on_event(&run, &mut progress, &mut streamed, event, &mut out) {
+                                return Some((out, (run, progress, Stage::Done, streamed)));
+                            }
+                            next = run.events.try_recv().ok();
                         }
-                        next = run.events.try_recv().ok();
                     }
                     Some((out, (run, progress, Stage::Events, streamed)))
                 }
