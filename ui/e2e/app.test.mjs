@@ -497,7 +497,8 @@ api_key_env = "BATON_E2E_CONDUCTOR_KEY"
     await click(await find("nav-conductor"));
     await click(await find("open-logs"));
     // The desktop's opener on PATH is the test's own, which notes what it was asked to open.
-    await driver.wait(async () => existsSync(OPENED), 10000);
+    // The shell creates the file before it writes the line: wait for the line.
+    await driver.wait(async () => existsSync(OPENED) && readFileSync(OPENED, "utf8").endsWith("\n"), 10000);
     const logs = join(WORK, "logs");
     assert.equal(readFileSync(OPENED, "utf8").trim(), logs);
     assert.equal(await textOf(await find("logs-note")), logs);
