@@ -397,7 +397,7 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
         } else {
             println!("  answered: {answered} of {runs}; no history");
         }
-        println!("  added by the server (client wall − run wall, an upper bound: the run's wall is in whole ms)");
+        println!("  added by the server (client wall − run wall; the run's wall is to the nearest ms, so ±0.5 ms)");
         println!("    on open connections:  p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms ({total_s:.2} s in all)");
         println!("    on new connections:   p50 {cold_p50:.2} ms, p99 {cold_p99:.2} ms ({cold_s:.2} s in all)");
         for e in errors.iter().take(5) {

@@ -104,6 +104,7 @@ impl Recorder {
             return Ok(());
         }
         let before = (self.conversation, self.run, self.seq);
+        let had_lock = self.lock.is_some();
         let mut added: Vec<String> = Vec::new();
         let mut tx = self.store.write().await?;
         let mut applied = Ok(());
@@ -122,15 +123,23 @@ impl Recorder {
             for text in added {
                 self.texts.remove(&text);
             }
+            // A run this batch started is not in the history: nor is it live.
+            if !had_lock {
+                self.release_lock();
+            }
             return Err(e);
         }
-        if stored.iter().any(|e| e.is_terminal())
-            && let Some((file, path)) = self.lock.take()
-        {
+        if stored.iter().any(|e| e.is_terminal()) {
+            self.release_lock();
+        }
+        Ok(())
+    }
+
+    fn release_lock(&mut self) {
+        if let Some((file, path)) = self.lock.take() {
             drop(file);
             let _ = std::fs::remove_file(path);
         }
-        Ok(())
     }
 
     /// One event's rows, in the batch's transaction. Texts it stores are known to later events

@@ -629,6 +629,12 @@ async fn events_recorded_in_batches_leave_the_same_history_as_one_by_one() {
     assert!(recorder.record_all(&broken).await.is_err(), "a step started twice");
     assert!(store.list_runs(10, None).await.expect("list").is_empty(), "nothing of the batch is kept");
     assert_eq!(recorder.run_id(), None);
+    // Nor is the run live: its lock file went with the batch.
+    let locks = dir.path().join("failed.sqlite.locks");
+    let left: Vec<_> = std::fs::read_dir(&locks)
+        .map(|d| d.filter_map(Result::ok).map(|e| e.file_name()).filter(|n| n != "opening.lock").collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "lock files left: {left:?}");
 }
 
 /// Runs `request`, recording it, and stops the run once `deltas` text deltas have arrived;
