@@ -263,7 +263,6 @@ async fn measure(plan: &Plan, latency: Duration) -> Result<Sample, Failure> {
 }
 
 async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> Outcome {
-    use futures::StreamExt;
     if requests == 0 {
         return Err(Failure::BadInput("--requests must be at least 1".into()));
     }
@@ -304,60 +303,64 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
     );
     let shutdown = CancellationToken::new();
     let server = tokio::spawn(baton_serve::serve(listener, service.clone(), shutdown.clone()));
-    let client = reqwest::Client::builder().pool_max_idle_per_host(requests).build().map_err(|e| failed(&e))?;
-    let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
     let body = serde_json::json!({
         "model": "baton/w0",
         "messages": [{ "role": "user", "content": "How fast is the server?" }],
         "stream": true,
-    });
-    let one = |client: reqwest::Client, url: String, body: serde_json::Value| async move {
-        let started = Instant::now();
-        let response = client.post(&url).bearer_auth(token).json(&body).send().await.map_err(|e| e.to_string())?;
-        if !response.status().is_success() {
-            return Err(format!("status {}", response.status()));
-        }
-        let mut stream = response.bytes_stream();
-        let mut text = String::new();
-        while let Some(chunk) = stream.next().await {
-            text.push_str(&String::from_utf8_lossy(&chunk.map_err(|e| e.to_string())?));
-        }
-        let wall = started.elapsed().as_secs_f64() * 1000.0;
-        if !text.ends_with("data: [DONE]\n\n") {
-            return Err("the stream did not end with [DONE]".to_owned());
-        }
-        let last = text.rsplit("data: ").nth(1).unwrap_or_default();
-        let chunk: serde_json::Value = serde_json::from_str(last.trim()).map_err(|e| e.to_string())?;
-        let run_ms = chunk["baton"]["wall_ms"].as_f64().ok_or("no wall_ms in the last chunk")?;
-        Ok::<(f64, f64), String>((wall, run_ms))
-    };
+    })
+    .to_string();
+    let request: Arc<[u8]> = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {token}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+    .into();
     // Each request is its own task, as each would be its own client: the client side's work
     // spreads over the runtime's threads as the server's does.
-    let burst = async || {
-        let tasks: Vec<_> =
-            (0..requests).map(|_| tokio::spawn(one(client.clone(), url.clone(), body.clone()))).collect();
+    let burst = async |connections: Vec<Option<tokio::net::TcpStream>>| {
+        let tasks: Vec<_> = connections
+            .into_iter()
+            .map(|open| {
+                let request = request.clone();
+                tokio::spawn(async move {
+                    let started = Instant::now();
+                    let mut connection = match open {
+                        Some(c) => c,
+                        None => tokio::net::TcpStream::connect(("127.0.0.1", port)).await.map_err(|e| e.to_string())?,
+                    };
+                    let body = load::post(&mut connection, &request).await?;
+                    let wall = started.elapsed().as_secs_f64() * 1000.0;
+                    Ok::<_, String>((wall, load::run_wall_ms(&body)?, connection))
+                })
+            })
+            .collect();
         let mut overhead: Vec<f64> = Vec::new();
         let mut errors = Vec::new();
+        let mut open = Vec::new();
         for task in tasks {
             match task.await.map_err(|e| e.to_string()).and_then(|r| r) {
-                Ok((wall, run)) => overhead.push((wall - run).max(0.0)),
+                Ok((wall, run, connection)) => {
+                    overhead.push((wall - run).max(0.0));
+                    open.push(Some(connection));
+                }
                 Err(e) => errors.push(e),
             }
         }
         overhead.sort_by(f64::total_cmp);
-        (overhead, errors)
+        (overhead, errors, open)
     };
     // Two bursts: the first opens a connection per request, as new clients would; the second
     // reuses them, as a client with a connection pool (every SDK) does. The server's own cost
     // is the second's; the first adds the kernel's and the client's connection set-up.
     let started = Instant::now();
-    let (cold, mut errors) = burst().await;
+    let (cold, mut errors, open) = burst((0..requests).map(|_| None).collect()).await;
     let cold_s = started.elapsed().as_secs_f64();
     // The first burst's records are written before the second starts, so that the second
     // measures serving alone.
     service.settle().await;
     let started = Instant::now();
-    let (overhead, more) = burst().await;
+    let (overhead, more, _) = burst(open).await;
     let total_s = started.elapsed().as_secs_f64();
     errors.extend(more);
     let runs = 2 * requests;
@@ -470,6 +473,53 @@ async fn history(db: &std::path::Path, runs: u32, steps: u32, repeat: usize, jso
         println!("{}", serde_json::json!({"runs_in_db": newest, "fill_s": fill_s, "queries": figures}));
     }
     Ok(())
+}
+
+/// The serve bench's client: HTTP/1.1 by hand, one request at a time per connection. A client
+/// library's own work (pools, header maps, body streams) would run on the same two cores as the
+/// server and count as the server's; this one does little more than copy bytes.
+mod load {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    /// Sends `request` and reads its response to the end of its chunked body; returns the body.
+    pub(super) async fn post(connection: &mut TcpStream, request: &[u8]) -> Result<String, String> {
+        connection.write_all(request).await.map_err(|e| e.to_string())?;
+        let mut received = Vec::with_capacity(4096);
+        // Every chunked body ends with an empty chunk; an SSE body never holds a `\r`.
+        while !received.ends_with(b"\r\n0\r\n\r\n") {
+            if connection.read_buf(&mut received).await.map_err(|e| e.to_string())? == 0 {
+                return Err("the server closed the connection mid-response".into());
+            }
+            if received.starts_with(b"HTTP/1.1 ") && !received.starts_with(b"HTTP/1.1 200") {
+                let line = received.split(|&b| b == b'\r').next().unwrap_or_default();
+                return Err(String::from_utf8_lossy(line).into_owned());
+            }
+        }
+        let text = String::from_utf8(received).map_err(|e| e.to_string())?;
+        let (head, mut chunked) = text.split_once("\r\n\r\n").ok_or("no end to the response's headers")?;
+        if !head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+            return Err("the response is not chunked".into());
+        }
+        let mut body = String::new();
+        loop {
+            let (size, rest) = chunked.split_once("\r\n").ok_or("a chunk without its size")?;
+            let size = usize::from_str_radix(size, 16).map_err(|e| format!("chunk size {size:?}: {e}"))?;
+            if size == 0 {
+                return Ok(body);
+            }
+            body.push_str(rest.get(..size).ok_or("a chunk shorter than its size")?);
+            chunked = rest.get(size + 2..).ok_or("a chunk without its end")?;
+        }
+    }
+
+    /// The run's own wall time, from the `baton` object of a stream's last chunk.
+    pub(super) fn run_wall_ms(body: &str) -> Result<f64, String> {
+        let body = body.strip_suffix("data: [DONE]\n\n").ok_or("the stream did not end with [DONE]")?;
+        let last = body.rsplit("data: ").next().unwrap_or_default();
+        let chunk: serde_json::Value = serde_json::from_str(last.trim()).map_err(|e| e.to_string())?;
+        chunk["baton"]["wall_ms"].as_f64().ok_or_else(|| "no wall_ms in the last chunk".to_owned())
+    }
 }
 
 fn median_max(values: &mut [f64]) -> (f64, f64) {
