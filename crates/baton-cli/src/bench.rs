@@ -329,38 +329,42 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
                         Some(c) => c,
                         None => tokio::net::TcpStream::connect(("127.0.0.1", port)).await.map_err(|e| e.to_string())?,
                     };
-                    let body = load::post(&mut connection, &request).await?;
+                    let (head, body) = load::post(&mut connection, &request).await?;
                     let wall = started.elapsed().as_secs_f64() * 1000.0;
-                    Ok::<_, String>((wall, load::run_wall_ms(&body)?, connection))
+                    let head = (head - started).as_secs_f64() * 1000.0;
+                    Ok::<_, String>((wall, head, load::run_wall_ms(&body)?, connection))
                 })
             })
             .collect();
         let mut overhead: Vec<f64> = Vec::new();
+        let mut heads: Vec<f64> = Vec::new();
         let mut errors = Vec::new();
         let mut open = Vec::new();
         for task in tasks {
             match task.await.map_err(|e| e.to_string()).and_then(|r| r) {
-                Ok((wall, run, connection)) => {
+                Ok((wall, head, run, connection)) => {
                     overhead.push((wall - run).max(0.0));
+                    heads.push(head);
                     open.push(Some(connection));
                 }
                 Err(e) => errors.push(e),
             }
         }
         overhead.sort_by(f64::total_cmp);
-        (overhead, errors, open)
+        heads.sort_by(f64::total_cmp);
+        (overhead, heads, errors, open)
     };
     // Two bursts: the first opens a connection per request, as new clients would; the second
     // reuses them, as a client with a connection pool (every SDK) does. The server's own cost
     // is the second's; the first adds the kernel's and the client's connection set-up.
     let started = Instant::now();
-    let (cold, mut errors, open) = burst((0..requests).map(|_| None).collect()).await;
+    let (cold, _, mut errors, open) = burst((0..requests).map(|_| None).collect()).await;
     let cold_s = started.elapsed().as_secs_f64();
     // The first burst's records are written before the second starts, so that the second
     // measures serving alone.
     service.settle().await;
     let started = Instant::now();
-    let (overhead, more, _) = burst(open).await;
+    let (overhead, heads, more, _) = burst(open).await;
     let total_s = started.elapsed().as_secs_f64();
     errors.extend(more);
     let runs = 2 * requests;
@@ -381,13 +385,15 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
     let pct = |v: &[f64], p: f64| v.get(((v.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(f64::NAN);
     let (p50, p99, max) = (pct(&overhead, 0.5), pct(&overhead, 0.99), overhead.last().copied().unwrap_or(f64::NAN));
     let (cold_p50, cold_p99) = (pct(&cold, 0.5), pct(&cold, 0.99));
+    let (head_p50, head_p99) = (pct(&heads, 0.5), pct(&heads, 0.99));
     if json {
         println!(
             "{}",
             serde_json::json!({
                 "requests": requests, "latency_ms": latency_ms, "ok": overhead.len(), "errors": errors,
                 "history": history, "recorded_finished": finished, "runs": runs, "overhead_ms_p50": p50,
-                "overhead_ms_p99": p99, "overhead_ms_max": max, "total_s": total_s, "new_connections": {
+                "overhead_ms_p99": p99, "overhead_ms_max": max, "head_ms_p50": head_p50, "head_ms_p99": head_p99,
+                "total_s": total_s, "new_connections": {
                     "ok": cold.len(), "overhead_ms_p50": cold_p50, "overhead_ms_p99": cold_p99, "total_s": cold_s,
                 },
             })
@@ -402,6 +408,9 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
         }
         println!("  added by the server (client wall − run wall; the run's wall is to the nearest ms, so ±0.5 ms)");
         println!("    on open connections:  p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms ({total_s:.2} s in all)");
+        println!(
+            "    of which before the run (request sent to response head): p50 {head_p50:.2} ms, p99 {head_p99:.2} ms"
+        );
         println!("    on new connections:   p50 {cold_p50:.2} ms, p99 {cold_p99:.2} ms ({cold_s:.2} s in all)");
         for e in errors.iter().take(5) {
             println!("  error: {e}");
@@ -479,18 +488,23 @@ async fn history(db: &std::path::Path, runs: u32, steps: u32, repeat: usize, jso
 /// library's own work (pools, header maps, body streams) would run on the same two cores as the
 /// server and count as the server's; this one does little more than copy bytes.
 mod load {
+    use std::time::Instant;
+
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
 
-    /// Sends `request` and reads its response to the end of its chunked body; returns the body.
-    pub(super) async fn post(connection: &mut TcpStream, request: &[u8]) -> Result<String, String> {
+    /// Sends `request` and reads its response to the end of its chunked body; returns when its
+    /// first bytes (the head) arrived, and the body.
+    pub(super) async fn post(connection: &mut TcpStream, request: &[u8]) -> Result<(Instant, String), String> {
         connection.write_all(request).await.map_err(|e| e.to_string())?;
         let mut received = Vec::with_capacity(4096);
+        let mut first = None;
         // Every chunked body ends with an empty chunk; an SSE body never holds a `\r`.
         while !received.ends_with(b"\r\n0\r\n\r\n") {
             if connection.read_buf(&mut received).await.map_err(|e| e.to_string())? == 0 {
                 return Err("the server closed the connection mid-response".into());
             }
+            first.get_or_insert_with(Instant::now);
             if received.starts_with(b"HTTP/1.1 ") && !received.starts_with(b"HTTP/1.1 200") {
                 let line = received.split(|&b| b == b'\r').next().unwrap_or_default();
                 return Err(String::from_utf8_lossy(line).into_owned());
@@ -506,7 +520,7 @@ mod load {
             let (size, rest) = chunked.split_once("\r\n").ok_or("a chunk without its size")?;
             let size = usize::from_str_radix(size, 16).map_err(|e| format!("chunk size {size:?}: {e}"))?;
             if size == 0 {
-                return Ok(body);
+                return Ok((first.unwrap_or_else(Instant::now), body));
             }
             body.push_str(rest.get(..size).ok_or("a chunk shorter than its size")?);
             chunked = rest.get(size + 2..).ok_or("a chunk without its end")?;

@@ -22,6 +22,7 @@ use serde_json::{Map, Value, json};
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tokio_util::sync::CancellationToken;
 
+use crate::history::Hold;
 use crate::{ApiError, Service};
 
 /// Fields of OpenAI's Chat Completions request and what Baton does with each.
@@ -386,18 +387,18 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
     let cancel = CancellationToken::new();
     let executor = service.executor.clone();
     let (created, workers) = (service.created, service.workers.clone());
-    let service = service.clone();
-    let mut recorder = service.store.as_ref().map(|s| s.recorder(call.conversation));
+    let hold = Hold { _permit: permit, _recording: service.recording.enter() };
+    // The history records the events beside the client, on the server's one writer; without a
+    // history the run holds its place itself until it ends.
+    let (log, hold) = match service.history() {
+        Some((store, writer)) => (Some(writer.begin(store.recorder(call.conversation), hold)), None),
+        None => (None, Some(hold)),
+    };
     let stop = cancel.clone();
-    let recording = service.recording.enter();
+    let service = service.clone();
     tokio::spawn(async move {
-        let _permit = permit;
-        let _recording = recording;
+        let _hold = hold;
         let (tx, mut rx) = mpsc::unbounded_channel::<RunEvent>();
-        // The client gets each event as the executor emits it; the history records them in
-        // order beside it, so a busy database never holds up an answer.
-        let (to_history, mut for_history) = mpsc::unbounded_channel::<RunEvent>();
-        let recording = recorder.is_some();
         let mut cost = 0.0;
         let relay = async {
             while let Some(event) = rx.recv().await {
@@ -408,33 +409,20 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
                     service.spend(totals.cost_usd);
                     cost = totals.cost_usd;
                 }
-                if recording {
-                    let _ = to_history.send(event.clone());
+                if let Some(log) = &log {
+                    log.event(event.clone());
                 }
                 let _ = to_client.send(event);
-            }
-            drop(to_history);
-        };
-        let record = async {
-            // Under load the history falls behind the runs: what waits is recorded in one
-            // transaction, which keeps the database's share of the machine small.
-            let mut waiting = Vec::new();
-            while for_history.recv_many(&mut waiting, 64).await > 0 {
-                let events = std::mem::take(&mut waiting);
-                if let Some(r) = &mut recorder
-                    && let Err(e) = r.record_all(&events).await
-                {
-                    tracing::warn!("a served run is not fully recorded in the history: {e}");
-                    recorder = None;
-                }
             }
         };
         let run = async {
             executor.run(request, &tx, &stop).await;
             drop(tx);
         };
-        tokio::join!(run, relay, record);
-        service.record_spend(cost).await;
+        tokio::join!(run, relay);
+        if let Some(log) = log {
+            log.end(cost);
+        }
     });
     Running {
         run_id,

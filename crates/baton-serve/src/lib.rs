@@ -12,6 +12,7 @@
 mod chat;
 mod error;
 pub mod guard;
+mod history;
 mod models;
 mod responses;
 mod token;
@@ -80,6 +81,8 @@ pub struct Service {
     runs: Arc<Semaphore>,
     /// Runs whose events the history is still recording (it records beside the answer).
     recording: Arc<InFlight>,
+    /// The history's writer, started with the first run (on the runtime that serves).
+    writer: std::sync::OnceLock<history::Writer>,
     /// What the server spent on the day it is counting (days since 1970, UTC; dollars).
     spent_today: std::sync::Mutex<(u64, f64)>,
     /// Unix seconds the server started: the models' `created`.
@@ -127,6 +130,7 @@ impl Service {
             store,
             runs: Arc::new(Semaphore::new(options.max_concurrent_runs.max(1))),
             recording: Arc::default(),
+            writer: std::sync::OnceLock::new(),
             spent_today: std::sync::Mutex::new((0, 0.0)),
             guard,
             options,
@@ -272,13 +276,10 @@ impl Service {
     }
 
     /// Keeps a finished run's cost in the history, for [`Service::restore_spend`].
-    async fn record_spend(&self, usd: f64) {
-        if let Some(store) = &self.store
-            && usd > 0.0
-            && let Err(e) = store.add_serve_spend(now_secs() / 86_400, usd).await
-        {
-            tracing::warn!("a run's cost could not be added to today's spending in the history: {e}");
-        }
+    /// The history and its writer, when the server keeps a history.
+    fn history(&self) -> Option<(&Store, &history::Writer)> {
+        let store = self.store.as_ref()?;
+        Some((store, self.writer.get_or_init(|| history::Writer::spawn(store.clone()))))
     }
 
     /// Counts a finished run's cost against the day.

@@ -2,7 +2,8 @@
 //!
 //! Each event is one transaction (its row changes and its line in `events`), so a crash loses
 //! at most what was in flight; a writer that fell behind may record the events waiting for it
-//! in one ([`Recorder::record_all`]). While a run records, its recorder holds an OS lock on a file
+//! in one ([`Recorder::record_all`]), and a server the events of all its runs that wait
+//! ([`Store::record_many`], a savepoint per run). While a run records, its recorder holds an OS lock on a file
 //! beside the database (`<db>.locks/<run uid>.lock`); the lock dies with the process, which is
 //! how [`crate::Store::open`] tells a run that is still going in another process from one whose
 //! process was killed.
@@ -43,6 +44,85 @@ pub struct Recorder {
     /// Whether the run's question and answer join the conversation's turns (what a conductor
     /// sees in a follow-up). A worker's run beside the conductor's (compare in chat) does not.
     messages: bool,
+}
+
+/// What a recorder forgets when a batch it applied is not kept.
+struct Undo {
+    before: (Option<i64>, Option<i64>, i64),
+    had_lock: bool,
+    added: Vec<String>,
+}
+
+impl Store {
+    /// Records several runs' waiting events in one transaction: a server with many runs at once
+    /// makes one commit where it would make one per run (and per event). Each run's events are
+    /// kept or dropped together: when one of them fails, that run's part is rolled back and its
+    /// error returned in its place, and the other runs are kept. `serve_spend` (a day, dollars)
+    /// adds to what the server spent that day, in the same commit. The outer error is a commit
+    /// that failed: then nothing is kept.
+    pub async fn record_many(
+        &self,
+        runs: &mut [(&mut Recorder, &[RunEvent])],
+        serve_spend: Option<(u64, f64)>,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let stored: Vec<Vec<&RunEvent>> = runs.iter_mut().map(|(r, events)| r.stored(events)).collect();
+        let mut results: Vec<Result<(), StoreError>> = runs.iter().map(|_| Ok(())).collect();
+        if stored.iter().all(Vec::is_empty) && serve_spend.is_none() {
+            return Ok(results);
+        }
+        // One run alone needs no savepoint: its failure is the transaction's.
+        let alone = runs.len() == 1 && serve_spend.is_none();
+        let mut undos: Vec<Option<Undo>> = Vec::new();
+        let mut tx = self.write().await?;
+        for (((recorder, _), events), result) in runs.iter_mut().zip(&stored).zip(&mut results) {
+            if events.is_empty() {
+                undos.push(None);
+                continue;
+            }
+            let (undo, applied) = if alone {
+                recorder.apply_all(&mut tx, events).await
+            } else {
+                let mut part = sqlx::Connection::begin(&mut *tx).await?;
+                let (undo, applied) = recorder.apply_all(&mut part, events).await;
+                match &applied {
+                    Ok(()) => part.commit().await?,
+                    Err(_) => part.rollback().await?,
+                }
+                (undo, applied)
+            };
+            if let Err(e) = applied {
+                recorder.undo(undo);
+                *result = Err(e);
+                undos.push(None);
+            } else {
+                undos.push(Some(undo));
+            }
+        }
+        if alone && results[0].is_err() {
+            return Ok(results);
+        }
+        let spent = match serve_spend {
+            Some((day, usd)) => crate::serve_spend::add(&mut tx, day, usd).await,
+            None => Ok(()),
+        };
+        if let Err(e) = match spent {
+            Ok(()) => tx.commit().await.map_err(StoreError::from),
+            Err(e) => Err(e),
+        } {
+            for ((recorder, _), undo) in runs.iter_mut().zip(undos) {
+                if let Some(undo) = undo {
+                    recorder.undo(undo);
+                }
+            }
+            return Err(e);
+        }
+        for (((recorder, _), events), result) in runs.iter_mut().zip(&stored).zip(&results) {
+            if result.is_ok() && events.iter().any(|e| e.is_terminal()) {
+                recorder.release_lock();
+            }
+        }
+        Ok(results)
+    }
 }
 
 impl Recorder {
@@ -87,9 +167,16 @@ impl Recorder {
     /// many runs at once) catches up in one commit instead of one per event. On an error none of
     /// them is recorded.
     pub async fn record_all(&mut self, events: &[RunEvent]) -> Result<(), StoreError> {
-        // Text deltas are not stored: the finished texts arrive with PlanReady and StepFinished.
-        // A step's text so far is kept in memory, for a stop that cuts it short.
-        let stored: Vec<&RunEvent> = events
+        let store = self.store.clone();
+        let mut results = store.record_many(&mut [(self, events)], None).await?;
+        results.pop().unwrap_or(Ok(()))
+    }
+
+    /// The events of `events` that make rows; text deltas are not stored (the finished texts
+    /// arrive with PlanReady and StepFinished), but a step's text so far is kept in memory, for
+    /// a stop that cuts it short.
+    fn stored<'e>(&mut self, events: &'e [RunEvent]) -> Vec<&'e RunEvent> {
+        events
             .iter()
             .filter(|event| match event {
                 RunEvent::PlanDelta { .. } => false,
@@ -99,40 +186,35 @@ impl Recorder {
                 }
                 _ => true,
             })
-            .collect();
-        if stored.is_empty() {
-            return Ok(());
-        }
-        let before = (self.conversation, self.run, self.seq);
-        let had_lock = self.lock.is_some();
-        let mut added: Vec<String> = Vec::new();
-        let mut tx = self.store.write().await?;
-        let mut applied = Ok(());
-        for event in &stored {
-            applied = self.apply(&mut tx, event, &mut added).await;
-            if applied.is_err() {
-                break;
+            .collect()
+    }
+
+    /// Applies `events` in `tx`; returns what to undo should they not be kept.
+    async fn apply_all(
+        &mut self,
+        tx: &mut sqlx::SqliteConnection,
+        events: &[&RunEvent],
+    ) -> (Undo, Result<(), StoreError>) {
+        let mut undo =
+            Undo { before: (self.conversation, self.run, self.seq), had_lock: self.lock.is_some(), added: Vec::new() };
+        for event in events {
+            if let Err(e) = self.apply(tx, event, &mut undo.added).await {
+                return (undo, Err(e));
             }
         }
-        if let Err(e) = match applied {
-            Ok(()) => tx.commit().await.map_err(StoreError::from),
-            Err(e) => Err(e),
-        } {
-            // Nothing of this batch is in the database: forget what it would have made.
-            (self.conversation, self.run, self.seq) = before;
-            for text in added {
-                self.texts.remove(&text);
-            }
-            // A run this batch started is not in the history: nor is it live.
-            if !had_lock {
-                self.release_lock();
-            }
-            return Err(e);
+        (undo, Ok(()))
+    }
+
+    /// Nothing of a batch is in the database: forget what it would have made.
+    fn undo(&mut self, undo: Undo) {
+        (self.conversation, self.run, self.seq) = undo.before;
+        for text in undo.added {
+            self.texts.remove(&text);
         }
-        if stored.iter().any(|e| e.is_terminal()) {
+        // A run this batch started is not in the history: nor is it live.
+        if !undo.had_lock {
             self.release_lock();
         }
-        Ok(())
     }
 
     fn release_lock(&mut self) {

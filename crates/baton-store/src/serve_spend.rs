@@ -5,14 +5,9 @@ use crate::{Store, StoreError};
 impl Store {
     /// Adds `usd` to what the server spent on `day` (days since 1970, UTC).
     pub async fn add_serve_spend(&self, day: u64, usd: f64) -> Result<(), StoreError> {
-        sqlx::query(
-            "INSERT INTO serve_spend (day, usd) VALUES (?, ?) ON CONFLICT (day) DO UPDATE SET usd = usd + excluded.usd",
-        )
-        .bind(i64::try_from(day).unwrap_or(i64::MAX))
-        .bind(usd)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
+        let mut tx = self.write().await?;
+        add(&mut tx, day, usd).await?;
+        Ok(tx.commit().await?)
     }
 
     /// What the server spent on `day` (days since 1970, UTC): 0 for a day it spent nothing.
@@ -38,4 +33,16 @@ mod tests {
         assert_eq!(store.serve_spend(20_000).await.expect("read"), 0.75);
         assert_eq!(store.serve_spend(20_001).await.expect("read"), 2.0);
     }
+}
+
+/// Adds `usd` to `day`'s spending in a transaction already open (see [`Store::record_many`]).
+pub(crate) async fn add(tx: &mut sqlx::SqliteConnection, day: u64, usd: f64) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO serve_spend (day, usd) VALUES (?, ?) ON CONFLICT (day) DO UPDATE SET usd = usd + excluded.usd",
+    )
+    .bind(i64::try_from(day).unwrap_or(i64::MAX))
+    .bind(usd)
+    .execute(tx)
+    .await?;
+    Ok(())
 }

@@ -565,19 +565,7 @@ async fn a_five_step_all_plan_stores_each_output_once() {
 #[tokio::test]
 async fn events_recorded_in_batches_leave_the_same_history_as_one_by_one() {
     let server = TestServer::start().await.expect("server");
-    let pool = pool(&server, &[("writer", "long")]);
-    server.queue_replies("long", (20..23).map(|i| prose(i, 2_000)));
-    let plan =
-        "model_id = [0, 0, 0]\nsubtasks = [\"Draft.\", \"Check.\", \"Finish.\"]\naccess_list = [[], \"all\", \"all\"]";
-    let executor = Executor::from_pool_with_keys(&pool, |_| Arc::new(|| Ok(Some(ApiKey::new("test-key")))));
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    executor.run(given("Why is the sky blue?", plan), &tx, &CancellationToken::new()).await;
-    drop(tx);
-    let mut events = Vec::new();
-    while let Some(e) = rx.recv().await {
-        events.push(e);
-    }
-    assert!(events.len() > 8, "{} events", events.len());
+    let events = three_steps_that_see_all(&server).await;
 
     let dir = tempfile::tempdir().expect("tempdir");
     let (mut stores, mut ids) = (Vec::new(), Vec::new());
@@ -631,6 +619,91 @@ async fn events_recorded_in_batches_leave_the_same_history_as_one_by_one() {
     assert_eq!(recorder.run_id(), None);
     // Nor is the run live: its lock file went with the batch.
     let locks = dir.path().join("failed.sqlite.locks");
+    let left: Vec<_> = std::fs::read_dir(&locks)
+        .map(|d| d.filter_map(Result::ok).map(|e| e.file_name()).filter(|n| n != "opening.lock").collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "lock files left: {left:?}");
+}
+
+/// The events of a 3-step run whose later steps see all before them (long answers, so that
+/// a stored request that copied them would show).
+async fn three_steps_that_see_all(server: &TestServer) -> Vec<RunEvent> {
+    let pool = pool(server, &[("writer", "long")]);
+    server.queue_replies("long", (20..23).map(|i| prose(i, 2_000)));
+    let plan =
+        "model_id = [0, 0, 0]\nsubtasks = [\"Draft.\", \"Check.\", \"Finish.\"]\naccess_list = [[], \"all\", \"all\"]";
+    let executor = Executor::from_pool_with_keys(&pool, |_| Arc::new(|| Ok(Some(ApiKey::new("test-key")))));
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    executor.run(given("Why is the sky blue?", plan), &tx, &CancellationToken::new()).await;
+    drop(tx);
+    let mut events = Vec::new();
+    while let Some(e) = rx.recv().await {
+        events.push(e);
+    }
+    assert!(events.len() > 8, "{} events", events.len());
+    events
+}
+
+/// `events` as another run's: the same but for the run's id.
+fn as_run(events: &[RunEvent], uid: &str) -> Vec<RunEvent> {
+    let mut events = events.to_vec();
+    if let Some(RunEvent::RunStarted { run_id, .. }) = events.first_mut() {
+        *run_id = uid.to_owned();
+    }
+    events
+}
+
+/// A server records the events of many runs in one transaction, a savepoint per run: a run whose
+/// events fail leaves nothing, and takes nothing of the others down with it.
+#[tokio::test]
+async fn runs_recorded_in_one_transaction_keep_apart() {
+    let server = TestServer::start().await.expect("server");
+    let events = three_steps_that_see_all(&server).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&dir.path().join("h.sqlite")).await.expect("opens");
+    let (a, b, c) = (as_run(&events, "run-a"), as_run(&events, "run-b"), as_run(&events, "run-c"));
+    // Run c's step starts twice: its batch cannot be recorded.
+    let first_step = c.iter().position(|e| matches!(e, RunEvent::StepStarted { .. })).expect("step_started");
+    let mut broken = c[..=first_step].to_vec();
+    broken.push(c[first_step].clone());
+    let split = events.iter().position(|e| matches!(e, RunEvent::StepFinished { step: 0, .. })).expect("step 0") + 1;
+    let (mut ra, mut rb, mut rc) = (store.recorder(None), store.recorder(None), store.recorder(None));
+    let results = store
+        .record_many(&mut [(&mut ra, &a[..split]), (&mut rc, &broken), (&mut rb, &b[..split])], Some((7, 0.25)))
+        .await
+        .expect("committed");
+    assert!(results[0].is_ok() && results[1].is_err() && results[2].is_ok(), "{results:?}");
+    assert_eq!(rc.run_id(), None, "the failed run is forgotten");
+    let results =
+        store.record_many(&mut [(&mut rb, &b[split..]), (&mut ra, &a[split..])], None).await.expect("committed");
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+
+    let runs = store.list_runs(10, None).await.expect("list");
+    let mut questions: Vec<_> = runs.iter().map(|r| (r.id, r.status)).collect();
+    questions.sort_by_key(|r| r.0);
+    let (ida, idb) = (ra.run_id().expect("a"), rb.run_id().expect("b"));
+    assert_eq!(questions, vec![(ida, RunStatus::Finished), (idb, RunStatus::Finished)]);
+    // Both runs are whole, and the same but for their ids.
+    let tree = async |id: i64| {
+        let mut tree = serde_json::to_value(store.run(id).await.expect("query").expect("run")).expect("json");
+        for key in ["id", "uid", "conversation_id", "started_at", "finished_at"] {
+            tree["run"][key] = serde_json::Value::Null;
+        }
+        for step in tree["steps"].as_array_mut().expect("steps") {
+            step["run_id"] = serde_json::Value::Null;
+        }
+        tree
+    };
+    let (tree_a, tree_b) = (tree(ida).await, tree(idb).await);
+    assert_eq!(tree_a["steps"].as_array().map(Vec::len), Some(3));
+    for part in ["run", "plans", "steps"] {
+        assert!(tree_a[part] == tree_b[part], "runs a and b differ in {part}");
+    }
+    assert_eq!(tree_a["events"].as_array().map(Vec::len), tree_b["events"].as_array().map(Vec::len));
+    // The day's spending came in the first commit.
+    assert!((store.serve_spend(7).await.expect("spend") - 0.25).abs() < 1e-12);
+    // No run is left live: the finished ones gave their locks back, the failed one never kept its.
+    let locks = dir.path().join("h.sqlite.locks");
     let left: Vec<_> = std::fs::read_dir(&locks)
         .map(|d| d.filter_map(Result::ok).map(|e| e.file_name()).filter(|n| n != "opening.lock").collect())
         .unwrap_or_default();

@@ -1,0 +1,168 @@
+//! The server's history writer: one task records the events of every run the server makes.
+//!
+//! Runs send their events here as the client gets them, so a busy database never holds up an
+//! answer. The writer takes all that waits at once and commits it in one transaction, a
+//! savepoint per run ([`Store::record_many`]): 64 runs that end together make one commit, not
+//! 64, which keeps the database's share of a small machine's cores small when it is busiest.
+//! A run keeps its place under the server's concurrency limit until its record is committed
+//! (its [`Hold`]), so a slow history slows new requests instead of falling behind without end.
+
+use std::collections::HashMap;
+
+use baton_engine::RunEvent;
+use baton_store::{Recorder, Store};
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
+
+use crate::{InFlightGuard, now_secs};
+
+/// What a run holds until the history has its last event: its place under the concurrency
+/// limit, and its count among the runs [`crate::Service::settle`] waits for.
+#[derive(Debug)]
+pub(crate) struct Hold {
+    pub(crate) _permit: OwnedSemaphorePermit,
+    pub(crate) _recording: InFlightGuard,
+}
+
+/// The sending end of the writer; the task stops when the service (its only owner) is dropped.
+#[derive(Debug)]
+pub(crate) struct Writer {
+    to: mpsc::UnboundedSender<Entry>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+/// One run's way into the history.
+#[derive(Debug)]
+pub(crate) struct RunLog {
+    run: u64,
+    to: mpsc::UnboundedSender<Entry>,
+}
+
+#[derive(Debug)]
+enum Entry {
+    Begin {
+        run: u64,
+        recorder: Recorder,
+        hold: Hold,
+    },
+    Event {
+        run: u64,
+        event: RunEvent,
+    },
+    /// The run sent its last event; it cost `cost_usd`, counted in the day's spending.
+    End {
+        run: u64,
+        cost_usd: f64,
+    },
+}
+
+/// How long the writer waits, once woken, for more to record.
+const GATHER: std::time::Duration = std::time::Duration::from_millis(5);
+
+/// At most this many entries go into one transaction, so one commit stays short.
+const BATCH: usize = 4096;
+
+impl Writer {
+    /// Starts the writer's task on the current runtime.
+    pub(crate) fn spawn(store: Store) -> Writer {
+        let (to, from) = mpsc::unbounded_channel();
+        tokio::spawn(write(store, from));
+        Writer { to, next: Default::default() }
+    }
+
+    /// Registers a run that `recorder` records; `hold` is dropped once its record is whole.
+    pub(crate) fn begin(&self, recorder: Recorder, hold: Hold) -> RunLog {
+        let run = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let _ = self.to.send(Entry::Begin { run, recorder, hold });
+        RunLog { run, to: self.to.clone() }
+    }
+}
+
+impl RunLog {
+    pub(crate) fn event(&self, event: RunEvent) {
+        let _ = self.to.send(Entry::Event { run: self.run, event });
+    }
+
+    /// The run is over (its events all sent); `cost_usd` is what it cost.
+    pub(crate) fn end(self, cost_usd: f64) {
+        let _ = self.to.send(Entry::End { run: self.run, cost_usd });
+    }
+}
+
+/// A run being recorded: its recorder (`None` once a write of it failed: the rest of its events
+/// are dropped, with a warning) and what it holds.
+struct Live {
+    recorder: Option<Recorder>,
+    _hold: Hold,
+}
+
+async fn write(store: Store, mut from: mpsc::UnboundedReceiver<Entry>) {
+    let mut live: HashMap<u64, Live> = HashMap::new();
+    let mut entries = Vec::with_capacity(BATCH);
+    while from.recv_many(&mut entries, BATCH).await > 0 {
+        // What wakes the writer is usually one of many events at once (runs that end together):
+        // a moment's wait lets the answers go out first and gathers the rest into this commit.
+        tokio::time::sleep(GATHER).await;
+        while entries.len() < BATCH
+            && let Ok(entry) = from.try_recv()
+        {
+            entries.push(entry);
+        }
+        // Each run's events, in the order the runs first appear; then the runs that ended.
+        let mut events: Vec<(u64, Vec<RunEvent>)> = Vec::new();
+        let mut at: HashMap<u64, usize> = HashMap::new();
+        let mut ended = Vec::new();
+        let mut cost_usd = 0.0;
+        for entry in entries.drain(..) {
+            match entry {
+                Entry::Begin { run, recorder, hold } => {
+                    live.insert(run, Live { recorder: Some(recorder), _hold: hold });
+                }
+                Entry::Event { run, event } => {
+                    let i = *at.entry(run).or_insert_with(|| {
+                        events.push((run, Vec::new()));
+                        events.len() - 1
+                    });
+                    events[i].1.push(event);
+                }
+                Entry::End { run, cost_usd: cost } => {
+                    ended.push(run);
+                    cost_usd += cost;
+                }
+            }
+        }
+        // The recorders leave the map for the commit (each is borrowed mutably beside the others).
+        let mut parts: Vec<(u64, Recorder, Vec<RunEvent>)> = events
+            .into_iter()
+            .filter_map(|(run, events)| {
+                let recorder = live.get_mut(&run)?.recorder.take()?;
+                Some((run, recorder, events))
+            })
+            .collect();
+        let spend = (cost_usd > 0.0).then(|| (now_secs() / 86_400, cost_usd));
+        let mut batch: Vec<(&mut Recorder, &[RunEvent])> =
+            parts.iter_mut().map(|(_, recorder, events)| (recorder, events.as_slice())).collect();
+        let results = store.record_many(&mut batch, spend).await;
+        let kept: Vec<bool> = match results {
+            Ok(results) => results
+                .into_iter()
+                .map(|r| {
+                    r.inspect_err(|e| tracing::warn!("a served run is not fully recorded in the history: {e}")).is_ok()
+                })
+                .collect(),
+            Err(e) => {
+                tracing::warn!("{} served runs are not fully recorded in the history: {e}", parts.len());
+                vec![false; parts.len()]
+            }
+        };
+        for ((run, recorder, _), kept) in parts.into_iter().zip(kept) {
+            if let Some(l) = live.get_mut(&run)
+                && kept
+            {
+                l.recorder = Some(recorder);
+            }
+        }
+        for run in ended {
+            live.remove(&run);
+        }
+    }
+}
