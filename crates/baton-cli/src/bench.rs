@@ -293,7 +293,7 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
     let serve_options = baton_serve::ServeOptions {
         port,
         token: Some(token.into()),
-        // A run holds its slot until its record is written, which may overlap the next burst.
+        // Room for both bursts: runs still waiting for the history count against the limit.
         max_concurrent_runs: 2 * requests,
         ..baton_serve::ServeOptions::default()
     };

@@ -22,7 +22,6 @@ use serde_json::{Map, Value, json};
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tokio_util::sync::CancellationToken;
 
-use crate::history::Hold;
 use crate::{ApiError, Service};
 
 /// Fields of OpenAI's Chat Completions request and what Baton does with each.
@@ -309,9 +308,18 @@ pub(crate) async fn read_body(service: &Service, body: Body) -> Result<axum::bod
     })
 }
 
-/// A run slot for `call` (429 when all are busy), with its cost capped at what is left of the
-/// day's cap.
+/// A run slot for `call` (429 when all are busy, or when the history has fallen a whole set of
+/// runs behind), with its cost capped at what is left of the day's cap.
 pub(crate) fn admit(service: &Service, call: &mut Call) -> Result<OwnedSemaphorePermit, ApiError> {
+    let most = service.options.max_concurrent_runs.max(1);
+    // Runs going, and runs that ended but wait for the history: the wait is usually a few
+    // milliseconds; a backlog as large as the limit means a history that cannot keep up.
+    if service.recording.count() >= 2 * most {
+        return Err(ApiError::busy(
+            "the history is behind on recording this server's runs; try again shortly",
+            Some(1),
+        ));
+    }
     let Ok(permit) = service.runs.clone().try_acquire_owned() else {
         return Err(ApiError::busy(
             format!(
@@ -387,19 +395,15 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
     let cancel = CancellationToken::new();
     let executor = service.executor.clone();
     let (created, workers) = (service.created, service.workers.clone());
-    let hold = Hold { _permit: permit, _recording: service.recording.enter() };
-    // The history records the events beside the client, on the server's one writer; without a
-    // history the run holds its place itself until it ends.
-    let (log, hold) = match service.history() {
-        Some((store, writer)) => (Some(writer.begin(store.recorder(call.conversation), hold)), None),
-        None => (None, Some(hold)),
-    };
+    let recording = service.recording.enter();
+    // The history records the events beside the client, on the server's one writer.
+    let log = service.history().map(|(store, writer)| writer.begin(store.recorder(call.conversation), recording));
     let stop = cancel.clone();
     let service = service.clone();
     tokio::spawn(async move {
-        let _hold = hold;
+        // The run's place under the concurrency limit is free once it has ended.
+        let _permit = permit;
         let (tx, mut rx) = mpsc::unbounded_channel::<RunEvent>();
-        let mut cost = 0.0;
         let relay = async {
             while let Some(event) = rx.recv().await {
                 if let RunEvent::RunFinished { totals, .. }
@@ -407,7 +411,6 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
                 | RunEvent::RunCancelled { totals } = &event
                 {
                     service.spend(totals.cost_usd);
-                    cost = totals.cost_usd;
                 }
                 if let Some(log) = &log {
                     log.event(event.clone());
@@ -421,7 +424,7 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
         };
         tokio::join!(run, relay);
         if let Some(log) = log {
-            log.end(cost);
+            log.end();
         }
     });
     Running {

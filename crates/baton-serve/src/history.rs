@@ -4,24 +4,17 @@
 //! answer. The writer takes all that waits at once and commits it in one transaction, a
 //! savepoint per run ([`Store::record_many`]): 64 runs that end together make one commit, not
 //! 64, which keeps the database's share of a small machine's cores small when it is busiest.
-//! A run keeps its place under the server's concurrency limit until its record is committed
-//! (its [`Hold`]), so a slow history slows new requests instead of falling behind without end.
+//! A run counts among those the history is recording until its record is committed; when too
+//! many wait, new requests are refused (see `chat::admit`), so a slow history slows the server
+//! instead of falling behind without end.
 
 use std::collections::HashMap;
 
 use baton_engine::RunEvent;
 use baton_store::{Recorder, Store};
-use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tokio::sync::mpsc;
 
 use crate::{InFlightGuard, now_secs};
-
-/// What a run holds until the history has its last event: its place under the concurrency
-/// limit, and its count among the runs [`crate::Service::settle`] waits for.
-#[derive(Debug)]
-pub(crate) struct Hold {
-    pub(crate) _permit: OwnedSemaphorePermit,
-    pub(crate) _recording: InFlightGuard,
-}
 
 /// The sending end of the writer; the task stops when the service (its only owner) is dropped.
 #[derive(Debug)]
@@ -42,16 +35,15 @@ enum Entry {
     Begin {
         run: u64,
         recorder: Recorder,
-        hold: Hold,
+        recording: InFlightGuard,
     },
     Event {
         run: u64,
         event: RunEvent,
     },
-    /// The run sent its last event; it cost `cost_usd`, counted in the day's spending.
+    /// The run sent its last event (a run that ended without its terminal event is let go here).
     End {
         run: u64,
-        cost_usd: f64,
     },
 }
 
@@ -69,10 +61,10 @@ impl Writer {
         Writer { to, next: Default::default() }
     }
 
-    /// Registers a run that `recorder` records; `hold` is dropped once its record is whole.
-    pub(crate) fn begin(&self, recorder: Recorder, hold: Hold) -> RunLog {
+    /// Registers a run that `recorder` records; `recording` is dropped once its record is whole.
+    pub(crate) fn begin(&self, recorder: Recorder, recording: InFlightGuard) -> RunLog {
         let run = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let _ = self.to.send(Entry::Begin { run, recorder, hold });
+        let _ = self.to.send(Entry::Begin { run, recorder, recording });
         RunLog { run, to: self.to.clone() }
     }
 }
@@ -82,52 +74,62 @@ impl RunLog {
         let _ = self.to.send(Entry::Event { run: self.run, event });
     }
 
-    /// The run is over (its events all sent); `cost_usd` is what it cost.
-    pub(crate) fn end(self, cost_usd: f64) {
-        let _ = self.to.send(Entry::End { run: self.run, cost_usd });
+    /// The run is over: its events are all sent.
+    pub(crate) fn end(self) {
+        let _ = self.to.send(Entry::End { run: self.run });
     }
 }
 
 /// A run being recorded: its recorder (`None` once a write of it failed: the rest of its events
-/// are dropped, with a warning) and what it holds.
+/// are dropped, with a warning), and its count among the runs recording.
 struct Live {
     recorder: Option<Recorder>,
-    _hold: Hold,
+    _recording: InFlightGuard,
 }
 
 async fn write(store: Store, mut from: mpsc::UnboundedReceiver<Entry>) {
     let mut live: HashMap<u64, Live> = HashMap::new();
     let mut entries = Vec::with_capacity(BATCH);
     while from.recv_many(&mut entries, BATCH).await > 0 {
-        // What wakes the writer is usually one of many events at once (runs that end together):
-        // a moment's wait lets the answers go out first and gathers the rest into this commit.
-        tokio::time::sleep(GATHER).await;
+        // With other runs going, what wakes the writer is often one of many events at once
+        // (runs that end together): a moment's wait lets their answers go out first and gathers
+        // the rest into this commit. A run alone is recorded at once.
+        let begun = entries.iter().filter(|e| matches!(e, Entry::Begin { .. })).count();
+        if live.len() + begun > 1 {
+            tokio::time::sleep(GATHER).await;
+        }
         while entries.len() < BATCH
             && let Ok(entry) = from.try_recv()
         {
             entries.push(entry);
         }
-        // Each run's events, in the order the runs first appear; then the runs that ended.
+        // Each run's events, in the order the runs first appear; the runs that ended, which leave
+        // the count once this is committed.
         let mut events: Vec<(u64, Vec<RunEvent>)> = Vec::new();
         let mut at: HashMap<u64, usize> = HashMap::new();
         let mut ended = Vec::new();
         let mut cost_usd = 0.0;
         for entry in entries.drain(..) {
             match entry {
-                Entry::Begin { run, recorder, hold } => {
-                    live.insert(run, Live { recorder: Some(recorder), _hold: hold });
+                Entry::Begin { run, recorder, recording } => {
+                    live.insert(run, Live { recorder: Some(recorder), _recording: recording });
                 }
                 Entry::Event { run, event } => {
+                    // A run's cost counts in the day's spending in the commit that records its end.
+                    if let RunEvent::RunFinished { totals, .. }
+                    | RunEvent::RunFailed { totals, .. }
+                    | RunEvent::RunCancelled { totals } = &event
+                    {
+                        cost_usd += totals.cost_usd;
+                        ended.push(run);
+                    }
                     let i = *at.entry(run).or_insert_with(|| {
                         events.push((run, Vec::new()));
                         events.len() - 1
                     });
                     events[i].1.push(event);
                 }
-                Entry::End { run, cost_usd: cost } => {
-                    ended.push(run);
-                    cost_usd += cost;
-                }
+                Entry::End { run } => ended.push(run),
             }
         }
         // The recorders leave the map for the commit (each is borrowed mutably beside the others).

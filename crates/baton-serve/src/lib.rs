@@ -99,9 +99,7 @@ pub struct Stats {
     pub requests: u64,
     /// Those answered with an error status (4xx or 5xx).
     pub failed: u64,
-    /// Runs going now, counted until the history has recorded them (a run holds its place
-    /// under `max_concurrent_runs` that long too, so a slow history slows new requests rather
-    /// than falling behind).
+    /// Runs going now (each holds a place under `max_concurrent_runs` until it ends).
     pub runs_in_flight: usize,
     /// What the runs finished today (UTC) cost, in dollars.
     pub spent_today_usd: f64,
@@ -193,6 +191,11 @@ impl InFlight {
     pub(crate) fn enter(self: &Arc<Self>) -> InFlightGuard {
         self.count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         InFlightGuard(self.clone())
+    }
+
+    /// Tasks in flight now.
+    pub(crate) fn count(&self) -> usize {
+        self.count.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     async fn idle(&self) {

@@ -436,6 +436,40 @@ async fn limits_give_clear_errors_a_full_server_429_and_request_caps_only_lower_
     assert_eq!(r.status(), 400);
 }
 
+/// A run frees its slot when it ends, though the history records it a moment later: a client
+/// that asks one question after another is never refused for the history's sake. A history that
+/// cannot write at all (another process holds it) lets a whole set of runs wait for it, then
+/// refuses with 429, and loses none of them once it can write again.
+#[tokio::test]
+async fn a_history_that_falls_behind_refuses_new_runs_only_after_a_whole_set_waits() {
+    let s = serve_with(&[("a", "alpha"), ("b", "beta")], |o| o.max_concurrent_runs = 1).await;
+    for i in 0..5 {
+        let (status, _, r) = post(&s, json!({ "model": "baton/b", "messages": question(&format!("Next {i}?")) })).await;
+        assert_eq!(status, 200, "{r}");
+    }
+    s.service.settle().await;
+    // Another connection takes the database's write lock, as another Baton process writing would.
+    let url = format!("sqlite://{}", s.store.path().display());
+    let mut other = <sqlx::SqliteConnection as sqlx::Connection>::connect(&url).await.expect("connect");
+    sqlx::query("BEGIN IMMEDIATE").execute(&mut other).await.expect("lock");
+    for i in 0..2 {
+        let (status, _, r) =
+            post(&s, json!({ "model": "baton/b", "messages": question(&format!("Locked {i}?")) })).await;
+        assert_eq!(status, 200, "{r}");
+    }
+    let (status, headers, r) = post(&s, json!({ "model": "baton/b", "messages": question("One more?") })).await;
+    assert_eq!(status, 429, "{r}");
+    assert_eq!(headers["retry-after"], "1");
+    assert!(r["error"]["message"].as_str().is_some_and(|m| m.contains("history is behind")), "{r}");
+    sqlx::query("ROLLBACK").execute(&mut other).await.expect("unlock");
+    s.service.settle().await;
+    let runs = s.store.list_runs(20, None).await.expect("list");
+    assert_eq!(runs.len(), 7);
+    assert!(runs.iter().all(|r| r.status == RunStatus::Finished), "{runs:?}");
+    let (status, _, r) = post(&s, json!({ "model": "baton/b", "messages": question("And now?") })).await;
+    assert_eq!(status, 200, "{r}");
+}
+
 #[tokio::test]
 async fn a_client_that_resends_the_conversation_continues_it_in_the_history() {
     let s = serve().await;
