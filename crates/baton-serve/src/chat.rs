@@ -354,13 +354,8 @@ pub(crate) async fn continued(
     if question.role != Role::User || answer.role != Role::Assistant {
         return Ok(None);
     }
-    let found = store.conversation_ending_with(&question.content, &answer.content).await.map_err(unreadable)?;
-    if found.is_some() {
-        return Ok(found);
-    }
-    // The answer may have reached the client a moment before its run was recorded: let the
-    // history catch up (briefly; under steady load it may never be idle) and look again.
-    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), service.settle()).await;
+    // The answer may have reached the client a moment before its run was recorded.
+    service.caught_up().await;
     store.conversation_ending_with(&question.content, &answer.content).await.map_err(unreadable)
 }
 

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 use baton_engine::RunEvent;
 use baton_store::{Recorder, Store};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::{InFlightGuard, now_secs};
 
@@ -45,6 +45,8 @@ enum Entry {
     End {
         run: u64,
     },
+    /// Answered once everything sent before it is committed.
+    Flush(oneshot::Sender<()>),
 }
 
 /// How long the writer waits, once woken, for more to record.
@@ -59,6 +61,16 @@ impl Writer {
         let (to, from) = mpsc::unbounded_channel();
         tokio::spawn(write(store, from));
         Writer { to, next: Default::default() }
+    }
+
+    /// Waits until everything sent so far is in the history (or could not be written): what a
+    /// request that looks up an earlier run's record needs, since a client may have its answer a
+    /// moment before the history does.
+    pub(crate) async fn flush(&self) {
+        let (done, flushed) = oneshot::channel();
+        if self.to.send(Entry::Flush(done)).is_ok() {
+            let _ = flushed.await;
+        }
     }
 
     /// Registers a run that `recorder` records; `recording` is dropped once its record is whole.
@@ -95,7 +107,8 @@ async fn write(store: Store, mut from: mpsc::UnboundedReceiver<Entry>) {
         // (runs that end together): a moment's wait lets their answers go out first and gathers
         // the rest into this commit. A run alone is recorded at once.
         let begun = entries.iter().filter(|e| matches!(e, Entry::Begin { .. })).count();
-        if live.len() + begun > 1 {
+        let flushing = entries.iter().any(|e| matches!(e, Entry::Flush(_)));
+        if live.len() + begun > 1 && !flushing {
             tokio::time::sleep(GATHER).await;
         }
         while entries.len() < BATCH
@@ -109,6 +122,7 @@ async fn write(store: Store, mut from: mpsc::UnboundedReceiver<Entry>) {
         let mut at: HashMap<u64, usize> = HashMap::new();
         let mut ended = Vec::new();
         let mut cost_usd = 0.0;
+        let mut flushes = Vec::new();
         for entry in entries.drain(..) {
             match entry {
                 Entry::Begin { run, recorder, recording } => {
@@ -130,6 +144,7 @@ async fn write(store: Store, mut from: mpsc::UnboundedReceiver<Entry>) {
                     events[i].1.push(event);
                 }
                 Entry::End { run } => ended.push(run),
+                Entry::Flush(done) => flushes.push(done),
             }
         }
         // The recorders leave the map for the commit (each is borrowed mutably beside the others).
@@ -165,6 +180,9 @@ async fn write(store: Store, mut from: mpsc::UnboundedReceiver<Entry>) {
         }
         for run in ended {
             live.remove(&run);
+        }
+        for done in flushes {
+            let _ = done.send(());
         }
     }
 }

@@ -285,6 +285,14 @@ impl Service {
         Some((store, self.writer.get_or_init(|| history::Writer::spawn(store.clone()))))
     }
 
+    /// Waits (at most a couple of seconds) until the history holds every run that ended before
+    /// now: a follow-up request may come the moment its client has the earlier answer.
+    async fn caught_up(&self) {
+        if let Some(writer) = self.writer.get() {
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(2), writer.flush()).await;
+        }
+    }
+
     /// Counts a finished run's cost against the day.
     fn spend(&self, usd: f64) {
         self.today().1 += usd;

@@ -198,6 +198,9 @@ pub async fn create(
             // whatever this request's input adds.
             let unreadable =
                 |e: baton_store::StoreError| ApiError::internal(format!("the history cannot be read: {e}"));
+            // The earlier response may have reached the client a moment before its run was
+            // recorded.
+            service.caught_up().await;
             let found = match previous.strip_prefix("resp_") {
                 Some(uid) => store.run_by_uid(uid).await.map_err(unreadable),
                 None => Ok(None),

@@ -587,6 +587,35 @@ async fn the_responses_api_answers_streams_and_continues_from_a_previous_respons
     assert_eq!(r.json::<Value>().await.unwrap()["error"]["param"], "tools");
 }
 
+/// A client that follows up the moment it has an answer finds that answer's run, though the
+/// history records beside the answers (and, with other runs going, a few milliseconds later).
+#[tokio::test]
+async fn a_follow_up_sent_the_moment_the_answer_arrives_finds_its_run() {
+    let s = serve_with(&[("slow", "slow;latency=3000"), ("b", "beta")], |_| {}).await;
+    let url = format!("{}/v1/responses", s.url);
+    // A long run going beside, as on a busy server.
+    let slow = {
+        let (url, body) = (url.clone(), json!({ "model": "baton/slow", "input": "Slowly?" }));
+        tokio::spawn(async move { client().post(url).bearer_auth(TOKEN).json(&body).send().await.map(|r| r.status()) })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for i in 0..10 {
+        let body = json!({ "model": "baton/b", "input": format!("Question {i}?") });
+        let first: Value =
+            client().post(&url).bearer_auth(TOKEN).json(&body).send().await.unwrap().json().await.unwrap();
+        let id = first["id"].as_str().expect("an id").to_owned();
+        let body = json!({ "model": "baton/b", "input": "And then?", "previous_response_id": id });
+        let r = client().post(&url).bearer_auth(TOKEN).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 200, "follow-up {i}: {}", r.text().await.unwrap_or_default());
+    }
+    assert_eq!(slow.await.unwrap().unwrap(), 200);
+    s.service.settle().await;
+    let runs = s.store.list_runs(30, None).await.unwrap();
+    assert_eq!(runs.len(), 21);
+    let conversations: std::collections::HashSet<_> = runs.iter().map(|r| r.conversation_id).collect();
+    assert_eq!(conversations.len(), 11, "each follow-up joins its question's conversation");
+}
+
 /// The daily cap counts what the servers on this history spent today, across a restart (the
 /// app restarts its Local API when the pool changes): a server started again on a day whose cap
 /// is spent refuses at once.

@@ -20,6 +20,18 @@ impl Store {
     }
 }
 
+/// Adds `usd` to `day`'s spending in a transaction already open (see [`Store::record_many`]).
+pub(crate) async fn add(tx: &mut sqlx::SqliteConnection, day: u64, usd: f64) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO serve_spend (day, usd) VALUES (?, ?) ON CONFLICT (day) DO UPDATE SET usd = usd + excluded.usd",
+    )
+    .bind(i64::try_from(day).unwrap_or(i64::MAX))
+    .bind(usd)
+    .execute(tx)
+    .await?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     #[tokio::test]
@@ -33,16 +45,4 @@ mod tests {
         assert_eq!(store.serve_spend(20_000).await.expect("read"), 0.75);
         assert_eq!(store.serve_spend(20_001).await.expect("read"), 2.0);
     }
-}
-
-/// Adds `usd` to `day`'s spending in a transaction already open (see [`Store::record_many`]).
-pub(crate) async fn add(tx: &mut sqlx::SqliteConnection, day: u64, usd: f64) -> Result<(), StoreError> {
-    sqlx::query(
-        "INSERT INTO serve_spend (day, usd) VALUES (?, ?) ON CONFLICT (day) DO UPDATE SET usd = usd + excluded.usd",
-    )
-    .bind(i64::try_from(day).unwrap_or(i64::MAX))
-    .bind(usd)
-    .execute(tx)
-    .await?;
-    Ok(())
 }
