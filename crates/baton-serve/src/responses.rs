@@ -361,91 +361,31 @@ fn stream(run: Running, echo: Echo) -> Response {
     let run_id = run.run_id.clone();
     let stop = run.cancel.clone().drop_guard();
     let chunks = futures::stream::unfold(
-        (run, echo, Progress::default(), 0u64, false, String::new()),
-        |(mut run, echo, mut progress, mut seq, mut done, mut text)| async move {
-            if done {
+        (run, echo, Progress::default(), Sent::default()),
+        |(mut run, echo, mut progress, mut at)| async move {
+            if at.done {
                 return None;
             }
-            let item = format!("msg_{}", run.run_id);
             let mut out = String::new();
-            if seq == 0 {
+            if at.seq == 0 {
                 let created = response(&run, &echo, "in_progress", vec![], Map::new());
-                out.push_str(&event("response.created", &mut seq, json!({ "response": created })));
-                out.push_str(&event("response.in_progress", &mut seq, json!({ "response": created })));
-                return Some((out, (run, echo, progress, seq, done, text)));
+                out.push_str(&event("response.created", &mut at.seq, json!({ "response": created })));
+                out.push_str(&event("response.in_progress", &mut at.seq, json!({ "response": created })));
+                return Some((out, (run, echo, progress, at)));
             }
-            let ev = run.events.recv().await?;
-            if let Some(note) = progress.see(&ev, &run.workers) {
-                out.push_str(&event("baton.progress", &mut seq, json!({ "run_id": run.run_id, "text": note })));
-            }
-            match ev {
-                RunEvent::StepDelta { round, step, text: piece } if Some((round, step)) == progress.answer_step => {
-                    if text.is_empty() {
-                        out.push_str(&open(&run, &item, &mut seq));
+            // Events that are already waiting go out in the same write, and events that show
+            // nothing make no write (as in a chat completion's stream).
+            while out.is_empty() {
+                let mut next = Some(run.events.recv().await?);
+                while let Some(ev) = next {
+                    on_event(&run, &echo, &mut progress, &mut at, ev, &mut out);
+                    if at.done {
+                        return Some((out, (run, echo, progress, at)));
                     }
-                    text.push_str(&piece);
-                    out.push_str(&event(
-                        "response.output_text.delta",
-                        &mut seq,
-                        json!({ "item_id": item, "output_index": 0, "content_index": 0, "delta": piece, "logprobs": [] }),
-                    ));
+                    next = run.events.try_recv().ok();
                 }
-                RunEvent::StepRetrying { round, step, .. }
-                    if Some((round, step)) == progress.answer_step && !text.is_empty() =>
-                {
-                    text.push_str(chat::RESTARTED);
-                    out.push_str(&event(
-                        "response.output_text.delta",
-                        &mut seq,
-                        json!({ "item_id": item, "output_index": 0, "content_index": 0, "delta": chat::RESTARTED, "logprobs": [] }),
-                    ));
-                }
-                end if end.is_terminal() => {
-                    done = true;
-                    match finished(&run, &echo, &progress, Some(end)) {
-                        Ok((body, _)) => {
-                            let answer =
-                                body["output"][0]["content"][0]["text"].as_str().unwrap_or_default().to_owned();
-                            if text.is_empty() {
-                                out.push_str(&open(&run, &item, &mut seq));
-                                if !answer.is_empty() {
-                                    out.push_str(&event(
-                                        "response.output_text.delta",
-                                        &mut seq,
-                                        json!({ "item_id": item, "output_index": 0, "content_index": 0, "delta": answer, "logprobs": [] }),
-                                    ));
-                                }
-                            }
-                            let part = json!({ "type": "output_text", "text": answer, "annotations": [] });
-                            out.push_str(&event(
-                                "response.output_text.done",
-                                &mut seq,
-                                json!({ "item_id": item, "output_index": 0, "content_index": 0, "text": answer, "logprobs": [] }),
-                            ));
-                            out.push_str(&event(
-                                "response.content_part.done",
-                                &mut seq,
-                                json!({ "item_id": item, "output_index": 0, "content_index": 0, "part": part }),
-                            ));
-                            out.push_str(&event(
-                                "response.output_item.done",
-                                &mut seq,
-                                json!({ "output_index": 0, "item": body["output"][0] }),
-                            ));
-                            out.push_str(&event("response.completed", &mut seq, json!({ "response": body })));
-                        }
-                        Err(failure) => {
-                            let (e, baton) = *failure;
-                            let mut failed = response(&run, &echo, "failed", vec![], Map::new());
-                            failed["error"] = json!({ "code": e.code.unwrap_or(e.kind), "message": e.message });
-                            failed["baton"] = baton;
-                            out.push_str(&event("response.failed", &mut seq, json!({ "response": failed })));
-                        }
-                    }
-                }
-                _ => {}
             }
-            Some((out, (run, echo, progress, seq, done, text)))
+            Some((out, (run, echo, progress, at)))
         },
     );
     let body = futures::StreamExt::map(chunks, move |text| {
@@ -460,6 +400,91 @@ fn stream(run: Running, echo: Echo) -> Response {
         h.insert("x-baton-run-id", v);
     }
     response
+}
+
+/// What a Responses stream has sent so far.
+#[derive(Debug, Default)]
+struct Sent {
+    /// The next event's `sequence_number`.
+    seq: u64,
+    /// The answer's text so far.
+    text: String,
+    /// The terminal event went out.
+    done: bool,
+}
+
+/// Adds to `out` what `ev` shows the client.
+fn on_event(run: &Running, echo: &Echo, progress: &mut Progress, at: &mut Sent, ev: RunEvent, out: &mut String) {
+    let item = format!("msg_{}", run.run_id);
+    if let Some(note) = progress.see(&ev, &run.workers) {
+        out.push_str(&event("baton.progress", &mut at.seq, json!({ "run_id": run.run_id, "text": note })));
+    }
+    match ev {
+        RunEvent::StepDelta { round, step, text: piece } if Some((round, step)) == progress.answer_step => {
+            if at.text.is_empty() {
+                out.push_str(&open(run, &item, &mut at.seq));
+            }
+            at.text.push_str(&piece);
+            out.push_str(&event(
+                "response.output_text.delta",
+                &mut at.seq,
+                json!({ "item_id": item, "output_index": 0, "content_index": 0, "delta": piece, "logprobs": [] }),
+            ));
+        }
+        RunEvent::StepRetrying { round, step, .. }
+            if Some((round, step)) == progress.answer_step && !at.text.is_empty() =>
+        {
+            at.text.push_str(chat::RESTARTED);
+            out.push_str(&event(
+                "response.output_text.delta",
+                &mut at.seq,
+                json!({ "item_id": item, "output_index": 0, "content_index": 0, "delta": chat::RESTARTED, "logprobs": [] }),
+            ));
+        }
+        end if end.is_terminal() => {
+            at.done = true;
+            match finished(run, echo, progress, Some(end)) {
+                Ok((body, _)) => {
+                    let answer = body["output"][0]["content"][0]["text"].as_str().unwrap_or_default().to_owned();
+                    if at.text.is_empty() {
+                        out.push_str(&open(run, &item, &mut at.seq));
+                        if !answer.is_empty() {
+                            out.push_str(&event(
+                                "response.output_text.delta",
+                                &mut at.seq,
+                                json!({ "item_id": item, "output_index": 0, "content_index": 0, "delta": answer, "logprobs": [] }),
+                            ));
+                        }
+                    }
+                    let part = json!({ "type": "output_text", "text": answer, "annotations": [] });
+                    out.push_str(&event(
+                        "response.output_text.done",
+                        &mut at.seq,
+                        json!({ "item_id": item, "output_index": 0, "content_index": 0, "text": answer, "logprobs": [] }),
+                    ));
+                    out.push_str(&event(
+                        "response.content_part.done",
+                        &mut at.seq,
+                        json!({ "item_id": item, "output_index": 0, "content_index": 0, "part": part }),
+                    ));
+                    out.push_str(&event(
+                        "response.output_item.done",
+                        &mut at.seq,
+                        json!({ "output_index": 0, "item": body["output"][0] }),
+                    ));
+                    out.push_str(&event("response.completed", &mut at.seq, json!({ "response": body })));
+                }
+                Err(failure) => {
+                    let (e, baton) = *failure;
+                    let mut failed = response(run, echo, "failed", vec![], Map::new());
+                    failed["error"] = json!({ "code": e.code.unwrap_or(e.kind), "message": e.message });
+                    failed["baton"] = baton;
+                    out.push_str(&event("response.failed", &mut at.seq, json!({ "response": failed })));
+                }
+            }
+        }
+        _ => {}
+    }
 }
 
 /// The output item and its text part, opened.
