@@ -60,7 +60,9 @@ pub fn init(program: &str) -> Result<LogGuard, LogError> {
         .max_log_files(KEPT_FILES)
         .build(&dir)
         .map_err(|e| dir_err(e.to_string()))?;
-    let (writer, guard) = tracing_appender::non_blocking(file);
+    // The log's thread writes all the lines waiting for it and then flushes: buffered, a burst
+    // of lines (many runs starting at once on a server) is one write, not one per line.
+    let (writer, guard) = tracing_appender::non_blocking(std::io::BufWriter::new(file));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer)
