@@ -316,9 +316,8 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
     )
     .into_bytes()
     .into();
-    // Each request is its own task, as each would be its own client: the client side's work
-    // spreads over the runtime's threads as the server's does.
-    let burst = async |connections: Vec<Option<tokio::net::TcpStream>>| {
+    // Each request is its own task, as each would be its own client.
+    let burst = async move |connections: Vec<Option<tokio::net::TcpStream>>| {
         let tasks: Vec<_> = connections
             .into_iter()
             .map(|open| {
@@ -357,15 +356,29 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
     // Two bursts: the first opens a connection per request, as new clients would; the second
     // reuses them, as a client with a connection pool (every SDK) does. The server's own cost
     // is the second's; the first adds the kernel's and the client's connection set-up.
-    let started = Instant::now();
-    let (cold, _, mut errors, open) = burst((0..requests).map(|_| None).collect()).await;
-    let cold_s = started.elapsed().as_secs_f64();
-    // The first burst's records are written before the second starts, so that the second
-    // measures serving alone.
-    service.settle().await;
-    let started = Instant::now();
-    let (overhead, heads, more, _) = burst(open).await;
-    let total_s = started.elapsed().as_secs_f64();
+    // The clients run on their own thread and runtime, as clients in another process would: the
+    // server's threads serve, and the machine's cores are shared between the two by the OS.
+    let settle = service.clone();
+    let clients = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+        runtime.block_on(async move {
+            let started = Instant::now();
+            let (cold, _, errors, open) = burst((0..requests).map(|_| None).collect()).await;
+            let cold_s = started.elapsed().as_secs_f64();
+            // The first burst's records are written before the second starts, so that the
+            // second measures serving alone.
+            settle.settle().await;
+            let started = Instant::now();
+            let (overhead, heads, more, _) = burst(open).await;
+            Ok::<_, String>((cold, cold_s, errors, overhead, heads, more, started.elapsed().as_secs_f64()))
+        })
+    });
+    let (cold, cold_s, mut errors, overhead, heads, more, total_s) =
+        tokio::task::spawn_blocking(move || clients.join())
+            .await
+            .map_err(|e| failed(&e))?
+            .map_err(|_| Failure::Failed("the load's clients panicked".into()))?
+            .map_err(|e| failed(&e))?;
     errors.extend(more);
     let runs = 2 * requests;
     // The history records beside the answers: give it a moment to catch up, then count.
