@@ -293,7 +293,7 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
     let serve_options = baton_serve::ServeOptions {
         port,
         token: Some(token.into()),
-        // Room for both bursts: runs still waiting for the history count against the limit.
+        // Room for both bursts, and for the first one's runs still waiting for the history.
         max_concurrent_runs: 2 * requests,
         ..baton_serve::ServeOptions::default()
     };
@@ -512,15 +512,18 @@ mod load {
         connection.write_all(request).await.map_err(|e| e.to_string())?;
         let mut received = Vec::with_capacity(4096);
         let mut first = None;
+        let mut status_read = false;
         // Every chunked body ends with an empty chunk; an SSE body never holds a `\r`.
         while !received.ends_with(b"\r\n0\r\n\r\n") {
             if connection.read_buf(&mut received).await.map_err(|e| e.to_string())? == 0 {
                 return Err("the server closed the connection mid-response".into());
             }
             first.get_or_insert_with(Instant::now);
-            if received.starts_with(b"HTTP/1.1 ") && !received.starts_with(b"HTTP/1.1 200") {
-                let line = received.split(|&b| b == b'\r').next().unwrap_or_default();
-                return Err(String::from_utf8_lossy(line).into_owned());
+            if !status_read && let Some(end) = received.windows(2).position(|w| w == b"\r\n") {
+                if !received.starts_with(b"HTTP/1.1 200 ") {
+                    return Err(String::from_utf8_lossy(&received[..end]).into_owned());
+                }
+                status_read = true;
             }
         }
         let text = String::from_utf8(received).map_err(|e| e.to_string())?;

@@ -354,6 +354,10 @@ pub(crate) async fn continued(
     if question.role != Role::User || answer.role != Role::Assistant {
         return Ok(None);
     }
+    let found = store.conversation_ending_with(&question.content, &answer.content).await.map_err(unreadable)?;
+    if found.is_some() {
+        return Ok(found);
+    }
     // The answer may have reached the client a moment before its run was recorded.
     service.caught_up().await;
     store.conversation_ending_with(&question.content, &answer.content).await.map_err(unreadable)
@@ -418,9 +422,7 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
             drop(tx);
         };
         tokio::join!(run, relay);
-        if let Some(log) = log {
-            log.end();
-        }
+        drop(log);
     });
     Running {
         run_id,

@@ -85,30 +85,58 @@ impl RunLog {
     pub(crate) fn event(&self, event: RunEvent) {
         let _ = self.to.send(Entry::Event { run: self.run, event });
     }
+}
 
-    /// The run is over: its events are all sent.
-    pub(crate) fn end(self) {
+/// The run is over (its events are all sent, or its task is gone): the writer lets it go once
+/// what it sent is recorded.
+impl Drop for RunLog {
+    fn drop(&mut self) {
         let _ = self.to.send(Entry::End { run: self.run });
     }
 }
 
-/// A run being recorded: its recorder (`None` once a write of it failed: the rest of its events
-/// are dropped, with a warning), and its count among the runs recording.
+/// A run being recorded: its recorder (`None` once a write of it failed: that is logged, and the
+/// rest of its events are dropped), and its count among the runs recording.
 struct Live {
     recorder: Option<Recorder>,
     _recording: InFlightGuard,
 }
 
+/// A batch the history could not take (another process held it past its busy timeout, say):
+/// written again with the next one, before its runs are given up.
+#[derive(Default)]
+struct Failed {
+    events: Vec<(u64, Vec<RunEvent>)>,
+    ended: Vec<u64>,
+    cost_usd: f64,
+    attempts: u32,
+}
+
+/// Tries at a batch before its runs are given up (each waits out the database's busy timeout).
+const ATTEMPTS: u32 = 3;
+
+/// How long a failed batch waits for more entries before it is tried again.
+const RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
 async fn write(store: Store, mut from: mpsc::UnboundedReceiver<Entry>) {
     let mut live: HashMap<u64, Live> = HashMap::new();
     let mut entries = Vec::with_capacity(BATCH);
-    while from.recv_many(&mut entries, BATCH).await > 0 {
+    let mut again = Failed::default();
+    loop {
+        let open = if again.events.is_empty() && again.ended.is_empty() {
+            from.recv_many(&mut entries, BATCH).await > 0
+        } else {
+            tokio::time::timeout(RETRY_AFTER, from.recv_many(&mut entries, BATCH)).await.is_err() || !entries.is_empty()
+        };
+        if !open && again.events.is_empty() && again.ended.is_empty() {
+            return;
+        }
         // With other runs going, what wakes the writer is often one of many events at once
         // (runs that end together): a moment's wait lets their answers go out first and gathers
         // the rest into this commit. A run alone is recorded at once.
         let begun = entries.iter().filter(|e| matches!(e, Entry::Begin { .. })).count();
         let flushing = entries.iter().any(|e| matches!(e, Entry::Flush(_)));
-        if live.len() + begun > 1 && !flushing {
+        if open && live.len() + begun > 1 && !flushing {
             tokio::time::sleep(GATHER).await;
         }
         while entries.len() < BATCH
@@ -116,12 +144,13 @@ async fn write(store: Store, mut from: mpsc::UnboundedReceiver<Entry>) {
         {
             entries.push(entry);
         }
-        // Each run's events, in the order the runs first appear; the runs that ended, which leave
-        // the count once this is committed.
-        let mut events: Vec<(u64, Vec<RunEvent>)> = Vec::new();
-        let mut at: HashMap<u64, usize> = HashMap::new();
-        let mut ended = Vec::new();
-        let mut cost_usd = 0.0;
+        // Each run's events, in the order the runs first appear (a failed batch's first); the
+        // runs that ended, which leave the count once this is committed.
+        let attempts = again.attempts;
+        let mut events = std::mem::take(&mut again.events);
+        let mut at: HashMap<u64, usize> = events.iter().enumerate().map(|(i, (run, _))| (*run, i)).collect();
+        let mut ended = std::mem::take(&mut again.ended);
+        let mut cost_usd = std::mem::take(&mut again.cost_usd);
         let mut flushes = Vec::new();
         for entry in entries.drain(..) {
             match entry {
@@ -158,14 +187,30 @@ async fn write(store: Store, mut from: mpsc::UnboundedReceiver<Entry>) {
         let spend = (cost_usd > 0.0).then(|| (now_secs() / 86_400, cost_usd));
         let mut batch: Vec<(&mut Recorder, &[RunEvent])> =
             parts.iter_mut().map(|(_, recorder, events)| (recorder, events.as_slice())).collect();
-        let results = store.record_many(&mut batch, spend).await;
-        let kept: Vec<bool> = match results {
+        let kept: Vec<bool> = match store.record_many(&mut batch, spend).await {
             Ok(results) => results
                 .into_iter()
                 .map(|r| {
                     r.inspect_err(|e| tracing::warn!("a served run is not fully recorded in the history: {e}")).is_ok()
                 })
                 .collect(),
+            Err(e) if attempts + 1 < ATTEMPTS => {
+                // Nothing of the batch is kept and its recorders are as they were: it goes
+                // again, less the text deltas the recorders have already seen.
+                tracing::warn!("the history could not record {} served runs, trying again: {e}", parts.len());
+                for (run, recorder, mut events) in parts {
+                    if let Some(l) = live.get_mut(&run) {
+                        l.recorder = Some(recorder);
+                    }
+                    events.retain(|e| !matches!(e, RunEvent::StepDelta { .. } | RunEvent::PlanDelta { .. }));
+                    again.events.push((run, events));
+                }
+                again = Failed { ended, cost_usd, attempts: attempts + 1, ..again };
+                for done in flushes {
+                    let _ = done.send(());
+                }
+                continue;
+            }
             Err(e) => {
                 tracing::warn!("{} served runs are not fully recorded in the history: {e}", parts.len());
                 vec![false; parts.len()]

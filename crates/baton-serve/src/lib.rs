@@ -278,7 +278,6 @@ impl Service {
         }
     }
 
-    /// Keeps a finished run's cost in the history, for [`Service::restore_spend`].
     /// The history and its writer, when the server keeps a history.
     fn history(&self) -> Option<(&Store, &history::Writer)> {
         let store = self.store.as_ref()?;

@@ -198,13 +198,17 @@ pub async fn create(
             // whatever this request's input adds.
             let unreadable =
                 |e: baton_store::StoreError| ApiError::internal(format!("the history cannot be read: {e}"));
-            // The earlier response may have reached the client a moment before its run was
-            // recorded.
-            service.caught_up().await;
-            let found = match previous.strip_prefix("resp_") {
+            let look = async || match previous.strip_prefix("resp_") {
                 Some(uid) => store.run_by_uid(uid).await.map_err(unreadable),
                 None => Ok(None),
             };
+            let mut found = look().await;
+            if matches!(found, Ok(None)) {
+                // The earlier response may have reached the client a moment before its run
+                // was recorded.
+                service.caught_up().await;
+                found = look().await;
+            }
             match found {
                 Ok(Some((run, conversation))) => match store.messages_through_run(conversation, run).await {
                     Ok(mut history) => {

@@ -58,8 +58,10 @@ impl Store {
     /// makes one commit where it would make one per run (and per event). Each run's events are
     /// kept or dropped together: when one of them fails, that run's part is rolled back and its
     /// error returned in its place, and the other runs are kept. `serve_spend` (a day, dollars)
-    /// adds to what the server spent that day, in the same commit. The outer error is a commit
-    /// that failed: then nothing is kept.
+    /// adds to what the server spent that day, in the same commit. The outer error is one that
+    /// was not a single run's (the transaction, a savepoint, the spending, the commit): then
+    /// nothing is kept, and every recorder is as it was before (the same events can be given
+    /// again, less their text deltas, which a recorder keeps as it sees them).
     pub async fn record_many(
         &self,
         runs: &mut [(&mut Recorder, &[RunEvent])],
@@ -74,6 +76,8 @@ impl Store {
         let alone = runs.len() == 1 && serve_spend.is_none();
         let mut undos: Vec<Option<Undo>> = Vec::new();
         let mut tx = self.write().await?;
+        // An error that is not one run's own (a savepoint, the spending, the commit) keeps nothing.
+        let mut failed: Option<StoreError> = None;
         for (((recorder, _), events), result) in runs.iter_mut().zip(&stored).zip(&mut results) {
             if events.is_empty() {
                 undos.push(None);
@@ -82,11 +86,22 @@ impl Store {
             let (undo, applied) = if alone {
                 recorder.apply_all(&mut tx, events).await
             } else {
-                let mut part = sqlx::Connection::begin(&mut *tx).await?;
+                let mut part = match sqlx::Connection::begin(&mut *tx).await {
+                    Ok(part) => part,
+                    Err(e) => {
+                        failed = Some(e.into());
+                        break;
+                    }
+                };
                 let (undo, applied) = recorder.apply_all(&mut part, events).await;
-                match &applied {
-                    Ok(()) => part.commit().await?,
-                    Err(_) => part.rollback().await?,
+                let closed = match &applied {
+                    Ok(()) => part.commit().await,
+                    Err(_) => part.rollback().await,
+                };
+                if let Err(e) = closed {
+                    recorder.undo(undo);
+                    failed = Some(e.into());
+                    break;
                 }
                 (undo, applied)
             };
@@ -98,17 +113,21 @@ impl Store {
                 undos.push(Some(undo));
             }
         }
-        if alone && results[0].is_err() {
+        if alone && failed.is_none() && results[0].is_err() {
             return Ok(results);
         }
-        let spent = match serve_spend {
-            Some((day, usd)) => crate::serve_spend::add(&mut tx, day, usd).await,
-            None => Ok(()),
-        };
-        if let Err(e) = match spent {
-            Ok(()) => tx.commit().await.map_err(StoreError::from),
-            Err(e) => Err(e),
-        } {
+        if failed.is_none()
+            && let Some((day, usd)) = serve_spend
+            && let Err(e) = crate::serve_spend::add(&mut tx, day, usd).await
+        {
+            failed = Some(e);
+        }
+        if failed.is_none()
+            && let Err(e) = tx.commit().await
+        {
+            failed = Some(e.into());
+        }
+        if let Some(e) = failed {
             for ((recorder, _), undo) in runs.iter_mut().zip(undos) {
                 if let Some(undo) = undo {
                     recorder.undo(undo);

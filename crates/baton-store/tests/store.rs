@@ -710,6 +710,41 @@ async fn runs_recorded_in_one_transaction_keep_apart() {
     assert!(left.is_empty(), "lock files left: {left:?}");
 }
 
+/// A batch that fails as a whole (here the day's spending cannot be written) keeps nothing and
+/// leaves every recorder as it was: the same events, given again, make the same history.
+#[tokio::test]
+async fn a_batch_that_fails_as_a_whole_can_be_given_again() {
+    let server = TestServer::start().await.expect("server");
+    let events = three_steps_that_see_all(&server).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&dir.path().join("h.sqlite")).await.expect("opens");
+    let (a, b) = (as_run(&events, "run-a"), as_run(&events, "run-b"));
+    let raw = sqlx::SqlitePool::connect(&format!("sqlite://{}", store.path().display())).await.expect("connect");
+    sqlx::query("ALTER TABLE serve_spend RENAME TO serve_spend_away").execute(&raw).await.expect("rename");
+    let (mut ra, mut rb) = (store.recorder(None), store.recorder(None));
+    let failed = store.record_many(&mut [(&mut ra, &a), (&mut rb, &b)], Some((3, 1.5))).await;
+    assert!(failed.is_err(), "the spending cannot be written");
+    assert!(store.list_runs(10, None).await.expect("list").is_empty(), "nothing of the batch is kept");
+    assert_eq!((ra.run_id(), rb.run_id()), (None, None));
+    sqlx::query("ALTER TABLE serve_spend_away RENAME TO serve_spend").execute(&raw).await.expect("rename back");
+    raw.close().await;
+    let results = store.record_many(&mut [(&mut ra, &a), (&mut rb, &b)], Some((3, 1.5))).await.expect("committed");
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    let runs = store.list_runs(10, None).await.expect("list");
+    assert_eq!(runs.len(), 2);
+    assert!(runs.iter().all(|r| r.status == RunStatus::Finished), "{runs:?}");
+    for id in [ra.run_id().expect("a"), rb.run_id().expect("b")] {
+        let tree = store.run(id).await.expect("query").expect("run");
+        assert_eq!(tree.steps.len(), 3);
+    }
+    assert!((store.serve_spend(3).await.expect("spend") - 1.5).abs() < 1e-12, "counted once");
+    let locks = dir.path().join("h.sqlite.locks");
+    let left: Vec<_> = std::fs::read_dir(&locks)
+        .map(|d| d.filter_map(Result::ok).map(|e| e.file_name()).filter(|n| n != "opening.lock").collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "lock files left: {left:?}");
+}
+
 /// Runs `request`, recording it, and stops the run once `deltas` text deltas have arrived;
 /// returns the run's id and the text streamed before the stop.
 async fn record_stopped_after(
