@@ -175,7 +175,17 @@ pub struct StepRef {
 impl RunEvent {
     /// Whether this event ends the run.
     pub fn is_terminal(&self) -> bool {
-        matches!(self, RunEvent::RunFinished { .. } | RunEvent::RunFailed { .. } | RunEvent::RunCancelled { .. })
+        self.final_totals().is_some()
+    }
+
+    /// The run's totals, on the event that ends it.
+    pub fn final_totals(&self) -> Option<&Totals> {
+        match self {
+            RunEvent::RunFinished { totals, .. }
+            | RunEvent::RunFailed { totals, .. }
+            | RunEvent::RunCancelled { totals } => Some(totals),
+            _ => None,
+        }
     }
 }
 

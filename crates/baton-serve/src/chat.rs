@@ -405,10 +405,7 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
         let (tx, mut rx) = mpsc::unbounded_channel::<RunEvent>();
         let relay = async {
             while let Some(event) = rx.recv().await {
-                if let RunEvent::RunFinished { totals, .. }
-                | RunEvent::RunFailed { totals, .. }
-                | RunEvent::RunCancelled { totals } = &event
-                {
+                if let Some(totals) = event.final_totals() {
                     service.spend(totals.cost_usd);
                 }
                 if let Some(log) = &log {

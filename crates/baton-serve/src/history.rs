@@ -159,10 +159,7 @@ async fn write(store: Store, mut from: mpsc::UnboundedReceiver<Entry>) {
                 }
                 Entry::Event { run, event } => {
                     // A run's cost counts in the day's spending in the commit that records its end.
-                    if let RunEvent::RunFinished { totals, .. }
-                    | RunEvent::RunFailed { totals, .. }
-                    | RunEvent::RunCancelled { totals } = &event
-                    {
+                    if let Some(totals) = event.final_totals() {
                         cost_usd += totals.cost_usd;
                         ended.push(run);
                     }

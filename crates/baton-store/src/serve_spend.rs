@@ -3,13 +3,6 @@
 use crate::{Store, StoreError};
 
 impl Store {
-    /// Adds `usd` to what the server spent on `day` (days since 1970, UTC).
-    pub async fn add_serve_spend(&self, day: u64, usd: f64) -> Result<(), StoreError> {
-        let mut tx = self.write().await?;
-        add(&mut tx, day, usd).await?;
-        Ok(tx.commit().await?)
-    }
-
     /// What the server spent on `day` (days since 1970, UTC): 0 for a day it spent nothing.
     pub async fn serve_spend(&self, day: u64) -> Result<f64, StoreError> {
         let spent: Option<f64> = sqlx::query_scalar("SELECT usd FROM serve_spend WHERE day = ?")
@@ -20,7 +13,8 @@ impl Store {
     }
 }
 
-/// Adds `usd` to `day`'s spending in a transaction already open (see [`Store::record_many`]).
+/// Adds `usd` to what the server spent on `day` (days since 1970, UTC), in a transaction
+/// already open (see [`Store::record_many`]).
 pub(crate) async fn add(tx: &mut sqlx::SqliteConnection, day: u64, usd: f64) -> Result<(), StoreError> {
     sqlx::query(
         "INSERT INTO serve_spend (day, usd) VALUES (?, ?) ON CONFLICT (day) DO UPDATE SET usd = usd + excluded.usd",
@@ -39,9 +33,10 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = crate::Store::open(&dir.path().join("h.sqlite")).await.expect("open");
         assert_eq!(store.serve_spend(20_000).await.expect("read"), 0.0);
-        store.add_serve_spend(20_000, 0.25).await.expect("add");
-        store.add_serve_spend(20_000, 0.5).await.expect("add");
-        store.add_serve_spend(20_001, 2.0).await.expect("add");
+        // A server adds a day's spending with the runs it records (here none).
+        for (day, usd) in [(20_000, 0.25), (20_000, 0.5), (20_001, 2.0)] {
+            store.record_many(&mut [], Some((day, usd))).await.expect("add");
+        }
         assert_eq!(store.serve_spend(20_000).await.expect("read"), 0.75);
         assert_eq!(store.serve_spend(20_001).await.expect("read"), 2.0);
     }

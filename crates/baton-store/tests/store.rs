@@ -618,10 +618,7 @@ async fn events_recorded_in_batches_leave_the_same_history_as_one_by_one() {
     assert!(store.list_runs(10, None).await.expect("list").is_empty(), "nothing of the batch is kept");
     assert_eq!(recorder.run_id(), None);
     // Nor is the run live: its lock file went with the batch.
-    let locks = dir.path().join("failed.sqlite.locks");
-    let left: Vec<_> = std::fs::read_dir(&locks)
-        .map(|d| d.filter_map(Result::ok).map(|e| e.file_name()).filter(|n| n != "opening.lock").collect())
-        .unwrap_or_default();
+    let left = run_locks_left(&dir.path().join("failed.sqlite"));
     assert!(left.is_empty(), "lock files left: {left:?}");
 }
 
@@ -642,6 +639,14 @@ async fn three_steps_that_see_all(server: &TestServer) -> Vec<RunEvent> {
     }
     assert!(events.len() > 8, "{} events", events.len());
     events
+}
+
+/// The run lock files beside the database `db` (a live run's; the opening lock aside).
+fn run_locks_left(db: &std::path::Path) -> Vec<std::ffi::OsString> {
+    let locks = db.with_extension("sqlite.locks");
+    std::fs::read_dir(&locks)
+        .map(|d| d.filter_map(Result::ok).map(|e| e.file_name()).filter(|n| n != "opening.lock").collect())
+        .unwrap_or_default()
 }
 
 /// `events` as another run's: the same but for the run's id.
@@ -703,10 +708,7 @@ async fn runs_recorded_in_one_transaction_keep_apart() {
     // The day's spending came in the first commit.
     assert!((store.serve_spend(7).await.expect("spend") - 0.25).abs() < 1e-12);
     // No run is left live: the finished ones gave their locks back, the failed one never kept its.
-    let locks = dir.path().join("h.sqlite.locks");
-    let left: Vec<_> = std::fs::read_dir(&locks)
-        .map(|d| d.filter_map(Result::ok).map(|e| e.file_name()).filter(|n| n != "opening.lock").collect())
-        .unwrap_or_default();
+    let left = run_locks_left(&dir.path().join("h.sqlite"));
     assert!(left.is_empty(), "lock files left: {left:?}");
 }
 
@@ -738,10 +740,7 @@ async fn a_batch_that_fails_as_a_whole_can_be_given_again() {
         assert_eq!(tree.steps.len(), 3);
     }
     assert!((store.serve_spend(3).await.expect("spend") - 1.5).abs() < 1e-12, "counted once");
-    let locks = dir.path().join("h.sqlite.locks");
-    let left: Vec<_> = std::fs::read_dir(&locks)
-        .map(|d| d.filter_map(Result::ok).map(|e| e.file_name()).filter(|n| n != "opening.lock").collect())
-        .unwrap_or_default();
+    let left = run_locks_left(&dir.path().join("h.sqlite"));
     assert!(left.is_empty(), "lock files left: {left:?}");
 }
 
