@@ -562,7 +562,10 @@ impl Store {
 
     /// A run's whole tree, or `None` when there is no such run.
     pub async fn run(&self, id: i64) -> Result<Option<RunTree>, StoreError> {
-        let Some(r) = sqlx::query("SELECT * FROM runs WHERE id = ?1").bind(id).fetch_optional(&self.pool).await? else {
+        // One read transaction: the run, its plans, steps and events from one snapshot, though a
+        // recorder may commit between the queries.
+        let mut read = self.pool.begin().await?;
+        let Some(r) = sqlx::query("SELECT * FROM runs WHERE id = ?1").bind(id).fetch_optional(&mut *read).await? else {
             return Ok(None);
         };
         let workers: String = r.get("workers");
@@ -599,19 +602,19 @@ impl Store {
         let plans: Vec<PlanRecord> =
             sqlx::query_as::<_, PlanRow>("SELECT * FROM plans WHERE run_id = ?1 ORDER BY round")
                 .bind(id)
-                .fetch_all(&self.pool)
+                .fetch_all(&mut *read)
                 .await?
                 .into_iter()
                 .map(PlanRow::into_record)
                 .collect::<Result<_, _>>()?;
         let rows = sqlx::query_as::<_, StepRow>("SELECT * FROM steps WHERE run_id = ?1 ORDER BY round, step")
             .bind(id)
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *read)
             .await?;
         let events: Vec<(String, Option<String>)> =
             sqlx::query_as("SELECT event, elided FROM events WHERE run_id = ?1 ORDER BY seq")
                 .bind(id)
-                .fetch_all(&self.pool)
+                .fetch_all(&mut *read)
                 .await?;
 
         // Requests and events refer to texts the rows hold; they are put back here.
