@@ -541,6 +541,21 @@ fn a_question_is_compared_with_one_worker_alone_and_the_mark_is_kept() {
     assert_eq!(err["kind"], "not_found", "{err}");
 }
 
+/// The history's run list once it holds `n` runs and none of them is still running (at most 10 s).
+fn recorded_runs(h: &Harness, n: usize) -> Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let runs = invoke(h, "list_runs", json!({ "before": null })).unwrap();
+        let list = runs.as_array().unwrap();
+        let settled = list.len() == n && list.iter().all(|r| r["status"] != "running");
+        if settled || std::time::Instant::now() > deadline {
+            assert!(settled, "the history did not settle on {n} ended runs: {runs}");
+            return runs;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 /// The Local API: switched on from its screen, it serves the pool to an OpenAI client over
 /// loopback with the app's conductor, history and token; its runs are in the app's history
 /// with their topology; an edited pool shows as stale until a restart; switched off, the port
@@ -599,9 +614,10 @@ fn the_local_api_serves_the_pool_and_its_runs_are_in_the_history() {
     let body: Value = rt.block_on(asked.json()).unwrap();
     assert_eq!(body["choices"][0]["message"]["content"], "blue light scatters", "{body}");
 
-    // The served run is in the app's history, with its plan and events, like any other.
-    let runs = invoke(&h, "list_runs", json!({ "before": null })).unwrap();
-    assert_eq!(runs.as_array().unwrap().len(), 1, "{runs}");
+    // The served run is in the app's history, with its plan and events, like any other. The
+    // history is written off the answer's path, so the client can hold the answer a moment before
+    // the run is recorded whole: the history lists it as running until then.
+    let runs = recorded_runs(&h, 1);
     let run = invoke(&h, "get_run", json!({ "id": runs[0]["id"] })).unwrap();
     assert_eq!((&run["run"]["answer"], &run["steps"][0]["worker"]), (&json!("blue light scatters"), &json!("a")));
     assert_eq!(run["run"]["uid"], json!(run_uid), "{}", run["run"]);
