@@ -398,9 +398,14 @@ impl Executor {
                 () = ctx.stop.cancelled() => return Err(StepFailure::Stopped),
                 planned = planner.plan(context.clone(), deltas, meter) => planned,
             };
-            // Why this attempt cannot run; a budget refusal is final whatever the fallback.
+            // Why this attempt cannot run. A budget refusal of the first attempt is final; of a
+            // second one, it leaves the fallback, which costs one worker's call, to answer.
             let timed_out = matches!(&planned, Err(e) if e.timed_out);
             let (problem, raw, prompt) = match planned {
+                Err(e) if e.budget && context.attempt > 0 => {
+                    reasons.push(format!("a second plan did not fit under the run's caps: {}", e.message));
+                    break;
+                }
                 Err(e) if e.budget => return Err(StepFailure::Budget(e.message)),
                 Err(e) => {
                     if !checked {

@@ -2,13 +2,14 @@
 //!
 //! A small conductor often writes a plan that parses but cannot answer: it repeats one of the
 //! prompt's example workflows (a Fibonacci review for a word problem), or its subtasks describe
-//! the question without its numbers while the workers never see the question itself. Such a
+//! the question without its numbers while the workers never see the question itself, or its
+//! subtasks loop (the same phrase over and over until the token limit). Such a
 //! plan is asked for once more, differently; if that one is no better, the question goes to
 //! one worker alone, verbatim (the pool's best, when an evaluation says which). The run says
 //! that it fell back and why.
 
 use baton_plan::{Access, Plan, Step};
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use baton_providers::{Message, Role};
 
@@ -18,9 +19,16 @@ use crate::pool::FallbackOptions;
 /// A copy is a run of this many words, in order, shared with an example's subtask.
 pub const COPY_WORDS: usize = 8;
 
+/// A subtask loops when a run of this many words comes back [`LOOP_TIMES`] times in it.
+pub const LOOP_WORDS: usize = 6;
+pub const LOOP_TIMES: usize = 3;
+
 /// Why a plan cannot be run as it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Unusable {
+    /// Step `step`'s subtask says the same words over and over: a model caught in a loop, not
+    /// an instruction (and a long one, that costs every call that reads it).
+    RepeatsItself { step: usize, words: String },
     /// Step `step`'s subtask repeats an example workflow's words.
     CopiesExample { step: usize, words: String },
     /// Step `step`'s subtask names what only an example's question has (its numbers, its
@@ -35,6 +43,9 @@ pub enum Unusable {
 impl std::fmt::Display for Unusable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
+            Unusable::RepeatsItself { step, words } => {
+                write!(f, "step {step} repeats itself (\"{words}\" over and over)")
+            }
             Unusable::CopiesExample { step, words } => {
                 write!(f, "step {step} copies an example workflow (\"{words}\")")
             }
@@ -46,14 +57,33 @@ impl std::fmt::Display for Unusable {
     }
 }
 
-/// Checks a plan for the question: copies of an example come first, since a copied plan is
-/// about another question whatever it shows its workers.
+/// Checks a plan for the question: loops first, then copies of an example, since a copied plan
+/// is about another question whatever it shows its workers.
 pub fn check(plan: &Plan, examples: &[ShownExample], question: &str, pool_gives_it: bool) -> Option<Unusable> {
-    if let Some(u) = copied_example(plan, examples).or_else(|| about_an_example(plan, examples, question)) {
-        return Some(u);
+    let unusable = repeats_itself(plan)
+        .or_else(|| copied_example(plan, examples))
+        .or_else(|| about_an_example(plan, examples, question));
+    if unusable.is_some() {
+        return unusable;
     }
     if !pool_gives_it && !plan.steps.iter().any(|s| holds_question(&s.subtask, question)) {
         return Some(Unusable::QuestionNotGiven);
+    }
+    None
+}
+
+/// The first step whose subtask holds a run of [`LOOP_WORDS`] words [`LOOP_TIMES`] times.
+pub fn repeats_itself(plan: &Plan) -> Option<Unusable> {
+    for (i, step) in plan.steps.iter().enumerate() {
+        let w = words(&step.subtask);
+        let mut seen: HashMap<&[String], usize> = HashMap::new();
+        for run in w.windows(LOOP_WORDS) {
+            let times = seen.entry(run).or_default();
+            *times += 1;
+            if *times == LOOP_TIMES {
+                return Some(Unusable::RepeatsItself { step: i, words: run.join(" ") });
+            }
+        }
     }
     None
 }
@@ -275,6 +305,26 @@ mod tests {
         assert_eq!(fallback_worker(&options, 3, acid), (1, None));
         // Nothing measured, nothing chosen: the first worker.
         assert_eq!(fallback_worker(&FallbackOptions::default(), 3, acid), (0, None));
+    }
+
+    #[test]
+    fn a_subtask_that_says_the_same_words_over_and_over_loops() {
+        // What a small conductor wrote for a word problem, its text cut short here.
+        let looping = plan(&[
+            "Solve the problem.",
+            "The answer is: 120.  The answer is: 120.  The answer is: 120.  The answer is: 120.  The answer 1",
+        ]);
+        assert_eq!(
+            check(&looping, &[], "A train travels 120 km in 1.5 hours. What is its speed?", true),
+            Some(Unusable::RepeatsItself { step: 1, words: "the answer is 120 the answer".into() })
+        );
+        // Twice is not a loop, nor is a long instruction whose words come back apart.
+        let twice = plan(&["Check that the answer is right; then check that the answer is right for n = 0."]);
+        assert_eq!(repeats_itself(&twice), None);
+        let long = plan(&[
+            "Compute the speed from the distance and the time, check the units of the speed, and give the speed in km/h with the distance and the time shown.",
+        ]);
+        assert_eq!(repeats_itself(&long), None);
     }
 
     #[test]
