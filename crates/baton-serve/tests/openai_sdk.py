@@ -3,7 +3,7 @@ streamed and not, the usage and `baton` fields, each error class, and a client t
 
     python openai_sdk.py BASE_URL TOKEN
 
-Run by openai_sdk.rs, which starts the server over loopback workers and then checks the history
+Run by serve.rs (the_official_openai_package_…), which starts the server over loopback workers and then checks the history
 (the cancelled run). Prints one JSON line of facts for it; exits non-zero on the first failure.
 """
 

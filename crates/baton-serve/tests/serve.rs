@@ -673,3 +673,45 @@ async fn the_daily_cap_goes_on_counting_the_day_after_a_restart() {
     shutdown.cancel();
     task.await.expect("joined").expect("served");
 }
+
+/// The official `openai` Python package (openai_sdk.py) as a client would use it. `scripts/test`
+/// makes the package's virtual environment and names its Python in `BATON_OPENAI_PYTHON`;
+/// without it the test is skipped, except in CI, where it fails.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_official_openai_package_lists_asks_streams_and_gets_each_error_class() {
+    const BOTH_STEPS_FAST: &str = "```python\nmodel_id = [0, 0]\nsubtasks = [\"Draft an answer.\", \"Improve the draft.\"]\naccess_list = [[], \"all\"]\n```";
+    let Some(python) = std::env::var_os("BATON_OPENAI_PYTHON") else {
+        assert!(std::env::var_os("CI").is_none(), "BATON_OPENAI_PYTHON is unset: run the tests through scripts/test");
+        eprintln!("skipped: BATON_OPENAI_PYTHON is unset (scripts/test sets it)");
+        return;
+    };
+    let s = serve_with(&[("fast", "fast"), ("slow", "slow;lines=60;latency=10000")], |_| {}).await;
+    s.providers.queue_replies("planner", [BOTH_STEPS_FAST; 5]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_sdk.py");
+    let out = tokio::process::Command::new(python)
+        .args([script, &format!("{}/v1", s.url), TOKEN])
+        .output()
+        .await
+        .expect("python runs");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(!stdout.contains(CANARY) && !stderr.contains(CANARY));
+    let facts: Value = serde_json::from_str(stdout.lines().last().expect("facts")).expect("json");
+
+    // The run the client hung up on is cancelled in the history.
+    let uid = facts["hung_up_on"].as_str().expect("the script hung up on a run");
+    let mut status = None;
+    for _ in 0..100 {
+        for summary in s.store.list_runs(20, None).await.expect("runs") {
+            let tree = s.store.run(summary.id).await.expect("read").expect("the run");
+            if tree.run.uid == uid {
+                status = Some(summary.status);
+            }
+        }
+        if status == Some(RunStatus::Cancelled) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(status, Some(RunStatus::Cancelled), "{facts}");
+}
