@@ -107,7 +107,14 @@ pub struct LocalModel {
     /// Token sequences mistral.rs's prefix cache holds, newest last, mirrored so each
     /// generation can report how much of its prompt came from the cache (mistral.rs does not).
     cached: std::sync::Mutex<std::collections::VecDeque<Vec<u32>>>,
+    /// The latest prompts tokenized, newest last: a call's reservation counts its prompt's
+    /// tokens and the generation that follows needs the same tokens, so it reads them here.
+    prompts: std::sync::Mutex<std::collections::VecDeque<(String, Arc<Vec<u32>>)>>,
 }
+
+/// How many tokenized prompts are kept: enough for the calls that reserve at about the same
+/// time (a round's parallel steps on one local model) to find theirs when they generate.
+const PROMPT_MEMO: usize = 8;
 
 /// How many finished sequences the mirror remembers. mistral.rs keeps every finished sequence
 /// (moving old ones off the GPU); the mirror only needs the recent ones a prompt would share.
@@ -283,6 +290,7 @@ impl LocalModel {
             lora: config.lora.is_some(),
             last: std::sync::Mutex::new(None),
             cached: std::sync::Mutex::new(std::collections::VecDeque::new()),
+            prompts: std::sync::Mutex::new(std::collections::VecDeque::new()),
         })
     }
 
@@ -329,7 +337,7 @@ impl LocalModel {
         request = request.set_sampler_max_len(options.max_tokens);
         request = request.set_sampler_stop_toks(StopTokens::Ids(self.end_tokens.all()));
         // The same turns again, to count the prompt's tokens and what the prefix cache holds.
-        let prompt_tokens = self.prompt(system, messages).await.unwrap_or_default();
+        let prompt_tokens = self.prompt(system, messages).await.map(|t| t.to_vec()).unwrap_or_default();
         let cached_tokens = self.cached_prefix(&prompt_tokens);
 
         let started = Instant::now();
@@ -490,13 +498,25 @@ impl LocalModel {
         self.prompt(system, messages).await.map(|tokens| tokens.len() as u64)
     }
 
-    /// The prompt's tokens as the model reads them: the chat template applied, then tokenized.
-    async fn prompt(&self, system: Option<&str>, messages: &[Message]) -> Option<Vec<u32>> {
+    /// The prompt's tokens as the model reads them: the chat template applied, then tokenized
+    /// (once per prompt: a recent prompt's tokens are remembered).
+    async fn prompt(&self, system: Option<&str>, messages: &[Message]) -> Option<Arc<Vec<u32>>> {
+        let key = prompt_key(system, messages);
+        let memo = || self.prompts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((_, tokens)) = memo().iter().find(|(k, _)| *k == key) {
+            return Some(tokens.clone());
+        }
         let mut turns = TextMessages::new();
         for (role, content) in chat_turns(system, messages) {
             turns = turns.add_message(role, content);
         }
-        self.model.tokenize(Either::Left(turns), None, true, true, None).await.ok()
+        let tokens = Arc::new(self.model.tokenize(Either::Left(turns), None, true, true, None).await.ok()?);
+        let mut memo = memo();
+        if memo.len() == PROMPT_MEMO {
+            memo.pop_front();
+        }
+        memo.push_back((key, tokens.clone()));
+        Some(tokens)
     }
 
     /// How many tokens `text` is, as the model's tokenizer splits it (no special tokens added).
@@ -597,6 +617,17 @@ fn chat_turns<'a>(
         (role, m.content.as_str())
     });
     system.map(|s| (TextMessageRole::System, s)).into_iter().chain(rest)
+}
+
+/// A prompt's turns as one string that tells any two prompts apart: each part is preceded by
+/// its length, so no content can pass for a boundary.
+fn prompt_key(system: Option<&str>, messages: &[Message]) -> String {
+    let mut key = String::new();
+    for (role, content) in chat_turns(system, messages) {
+        key.push_str(&format!("{role:?}:{}:", content.len()));
+        key.push_str(content);
+    }
+    key
 }
 
 /// A pool worker that runs on a local model (`provider = "local"`).

@@ -274,6 +274,12 @@ async fn a_local_worker_streams_an_answer_and_stops_at_its_token_limit() {
     use futures::StreamExt;
     let worker = baton_conductor::local::LocalWorker { model: model().await, max_tokens: 12, temperature: Some(1.0) };
     let request = ChatRequest { messages: vec![Message::user("Say something.")], ..ChatRequest::default() };
+    // What a call reserves for is what the model reads (the prompt is tokenized once for both,
+    // and a remembered prompt is never taken for another).
+    let reserved = worker.input_tokens(&request).await.expect("the prompt's tokens");
+    let longer = ChatRequest { messages: vec![Message::user("Say something else.")], ..ChatRequest::default() };
+    let reserved_longer = worker.input_tokens(&longer).await.expect("the prompt's tokens");
+    assert!(reserved_longer > reserved, "{reserved_longer} > {reserved}");
     let run = async {
         let mut stream = worker.stream(request).await.expect("stream");
         let mut pieces = 0;
@@ -290,7 +296,7 @@ async fn a_local_worker_streams_an_answer_and_stops_at_its_token_limit() {
     let (pieces, done) = tokio::time::timeout(std::time::Duration::from_secs(30), run).await.expect("finishes");
     let usage = done.expect("a Done event");
     assert!((1..=12).contains(&usage.output_tokens), "the usage counts what was generated: {usage:?}");
-    assert!(usage.input_tokens > 0, "{usage:?}");
+    assert_eq!(usage.input_tokens, reserved, "{usage:?}");
     assert!(pieces >= 1);
 }
 
