@@ -345,6 +345,12 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
     service.restore_spend().await;
+    // Streamed answers are many small writes: with Nagle's algorithm on, a write waits for the
+    // client's acknowledgement of the one before, which the client may hold back for up to
+    // 40 ms (delayed ACK), so a token could stall that long on its way out.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
+        let _ = tcp.set_nodelay(true);
+    });
     let served =
         axum::serve(listener, router(service.clone())).with_graceful_shutdown(shutdown.cancelled_owned()).await;
     service.settle().await;

@@ -117,6 +117,10 @@ impl TestServer {
             .with_state(shared.clone());
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", options.port)).await?;
         let addr = listener.local_addr()?;
+        // Pieces go out as they are written, as the providers' own servers send them.
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
+            let _ = tcp.set_nodelay(true);
+        });
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
