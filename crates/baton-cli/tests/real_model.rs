@@ -95,7 +95,10 @@ async fn ask_under_a_token_cap_plans_runs_and_counts_the_conductor() {
     let out = baton(&args, None).await;
     let events: Vec<serde_json::Value> =
         out.stdout.lines().map(|l| serde_json::from_str(l).expect("a JSON event")).collect();
-    let plan = events.iter().find(|e| e["type"] == "plan_ready").expect("a plan");
+    let plan = events
+        .iter()
+        .find(|e| e["type"] == "plan_ready")
+        .unwrap_or_else(|| panic!("no plan: {}\n{}", out.stderr, out.stdout));
     // A plan the check rejects is asked for again (and, rejected twice or with no room left
     // for a second attempt, replaced by one worker alone): each attempt made is a conductor
     // call.

@@ -336,7 +336,8 @@ impl LocalModel {
         }
         request = request.set_sampler_max_len(options.max_tokens);
         request = request.set_sampler_stop_toks(StopTokens::Ids(self.end_tokens.all()));
-        // The same turns again, to count the prompt's tokens and what the prefix cache holds.
+        // The prompt's tokens (as the call's reservation counted them: remembered, not tokenized
+        // again), to count them and what the prefix cache holds. mistral.rs tokenizes on its own.
         let prompt_tokens = self.prompt(system, messages).await.map(|t| t.to_vec()).unwrap_or_default();
         let cached_tokens = self.cached_prefix(&prompt_tokens);
 

@@ -274,8 +274,8 @@ async fn a_local_worker_streams_an_answer_and_stops_at_its_token_limit() {
     use futures::StreamExt;
     let worker = baton_conductor::local::LocalWorker { model: model().await, max_tokens: 12, temperature: Some(1.0) };
     let request = ChatRequest { messages: vec![Message::user("Say something.")], ..ChatRequest::default() };
-    // What a call reserves for is what the model reads (the prompt is tokenized once for both,
-    // and a remembered prompt is never taken for another).
+    // What a call reserves for is what the model reads, and a remembered tokenization is never
+    // taken for another prompt's.
     let reserved = worker.input_tokens(&request).await.expect("the prompt's tokens");
     let longer = ChatRequest { messages: vec![Message::user("Say something else.")], ..ChatRequest::default() };
     let reserved_longer = worker.input_tokens(&longer).await.expect("the prompt's tokens");

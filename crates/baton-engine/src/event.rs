@@ -79,10 +79,12 @@ pub enum RunEvent {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         fallback: Option<String>,
     },
-    /// The conductor's plan for `round` cannot be used: it failed, copies an example workflow,
-    /// or gives no worker the question. With `retry` the conductor writes another (more
-    /// `PlanDelta`s follow, in the same round); without, the round's `PlanReady` is the
-    /// fallback. Only the question's plan (round 0) is checked, and only with the fallback on.
+    /// The conductor's plan for `round` cannot be used: it failed, loops, copies an example
+    /// workflow, or gives no worker the question. With `retry` the conductor is asked for
+    /// another (more `PlanDelta`s follow, in the same round; or, when the run's caps leave no
+    /// room for that attempt, the fallback's `PlanReady` follows at once); without, the round's
+    /// `PlanReady` is the fallback. Only the question's plan (round 0) is checked, and only with
+    /// the fallback on.
     PlanRejected {
         round: u32,
         reason: String,

@@ -343,10 +343,11 @@ impl Executor {
 
     /// Asks the conductor for a plan; emits the round's plan events. Returns the round number.
     ///
-    /// For the question's plan (depth 0), with the fallback on: a plan that fails, copies an
-    /// example or keeps the question from the workers is asked for once more (the conductor
-    /// writes the second attempt differently), and if that one is no better the question goes
-    /// to one worker alone (see [`crate::fallback`]). Each rejected attempt is reported with
+    /// For the question's plan (depth 0), with the fallback on: a plan that fails, loops,
+    /// copies an example or keeps the question from the workers is asked for once more (the
+    /// conductor writes the second attempt differently), and if that one is no better, or the
+    /// run's caps leave no room for it, the question goes to one worker alone (see
+    /// [`crate::fallback`]). Each rejected attempt is reported with
     /// `PlanRejected`; the plan that runs instead says why in `PlanReady::fallback`.
     async fn write_plan(
         &self,

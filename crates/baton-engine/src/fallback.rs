@@ -60,7 +60,7 @@ impl std::fmt::Display for Unusable {
 /// Checks a plan for the question: loops first, then copies of an example, since a copied plan
 /// is about another question whatever it shows its workers.
 pub fn check(plan: &Plan, examples: &[ShownExample], question: &str, pool_gives_it: bool) -> Option<Unusable> {
-    let unusable = repeats_itself(plan)
+    let unusable = repeats_itself(plan, question)
         .or_else(|| copied_example(plan, examples))
         .or_else(|| about_an_example(plan, examples, question));
     if unusable.is_some() {
@@ -72,12 +72,16 @@ pub fn check(plan: &Plan, examples: &[ShownExample], question: &str, pool_gives_
     None
 }
 
-/// The first step whose subtask holds a run of [`LOOP_WORDS`] words [`LOOP_TIMES`] times.
-pub fn repeats_itself(plan: &Plan) -> Option<Unusable> {
+/// The first step whose subtask holds a run of [`LOOP_WORDS`] words [`LOOP_TIMES`] times. Runs
+/// the question itself holds do not count: a subtask may quote a question that repeats itself
+/// (a matrix, a list of equal numbers).
+pub fn repeats_itself(plan: &Plan, question: &str) -> Option<Unusable> {
+    let q = words(question);
+    let quoted: HashSet<&[String]> = q.windows(LOOP_WORDS).collect();
     for (i, step) in plan.steps.iter().enumerate() {
         let w = words(&step.subtask);
         let mut seen: HashMap<&[String], usize> = HashMap::new();
-        for run in w.windows(LOOP_WORDS) {
+        for run in w.windows(LOOP_WORDS).filter(|run| !quoted.contains(run)) {
             let times = seen.entry(run).or_default();
             *times += 1;
             if *times == LOOP_TIMES {
@@ -320,11 +324,16 @@ mod tests {
         );
         // Twice is not a loop, nor is a long instruction whose words come back apart.
         let twice = plan(&["Check that the answer is right; then check that the answer is right for n = 0."]);
-        assert_eq!(repeats_itself(&twice), None);
+        assert_eq!(repeats_itself(&twice, "Is it right?"), None);
         let long = plan(&[
             "Compute the speed from the distance and the time, check the units of the speed, and give the speed in km/h with the distance and the time shown.",
         ]);
-        assert_eq!(repeats_itself(&long), None);
+        assert_eq!(repeats_itself(&long, "How fast?"), None);
+        // A question that repeats itself may be quoted whole.
+        let matrix = "Invert [[1,0,0,0],[0,1,0,0],[0,0,1,0],[0,0,0,1]].";
+        assert_eq!(check(&plan(&[&format!("Solve: {matrix} Show each step.")]), &[], matrix, false), None);
+        let sevens = "What is the mode of 7, 7, 7, 7, 7, 7, 7, 7?";
+        assert_eq!(repeats_itself(&plan(&[sevens]), sevens), None);
     }
 
     #[test]

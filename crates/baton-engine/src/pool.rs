@@ -64,9 +64,10 @@ pub struct ServeSpec {
     pub daily_max_cost_usd: Option<f64>,
 }
 
-/// When the conductor's plan for a question cannot be used (it failed, copies an example, or
-/// keeps the question from the workers), it is asked once more, and then the question goes to
-/// one worker alone. See [`crate::fallback`].
+/// When the conductor's plan for a question cannot be used (it failed, loops, copies an
+/// example, or keeps the question from the workers), it is asked once more, and then (or when
+/// the run's caps leave no room for a second attempt) the question goes to one worker alone.
+/// See [`crate::fallback`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FallbackOptions {
     /// Off: the conductor's plan runs as written, and a plan that fails fails the run.

@@ -626,3 +626,70 @@ async fn a_stream_cut_before_its_usage_counts_an_estimate_and_says_so() {
     // The provider reported nothing for it.
     assert_eq!(server.requests()[0].reported().output_tokens, 0);
 }
+
+/// A conductor whose first plan loops and whose second attempt the run's token cap has no
+/// room for: each attempt reserves 1,000 tokens in and 100 out, and the first spends them.
+struct LoopsThenOverCap {
+    attempts: std::sync::atomic::AtomicUsize,
+}
+
+impl baton_engine::Planner for LoopsThenOverCap {
+    fn describe(&self) -> String {
+        "a looping conductor".into()
+    }
+
+    fn plan<'a>(
+        &'a self,
+        _context: baton_engine::PlanningContext,
+        _deltas: baton_engine::PlanDeltas<'a>,
+        meter: baton_engine::accounting::Meter<'a>,
+    ) -> futures::future::BoxFuture<'a, Result<baton_engine::Planned, baton_engine::PlannerError>> {
+        Box::pin(async move {
+            self.attempts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let worst = baton_engine::accounting::WorstCase::of_size(1000, 100, &baton_engine::prices::Pricing::Free);
+            let reservation =
+                meter.reserve("the conductor", worst).await.map_err(baton_engine::PlannerError::refused)?;
+            let usage = baton_providers::Usage { input_tokens: 1000, output_tokens: 100, ..Default::default() };
+            reservation.settle(usage, Some(0.0));
+            let raw = "model_id = [0]\nsubtasks = [\"The answer is 4. The answer is 4. The answer is 4. The answer is 4.\"]\naccess_list = [[]]";
+            let plan = baton_plan::parse(raw, &Limits::default()).expect("plan parses");
+            Ok(baton_engine::Planned { usage, ..baton_engine::Planned::bare(raw.into(), plan) })
+        })
+    }
+}
+
+/// A first plan that loops is rejected; a second attempt that would not fit under the run's
+/// token cap is not made, and the question goes to one worker alone instead of the run failing.
+#[tokio::test]
+async fn a_second_plan_the_cap_has_no_room_for_falls_back_to_one_worker() {
+    let server = TestServer::start().await.expect("server");
+    let text = format!(
+        "[budget]\nmax_tokens = 2000\n\n[[worker]]\nname = \"w\"\nprovider = \"openai-compatible\"\nmodel = \"w;reply=four\"\nbase_url = \"{}\"\nmax_tokens = 64\n",
+        server.base_url(Wire::OpenAi)
+    );
+    let pool = Pool::parse(&text, "test-pool.toml").expect("valid pool");
+    let planner = Arc::new(LoopsThenOverCap { attempts: Default::default() });
+    let executor = executor(&pool).with_planner(planner.clone());
+    let request = RunRequest { run_id: "capped".into(), question: "What is 2+2?".into(), ..RunRequest::default() };
+    let (outcome, events) = run_request(&executor, request, None).await;
+    assert_eq!(outcome.status, RunStatus::Finished, "{events:#?}");
+    assert_eq!(planner.attempts.load(std::sync::atomic::Ordering::SeqCst), 2, "the second attempt was asked for");
+    let rejected: Vec<_> = events.iter().filter(|e| matches!(e, RunEvent::PlanRejected { .. })).collect();
+    assert!(
+        matches!(rejected.as_slice(), [RunEvent::PlanRejected { reason, retry: true, .. }] if reason.contains("repeats itself")),
+        "{rejected:#?}"
+    );
+    let fallback = events.iter().find_map(|e| match e {
+        RunEvent::PlanReady { fallback: Some(f), .. } => Some(f.clone()),
+        _ => None,
+    });
+    let fallback = fallback.expect("the plan that ran is the fallback");
+    assert!(fallback.contains("a second plan did not fit under the run's caps"), "{fallback}");
+    assert!(fallback.contains("the question went to w alone"), "{fallback}");
+    let totals = events.iter().find_map(RunEvent::final_totals).expect("totals");
+    assert_eq!(totals.conductor.calls, 1, "the refused attempt is no call: {totals:?}");
+    assert_eq!(totals.workers.calls, 1);
+    let asked: Vec<_> = server.requests().into_iter().filter(|r| r.model.starts_with('w')).collect();
+    assert_eq!(asked.len(), 1);
+    assert!(asked[0].body.to_string().contains("What is 2+2?"), "{}", asked[0].body);
+}
