@@ -312,9 +312,11 @@ pub(crate) async fn read_body(service: &Service, body: Body) -> Result<axum::bod
 /// runs behind), with its cost capped at what is left of the day's cap.
 pub(crate) fn admit(service: &Service, call: &mut Call) -> Result<OwnedSemaphorePermit, ApiError> {
     let most = service.options.max_concurrent_runs.max(1);
-    // Runs going, and runs that ended but wait for the history: the wait is usually a few
-    // milliseconds; a backlog as large as the limit means a history that cannot keep up.
-    if service.recording.count() >= 2 * most {
+    // Runs going, and runs that ended but wait for the history. The wait is usually a few
+    // milliseconds, but one commit can take tens on a busy disk, and a client asking one
+    // question after another may meanwhile have several runs waiting: only a backlog of a
+    // whole set of runs (and never under `HISTORY_BACKLOG`) means a history that cannot keep up.
+    if service.recording.count() >= (2 * most).max(crate::HISTORY_BACKLOG) {
         return Err(ApiError::busy(
             "the history is behind on recording this server's runs; try again shortly",
             Some(1),

@@ -304,6 +304,10 @@ impl Service {
     }
 }
 
+/// The fewest runs that may wait for the history (ended, not yet recorded) before new runs are
+/// refused with 429; more with a larger `max_concurrent_runs` (twice it).
+pub const HISTORY_BACKLOG: usize = 64;
+
 /// The routes, behind the guard.
 pub fn router(service: Arc<Service>) -> Router {
     Router::new()

@@ -438,8 +438,9 @@ async fn limits_give_clear_errors_a_full_server_429_and_request_caps_only_lower_
 
 /// A run frees its slot when it ends, though the history records it a moment later: a client
 /// that asks one question after another is never refused for the history's sake. A history that
-/// cannot write at all (another process holds it) lets a whole set of runs wait for it, then
-/// refuses with 429, and loses none of them once it can write again.
+/// cannot write at all (another process holds it) lets a whole set of runs wait for it
+/// (`HISTORY_BACKLOG`, with one run at a time allowed), then refuses with 429, and loses none of
+/// them once it can write again.
 #[tokio::test]
 async fn a_history_that_falls_behind_refuses_new_runs_only_after_a_whole_set_waits() {
     let s = serve_with(&[("a", "alpha"), ("b", "beta")], |o| o.max_concurrent_runs = 1).await;
@@ -452,7 +453,8 @@ async fn a_history_that_falls_behind_refuses_new_runs_only_after_a_whole_set_wai
     let url = format!("sqlite://{}", s.store.path().display());
     let mut other = <sqlx::SqliteConnection as sqlx::Connection>::connect(&url).await.expect("connect");
     sqlx::query("BEGIN IMMEDIATE").execute(&mut other).await.expect("lock");
-    for i in 0..2 {
+    let backlog = baton_serve::HISTORY_BACKLOG;
+    for i in 0..backlog {
         let (status, _, r) =
             post(&s, json!({ "model": "baton/b", "messages": question(&format!("Locked {i}?")) })).await;
         assert_eq!(status, 200, "{r}");
@@ -463,8 +465,8 @@ async fn a_history_that_falls_behind_refuses_new_runs_only_after_a_whole_set_wai
     assert!(r["error"]["message"].as_str().is_some_and(|m| m.contains("history is behind")), "{r}");
     sqlx::query("ROLLBACK").execute(&mut other).await.expect("unlock");
     s.service.settle().await;
-    let runs = s.store.list_runs(20, None).await.expect("list");
-    assert_eq!(runs.len(), 7);
+    let runs = s.store.list_runs(200, None).await.expect("list");
+    assert_eq!(runs.len(), 5 + backlog);
     assert!(runs.iter().all(|r| r.status == RunStatus::Finished), "{runs:?}");
     let (status, _, r) = post(&s, json!({ "model": "baton/b", "messages": question("And now?") })).await;
     assert_eq!(status, 200, "{r}");
