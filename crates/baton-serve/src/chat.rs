@@ -659,21 +659,23 @@ fn stream(run: Running) -> Response {
         (run, Progress::default(), Stage::Start, String::new()),
         |(mut run, mut progress, stage, mut streamed)| async move {
             match stage {
-                Stage::Start => {
-                    let first = chunk(
-                        &run,
-                        json!({ "role": "assistant", "content": "" }),
-                        None,
-                        json!({ "run_id": run.run_id, "status": "running" }),
-                    );
-                    Some((vec![sse(&first)], (run, progress, Stage::Events, streamed)))
-                }
-                Stage::Events => {
+                Stage::Start | Stage::Events => {
+                    let mut out = Vec::new();
+                    if matches!(stage, Stage::Start) {
+                        // The opening chunk waits for the run's first events (a moment: the
+                        // run has started) and goes out with them and the head in one write.
+                        let first = chunk(
+                            &run,
+                            json!({ "role": "assistant", "content": "" }),
+                            None,
+                            json!({ "run_id": run.run_id, "status": "running" }),
+                        );
+                        out.push(sse(&first));
+                    }
                     // Events that are already waiting go out in the same write, and events
                     // that show nothing make no write: under load, fewer and fuller writes for
                     // the server and the client alike.
-                    let mut out = Vec::new();
-                    while out.is_empty() {
+                    loop {
                         let Some(event) = run.events.recv().await else {
                             let e = ApiError::internal("the run ended without a result");
                             out.extend([sse(&e.body()), DONE.to_owned()]);
@@ -685,6 +687,9 @@ fn stream(run: Running) -> Response {
                                 return Some((out, (run, progress, Stage::Done, streamed)));
                             }
                             next = run.events.try_recv().ok();
+                        }
+                        if !out.is_empty() {
+                            break;
                         }
                     }
                     Some((out, (run, progress, Stage::Events, streamed)))

@@ -375,11 +375,11 @@ fn stream(run: Running, echo: Echo) -> Response {
                 let created = response(&run, &echo, "in_progress", vec![], Map::new());
                 out.push_str(&event("response.created", &mut at.seq, json!({ "response": created })));
                 out.push_str(&event("response.in_progress", &mut at.seq, json!({ "response": created })));
-                return Some((out, (run, echo, progress, at)));
+                // These go out with the run's first events, in one write with the head.
             }
             // Events that are already waiting go out in the same write, and events that show
             // nothing make no write (as in a chat completion's stream).
-            while out.is_empty() {
+            loop {
                 let mut next = Some(run.events.recv().await?);
                 while let Some(ev) = next {
                     on_event(&run, &echo, &mut progress, &mut at, ev, &mut out);
@@ -387,6 +387,9 @@ fn stream(run: Running, echo: Echo) -> Response {
                         return Some((out, (run, echo, progress, at)));
                     }
                     next = run.events.try_recv().ok();
+                }
+                if !out.is_empty() {
+                    break;
                 }
             }
             Some((out, (run, echo, progress, at)))

@@ -13,6 +13,7 @@ pub mod comparisons;
 pub mod evaluations;
 pub mod export;
 pub mod figures;
+mod locks;
 mod recorder;
 mod serve_spend;
 mod stored;
@@ -261,6 +262,8 @@ pub struct SentRequest {
 pub struct Store {
     pool: SqlitePool,
     path: PathBuf,
+    /// Lock files for the runs this store records (see [`locks`]); freed when the last clone goes.
+    slots: std::sync::Arc<locks::Slots>,
 }
 
 /// `<data dir>/baton/history.sqlite`.
@@ -290,7 +293,7 @@ impl Store {
         // once (the app and the CLI, or two CLI runs) would both apply migration 1 and one
         // would fail. Opening is serialized by a lock file instead; it is held until the
         // database is migrated and its dead runs are marked.
-        let _opening = recorder::lock_opening(path).await?;
+        let _opening = locks::lock_opening(path).await?;
         let pool = SqlitePoolOptions::new()
             .max_connections(4)
             .connect_with(options)
@@ -304,8 +307,9 @@ impl Store {
                 StoreError::Migrate { path: shown.clone(), message }
             }
         })?;
-        let store = Store { pool, path: path.to_path_buf() };
+        let store = Store { pool, path: path.to_path_buf(), slots: std::sync::Arc::new(locks::Slots::new(path)) };
         store.mark_interrupted().await?;
+        locks::remove_dead_slots(path);
         Ok(store)
     }
 
@@ -328,9 +332,11 @@ impl Store {
     /// process: they become `interrupted`, with their finished steps intact.
     async fn mark_interrupted(&self) -> Result<(), StoreError> {
         let running: Vec<(i64, String)> =
-            sqlx::query_as("SELECT id, uid FROM runs WHERE status = 'running'").fetch_all(&self.pool).await?;
-        for (id, uid) in running {
-            if recorder::is_live(&self.path, &uid) {
+            sqlx::query_as("SELECT id, coalesce(recorder, uid) FROM runs WHERE status = 'running'")
+                .fetch_all(&self.pool)
+                .await?;
+        for (id, lock) in running {
+            if locks::is_live(&self.path, &lock) {
                 continue;
             }
             let mut tx = self.write().await?;
@@ -343,7 +349,7 @@ impl Store {
                 .execute(&mut *tx)
                 .await?;
             tx.commit().await?;
-            recorder::remove_lock(&self.path, &uid);
+            locks::remove_lock(&self.path, &lock);
         }
         Ok(())
     }
@@ -664,11 +670,11 @@ impl Store {
         // IMMEDIATE: no recorder can start or end a run between the check and the delete.
         let mut tx = self.write().await?;
         let running: Vec<(i64, String)> =
-            sqlx::query_as("SELECT id, uid FROM runs WHERE id = ?1 AND status = 'running'")
+            sqlx::query_as("SELECT id, coalesce(recorder, uid) FROM runs WHERE id = ?1 AND status = 'running'")
                 .bind(id)
                 .fetch_all(&mut *tx)
                 .await?;
-        if let Some((run, _)) = running.iter().find(|(_, uid)| recorder::is_live(&self.path, uid)) {
+        if let Some((run, _)) = running.iter().find(|(_, lock)| locks::is_live(&self.path, lock)) {
             return Err(StoreError::RunStillGoing { run: *run });
         }
         // Its question and answer go with it, so later runs in the conversation stop seeing them.
@@ -682,12 +688,13 @@ impl Store {
     /// while one of its runs is still being recorded.
     pub async fn delete_conversation(&self, id: i64) -> Result<bool, StoreError> {
         let mut tx = self.write().await?;
-        let running: Vec<(i64, String)> =
-            sqlx::query_as("SELECT id, uid FROM runs WHERE conversation_id = ?1 AND status = 'running'")
-                .bind(id)
-                .fetch_all(&mut *tx)
-                .await?;
-        if let Some((run, _)) = running.iter().find(|(_, uid)| recorder::is_live(&self.path, uid)) {
+        let running: Vec<(i64, String)> = sqlx::query_as(
+            "SELECT id, coalesce(recorder, uid) FROM runs WHERE conversation_id = ?1 AND status = 'running'",
+        )
+        .bind(id)
+        .fetch_all(&mut *tx)
+        .await?;
+        if let Some((run, _)) = running.iter().find(|(_, lock)| locks::is_live(&self.path, lock)) {
             return Err(StoreError::ConversationStillGoing { conversation: id, run: *run });
         }
         let done = sqlx::query("DELETE FROM conversations WHERE id = ?1").bind(id).execute(&mut *tx).await?;

@@ -3,10 +3,10 @@
 //! Each event is one transaction (its row changes and its line in `events`), so a crash loses
 //! at most what was in flight; a writer that fell behind may record the events waiting for it
 //! in one ([`Recorder::record_all`]), and a server the events of all its runs that wait
-//! ([`Store::record_many`], a savepoint per run). While a run records, its recorder holds an OS lock on a file
-//! beside the database (`<db>.locks/<run uid>.lock`); the lock dies with the process, which is
-//! how [`crate::Store::open`] tells a run that is still going in another process from one whose
-//! process was killed.
+//! ([`Store::record_many`], a savepoint per run). While a run records, its recorder holds one of
+//! its store's lock files (a [`Slot`], named in the run's row); the lock dies with the process,
+//! which is how [`crate::Store::open`] tells a run that is still going in another process from
+//! one whose process was killed (see [`crate::locks`]).
 //!
 //! Each text is stored once. A step's answer is in its row; the requests of later steps that
 //! saw it refer to that row (see [`crate::stored`]), and events leave out the texts a row holds
@@ -15,12 +15,11 @@
 //! that had arrived, with status `cancelled`.
 
 use std::collections::HashMap;
-use std::fs::File;
-use std::path::{Path, PathBuf};
 
 use baton_engine::{RerunOf, RunEvent, StepErrorKind, WorkerInfo};
 use baton_plan::{Access, Plan};
 
+use crate::locks::Slot;
 use crate::stored::{self, StoredRequest, TextRef};
 use crate::time::now_ms;
 use crate::{Store, StoreError};
@@ -40,7 +39,8 @@ pub struct Recorder {
     partial: HashMap<(u32, usize), String>,
     /// Each round's rejected plan attempts, kept with the plan that runs.
     rejected: HashMap<u32, Vec<crate::RejectedPlan>>,
-    lock: Option<(File, PathBuf)>,
+    /// The lock that says the run is being recorded, held from its start to its end.
+    slot: Option<Slot>,
     /// Whether the run's question and answer join the conversation's turns (what a conductor
     /// sees in a follow-up). A worker's run beside the conductor's (compare in chat) does not.
     messages: bool,
@@ -49,7 +49,7 @@ pub struct Recorder {
 /// What a recorder forgets when a batch it applied is not kept.
 struct Undo {
     before: (Option<i64>, Option<i64>, i64),
-    had_lock: bool,
+    had_slot: bool,
     added: Vec<String>,
 }
 
@@ -137,7 +137,7 @@ impl Store {
         }
         for (((recorder, _), events), result) in runs.iter_mut().zip(&stored).zip(&results) {
             if result.is_ok() && events.iter().any(|e| e.is_terminal()) {
-                recorder.release_lock();
+                recorder.release_slot();
             }
         }
         Ok(results)
@@ -156,7 +156,7 @@ impl Recorder {
             texts: HashMap::new(),
             partial: HashMap::new(),
             rejected: HashMap::new(),
-            lock: None,
+            slot: None,
             messages: true,
         }
     }
@@ -215,7 +215,7 @@ impl Recorder {
         events: &[&RunEvent],
     ) -> (Undo, Result<(), StoreError>) {
         let mut undo =
-            Undo { before: (self.conversation, self.run, self.seq), had_lock: self.lock.is_some(), added: Vec::new() };
+            Undo { before: (self.conversation, self.run, self.seq), had_slot: self.slot.is_some(), added: Vec::new() };
         for event in events {
             if let Err(e) = self.apply(tx, event, &mut undo.added).await {
                 return (undo, Err(e));
@@ -231,15 +231,14 @@ impl Recorder {
             self.texts.remove(&text);
         }
         // A run this batch started is not in the history: nor is it live.
-        if !undo.had_lock {
-            self.release_lock();
+        if !undo.had_slot {
+            self.release_slot();
         }
     }
 
-    fn release_lock(&mut self) {
-        if let Some((file, path)) = self.lock.take() {
-            drop(file);
-            let _ = std::fs::remove_file(path);
+    fn release_slot(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            self.store.slots.give_back(slot);
         }
     }
 
@@ -443,7 +442,7 @@ impl Recorder {
         conductor: Option<&str>,
         rerun_of: Option<&RerunOf>,
     ) -> Result<(), StoreError> {
-        self.lock = Some(take_lock(self.store.path(), uid)?);
+        let slot = self.slot.insert(self.store.slots.take()?).name().to_owned();
         self.workers = workers.to_vec();
         let now = now_ms();
         let conversation = match self.conversation {
@@ -469,8 +468,9 @@ impl Recorder {
             }
         };
         let run: i64 = sqlx::query_scalar(
-            "INSERT INTO runs (uid, conversation_id, question, conductor, workers, status, started_at, rerun_of, rerun_step)
-             VALUES (?1, ?2, ?3, ?4, ?5, 'running', ?6, ?7, ?8) RETURNING id",
+            "INSERT INTO runs (uid, conversation_id, question, conductor, workers, status, started_at, rerun_of, rerun_step,
+                               recorder)
+             VALUES (?1, ?2, ?3, ?4, ?5, 'running', ?6, ?7, ?8, ?9) RETURNING id",
         )
         .bind(uid)
         .bind(conversation)
@@ -480,6 +480,7 @@ impl Recorder {
         .bind(now)
         .bind(rerun_of.map(|r| r.run_id.as_str()))
         .bind(rerun_of.map(|r| r.step as i64))
+        .bind(slot)
         .fetch_one(&mut *tx)
         .await?;
         if self.messages {
@@ -597,63 +598,6 @@ fn access_to_json(access: &Access) -> String {
 
 pub(crate) fn access_from_json(s: &str) -> Result<Access, serde_json::Error> {
     serde_json::from_str(s)
-}
-
-fn lock_path(db: &Path, uid: &str) -> PathBuf {
-    let mut dir = db.as_os_str().to_owned();
-    dir.push(".locks");
-    // The uid comes from the executor (hex digits); anything else is kept out of the path.
-    let safe: String = uid.chars().filter(char::is_ascii_alphanumeric).collect();
-    PathBuf::from(dir).join(format!("{safe}.lock"))
-}
-
-fn take_lock(db: &Path, uid: &str) -> Result<(File, PathBuf), StoreError> {
-    let path = lock_path(db, uid);
-    let file = create_locked(&path).map_err(|e| StoreError::Open {
-        path: path.display().to_string(),
-        message: format!("cannot take the run's lock file: {e}"),
-    })?;
-    Ok((file, path))
-}
-
-/// Waits for, then holds, the lock that lets one process at a time open (and migrate) the
-/// database at `db`. The lock goes with the returned file.
-pub(crate) async fn lock_opening(db: &Path) -> Result<File, StoreError> {
-    // "opening" has letters outside the hex digits of run uids, so it names no run's lock.
-    let path = lock_path(db, "opening");
-    let shown = path.display().to_string();
-    // Waiting for another process blocks, so it waits off the async workers.
-    let locked = tokio::task::spawn_blocking(move || create_locked(&path))
-        .await
-        .unwrap_or_else(|e| Err(std::io::Error::other(e)));
-    locked
-        .map_err(|e| StoreError::Open { path: shown, message: format!("cannot take the database's opening lock: {e}") })
-}
-
-/// Creates the lock file at `path` (and its directory), waiting until this process holds it.
-fn create_locked(path: &Path) -> std::io::Result<File> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let file = File::create(path)?;
-    file.lock()?;
-    Ok(file)
-}
-
-/// Whether some process still records run `uid` (holds its lock).
-pub(crate) fn is_live(db: &Path, uid: &str) -> bool {
-    let Ok(file) = File::open(lock_path(db, uid)) else { return false };
-    match file.try_lock() {
-        Ok(()) => false,
-        Err(std::fs::TryLockError::WouldBlock) => true,
-        // A lock that cannot even be tried says nothing; treat the run as still going rather
-        // than mark a live run interrupted.
-        Err(std::fs::TryLockError::Error(_)) => true,
-    }
-}
-
-pub(crate) fn remove_lock(db: &Path, uid: &str) {
-    let _ = std::fs::remove_file(lock_path(db, uid));
 }
 
 #[cfg(test)]
