@@ -328,10 +328,10 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
                         Some(c) => c,
                         None => tokio::net::TcpStream::connect(("127.0.0.1", port)).await.map_err(|e| e.to_string())?,
                     };
-                    let (head, body) = load::post(&mut connection, &request).await?;
+                    let (head, received) = load::post(&mut connection, &request).await?;
                     let wall = started.elapsed().as_secs_f64() * 1000.0;
                     let head = (head - started).as_secs_f64() * 1000.0;
-                    Ok::<_, String>((wall, head, load::run_wall_ms(&body)?, connection))
+                    Ok::<_, String>((wall, head, received, connection))
                 })
             })
             .collect();
@@ -339,8 +339,18 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
         let mut heads: Vec<f64> = Vec::new();
         let mut errors = Vec::new();
         let mut open = Vec::new();
+        // Every response is read whole before any is decoded: decoding one would hold up the
+        // reading of the others, and count as the server's time.
+        let mut received = Vec::with_capacity(tasks.len());
         for task in tasks {
-            match task.await.map_err(|e| e.to_string()).and_then(|r| r) {
+            received.push(task.await.map_err(|e| e.to_string()).and_then(|r| r));
+        }
+        for response in received {
+            let decoded = response.and_then(|(wall, head, received, connection)| {
+                let body = load::body(received)?;
+                Ok((wall, head, load::run_wall_ms(&body)?, connection))
+            });
+            match decoded {
                 Ok((wall, head, run, connection)) => {
                     overhead.push((wall - run).max(0.0));
                     heads.push(head);
@@ -507,8 +517,8 @@ mod load {
     use tokio::net::TcpStream;
 
     /// Sends `request` and reads its response to the end of its chunked body; returns when its
-    /// first bytes (the head) arrived, and the body.
-    pub(super) async fn post(connection: &mut TcpStream, request: &[u8]) -> Result<(Instant, String), String> {
+    /// first bytes (the head) arrived, and the response (for [`body`]).
+    pub(super) async fn post(connection: &mut TcpStream, request: &[u8]) -> Result<(Instant, Vec<u8>), String> {
         connection.write_all(request).await.map_err(|e| e.to_string())?;
         let mut received = Vec::with_capacity(4096);
         let mut first = None;
@@ -526,6 +536,11 @@ mod load {
                 status_read = true;
             }
         }
+        Ok((first.unwrap_or_else(Instant::now), received))
+    }
+
+    /// The body of a response `post` received.
+    pub(super) fn body(received: Vec<u8>) -> Result<String, String> {
         let text = String::from_utf8(received).map_err(|e| e.to_string())?;
         let (head, mut chunked) = text.split_once("\r\n\r\n").ok_or("no end to the response's headers")?;
         if !head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
@@ -536,7 +551,7 @@ mod load {
             let (size, rest) = chunked.split_once("\r\n").ok_or("a chunk without its size")?;
             let size = usize::from_str_radix(size, 16).map_err(|e| format!("chunk size {size:?}: {e}"))?;
             if size == 0 {
-                return Ok((first.unwrap_or_else(Instant::now), body));
+                return Ok(body);
             }
             body.push_str(rest.get(..size).ok_or("a chunk shorter than its size")?);
             chunked = rest.get(size + 2..).ok_or("a chunk without its end")?;

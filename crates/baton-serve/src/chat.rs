@@ -664,13 +664,12 @@ fn stream(run: Running) -> Response {
                     if matches!(stage, Stage::Start) {
                         // The opening chunk waits for the run's first events (a moment: the
                         // run has started) and goes out with them and the head in one write.
-                        let first = chunk(
+                        out.push(chunk(
                             &run,
-                            json!({ "role": "assistant", "content": "" }),
+                            &json!({ "role": "assistant", "content": "" }),
                             None,
-                            json!({ "run_id": run.run_id, "status": "running" }),
-                        );
-                        out.push(sse(&first));
+                            &json!({ "run_id": run.run_id, "status": "running" }),
+                        ));
                     }
                     // Events that are already waiting go out in the same write, and events
                     // that show nothing make no write: under load, fewer and fuller writes for
@@ -714,16 +713,54 @@ fn stream(run: Running) -> Response {
     response
 }
 
-/// One streamed chunk in OpenAI's shape.
-fn chunk(run: &Running, delta: Value, finish: Option<&str>, baton: Value) -> Value {
-    json!({
-        "id": format!("chatcmpl-{}", run.run_id),
-        "object": "chat.completion.chunk",
-        "created": run.created,
-        "model": run.model,
-        "choices": [{ "index": 0, "delta": delta, "finish_reason": finish, "logprobs": null }],
-        "baton": baton,
-    })
+/// One streamed chunk in OpenAI's shape, as its SSE line. The envelope is written straight from
+/// borrowed parts rather than built as a `Value` first: a chunk goes out for every piece of
+/// every answer, and on a busy server that building was a large share of its work.
+fn chunk(run: &Running, delta: &Value, finish: Option<&str>, baton: &Value) -> String {
+    #[derive(serde::Serialize)]
+    struct Choice<'a> {
+        index: u32,
+        delta: &'a Value,
+        finish_reason: Option<&'a str>,
+        logprobs: Option<()>,
+    }
+    envelope(run, &[Choice { index: 0, delta, finish_reason: finish, logprobs: None }], None, baton)
+}
+
+/// A chunk with `choices` (none for the usage chunk), `usage` when given, and the `baton` object.
+fn envelope<C: serde::Serialize>(run: &Running, choices: &[C], usage: Option<&Value>, baton: &Value) -> String {
+    struct Id<'a>(&'a str);
+    impl serde::Serialize for Id<'_> {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            s.collect_str(&format_args!("chatcmpl-{}", self.0))
+        }
+    }
+    #[derive(serde::Serialize)]
+    struct Chunk<'a, C> {
+        id: Id<'a>,
+        object: &'static str,
+        created: u64,
+        model: &'a str,
+        choices: &'a [C],
+        #[serde(skip_serializing_if = "Option::is_none")]
+        usage: Option<&'a Value>,
+        baton: &'a Value,
+    }
+    let chunk = Chunk {
+        id: Id(&run.run_id),
+        object: "chat.completion.chunk",
+        created: run.created,
+        model: &run.model,
+        choices,
+        usage,
+        baton,
+    };
+    let mut line = Vec::with_capacity(512);
+    line.extend_from_slice(b"data: ");
+    // Writing JSON into a Vec cannot fail, and JSON is UTF-8.
+    let _ = serde_json::to_writer(&mut line, &chunk);
+    line.extend_from_slice(b"\n\n");
+    String::from_utf8(line).unwrap_or_default()
 }
 
 /// Adds what `event` shows the client to `out`; true when the stream is over.
@@ -736,13 +773,13 @@ fn on_event(
 ) -> bool {
     if let Some(text) = progress.see(&event, &run.workers) {
         let baton = json!({ "run_id": run.run_id, "event": event_name(&event) });
-        out.push(sse(&chunk(run, json!({ "reasoning_content": text }), None, baton)));
+        out.push(chunk(run, &json!({ "reasoning_content": text }), None, &baton));
     }
     match event {
         RunEvent::StepDelta { round, step, text } if Some((round, step)) == progress.answer_step => {
             streamed.push_str(&text);
             let baton = json!({ "run_id": run.run_id, "round": round, "step": step });
-            out.push(sse(&chunk(run, json!({ "content": text }), None, baton)));
+            out.push(chunk(run, &json!({ "content": text }), None, &baton));
         }
         RunEvent::StepRetrying { round, step, .. }
             if Some((round, step)) == progress.answer_step && !streamed.is_empty() =>
@@ -751,23 +788,20 @@ fn on_event(
             // taken back: say so in the answer itself.
             streamed.push_str(RESTARTED);
             let baton = json!({ "run_id": run.run_id, "round": round, "step": step });
-            out.push(sse(&chunk(run, json!({ "content": RESTARTED }), None, baton)));
+            out.push(chunk(run, &json!({ "content": RESTARTED }), None, &baton));
         }
         RunEvent::RunFinished { answer, totals } => {
             // Nothing streamed (a stop, a retried answer step): the answer whole.
             if streamed.is_empty() && !answer.is_empty() {
                 let baton = json!({ "run_id": run.run_id });
-                out.push(sse(&chunk(run, json!({ "content": answer }), None, baton)));
+                out.push(chunk(run, &json!({ "content": answer }), None, &baton));
             }
-            let baton = baton_object(run, progress, "finished", Some(&totals));
-            let mut last = chunk(run, json!({}), Some("stop"), baton);
-            last["baton"]["cost_text"] = json!(cost_text(&totals));
-            out.push(sse(&last));
+            let mut baton = baton_object(run, progress, "finished", Some(&totals));
+            baton["cost_text"] = json!(cost_text(&totals));
+            out.push(chunk(run, &json!({}), Some("stop"), &baton));
             if run.include_usage {
-                let mut u = chunk(run, json!({}), None, json!({ "run_id": run.run_id }));
-                u["choices"] = json!([]);
-                u["usage"] = usage(&totals);
-                out.push(sse(&u));
+                let none: [(); 0] = [];
+                out.push(envelope(run, &none, Some(&usage(&totals)), &json!({ "run_id": run.run_id })));
             }
             out.push(DONE.to_owned());
             return true;
