@@ -285,6 +285,10 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
     };
     let options = PoolOptions { max_concurrency_per_provider: requests, ..PoolOptions::default() };
     let executor = Arc::new(Executor::new(vec![worker], options));
+    // The same burst on the executor alone first (twice: the first warms it, as the server's
+    // first burst does), for what the load costs a run wherever it is started.
+    in_process(&executor, requests).await;
+    let alone = in_process(&executor, requests).await;
     let dir = tempfile::tempdir().map_err(|e| failed(&e))?;
     let store = baton_store::Store::open(&dir.path().join("history.sqlite")).await.map_err(|e| failed(&e))?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| failed(&e))?;
@@ -409,6 +413,7 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
     let (p50, p99, max) = (pct(&overhead, 0.5), pct(&overhead, 0.99), overhead.last().copied().unwrap_or(f64::NAN));
     let (cold_p50, cold_p99) = (pct(&cold, 0.5), pct(&cold, 0.99));
     let (head_p50, head_p99) = (pct(&heads, 0.5), pct(&heads, 0.99));
+    let (alone_p50, alone_p99) = (pct(&alone, 0.5), pct(&alone, 0.99));
     if json {
         println!(
             "{}",
@@ -416,7 +421,8 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
                 "requests": requests, "latency_ms": latency_ms, "ok": overhead.len(), "errors": errors,
                 "history": history, "recorded_finished": finished, "runs": runs, "overhead_ms_p50": p50,
                 "overhead_ms_p99": p99, "overhead_ms_max": max, "head_ms_p50": head_p50, "head_ms_p99": head_p99,
-                "total_s": total_s, "new_connections": {
+                "total_s": total_s, "in_process": { "overhead_ms_p50": alone_p50, "overhead_ms_p99": alone_p99 },
+                "new_connections": {
                     "ok": cold.len(), "overhead_ms_p50": cold_p50, "overhead_ms_p99": cold_p99, "total_s": cold_s,
                 },
             })
@@ -435,6 +441,10 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
             "    of which before the run (request sent to response head): p50 {head_p50:.2} ms, p99 {head_p99:.2} ms"
         );
         println!("    on new connections:   p50 {cold_p50:.2} ms, p99 {cold_p99:.2} ms ({cold_s:.2} s in all)");
+        println!(
+            "  the same burst on the executor alone, in this process (no HTTP, no history): each run's time at its caller \
+             against its own wall, p50 {alone_p50:.2} ms, p99 {alone_p99:.2} ms"
+        );
         for e in errors.iter().take(5) {
             println!("  error: {e}");
         }
@@ -446,6 +456,43 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
         )));
     }
     Ok(())
+}
+
+/// `requests` runs at once on `executor`, each on its own task, its events taken as they come:
+/// how much longer each takes at its caller than its own wall time (sorted, in ms). Under load
+/// the runs' own work queues on the same cores; this is that share, which a run started by the
+/// app or the command line pays as well as a served one.
+async fn in_process(executor: &Arc<Executor>, requests: usize) -> Vec<f64> {
+    let question = "How fast is the server?";
+    let tasks: Vec<_> = (0..requests)
+        .map(|i| {
+            let executor = executor.clone();
+            // From the moment the run is asked for, as a client's time starts when it sends.
+            let started = Instant::now();
+            tokio::spawn(async move {
+                let request = RunRequest {
+                    run_id: format!("bench-{i}"),
+                    question: question.into(),
+                    plan: Some(baton_engine::fallback::alone_plan(0, &[], question)),
+                    ..RunRequest::default()
+                };
+                let (tx, mut rx) = mpsc::unbounded_channel();
+                let run = async move { executor.run(request, &tx, &CancellationToken::new()).await };
+                let drain = async { while rx.recv().await.is_some() {} };
+                let (outcome, ()) = tokio::join!(run, drain);
+                (outcome.status == RunStatus::Finished)
+                    .then(|| started.elapsed().as_secs_f64() * 1000.0 - outcome.totals.wall_ms as f64)
+            })
+        })
+        .collect();
+    let mut overhead = Vec::with_capacity(requests);
+    for task in tasks {
+        if let Ok(Some(ms)) = task.await {
+            overhead.push(ms.max(0.0));
+        }
+    }
+    overhead.sort_by(f64::total_cmp);
+    overhead
 }
 
 async fn history(db: &std::path::Path, runs: u32, steps: u32, repeat: usize, json: bool) -> Outcome {
