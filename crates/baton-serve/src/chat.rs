@@ -295,7 +295,7 @@ pub async fn completions(
         }
     }
     let run = start(&service, call, permit);
-    if run.stream { stream(run) } else { complete(run).await }
+    if run.stream { stream(run).await } else { complete(run).await }
 }
 
 /// A request's body, up to the server's limit (413 above it).
@@ -651,50 +651,33 @@ pub(crate) const RESTARTED: &str = "\n\n[The answer broke off here; it is writte
 /// Streamed: Server-Sent Events in OpenAI's chunk shape, ending with `data: [DONE]`. The run's
 /// cost is known only at its end, so it comes in the last chunk's `baton` object (headers go
 /// out first: `x-baton-run-id` is one).
-fn stream(run: Running) -> Response {
+async fn stream(mut run: Running) -> Response {
     let run_id = run.run_id.clone();
-    // The body owns this guard: a client that disconnects drops the body, which stops the run.
+    // The body owns this guard: a client that disconnects drops the body, which stops the run
+    // (or, before there is a body, this future, which drops it here).
     let stop = run.cancel.clone().drop_guard();
+    // The head waits for the run's first events (a moment: the run has started) and goes out
+    // with the opening chunk and them in one write, where it would otherwise be a write alone.
+    let mut progress = Progress::default();
+    let mut streamed = String::new();
+    let opening = chunk(
+        &run,
+        &json!({ "role": "assistant", "content": "" }),
+        None,
+        &json!({ "run_id": run.run_id, "status": "running" }),
+    );
+    let (first, done) = frame(&mut run, &mut progress, &mut streamed, vec![opening]).await;
     let chunks = futures::stream::unfold(
-        (run, Progress::default(), Stage::Start, String::new()),
-        |(mut run, mut progress, stage, mut streamed)| async move {
-            match stage {
-                Stage::Start | Stage::Events => {
-                    let mut out = Vec::new();
-                    if matches!(stage, Stage::Start) {
-                        // The opening chunk waits for the run's first events (a moment: the
-                        // run has started) and goes out with them and the head in one write.
-                        out.push(chunk(
-                            &run,
-                            &json!({ "role": "assistant", "content": "" }),
-                            None,
-                            &json!({ "run_id": run.run_id, "status": "running" }),
-                        ));
-                    }
-                    // Events that are already waiting go out in the same write, and events
-                    // that show nothing make no write: under load, fewer and fuller writes for
-                    // the server and the client alike.
-                    loop {
-                        let Some(event) = run.events.recv().await else {
-                            let e = ApiError::internal("the run ended without a result");
-                            out.extend([sse(&e.body()), DONE.to_owned()]);
-                            return Some((out, (run, progress, Stage::Done, streamed)));
-                        };
-                        let mut next = Some(event);
-                        while let Some(event) = next {
-                            if on_event(&run, &mut progress, &mut streamed, event, &mut out) {
-                                return Some((out, (run, progress, Stage::Done, streamed)));
-                            }
-                            next = run.events.try_recv().ok();
-                        }
-                        if !out.is_empty() {
-                            break;
-                        }
-                    }
-                    Some((out, (run, progress, Stage::Events, streamed)))
-                }
-                Stage::Done => None,
+        (run, progress, streamed, Some(first), done),
+        |(mut run, mut progress, mut streamed, waiting, done)| async move {
+            if let Some(out) = waiting {
+                return Some((out, (run, progress, streamed, None, done)));
             }
+            if done {
+                return None;
+            }
+            let (out, done) = frame(&mut run, &mut progress, &mut streamed, Vec::new()).await;
+            Some((out, (run, progress, streamed, None, done)))
         },
     );
     let body = chunks
@@ -711,6 +694,34 @@ fn stream(run: Running) -> Response {
         h.insert("x-baton-run-id", v);
     }
     response
+}
+
+/// The stream's next write: `out` and what the next events show, from the next event on and
+/// with every event already waiting (events that show nothing make no write: under load, fewer
+/// and fuller writes for the server and the client alike); true when the stream is over.
+async fn frame(
+    run: &mut Running,
+    progress: &mut Progress,
+    streamed: &mut String,
+    mut out: Vec<String>,
+) -> (Vec<String>, bool) {
+    loop {
+        let Some(event) = run.events.recv().await else {
+            let e = ApiError::internal("the run ended without a result");
+            out.extend([sse(&e.body()), DONE.to_owned()]);
+            return (out, true);
+        };
+        let mut next = Some(event);
+        while let Some(event) = next {
+            if on_event(run, progress, streamed, event, &mut out) {
+                return (out, true);
+            }
+            next = run.events.try_recv().ok();
+        }
+        if !out.is_empty() {
+            return (out, false);
+        }
+    }
 }
 
 /// One streamed chunk in OpenAI's shape, as its SSE line. The envelope is written straight from
@@ -822,13 +833,6 @@ fn on_event(
         _ => {}
     }
     false
-}
-
-#[derive(Debug, Clone, Copy)]
-enum Stage {
-    Start,
-    Events,
-    Done,
 }
 
 const DONE: &str = "data: [DONE]\n\n";

@@ -239,7 +239,7 @@ pub async fn create(
     }
     let run = chat::start(&service, call, permit);
     let echo = Echo { previous, instructions };
-    if run.stream { stream(run, echo) } else { complete(run, echo).await }
+    if run.stream { stream(run, echo).await } else { complete(run, echo).await }
 }
 
 /// What a response repeats of its request.
@@ -361,38 +361,27 @@ fn event(kind: &str, sequence: &mut u64, mut data: Value) -> String {
     format!("event: {kind}\ndata: {data}\n\n")
 }
 
-fn stream(run: Running, echo: Echo) -> Response {
+async fn stream(mut run: Running, echo: Echo) -> Response {
     let run_id = run.run_id.clone();
     let stop = run.cancel.clone().drop_guard();
+    // The head waits for the run's first events and goes out with them and the opening events
+    // in one write (as a chat completion's stream does).
+    let (mut progress, mut at) = (Progress::default(), Sent::default());
+    let created = response(&run, &echo, "in_progress", vec![], Map::new());
+    let mut opening = event("response.created", &mut at.seq, json!({ "response": created }));
+    opening.push_str(&event("response.in_progress", &mut at.seq, json!({ "response": created })));
+    let first = frame(&mut run, &echo, &mut progress, &mut at, opening).await;
     let chunks = futures::stream::unfold(
-        (run, echo, Progress::default(), Sent::default()),
-        |(mut run, echo, mut progress, mut at)| async move {
+        (run, echo, progress, at, first),
+        |(mut run, echo, mut progress, mut at, waiting)| async move {
+            if let Some(out) = waiting {
+                return Some((out, (run, echo, progress, at, None)));
+            }
             if at.done {
                 return None;
             }
-            let mut out = String::new();
-            if at.seq == 0 {
-                let created = response(&run, &echo, "in_progress", vec![], Map::new());
-                out.push_str(&event("response.created", &mut at.seq, json!({ "response": created })));
-                out.push_str(&event("response.in_progress", &mut at.seq, json!({ "response": created })));
-                // These go out with the run's first events, in one write with the head.
-            }
-            // Events that are already waiting go out in the same write, and events that show
-            // nothing make no write (as in a chat completion's stream).
-            loop {
-                let mut next = Some(run.events.recv().await?);
-                while let Some(ev) = next {
-                    on_event(&run, &echo, &mut progress, &mut at, ev, &mut out);
-                    if at.done {
-                        return Some((out, (run, echo, progress, at)));
-                    }
-                    next = run.events.try_recv().ok();
-                }
-                if !out.is_empty() {
-                    break;
-                }
-            }
-            Some((out, (run, echo, progress, at)))
+            let out = frame(&mut run, &echo, &mut progress, &mut at, String::new()).await?;
+            Some((out, (run, echo, progress, at, None)))
         },
     );
     let body = futures::StreamExt::map(chunks, move |text| {
@@ -407,6 +396,31 @@ fn stream(run: Running, echo: Echo) -> Response {
         h.insert("x-baton-run-id", v);
     }
     response
+}
+
+/// The stream's next write: `out` and what the next events show, with every event already
+/// waiting (events that show nothing make no write); `None` when the run's events ended
+/// without its terminal one.
+async fn frame(
+    run: &mut Running,
+    echo: &Echo,
+    progress: &mut Progress,
+    at: &mut Sent,
+    mut out: String,
+) -> Option<String> {
+    loop {
+        let mut next = Some(run.events.recv().await?);
+        while let Some(ev) = next {
+            on_event(run, echo, progress, at, ev, &mut out);
+            if at.done {
+                return Some(out);
+            }
+            next = run.events.try_recv().ok();
+        }
+        if !out.is_empty() {
+            return Some(out);
+        }
+    }
 }
 
 /// What a Responses stream has sent so far.
