@@ -89,6 +89,13 @@ async fn the_key_reaches_the_servers_and_nothing_else() {
     // The log is there and tells of the failure the echoing server caused, without its key.
     let log: String = walk(&logs).iter().map(|f| std::fs::read_to_string(f).expect("read log")).collect();
     assert!(log.contains("run failed") && log.contains("<redacted>"), "the log tells what happened:\n{log}");
+    // Each line about a run names it: on a server, the lines of runs at once interleave.
+    let about_runs: Vec<&str> =
+        log.lines().filter(|l| ["run ", "plan ", "step "].iter().any(|w| l.contains(&format!("logs: {w}")))).collect();
+    assert!(!about_runs.is_empty(), "{log}");
+    for line in about_runs {
+        assert!(line.contains(" run="), "a line that names no run: {line}");
+    }
 }
 
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {

@@ -251,6 +251,7 @@ impl Executor {
     pub async fn run(&self, request: RunRequest, events: &EventSink, cancel: &CancellationToken) -> RunOutcome {
         let started = Instant::now();
         let ctx = RunCtx {
+            run_id: request.run_id.clone(),
             events,
             ledger: Ledger::new(tighter(self.options.budget, request.budget)),
             user_cancel: cancel.clone(),
@@ -842,6 +843,8 @@ async fn attempt(
 
 /// Shared state of one run.
 struct RunCtx<'a> {
+    /// Named on each of the run's log lines, which interleave with other runs' on a server.
+    run_id: String,
     events: &'a EventSink,
     ledger: Ledger,
     user_cancel: CancellationToken,
@@ -863,7 +866,7 @@ struct RunCtx<'a> {
 
 impl RunCtx<'_> {
     fn emit(&self, event: RunEvent) {
-        crate::logs::log_event(&event);
+        crate::logs::log_event(&self.run_id, &event);
         // A consumer that went away must not stop the run.
         let _ = self.events.send(event);
     }

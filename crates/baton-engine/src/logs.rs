@@ -74,14 +74,15 @@ pub fn init(program: &str) -> Result<LogGuard, LogError> {
 }
 
 /// Logs what a run did, one line per event that matters to someone reading about a problem
-/// (not text deltas, not the texts themselves: those are in the history).
-pub fn log_event(event: &RunEvent) {
+/// (not text deltas, not the texts themselves: those are in the history), each naming its run.
+pub fn log_event(run: &str, event: &RunEvent) {
     match event {
-        RunEvent::RunStarted { run_id, .. } => tracing::info!(run = %run_id, "run started"),
+        RunEvent::RunStarted { .. } => tracing::info!(run, "run started"),
         RunEvent::PlanReady { round, plan, .. } => {
-            tracing::info!(round, steps = plan.steps.len(), "plan ready")
+            tracing::info!(run, round, steps = plan.steps.len(), "plan ready")
         }
         RunEvent::StepRetrying { round, step, attempt, error, delay_ms } => tracing::warn!(
+            run,
             round,
             step,
             attempt,
@@ -92,6 +93,7 @@ pub fn log_event(event: &RunEvent) {
             error.message
         ),
         RunEvent::StepFailed { round, step, error } => tracing::warn!(
+            run,
             round,
             step,
             kind = ?error.kind,
@@ -100,6 +102,7 @@ pub fn log_event(event: &RunEvent) {
             error.message
         ),
         RunEvent::StepFinished { round, step, latency_ms, usage, .. } => tracing::info!(
+            run,
             round,
             step,
             latency_ms,
@@ -108,15 +111,16 @@ pub fn log_event(event: &RunEvent) {
             "step finished"
         ),
         RunEvent::RunFinished { totals, .. } => {
-            tracing::info!(calls = totals.calls, "run finished: {}", totals.breakdown().join("; "))
+            tracing::info!(run, calls = totals.calls, "run finished: {}", totals.breakdown().join("; "))
         }
         RunEvent::RunFailed { error, totals } => tracing::warn!(
+            run,
             kind = ?error.kind,
             calls = totals.calls,
             "run failed: {}",
             error.message
         ),
-        RunEvent::RunCancelled { totals } => tracing::info!(calls = totals.calls, "run cancelled"),
+        RunEvent::RunCancelled { totals } => tracing::info!(run, calls = totals.calls, "run cancelled"),
         _ => {}
     }
 }
