@@ -8,6 +8,9 @@
 //! (`HttpModel::stream`). The command-line leak test scans the log files for its canary key.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use tracing_subscriber::EnvFilter;
 
@@ -28,11 +31,96 @@ pub fn log_dir() -> PathBuf {
     }
 }
 
-/// Keeps the log writer going; dropping it flushes what is buffered (hold it for the whole of
-/// `main`).
+/// Keeps the log writer going; dropping it writes out what is buffered (hold it for the whole
+/// of `main`).
 #[derive(Debug)]
 pub struct LogGuard {
-    _writer: tracing_appender::non_blocking::WorkerGuard,
+    shared: Arc<Shared>,
+    writer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for LogGuard {
+    fn drop(&mut self) {
+        self.shared.closed.store(true, Ordering::Release);
+        self.shared.wake.notify_one();
+        if let Some(writer) = self.writer.take() {
+            let _ = writer.join();
+        }
+    }
+}
+
+/// How often the log's thread writes out the lines logged since it last did. A thread that
+/// woke for every line (a channel's receiver) cost a server's busiest moments (runs that start
+/// or end together, four lines each) more than the rest of their runs' own work; a line now
+/// costs its thread a copy. A crash loses at most the lines of this last moment.
+const WRITE_EVERY: Duration = Duration::from_millis(50);
+/// Lines waiting that make the log's thread write at once.
+const WRITE_AT: usize = 64 * 1024;
+/// Lines waiting past which new ones are dropped (the file cannot be written, say): the log
+/// must not take the memory of the runs it tells of.
+const MOST_WAITING: usize = 8 * 1024 * 1024;
+
+/// The lines waiting for the log's thread.
+#[derive(Debug, Default)]
+struct Shared {
+    lines: Mutex<Vec<u8>>,
+    wake: Condvar,
+    closed: AtomicBool,
+}
+
+/// What `tracing` writes each formatted line to: the waiting lines.
+#[derive(Debug, Clone)]
+struct Lines(Arc<Shared>);
+
+impl std::io::Write for &Lines {
+    fn write(&mut self, line: &[u8]) -> std::io::Result<usize> {
+        let mut lines = self.0.lines.lock().unwrap_or_else(|e| e.into_inner());
+        if lines.len() + line.len() <= MOST_WAITING {
+            lines.extend_from_slice(line);
+        }
+        if lines.len() >= WRITE_AT {
+            self.0.wake.notify_one();
+        }
+        Ok(line.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Lines {
+    type Writer = &'a Lines;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        self
+    }
+}
+
+/// The log's thread: writes the waiting lines to `file` every [`WRITE_EVERY`], at once when
+/// many wait, and a last time when the guard goes.
+fn write_lines(shared: &Shared, mut file: impl std::io::Write) {
+    let mut out = Vec::new();
+    loop {
+        let closed = {
+            let lines = shared.lines.lock().unwrap_or_else(|e| e.into_inner());
+            let (mut lines, _) = shared
+                .wake
+                .wait_timeout_while(lines, WRITE_EVERY, |l| {
+                    l.len() < WRITE_AT && !shared.closed.load(Ordering::Acquire)
+                })
+                .unwrap_or_else(|e| e.into_inner());
+            std::mem::swap(&mut *lines, &mut out);
+            shared.closed.load(Ordering::Acquire)
+        };
+        if !out.is_empty() {
+            let _ = file.write_all(&out).and_then(|()| file.flush());
+            out.clear();
+        }
+        if closed {
+            return;
+        }
+    }
 }
 
 /// Why the log could not be started; the program goes on without one.
@@ -60,17 +148,24 @@ pub fn init(program: &str) -> Result<LogGuard, LogError> {
         .max_log_files(KEPT_FILES)
         .build(&dir)
         .map_err(|e| dir_err(e.to_string()))?;
-    // The log's thread writes all the lines waiting for it and then flushes: buffered, a burst
-    // of lines (many runs starting at once on a server) is one write, not one per line.
-    let (writer, guard) = tracing_appender::non_blocking(std::io::BufWriter::new(file));
+    let shared = Arc::new(Shared::default());
+    let lines = Lines(shared.clone());
+    let writer = std::thread::Builder::new()
+        .name("baton-log".into())
+        .spawn({
+            let shared = shared.clone();
+            move || write_lines(&shared, file)
+        })
+        .map_err(|e| dir_err(e.to_string()))?;
+    let guard = LogGuard { shared, writer: Some(writer) };
     tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(writer)
+        .with_writer(lines)
         .with_ansi(false)
         .try_init()
         .map_err(|e| dir_err(e.to_string()))?;
     tracing::info!(program, version = env!("CARGO_PKG_VERSION"), "started");
-    Ok(LogGuard { _writer: guard })
+    Ok(guard)
 }
 
 /// Logs what a run did, one line per event that matters to someone reading about a problem
