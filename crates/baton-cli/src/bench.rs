@@ -438,7 +438,7 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
         println!("  added by the server (client wall − run wall; the run's wall is to the nearest ms, so ±0.5 ms)");
         println!("    on open connections:  p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms ({total_s:.2} s in all)");
         println!(
-            "    of which before the run (request sent to response head): p50 {head_p50:.2} ms, p99 {head_p99:.2} ms"
+            "    time to the response's head (sent with the run's first events): p50 {head_p50:.2} ms, p99 {head_p99:.2} ms"
         );
         println!("    on new connections:   p50 {cold_p50:.2} ms, p99 {cold_p99:.2} ms ({cold_s:.2} s in all)");
         println!(
