@@ -135,6 +135,13 @@ pub fn run() {
     // Without a log the app still works; the reason goes to stderr.
     let _log = baton_engine::logs::init("baton-desktop").map_err(|e| eprintln!("warning: no log file: {e}")).ok();
     builder(tauri::Builder::default(), AppState::new(Paths::from_env()))
-        .run(context())
-        .expect("Baton could not start its window (is a display available?)");
+        .build(context())
+        .expect("Baton could not start its window (is a display available?)")
+        .run(|_, event| {
+            // The event loop ends the process without returning here, so `_log` is never
+            // dropped: the lines it still holds are written now.
+            if let tauri::RunEvent::Exit = event {
+                baton_engine::logs::flush();
+            }
+        });
 }

@@ -370,7 +370,7 @@ async fn stream(mut run: Running, echo: Echo) -> Response {
     let created = response(&run, &echo, "in_progress", vec![], Map::new());
     let mut opening = event("response.created", &mut at.seq, json!({ "response": created }));
     opening.push_str(&event("response.in_progress", &mut at.seq, json!({ "response": created })));
-    let first = frame(&mut run, &echo, &mut progress, &mut at, opening).await;
+    let first = Some(frame(&mut run, &echo, &mut progress, &mut at, opening).await);
     let chunks = futures::stream::unfold(
         (run, echo, progress, at, first),
         |(mut run, echo, mut progress, mut at, waiting)| async move {
@@ -380,7 +380,7 @@ async fn stream(mut run: Running, echo: Echo) -> Response {
             if at.done {
                 return None;
             }
-            let out = frame(&mut run, &echo, &mut progress, &mut at, String::new()).await?;
+            let out = frame(&mut run, &echo, &mut progress, &mut at, String::new()).await;
             Some((out, (run, echo, progress, at, None)))
         },
     );
@@ -399,26 +399,28 @@ async fn stream(mut run: Running, echo: Echo) -> Response {
 }
 
 /// The stream's next write: `out` and what the next events show, with every event already
-/// waiting (events that show nothing make no write); `None` when the run's events ended
-/// without its terminal one.
-async fn frame(
-    run: &mut Running,
-    echo: &Echo,
-    progress: &mut Progress,
-    at: &mut Sent,
-    mut out: String,
-) -> Option<String> {
+/// waiting (events that show nothing make no write). A run whose events end without its
+/// terminal one ends the stream with `response.failed`.
+async fn frame(run: &mut Running, echo: &Echo, progress: &mut Progress, at: &mut Sent, mut out: String) -> String {
     loop {
-        let mut next = Some(run.events.recv().await?);
+        let Some(ev) = run.events.recv().await else {
+            let e = ApiError::internal("the run ended without a result");
+            let mut failed = response(run, echo, "failed", vec![], Map::new());
+            failed["error"] = json!({ "code": e.code.unwrap_or(e.kind), "message": e.message });
+            out.push_str(&event("response.failed", &mut at.seq, json!({ "response": failed })));
+            at.done = true;
+            return out;
+        };
+        let mut next = Some(ev);
         while let Some(ev) = next {
             on_event(run, echo, progress, at, ev, &mut out);
             if at.done {
-                return Some(out);
+                return out;
             }
             next = run.events.try_recv().ok();
         }
         if !out.is_empty() {
-            return Some(out);
+            return out;
         }
     }
 }
