@@ -105,7 +105,7 @@ pub fn flush() {
 }
 
 /// What `tracing` writes each formatted line to: the waiting lines.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Lines(Arc<Shared>);
 
 impl std::io::Write for &Lines {
@@ -149,10 +149,10 @@ fn write_lines(shared: &Shared) {
                 .wait_timeout_while(lines, GATHER, |l| l.len() < WRITE_AT && !closed())
                 .unwrap_or_else(|e| e.into_inner());
         }
+        // Read before the write: lines logged after the guard went up to this write are in it.
+        let closing = closed();
         shared.write_out(&mut spare);
-        if closed() {
-            // Lines logged after this are lost: the program is ending.
-            shared.write_out(&mut spare);
+        if closing {
             return;
         }
     }

@@ -666,7 +666,7 @@ async fn stream(mut run: Running) -> Response {
         None,
         &json!({ "run_id": run.run_id, "status": "running" }),
     );
-    let (first, done) = frame(&mut run, &mut progress, &mut streamed, vec![opening]).await;
+    let (first, done) = frame(&mut run, &mut progress, &mut streamed, opening).await;
     let chunks = futures::stream::unfold(
         (run, progress, streamed, Some(first), done),
         |(mut run, mut progress, mut streamed, waiting, done)| async move {
@@ -676,14 +676,14 @@ async fn stream(mut run: Running) -> Response {
             if done {
                 return None;
             }
-            let (out, done) = frame(&mut run, &mut progress, &mut streamed, Vec::new()).await;
+            let (out, done) = frame(&mut run, &mut progress, &mut streamed, String::new()).await;
             Some((out, (run, progress, streamed, None, done)))
         },
     );
     let body = chunks
-        .map(move |lines| {
+        .map(move |text| {
             let _ = &stop;
-            Ok::<_, std::convert::Infallible>(lines.concat())
+            Ok::<_, std::convert::Infallible>(text)
         })
         .boxed();
     let mut response = Response::new(Body::from_stream(body));
@@ -696,32 +696,38 @@ async fn stream(mut run: Running) -> Response {
     response
 }
 
-/// The stream's next write: `out` and what the next events show, from the next event on and
-/// with every event already waiting (events that show nothing make no write: under load, fewer
-/// and fuller writes for the server and the client alike); true when the stream is over.
-async fn frame(
+/// Adds a stream's next write to `out`: what the events show from the next one on, with every
+/// event already waiting (events that show nothing make no write: under load, fewer and fuller
+/// writes for the server and the client alike). `show` adds what one event shows and says
+/// whether the stream is over. Returns whether it is, or `None` when the run's events ended
+/// without its last one. Chat Completions and Responses streams both write this way.
+pub(crate) async fn next_write(
     run: &mut Running,
-    progress: &mut Progress,
-    streamed: &mut String,
-    mut out: Vec<String>,
-) -> (Vec<String>, bool) {
+    out: &mut String,
+    mut show: impl FnMut(&Running, RunEvent, &mut String) -> bool,
+) -> Option<bool> {
     loop {
-        let Some(event) = run.events.recv().await else {
-            let e = ApiError::internal("the run ended without a result");
-            out.extend([sse(&e.body()), DONE.to_owned()]);
-            return (out, true);
-        };
-        let mut next = Some(event);
+        let mut next = Some(run.events.recv().await?);
         while let Some(event) = next {
-            if on_event(run, progress, streamed, event, &mut out) {
-                return (out, true);
+            if show(run, event, out) {
+                return Some(true);
             }
             next = run.events.try_recv().ok();
         }
         if !out.is_empty() {
-            return (out, false);
+            return Some(false);
         }
     }
+}
+
+/// A chat stream's next write, after `out`; true when the stream is over.
+async fn frame(run: &mut Running, progress: &mut Progress, streamed: &mut String, mut out: String) -> (String, bool) {
+    let done = next_write(run, &mut out, |run, event, out| on_event(run, progress, streamed, event, out)).await;
+    if done.is_none() {
+        out.push_str(&sse(&ApiError::internal("the run ended without a result").body()));
+        out.push_str(DONE);
+    }
+    (out, done.unwrap_or(true))
 }
 
 /// One streamed chunk in OpenAI's shape, as its SSE line. The envelope is written straight from
@@ -775,22 +781,16 @@ fn envelope<C: serde::Serialize>(run: &Running, choices: &[C], usage: Option<&Va
 }
 
 /// Adds what `event` shows the client to `out`; true when the stream is over.
-fn on_event(
-    run: &Running,
-    progress: &mut Progress,
-    streamed: &mut String,
-    event: RunEvent,
-    out: &mut Vec<String>,
-) -> bool {
+fn on_event(run: &Running, progress: &mut Progress, streamed: &mut String, event: RunEvent, out: &mut String) -> bool {
     if let Some(text) = progress.see(&event, &run.workers) {
         let baton = json!({ "run_id": run.run_id, "event": event_name(&event) });
-        out.push(chunk(run, &json!({ "reasoning_content": text }), None, &baton));
+        out.push_str(&chunk(run, &json!({ "reasoning_content": text }), None, &baton));
     }
     match event {
         RunEvent::StepDelta { round, step, text } if Some((round, step)) == progress.answer_step => {
             streamed.push_str(&text);
             let baton = json!({ "run_id": run.run_id, "round": round, "step": step });
-            out.push(chunk(run, &json!({ "content": text }), None, &baton));
+            out.push_str(&chunk(run, &json!({ "content": text }), None, &baton));
         }
         RunEvent::StepRetrying { round, step, .. }
             if Some((round, step)) == progress.answer_step && !streamed.is_empty() =>
@@ -799,35 +799,35 @@ fn on_event(
             // taken back: say so in the answer itself.
             streamed.push_str(RESTARTED);
             let baton = json!({ "run_id": run.run_id, "round": round, "step": step });
-            out.push(chunk(run, &json!({ "content": RESTARTED }), None, &baton));
+            out.push_str(&chunk(run, &json!({ "content": RESTARTED }), None, &baton));
         }
         RunEvent::RunFinished { answer, totals } => {
             // Nothing streamed (a stop, a retried answer step): the answer whole.
             if streamed.is_empty() && !answer.is_empty() {
                 let baton = json!({ "run_id": run.run_id });
-                out.push(chunk(run, &json!({ "content": answer }), None, &baton));
+                out.push_str(&chunk(run, &json!({ "content": answer }), None, &baton));
             }
             let mut baton = baton_object(run, progress, "finished", Some(&totals));
             baton["cost_text"] = json!(cost_text(&totals));
-            out.push(chunk(run, &json!({}), Some("stop"), &baton));
+            out.push_str(&chunk(run, &json!({}), Some("stop"), &baton));
             if run.include_usage {
                 let none: [(); 0] = [];
-                out.push(envelope(run, &none, Some(&usage(&totals)), &json!({ "run_id": run.run_id })));
+                out.push_str(&envelope(run, &none, Some(&usage(&totals)), &json!({ "run_id": run.run_id })));
             }
-            out.push(DONE.to_owned());
+            out.push_str(DONE);
             return true;
         }
         RunEvent::RunFailed { error, totals } => {
             let e = failure(Some(error.kind), &error.message, progress, &run.workers);
             let mut body = e.body();
             body["baton"] = baton_object(run, progress, "failed", Some(&totals));
-            out.push(sse(&body));
-            out.push(DONE.to_owned());
+            out.push_str(&sse(&body));
+            out.push_str(DONE);
             return true;
         }
         RunEvent::RunCancelled { .. } => {
-            out.push(sse(&ApiError::internal("the run was cancelled").body()));
-            out.push(DONE.to_owned());
+            out.push_str(&sse(&ApiError::internal("the run was cancelled").body()));
+            out.push_str(DONE);
             return true;
         }
         _ => {}

@@ -398,31 +398,22 @@ async fn stream(mut run: Running, echo: Echo) -> Response {
     response
 }
 
-/// The stream's next write: `out` and what the next events show, with every event already
-/// waiting (events that show nothing make no write). A run whose events end without its
-/// terminal one ends the stream with `response.failed`.
+/// A Responses stream's next write, after `out`. A run whose events end without its terminal
+/// one ends the stream with `response.failed`.
 async fn frame(run: &mut Running, echo: &Echo, progress: &mut Progress, at: &mut Sent, mut out: String) -> String {
-    loop {
-        let Some(ev) = run.events.recv().await else {
-            let e = ApiError::internal("the run ended without a result");
-            let mut failed = response(run, echo, "failed", vec![], Map::new());
-            failed["error"] = json!({ "code": e.code.unwrap_or(e.kind), "message": e.message });
-            out.push_str(&event("response.failed", &mut at.seq, json!({ "response": failed })));
-            at.done = true;
-            return out;
-        };
-        let mut next = Some(ev);
-        while let Some(ev) = next {
-            on_event(run, echo, progress, at, ev, &mut out);
-            if at.done {
-                return out;
-            }
-            next = run.events.try_recv().ok();
-        }
-        if !out.is_empty() {
-            return out;
-        }
+    let shown = chat::next_write(run, &mut out, |run, ev, out| {
+        on_event(run, echo, progress, at, ev, out);
+        at.done
+    })
+    .await;
+    if shown.is_none() {
+        let e = ApiError::internal("the run ended without a result");
+        let mut failed = response(run, echo, "failed", vec![], Map::new());
+        failed["error"] = json!({ "code": e.code.unwrap_or(e.kind), "message": e.message });
+        out.push_str(&event("response.failed", &mut at.seq, json!({ "response": failed })));
+        at.done = true;
     }
+    out
 }
 
 /// What a Responses stream has sent so far.
