@@ -64,6 +64,9 @@ pub enum StoreError {
     ConversationStillGoing { conversation: i64, run: i64 },
     #[error("history database: {0}")]
     Sql(#[from] sqlx::Error),
+    /// An error from the statements that record a run (see [`Recorder`]).
+    #[error("history database: {0}")]
+    Record(#[from] rusqlite::Error),
 }
 
 /// How a run ended, or that it has not (yet).

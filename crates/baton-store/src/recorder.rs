@@ -18,6 +18,7 @@ use std::collections::HashMap;
 
 use baton_engine::{RerunOf, RunEvent, StepErrorKind, WorkerInfo};
 use baton_plan::{Access, Plan};
+use rusqlite::params;
 
 use crate::locks::Slot;
 use crate::stored::{self, StoredRequest, TextRef};
@@ -72,61 +73,26 @@ impl Store {
         if stored.iter().all(Vec::is_empty) && serve_spend.is_none() {
             return Ok(results);
         }
-        // One run alone needs no savepoint: its failure is the transaction's.
-        let alone = runs.len() == 1 && serve_spend.is_none();
         let mut undos: Vec<Option<Undo>> = Vec::new();
         let mut tx = self.write().await?;
-        // An error that is not one run's own (a savepoint, the spending, the commit) keeps nothing.
-        let mut failed: Option<StoreError> = None;
-        for (((recorder, _), events), result) in runs.iter_mut().zip(&stored).zip(&mut results) {
-            if events.is_empty() {
-                undos.push(None);
-                continue;
-            }
-            let (undo, applied) = if alone {
-                recorder.apply_all(&mut tx, events).await
-            } else {
-                let mut part = match sqlx::Connection::begin(&mut *tx).await {
-                    Ok(part) => part,
-                    Err(e) => {
-                        failed = Some(e.into());
-                        break;
-                    }
-                };
-                let (undo, applied) = recorder.apply_all(&mut part, events).await;
-                let closed = match &applied {
-                    Ok(()) => part.commit().await,
-                    Err(_) => part.rollback().await,
-                };
-                if let Err(e) = closed {
-                    recorder.undo(undo);
-                    failed = Some(e.into());
-                    break;
-                }
-                (undo, applied)
-            };
-            if let Err(e) = applied {
-                recorder.undo(undo);
-                *result = Err(e);
-                undos.push(None);
-            } else {
-                undos.push(Some(undo));
-            }
-        }
-        if alone && failed.is_none() && results[0].is_err() {
-            return Ok(results);
-        }
-        if failed.is_none()
-            && let Some((day, usd)) = serve_spend
-            && let Err(e) = crate::serve_spend::add(&mut tx, day, usd).await
-        {
-            failed = Some(e);
-        }
-        if failed.is_none()
-            && let Err(e) = tx.commit().await
-        {
-            failed = Some(e.into());
-        }
+        // The batch's statements run here, on SQLite's own handle, while sqlx's thread for the
+        // connection waits: through sqlx each statement would be a round trip to that thread,
+        // two thread switches, and a busy server's runs make about 16 statements each.
+        let failed = {
+            let mut handle = tx.lock_handle().await?;
+            // SAFETY: the handle is sqlx's open connection, locked for us until `handle` drops;
+            // `conn` drops first (it is declared later), finalizing the statements it prepared,
+            // and does not close the connection (`from_handle` does not own it).
+            #[allow(unsafe_code)]
+            let conn = unsafe { rusqlite::Connection::from_handle(handle.as_raw_handle().as_ptr()) }?;
+            record_batch(&conn, runs, &stored, serve_spend, &mut results, &mut undos)
+        };
+        let failed = match failed {
+            Some(e) => Some(e),
+            // The run's failure is the transaction's: nothing to commit.
+            None if alone(runs, serve_spend) && results[0].is_err() => return Ok(results),
+            None => tx.commit().await.err().map(StoreError::from),
+        };
         if let Some(e) = failed {
             for ((recorder, _), undo) in runs.iter_mut().zip(undos) {
                 if let Some(undo) = undo {
@@ -142,6 +108,56 @@ impl Store {
         }
         Ok(results)
     }
+}
+
+/// One run alone needs no savepoint: its failure is the transaction's.
+fn alone(runs: &[(&mut Recorder, &[RunEvent])], serve_spend: Option<(u64, f64)>) -> bool {
+    runs.len() == 1 && serve_spend.is_none()
+}
+
+/// Applies each run's `stored` events (a savepoint each, unless the run is alone) and the day's
+/// spending in the open transaction on `conn`. A run's own failure is rolled back and put in its
+/// `results`; what `undos` gets is what to undo of each run the commit does not keep. Returns
+/// the error that is not one run's (a savepoint, the spending): then nothing is to be kept.
+fn record_batch(
+    conn: &rusqlite::Connection,
+    runs: &mut [(&mut Recorder, &[RunEvent])],
+    stored: &[Vec<&RunEvent>],
+    serve_spend: Option<(u64, f64)>,
+    results: &mut [Result<(), StoreError>],
+    undos: &mut Vec<Option<Undo>>,
+) -> Option<StoreError> {
+    let alone = alone(runs, serve_spend);
+    for (((recorder, _), events), result) in runs.iter_mut().zip(stored).zip(results.iter_mut()) {
+        if events.is_empty() {
+            undos.push(None);
+            continue;
+        }
+        if !alone && let Err(e) = conn.execute_batch("SAVEPOINT run") {
+            return Some(e.into());
+        }
+        let (undo, applied) = recorder.apply_all(conn, events);
+        if !alone {
+            let closed = match &applied {
+                Ok(()) => conn.execute_batch("RELEASE run"),
+                Err(_) => conn.execute_batch("ROLLBACK TO run; RELEASE run"),
+            };
+            if let Err(e) = closed {
+                recorder.undo(undo);
+                return Some(e.into());
+            }
+        }
+        match applied {
+            Err(e) => {
+                recorder.undo(undo);
+                *result = Err(e);
+                undos.push(None);
+            }
+            Ok(()) => undos.push(Some(undo)),
+        }
+    }
+    let (day, usd) = serve_spend?;
+    crate::serve_spend::add(conn, day, usd).err()
 }
 
 impl Recorder {
@@ -208,16 +224,13 @@ impl Recorder {
             .collect()
     }
 
-    /// Applies `events` in `tx`; returns what to undo should they not be kept.
-    async fn apply_all(
-        &mut self,
-        tx: &mut sqlx::SqliteConnection,
-        events: &[&RunEvent],
-    ) -> (Undo, Result<(), StoreError>) {
+    /// Applies `events` on `conn` (in its open transaction); returns what to undo should they
+    /// not be kept.
+    fn apply_all(&mut self, conn: &rusqlite::Connection, events: &[&RunEvent]) -> (Undo, Result<(), StoreError>) {
         let mut undo =
             Undo { before: (self.conversation, self.run, self.seq), had_slot: self.slot.is_some(), added: Vec::new() };
         for event in events {
-            if let Err(e) = self.apply(tx, event, &mut undo.added).await {
+            if let Err(e) = self.apply(conn, event, &mut undo.added) {
                 return (undo, Err(e));
             }
         }
@@ -244,14 +257,14 @@ impl Recorder {
 
     /// One event's rows, in the batch's transaction. Texts it stores are known to later events
     /// at once (`added` lists them, to be forgotten if the batch fails).
-    async fn apply(
+    fn apply(
         &mut self,
-        tx: &mut sqlx::SqliteConnection,
+        conn: &rusqlite::Connection,
         event: &RunEvent,
         added: &mut Vec<String>,
     ) -> Result<(), StoreError> {
         if let RunEvent::RunStarted { run_id, question, workers, conductor, rerun_of } = event {
-            return self.start(tx, event, run_id, question, workers, conductor.as_deref(), rerun_of.as_ref()).await;
+            return self.start(conn, event, run_id, question, workers, conductor.as_deref(), rerun_of.as_ref());
         }
         let Some(run) = self.run else {
             return Err(StoreError::Sql(sqlx::Error::Protocol("an event arrived before run_started".into())));
@@ -265,33 +278,30 @@ impl Recorder {
             }
             RunEvent::PlanReady { round, depth, parent, plan, raw, usage, stop_reason, prompt, fallback } => {
                 let rejected = self.rejected.remove(round).filter(|r| !r.is_empty());
-                sqlx::query(
+                conn.prepare_cached(
                     "INSERT INTO plans (run_id, round, depth, parent_round, parent_step, raw, plan,
                                         input_tokens, cached_input_tokens, output_tokens, stop_reason,
                                         prompt, rejected, fallback)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
-                )
-                .bind(run)
-                .bind(round)
-                .bind(depth)
-                .bind(parent.map(|p| p.round))
-                .bind(parent.map(|p| p.step as i64))
-                .bind(raw)
-                .bind(plan.to_json())
-                .bind(usage.map(|u| u.input_tokens as i64))
-                .bind(usage.map(|u| u.cached_input_tokens as i64))
-                .bind(usage.map(|u| u.output_tokens as i64))
-                .bind(stop_reason)
-                .bind(prompt.as_ref().map(|p| serde_json::to_string(p).unwrap_or_default()))
-                .bind(rejected.map(|r| serde_json::to_string(&r).unwrap_or_default()))
-                .bind(fallback)
-                .execute(&mut *tx)
-                .await?;
-                sqlx::query("UPDATE runs SET rounds = max(rounds, ?2) WHERE id = ?1")
-                    .bind(run)
-                    .bind(round + 1)
-                    .execute(&mut *tx)
-                    .await?;
+                )?
+                .execute(params![
+                    run,
+                    round,
+                    depth,
+                    parent.map(|p| p.round),
+                    parent.map(|p| p.step as i64),
+                    raw,
+                    plan.to_json(),
+                    usage.map(|u| u.input_tokens as i64),
+                    usage.map(|u| u.cached_input_tokens as i64),
+                    usage.map(|u| u.output_tokens as i64),
+                    stop_reason,
+                    prompt.as_ref().map(|p| serde_json::to_string(p).unwrap_or_default()),
+                    rejected.map(|r| serde_json::to_string(&r).unwrap_or_default()),
+                    fallback,
+                ])?;
+                conn.prepare_cached("UPDATE runs SET rounds = max(rounds, ?2) WHERE id = ?1")?
+                    .execute(params![run, round + 1])?;
                 self.plans.insert(*round, plan.clone());
             }
             RunEvent::StepStarted { round, step, worker, system, messages } => {
@@ -301,53 +311,48 @@ impl Recorder {
                 let request = StoredRequest::refer(system.clone(), messages, |text| {
                     self.texts.get(text).copied().or((text == subtask).then_some(own))
                 });
-                stored_texts.push((subtask.clone(), own));
-                sqlx::query(
+                conn.prepare_cached(
                     "INSERT INTO steps (run_id, round, step, worker_index, worker, subtask, access, request, status)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 'running')",
-                )
-                .bind(run)
-                .bind(round)
-                .bind(*step as i64)
-                .bind(*worker as i64)
-                .bind(self.worker_name(*worker))
-                .bind(subtask)
-                .bind(access)
-                .bind(serde_json::to_string(&request).unwrap_or_default())
-                .execute(&mut *tx)
-                .await?;
+                )?
+                .execute(params![
+                    run,
+                    round,
+                    *step as i64,
+                    *worker as i64,
+                    self.worker_name(*worker),
+                    subtask,
+                    access,
+                    serde_json::to_string(&request).unwrap_or_default(),
+                ])?;
+                stored_texts.push((subtask, own));
             }
             RunEvent::StepRetrying { round, step, attempt, .. } => {
                 // The next attempt starts its text over.
                 self.partial.remove(&(*round, *step));
-                sqlx::query("UPDATE steps SET retries = ?4 WHERE run_id = ?1 AND round = ?2 AND step = ?3")
-                    .bind(run)
-                    .bind(round)
-                    .bind(*step as i64)
-                    .bind(attempt)
-                    .execute(&mut *tx)
-                    .await?;
+                conn.prepare_cached("UPDATE steps SET retries = ?4 WHERE run_id = ?1 AND round = ?2 AND step = ?3")?
+                    .execute(params![run, round, *step as i64, attempt])?;
             }
             RunEvent::StepFinished { round, step, output, usage, cost_usd, latency_ms, retries } => {
-                sqlx::query(
+                conn.prepare_cached(
                     "UPDATE steps SET status = 'finished', output = ?4, input_tokens = ?5, output_tokens = ?6,
                             cost_usd = ?7, latency_ms = ?8, retries = ?9, cached_input_tokens = ?10,
                             cache_write_input_tokens = ?11
                      WHERE run_id = ?1 AND round = ?2 AND step = ?3",
-                )
-                .bind(run)
-                .bind(round)
-                .bind(*step as i64)
-                .bind(output)
-                .bind(usage.input_tokens as i64)
-                .bind(usage.output_tokens as i64)
-                .bind(cost_usd)
-                .bind(*latency_ms as i64)
-                .bind(retries)
-                .bind(usage.cached_input_tokens as i64)
-                .bind(usage.cache_write_input_tokens as i64)
-                .execute(&mut *tx)
-                .await?;
+                )?
+                .execute(params![
+                    run,
+                    round,
+                    *step as i64,
+                    output,
+                    usage.input_tokens as i64,
+                    usage.output_tokens as i64,
+                    cost_usd,
+                    *latency_ms as i64,
+                    retries,
+                    usage.cached_input_tokens as i64,
+                    usage.cache_write_input_tokens as i64,
+                ])?;
                 self.partial.remove(&(*round, *step));
                 stored_texts.push((output.clone(), TextRef::Output(*round, *step)));
             }
@@ -365,63 +370,63 @@ impl Recorder {
                     StepErrorKind::Cancelled => ("cancelled", partial),
                     _ => ("failed", None),
                 };
-                sqlx::query(
+                conn.prepare_cached(
                     "INSERT INTO steps (run_id, round, step, worker_index, worker, subtask, access, status, output,
                                         error_kind, error)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
                      ON CONFLICT (run_id, round, step) DO UPDATE SET status = ?8, output = ?9, error_kind = ?10, error = ?11",
-                )
-                .bind(run)
-                .bind(round)
-                .bind(*step as i64)
-                .bind(worker as i64)
-                .bind(self.worker_name(worker))
-                .bind(subtask)
-                .bind(access)
-                .bind(status)
-                .bind(output)
-                .bind(kind)
-                .bind(&error.message)
-                .execute(&mut *tx)
-                .await?;
+                )?
+                .execute(params![
+                    run,
+                    round,
+                    *step as i64,
+                    worker as i64,
+                    self.worker_name(worker),
+                    subtask,
+                    access,
+                    status,
+                    output,
+                    kind,
+                    &error.message,
+                ])?;
             }
             RunEvent::StepReused { round, step, worker, output, from_run } => {
                 let (subtask, access) = self.planned(*round, *step);
-                stored_texts.push((subtask.clone(), TextRef::Subtask(*round, *step)));
-                stored_texts.push((output.clone(), TextRef::Output(*round, *step)));
-                sqlx::query(
+                conn.prepare_cached(
                     "INSERT INTO steps (run_id, round, step, worker_index, worker, subtask, access, status, output, reused_from)
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'finished', ?8, ?9)",
-                )
-                .bind(run)
-                .bind(round)
-                .bind(*step as i64)
-                .bind(*worker as i64)
-                .bind(self.worker_name(*worker))
-                .bind(subtask)
-                .bind(access)
-                .bind(output)
-                .bind(from_run)
-                .execute(&mut *tx)
-                .await?;
+                )?
+                .execute(params![
+                    run,
+                    round,
+                    *step as i64,
+                    *worker as i64,
+                    self.worker_name(*worker),
+                    subtask,
+                    access,
+                    output,
+                    from_run,
+                ])?;
+                stored_texts.push((subtask, TextRef::Subtask(*round, *step)));
+                stored_texts.push((output.clone(), TextRef::Output(*round, *step)));
             }
             RunEvent::RunFinished { answer, totals } => {
-                self.finish(tx, run, "finished", Some(answer), None, totals).await?;
+                self.finish(conn, run, "finished", Some(answer), None, totals)?;
                 if let Some(conversation) = self.conversation.filter(|_| self.messages) {
-                    add_message(tx, conversation, run, "assistant", answer).await?;
+                    add_message(conn, conversation, run, "assistant", answer)?;
                 }
             }
             RunEvent::RunFailed { error, totals } => {
                 let kind = serde_json::to_value(error.kind).ok().and_then(|v| v.as_str().map(str::to_owned));
-                self.finish(tx, run, "failed", None, Some((kind, &error.message)), totals).await?;
+                self.finish(conn, run, "failed", None, Some((kind, &error.message)), totals)?;
             }
             RunEvent::RunCancelled { totals } => {
-                self.finish(tx, run, "cancelled", None, None, totals).await?;
+                self.finish(conn, run, "cancelled", None, None, totals)?;
             }
             RunEvent::RunStarted { .. } | RunEvent::PlanDelta { .. } | RunEvent::StepDelta { .. } => {}
             RunEvent::PlanStarted { .. } => {}
         }
-        self.append_event(tx, run, event).await?;
+        self.append_event(conn, run, event)?;
         for (text, at) in stored_texts {
             if !self.texts.contains_key(&text) {
                 self.texts.insert(text.clone(), at);
@@ -432,9 +437,9 @@ impl Recorder {
     }
 
     #[allow(clippy::too_many_arguments)]
-    async fn start(
+    fn start(
         &mut self,
-        tx: &mut sqlx::SqliteConnection,
+        conn: &rusqlite::Connection,
         event: &RunEvent,
         uid: &str,
         question: &str,
@@ -447,54 +452,52 @@ impl Recorder {
         let now = now_ms();
         let conversation = match self.conversation {
             Some(id) => {
-                let touched = sqlx::query("UPDATE conversations SET updated_at = ?2 WHERE id = ?1")
-                    .bind(id)
-                    .bind(now)
-                    .execute(&mut *tx)
-                    .await?;
-                if touched.rows_affected() == 0 {
+                let touched = conn
+                    .prepare_cached("UPDATE conversations SET updated_at = ?2 WHERE id = ?1")?
+                    .execute(params![id, now])?;
+                if touched == 0 {
                     return Err(StoreError::Sql(sqlx::Error::RowNotFound));
                 }
                 id
             }
-            None => {
-                sqlx::query_scalar(
+            None => conn
+                .prepare_cached(
                     "INSERT INTO conversations (title, created_at, updated_at) VALUES (?1, ?2, ?2) RETURNING id",
-                )
-                .bind(title(question))
-                .bind(now)
-                .fetch_one(&mut *tx)
-                .await?
-            }
+                )?
+                .query_row(params![title(question), now], |row| row.get(0))?,
         };
-        let run: i64 = sqlx::query_scalar(
-            "INSERT INTO runs (uid, conversation_id, question, conductor, workers, status, started_at, rerun_of, rerun_step,
-                               recorder)
-             VALUES (?1, ?2, ?3, ?4, ?5, 'running', ?6, ?7, ?8, ?9) RETURNING id",
-        )
-        .bind(uid)
-        .bind(conversation)
-        .bind(question)
-        .bind(conductor)
-        .bind(serde_json::to_string(workers).unwrap_or_else(|_| "[]".into()))
-        .bind(now)
-        .bind(rerun_of.map(|r| r.run_id.as_str()))
-        .bind(rerun_of.map(|r| r.step as i64))
-        .bind(slot)
-        .fetch_one(&mut *tx)
-        .await?;
+        let run: i64 = conn
+            .prepare_cached(
+                "INSERT INTO runs (uid, conversation_id, question, conductor, workers, status, started_at, rerun_of,
+                                   rerun_step, recorder)
+                 VALUES (?1, ?2, ?3, ?4, ?5, 'running', ?6, ?7, ?8, ?9) RETURNING id",
+            )?
+            .query_row(
+                params![
+                    uid,
+                    conversation,
+                    question,
+                    conductor,
+                    serde_json::to_string(workers).unwrap_or_else(|_| "[]".into()),
+                    now,
+                    rerun_of.map(|r| r.run_id.as_str()),
+                    rerun_of.map(|r| r.step as i64),
+                    slot,
+                ],
+                |row| row.get(0),
+            )?;
         if self.messages {
-            add_message(tx, conversation, run, "user", question).await?;
+            add_message(conn, conversation, run, "user", question)?;
         }
-        self.append_event(tx, run, event).await?;
+        self.append_event(conn, run, event)?;
         self.conversation = Some(conversation);
         self.run = Some(run);
         Ok(())
     }
 
-    async fn finish(
+    fn finish(
         &self,
-        tx: &mut sqlx::SqliteConnection,
+        conn: &rusqlite::Connection,
         run: i64,
         status: &str,
         answer: Option<&String>,
@@ -502,45 +505,35 @@ impl Recorder {
         totals: &baton_engine::Totals,
     ) -> Result<(), StoreError> {
         let (error_kind, error) = error.map_or((None, None), |(k, m)| (k, Some(m)));
-        sqlx::query(
+        conn.prepare_cached(
             "UPDATE runs SET status = ?2, answer = ?3, error_kind = ?4, error = ?5, finished_at = ?6,
                     calls = ?7, input_tokens = ?8, output_tokens = ?9, cost_usd = ?10, cost_complete = ?11,
                     wall_ms = ?12, rounds = max(rounds, ?13), totals = ?14
              WHERE id = ?1",
-        )
-        .bind(run)
-        .bind(status)
-        .bind(answer)
-        .bind(error_kind)
-        .bind(error)
-        .bind(now_ms())
-        .bind(totals.calls)
-        .bind(totals.usage.input_tokens as i64)
-        .bind(totals.usage.output_tokens as i64)
-        .bind(totals.cost_usd)
-        .bind(totals.cost_complete)
-        .bind(totals.wall_ms as i64)
-        .bind(totals.rounds)
-        .bind(serde_json::to_string(totals).unwrap_or_default())
-        .execute(&mut *tx)
-        .await?;
+        )?
+        .execute(params![
+            run,
+            status,
+            answer,
+            error_kind,
+            error,
+            now_ms(),
+            totals.calls,
+            totals.usage.input_tokens as i64,
+            totals.usage.output_tokens as i64,
+            totals.cost_usd,
+            totals.cost_complete,
+            totals.wall_ms as i64,
+            totals.rounds,
+            serde_json::to_string(totals).unwrap_or_default(),
+        ])?;
         Ok(())
     }
 
-    async fn append_event(
-        &mut self,
-        tx: &mut sqlx::SqliteConnection,
-        run: i64,
-        event: &RunEvent,
-    ) -> Result<(), StoreError> {
+    fn append_event(&mut self, conn: &rusqlite::Connection, run: i64, event: &RunEvent) -> Result<(), StoreError> {
         let (event, elided) = stored::elide(event);
-        sqlx::query("INSERT INTO events (run_id, seq, event, elided) VALUES (?1, ?2, ?3, ?4)")
-            .bind(run)
-            .bind(self.seq)
-            .bind(event.to_string())
-            .bind(elided)
-            .execute(&mut *tx)
-            .await?;
+        conn.prepare_cached("INSERT INTO events (run_id, seq, event, elided) VALUES (?1, ?2, ?3, ?4)")?
+            .execute(params![run, self.seq, event.to_string(), elided])?;
         self.seq += 1;
         Ok(())
     }
@@ -563,23 +556,17 @@ impl Recorder {
     }
 }
 
-pub(crate) async fn add_message(
-    tx: &mut sqlx::SqliteConnection,
+fn add_message(
+    conn: &rusqlite::Connection,
     conversation: i64,
     run: i64,
     role: &str,
     content: &str,
 ) -> Result<(), StoreError> {
-    sqlx::query(
+    conn.prepare_cached(
         "INSERT INTO messages (conversation_id, run_id, role, content, created_at) VALUES (?1, ?2, ?3, ?4, ?5)",
-    )
-    .bind(conversation)
-    .bind(run)
-    .bind(role)
-    .bind(content)
-    .bind(now_ms())
-    .execute(&mut *tx)
-    .await?;
+    )?
+    .execute(params![conversation, run, role, content, now_ms()])?;
     Ok(())
 }
 

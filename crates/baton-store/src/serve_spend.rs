@@ -15,14 +15,11 @@ impl Store {
 
 /// Adds `usd` to what the server spent on `day` (days since 1970, UTC), in a transaction
 /// already open (see [`Store::record_many`]).
-pub(crate) async fn add(tx: &mut sqlx::SqliteConnection, day: u64, usd: f64) -> Result<(), StoreError> {
-    sqlx::query(
+pub(crate) fn add(conn: &rusqlite::Connection, day: u64, usd: f64) -> Result<(), StoreError> {
+    conn.prepare_cached(
         "INSERT INTO serve_spend (day, usd) VALUES (?, ?) ON CONFLICT (day) DO UPDATE SET usd = usd + excluded.usd",
-    )
-    .bind(i64::try_from(day).unwrap_or(i64::MAX))
-    .bind(usd)
-    .execute(tx)
-    .await?;
+    )?
+    .execute(rusqlite::params![i64::try_from(day).unwrap_or(i64::MAX), usd])?;
     Ok(())
 }
 

@@ -56,7 +56,17 @@ pub async fn populate(store: &Store, runs: u32, steps: u32, seed: u64) -> Result
             .fetch_one(&mut *tx)
             .await?;
             for (role, content) in [("user", &question), ("assistant", &answer)] {
-                crate::recorder::add_message(&mut tx, conversation, run, role, content).await?;
+                sqlx::query(
+                    "INSERT INTO messages (conversation_id, run_id, role, content, created_at)
+                     VALUES (?1, ?2, ?3, ?4, ?5)",
+                )
+                .bind(conversation)
+                .bind(run)
+                .bind(role)
+                .bind(content)
+                .bind(now + i64::from(i))
+                .execute(&mut *tx)
+                .await?;
             }
             let plan = serde_json::json!({
                 "model_id": (0..steps).collect::<Vec<_>>(),
