@@ -1,9 +1,9 @@
 //! The server's history writer: one task records the events of every run the server makes.
 //!
 //! Runs send their events here as the client gets them, so a busy database never holds up an
-//! answer. The writer takes all that waits at once and commits it in one transaction, a
-//! savepoint per run ([`Store::record_many`]): 64 runs that end together make one commit, not
-//! 64, which keeps the database's share of a small machine's cores small when it is busiest.
+//! answer. The writer takes all that waits at once and commits it in one transaction, where a
+//! run's failure drops that run alone ([`Store::record_many`]): 64 runs that end together make
+//! one commit, not 64, which keeps the database's share of a small machine's cores small when it is busiest.
 //! A run counts among those the history is recording until its record is committed; when too
 //! many wait, new requests are refused (see `chat::admit`), so a slow history slows the server
 //! instead of falling behind without end.

@@ -3,7 +3,7 @@
 //! Each event is one transaction (its row changes and its line in `events`), so a crash loses
 //! at most what was in flight; a writer that fell behind may record the events waiting for it
 //! in one ([`Recorder::record_all`]), and a server the events of all its runs that wait
-//! ([`Store::record_many`], a savepoint per run). While a run records, its recorder holds one of
+//! ([`Store::record_many`], where one run's failure drops that run alone). While a run records, its recorder holds one of
 //! its store's lock files (a [`Slot`], named in the run's row); the lock dies with the process,
 //! which is how [`crate::Store::open`] tells a run that is still going in another process from
 //! one whose process was killed (see [`crate::locks`]).
@@ -115,10 +115,15 @@ fn alone(runs: &[(&mut Recorder, &[RunEvent])], serve_spend: Option<(u64, f64)>)
     runs.len() == 1 && serve_spend.is_none()
 }
 
-/// Applies each run's `stored` events (a savepoint each, unless the run is alone) and the day's
-/// spending in the open transaction on `conn`. A run's own failure is rolled back and put in its
-/// `results`; what `undos` gets is what to undo of each run the commit does not keep. Returns
-/// the error that is not one run's (a savepoint, the spending): then nothing is to be kept.
+/// Applies each run's `stored` events and the day's spending in the open transaction on `conn`.
+/// A run's own failure is rolled back and put in its `results`; what `undos` gets is what to
+/// undo of each run the commit does not keep. Returns the error that is not one run's (a
+/// savepoint, the spending): then nothing is to be kept.
+///
+/// Runs go in together, under one savepoint: one per run would cost each run a copy of the
+/// pages it changes and a write-out of the full-text index's pending terms. Should a run fail,
+/// the batch is put back and applied again with a savepoint per run, so that only that run's
+/// part is dropped.
 fn record_batch(
     conn: &rusqlite::Connection,
     runs: &mut [(&mut Recorder, &[RunEvent])],
@@ -128,23 +133,83 @@ fn record_batch(
     undos: &mut Vec<Option<Undo>>,
 ) -> Option<StoreError> {
     let alone = alone(runs, serve_spend);
+    let each = alone
+        || match apply_together(conn, runs, stored, undos) {
+            Ok(together) => !together,
+            Err(e) => return Some(e),
+        };
+    if each && let Err(e) = apply_each(conn, runs, stored, !alone, results, undos) {
+        return Some(e);
+    }
+    let (day, usd) = serve_spend?;
+    crate::serve_spend::add(conn, day, usd).err()
+}
+
+/// Applies every run's events under one savepoint. Returns whether they all went in; when one
+/// did not, nothing of the batch is left, in the database or in its recorders.
+fn apply_together(
+    conn: &rusqlite::Connection,
+    runs: &mut [(&mut Recorder, &[RunEvent])],
+    stored: &[Vec<&RunEvent>],
+    undos: &mut Vec<Option<Undo>>,
+) -> Result<bool, StoreError> {
+    conn.prepare_cached("SAVEPOINT batch")?.execute([])?;
+    let mut failed = false;
+    for ((recorder, _), events) in runs.iter_mut().zip(stored) {
+        if events.is_empty() {
+            undos.push(None);
+            continue;
+        }
+        let (undo, applied) = recorder.apply_all(conn, events);
+        undos.push(Some(undo));
+        if applied.is_err() {
+            failed = true;
+            break;
+        }
+    }
+    let closed = if failed {
+        conn.execute_batch("ROLLBACK TO batch; RELEASE batch")
+    } else {
+        conn.prepare_cached("RELEASE batch")?.execute([]).map(drop)
+    };
+    if failed || closed.is_err() {
+        for ((recorder, _), undo) in runs.iter_mut().zip(undos.drain(..)) {
+            if let Some(undo) = undo {
+                recorder.undo(undo);
+            }
+        }
+    }
+    closed?;
+    Ok(!failed)
+}
+
+/// Applies each run's events, with a savepoint each when `savepoints` (a run alone needs none:
+/// its failure is the transaction's).
+fn apply_each(
+    conn: &rusqlite::Connection,
+    runs: &mut [(&mut Recorder, &[RunEvent])],
+    stored: &[Vec<&RunEvent>],
+    savepoints: bool,
+    results: &mut [Result<(), StoreError>],
+    undos: &mut Vec<Option<Undo>>,
+) -> Result<(), StoreError> {
     for (((recorder, _), events), result) in runs.iter_mut().zip(stored).zip(results.iter_mut()) {
         if events.is_empty() {
             undos.push(None);
             continue;
         }
-        if !alone && let Err(e) = conn.execute_batch("SAVEPOINT run") {
-            return Some(e.into());
+        if savepoints {
+            conn.execute_batch("SAVEPOINT run")?;
         }
         let (undo, applied) = recorder.apply_all(conn, events);
-        if !alone {
+        if savepoints {
             let closed = match &applied {
                 Ok(()) => conn.execute_batch("RELEASE run"),
                 Err(_) => conn.execute_batch("ROLLBACK TO run; RELEASE run"),
             };
             if let Err(e) = closed {
                 recorder.undo(undo);
-                return Some(e.into());
+                return Err(e.into());
             }
         }
         match applied {
@@ -156,8 +221,7 @@ fn record_batch(
             Ok(()) => undos.push(Some(undo)),
         }
     }
-    let (day, usd) = serve_spend?;
-    crate::serve_spend::add(conn, day, usd).err()
+    Ok(())
 }
 
 impl Recorder {

@@ -668,7 +668,7 @@ fn as_run(events: &[RunEvent], uid: &str) -> Vec<RunEvent> {
     events
 }
 
-/// A server records the events of many runs in one transaction, a savepoint per run: a run whose
+/// A server records the events of many runs in one transaction: a run whose
 /// events fail leaves nothing, and takes nothing of the others down with it.
 #[tokio::test]
 async fn runs_recorded_in_one_transaction_keep_apart() {
