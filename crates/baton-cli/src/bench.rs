@@ -56,11 +56,16 @@ pub enum Command {
     /// What `baton serve` adds to a run: concurrent streamed requests over loopback to fake
     /// workers with a fixed latency, each one's time at the client against the executor's own
     /// wall time for its run (the difference is HTTP, checks, recording and streaming). The
-    /// burst is sent twice: on new connections, then on the ones the first opened.
+    /// burst is sent on new connections, then `--bursts` times on the ones the first opened.
     Serve {
         /// Requests sent at once.
         #[arg(long, default_value_t = 64)]
         requests: usize,
+        /// Bursts on open connections, each once the history has recorded the one before: the
+        /// figures are over all of them (one burst's median moves by a millisecond from one go
+        /// to the next on a small machine).
+        #[arg(long, default_value_t = 5)]
+        bursts: usize,
         /// Latency of every fake worker call.
         #[arg(long, default_value_t = 200)]
         latency_ms: u64,
@@ -131,8 +136,8 @@ pub async fn run(cmd: Command) -> Outcome {
     match cmd {
         Command::Executor { latency_ms, runs, json } => executor(latency_ms, runs, json).await,
         Command::History { db, runs, steps, repeat, json } => history(&db, runs, steps, repeat, json).await,
-        Command::Serve { requests, latency_ms, no_history, json } => {
-            serve(requests, latency_ms, !no_history, json).await
+        Command::Serve { requests, bursts, latency_ms, no_history, json } => {
+            serve(requests, bursts, latency_ms, !no_history, json).await
         }
         #[cfg(feature = "local")]
         Command::Conductor(args) => conductor::run(args).await,
@@ -262,9 +267,9 @@ async fn measure(plan: &Plan, latency: Duration) -> Result<Sample, Failure> {
     Ok(Sample { wall, critical })
 }
 
-async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> Outcome {
-    if requests == 0 {
-        return Err(Failure::BadInput("--requests must be at least 1".into()));
+async fn serve(requests: usize, bursts: usize, latency_ms: u64, history: bool, json: bool) -> Outcome {
+    if requests == 0 || bursts == 0 {
+        return Err(Failure::BadInput("--requests and --bursts must be at least 1".into()));
     }
     let failed = |e: &dyn std::fmt::Display| Failure::Failed(e.to_string());
     let latency = Duration::from_millis(latency_ms);
@@ -288,7 +293,11 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
     // The same burst on the executor alone first (twice: the first warms it, as the server's
     // first burst does), for what the load costs a run wherever it is started.
     in_process(&executor, requests).await;
-    let alone = in_process(&executor, requests).await;
+    let mut alone = Vec::with_capacity(bursts * requests);
+    for _ in 0..bursts {
+        alone.extend(in_process(&executor, requests).await);
+    }
+    alone.sort_by(f64::total_cmp);
     let dir = tempfile::tempdir().map_err(|e| failed(&e))?;
     let store = baton_store::Store::open(&dir.path().join("history.sqlite")).await.map_err(|e| failed(&e))?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| failed(&e))?;
@@ -363,13 +372,11 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
                 Err(e) => errors.push(e),
             }
         }
-        overhead.sort_by(f64::total_cmp);
-        heads.sort_by(f64::total_cmp);
         (overhead, heads, errors, open)
     };
-    // Two bursts: the first opens a connection per request, as new clients would; the second
-    // reuses them, as a client with a connection pool (every SDK) does. The server's own cost
-    // is the second's; the first adds the kernel's and the client's connection set-up.
+    // The first burst opens a connection per request, as new clients would; the others reuse
+    // them, as a client with a connection pool (every SDK) does. The server's own cost is
+    // theirs; the first adds the kernel's and the client's connection set-up.
     // The clients run on their own thread and runtime, as clients in another process would: the
     // server's threads serve, and the machine's cores are shared between the two by the OS.
     let settle = service.clone();
@@ -377,24 +384,33 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
         runtime.block_on(async move {
             let started = Instant::now();
-            let (cold, _, errors, open) = burst((0..requests).map(|_| None).collect()).await;
+            let (mut cold, _, mut errors, mut open) = burst((0..requests).map(|_| None).collect()).await;
             let cold_s = started.elapsed().as_secs_f64();
-            // The first burst's records are written before the second starts, so that the
-            // second measures serving alone.
-            settle.settle().await;
-            let started = Instant::now();
-            let (overhead, heads, more, _) = burst(open).await;
-            Ok::<_, String>((cold, cold_s, errors, overhead, heads, more, started.elapsed().as_secs_f64()))
+            cold.sort_by(f64::total_cmp);
+            let (mut overhead, mut heads, mut total_s) = (Vec::new(), Vec::new(), 0.0);
+            for _ in 0..bursts {
+                // The records of the burst before are written before the next starts, so that
+                // each measures serving alone.
+                settle.settle().await;
+                let started = Instant::now();
+                let (o, h, more, reopened) = burst(open).await;
+                total_s += started.elapsed().as_secs_f64();
+                open = reopened;
+                overhead.extend(o);
+                heads.extend(h);
+                errors.extend(more);
+            }
+            overhead.sort_by(f64::total_cmp);
+            heads.sort_by(f64::total_cmp);
+            Ok::<_, String>((cold, cold_s, errors, overhead, heads, total_s))
         })
     });
-    let (cold, cold_s, mut errors, overhead, heads, more, total_s) =
-        tokio::task::spawn_blocking(move || clients.join())
-            .await
-            .map_err(|e| failed(&e))?
-            .map_err(|_| Failure::Failed("the load's clients panicked".into()))?
-            .map_err(|e| failed(&e))?;
-    errors.extend(more);
-    let runs = 2 * requests;
+    let (cold, cold_s, errors, overhead, heads, total_s) = tokio::task::spawn_blocking(move || clients.join())
+        .await
+        .map_err(|e| failed(&e))?
+        .map_err(|_| Failure::Failed("the load's clients panicked".into()))?
+        .map_err(|e| failed(&e))?;
+    let runs = (1 + bursts) * requests;
     // The history records beside the answers: give it a moment to catch up, then count.
     let mut finished = 0;
     for _ in 0..if history { 100 } else { 0 } {
@@ -418,7 +434,7 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
         println!(
             "{}",
             serde_json::json!({
-                "requests": requests, "latency_ms": latency_ms, "ok": overhead.len(), "errors": errors,
+                "requests": requests, "bursts": bursts, "latency_ms": latency_ms, "ok": overhead.len(), "errors": errors,
                 "history": history, "recorded_finished": finished, "runs": runs, "overhead_ms_p50": p50,
                 "overhead_ms_p99": p99, "overhead_ms_max": max, "head_ms_p50": head_p50, "head_ms_p99": head_p99,
                 "total_s": total_s, "in_process": { "overhead_ms_p50": alone_p50, "overhead_ms_p99": alone_p99 },
@@ -428,7 +444,10 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
             })
         );
     } else {
-        println!("{requests} streamed requests at once over loopback, twice, fake worker at {latency_ms} ms");
+        println!(
+            "{requests} streamed requests at once over loopback, on new connections, then {bursts} times on them; \
+             fake worker at {latency_ms} ms"
+        );
         let answered = cold.len() + overhead.len();
         if history {
             println!("  answered: {answered} of {runs}; runs finished in the history: {finished}");
@@ -436,7 +455,10 @@ async fn serve(requests: usize, latency_ms: u64, history: bool, json: bool) -> O
             println!("  answered: {answered} of {runs}; no history");
         }
         println!("  added by the server (client wall − run wall; the run's wall is to the nearest ms, so ±0.5 ms)");
-        println!("    on open connections:  p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms ({total_s:.2} s in all)");
+        println!(
+            "    on open connections:  p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms ({total_s:.2} s in all, \
+             {bursts} bursts)"
+        );
         println!(
             "    time to the response's head (sent with the run's first events): p50 {head_p50:.2} ms, p99 {head_p99:.2} ms"
         );

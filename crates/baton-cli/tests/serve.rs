@@ -121,17 +121,18 @@ async fn a_served_pool_answers_an_openai_client_and_records_the_run() {
     assert!(!shown.stdout.contains(TEST_KEY), "no key in the history");
 }
 
-/// The load test: 64 streamed requests at once, twice (new connections, then open ones). Every
-/// one must be answered and every run recorded as finished; the timings are for people
+/// The load test: 64 streamed requests at once, three times (on new connections, then twice on
+/// the open ones). Every one must be answered and every run recorded as finished; the timings are for people
 /// (`baton bench serve`), not asserted.
 #[tokio::test(flavor = "multi_thread")]
 async fn sixty_four_streamed_requests_at_once_are_all_answered_and_recorded() {
-    let out = baton(&["bench", "serve", "--requests", "64", "--latency-ms", "50", "--json"], &[]).await;
+    let out =
+        baton(&["bench", "serve", "--requests", "64", "--bursts", "2", "--latency-ms", "50", "--json"], &[]).await;
     assert_eq!(out.code, Some(0), "{}\n{}", out.stdout, out.stderr);
     let report: Value = serde_json::from_str(out.stdout.trim()).expect("one JSON object");
     assert_eq!(report["errors"], json!([]), "{report}");
-    assert_eq!(report["ok"], 64, "{report}");
+    assert_eq!(report["ok"], 128, "{report}");
     assert_eq!(report["new_connections"]["ok"], 64, "{report}");
-    assert_eq!(report["recorded_finished"], 128, "{report}");
+    assert_eq!(report["recorded_finished"], 192, "{report}");
     assert!(report["overhead_ms_p50"].as_f64().is_some_and(f64::is_finite), "{report}");
 }
