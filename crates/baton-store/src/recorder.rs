@@ -73,138 +73,102 @@ impl Store {
         if stored.iter().all(Vec::is_empty) && serve_spend.is_none() {
             return Ok(results);
         }
-        let mut undos: Vec<Option<Undo>> = Vec::new();
-        let mut tx = self.write().await?;
-        // The batch's statements run here, on SQLite's own handle, while sqlx's thread for the
-        // connection waits: through sqlx each statement would be a round trip to that thread,
-        // two thread switches, and a busy server's runs make about 16 statements each.
-        let failed = {
-            let mut handle = tx.lock_handle().await?;
-            // SAFETY: the handle is sqlx's open connection, locked for us until `handle` drops;
-            // `conn` drops first (it is declared later), finalizing the statements it prepared,
-            // and does not close the connection (`from_handle` does not own it).
-            #[allow(unsafe_code)]
-            let conn = unsafe { rusqlite::Connection::from_handle(handle.as_raw_handle().as_ptr()) }?;
-            record_batch(&conn, runs, &stored, serve_spend, &mut results, &mut undos)
-        };
-        let failed = match failed {
-            Some(e) => Some(e),
-            // The run's failure is the transaction's: nothing to commit.
-            None if alone(runs, serve_spend) && results[0].is_err() => return Ok(results),
-            None => tx.commit().await.err().map(StoreError::from),
-        };
-        if let Some(e) = failed {
-            for ((recorder, _), undo) in runs.iter_mut().zip(undos) {
-                if let Some(undo) = undo {
-                    recorder.undo(undo);
+        // Runs go in together, with no savepoint: one per run would cost each run a copy of the
+        // pages it changes and a write-out of the full-text index's pending terms. Should one of
+        // them fail, the transaction is rolled back and the batch applied again with a savepoint
+        // per run, so that only that run's part is dropped.
+        let mut mode = if alone(runs, serve_spend) { Mode::Alone } else { Mode::Together };
+        loop {
+            let mut undos: Vec<Option<Undo>> = Vec::new();
+            let mut tx = self.write().await?;
+            // The batch's statements run here, on SQLite's own handle, while sqlx's thread for
+            // the connection waits: through sqlx each statement would be a round trip to that
+            // thread, two thread switches, and a busy server's runs make about 16 statements each.
+            let applied = {
+                let mut handle = tx.lock_handle().await?;
+                // SAFETY: the handle is sqlx's open connection, locked for us until `handle`
+                // drops; `conn` drops first (it is declared later), finalizing the statements it
+                // prepared, and does not close the connection (`from_handle` does not own it).
+                #[allow(unsafe_code)]
+                let conn = unsafe { rusqlite::Connection::from_handle(handle.as_raw_handle().as_ptr()) }?;
+                record_batch(&conn, runs, &stored, serve_spend, mode, &mut results, &mut undos)
+            };
+            let failed = match applied {
+                Ok(true) => tx.commit().await.err().map(StoreError::from),
+                Err(e) => Some(e),
+                // A run failed, and its recorders are as they were.
+                Ok(false) => {
+                    tx.rollback().await?;
+                    match mode {
+                        Mode::Together => {
+                            mode = Mode::Each;
+                            continue;
+                        }
+                        // The run's failure is the transaction's: nothing to commit.
+                        Mode::Alone | Mode::Each => return Ok(results),
+                    }
+                }
+            };
+            if let Some(e) = failed {
+                for ((recorder, _), undo) in runs.iter_mut().zip(undos) {
+                    if let Some(undo) = undo {
+                        recorder.undo(undo);
+                    }
+                }
+                return Err(e);
+            }
+            for (((recorder, _), events), result) in runs.iter_mut().zip(&stored).zip(&results) {
+                if result.is_ok() && events.iter().any(|e| e.is_terminal()) {
+                    recorder.release_slot();
                 }
             }
-            return Err(e);
+            return Ok(results);
         }
-        for (((recorder, _), events), result) in runs.iter_mut().zip(&stored).zip(&results) {
-            if result.is_ok() && events.iter().any(|e| e.is_terminal()) {
-                recorder.release_slot();
-            }
-        }
-        Ok(results)
     }
 }
 
-/// One run alone needs no savepoint: its failure is the transaction's.
 fn alone(runs: &[(&mut Recorder, &[RunEvent])], serve_spend: Option<(u64, f64)>) -> bool {
     runs.len() == 1 && serve_spend.is_none()
 }
 
+/// How a batch's runs go into its transaction.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Mode {
+    /// One run and nothing else: its failure is the transaction's.
+    Alone,
+    /// All runs with no savepoint: a run's failure fails the batch, to be applied again `Each`.
+    Together,
+    /// A savepoint per run: a run's failure drops that run's part alone.
+    Each,
+}
+
 /// Applies each run's `stored` events and the day's spending in the open transaction on `conn`.
-/// A run's own failure is rolled back and put in its `results`; what `undos` gets is what to
-/// undo of each run the commit does not keep. Returns the error that is not one run's (a
-/// savepoint, the spending): then nothing is to be kept.
-///
-/// Runs go in together, under one savepoint: one per run would cost each run a copy of the
-/// pages it changes and a write-out of the full-text index's pending terms. Should a run fail,
-/// the batch is put back and applied again with a savepoint per run, so that only that run's
-/// part is dropped.
+/// Returns `Ok(false)` when a run failed and the transaction is to be rolled back (`Alone`,
+/// `Together`): then every recorder is as it was, and the run's error is in its `results`
+/// (`Alone`). `Each` rolls a failed run's part back and puts its error in `results`. What `undos`
+/// gets is what to undo of each run should the commit not keep them. An error is one that is
+/// not a run's own (a savepoint, the spending): then nothing is to be kept.
 fn record_batch(
     conn: &rusqlite::Connection,
     runs: &mut [(&mut Recorder, &[RunEvent])],
     stored: &[Vec<&RunEvent>],
     serve_spend: Option<(u64, f64)>,
+    mode: Mode,
     results: &mut [Result<(), StoreError>],
-    undos: &mut Vec<Option<Undo>>,
-) -> Option<StoreError> {
-    let alone = alone(runs, serve_spend);
-    let each = alone
-        || match apply_together(conn, runs, stored, undos) {
-            Ok(together) => !together,
-            Err(e) => return Some(e),
-        };
-    if each && let Err(e) = apply_each(conn, runs, stored, !alone, results, undos) {
-        return Some(e);
-    }
-    let (day, usd) = serve_spend?;
-    crate::serve_spend::add(conn, day, usd).err()
-}
-
-/// Applies every run's events under one savepoint. Returns whether they all went in; when one
-/// did not, nothing of the batch is left, in the database or in its recorders.
-fn apply_together(
-    conn: &rusqlite::Connection,
-    runs: &mut [(&mut Recorder, &[RunEvent])],
-    stored: &[Vec<&RunEvent>],
     undos: &mut Vec<Option<Undo>>,
 ) -> Result<bool, StoreError> {
-    conn.prepare_cached("SAVEPOINT batch")?.execute([])?;
-    let mut failed = false;
-    for ((recorder, _), events) in runs.iter_mut().zip(stored) {
-        if events.is_empty() {
-            undos.push(None);
-            continue;
-        }
-        let (undo, applied) = recorder.apply_all(conn, events);
-        undos.push(Some(undo));
-        if applied.is_err() {
-            failed = true;
-            break;
-        }
-    }
-    let closed = if failed {
-        conn.execute_batch("ROLLBACK TO batch; RELEASE batch")
-    } else {
-        conn.prepare_cached("RELEASE batch")?.execute([]).map(drop)
-    };
-    if failed || closed.is_err() {
-        for ((recorder, _), undo) in runs.iter_mut().zip(undos.drain(..)) {
-            if let Some(undo) = undo {
-                recorder.undo(undo);
-            }
-        }
-    }
-    closed?;
-    Ok(!failed)
-}
-
-/// Applies each run's events, with a savepoint each when `savepoints` (a run alone needs none:
-/// its failure is the transaction's).
-fn apply_each(
-    conn: &rusqlite::Connection,
-    runs: &mut [(&mut Recorder, &[RunEvent])],
-    stored: &[Vec<&RunEvent>],
-    savepoints: bool,
-    results: &mut [Result<(), StoreError>],
-    undos: &mut Vec<Option<Undo>>,
-) -> Result<(), StoreError> {
     for (((recorder, _), events), result) in runs.iter_mut().zip(stored).zip(results.iter_mut()) {
         if events.is_empty() {
             undos.push(None);
             continue;
         }
-        if savepoints {
-            conn.execute_batch("SAVEPOINT run")?;
+        if mode == Mode::Each {
+            conn.prepare_cached("SAVEPOINT run")?.execute([])?;
         }
         let (undo, applied) = recorder.apply_all(conn, events);
-        if savepoints {
+        if mode == Mode::Each {
             let closed = match &applied {
-                Ok(()) => conn.execute_batch("RELEASE run"),
+                Ok(()) => conn.prepare_cached("RELEASE run")?.execute([]).map(drop),
                 Err(_) => conn.execute_batch("ROLLBACK TO run; RELEASE run"),
             };
             if let Err(e) = closed {
@@ -213,15 +177,30 @@ fn apply_each(
             }
         }
         match applied {
+            Ok(()) => undos.push(Some(undo)),
             Err(e) => {
                 recorder.undo(undo);
-                *result = Err(e);
-                undos.push(None);
+                if mode == Mode::Each {
+                    *result = Err(e);
+                    undos.push(None);
+                    continue;
+                }
+                if mode == Mode::Alone {
+                    *result = Err(e);
+                }
+                for ((recorder, _), undo) in runs.iter_mut().zip(undos.drain(..)) {
+                    if let Some(undo) = undo {
+                        recorder.undo(undo);
+                    }
+                }
+                return Ok(false);
             }
-            Ok(()) => undos.push(Some(undo)),
         }
     }
-    Ok(())
+    if let Some((day, usd)) = serve_spend {
+        crate::serve_spend::add(conn, day, usd)?;
+    }
+    Ok(true)
 }
 
 impl Recorder {
