@@ -131,12 +131,12 @@ async fn write(store: Store, mut from: mpsc::UnboundedReceiver<Entry>) {
         if !open && again.events.is_empty() && again.ended.is_empty() {
             return;
         }
-        // With other runs going, what wakes the writer is often one of many events at once
-        // (runs that end together): a moment's wait lets their answers go out first and gathers
-        // the rest into this commit. A run alone is recorded at once.
-        let begun = entries.iter().filter(|e| matches!(e, Entry::Begin { .. })).count();
+        // What wakes the writer is often the first of many events at once (requests that come
+        // together, runs that end together): a moment's wait lets the server answer them first
+        // and gathers the rest into this commit. Even a run alone waits, since it may be the
+        // first of a burst; only a request that needs the history now does not.
         let flushing = entries.iter().any(|e| matches!(e, Entry::Flush(_)));
-        if open && live.len() + begun > 1 && !flushing {
+        if open && !flushing {
             tokio::time::sleep(GATHER).await;
         }
         while entries.len() < BATCH
