@@ -3,10 +3,10 @@
 //! Each event is one transaction (its row changes and its line in `events`), so a crash loses
 //! at most what was in flight; a writer that fell behind may record the events waiting for it
 //! in one ([`Recorder::record_all`]), and a server the events of all its runs that wait
-//! ([`Store::record_many`], where one run's failure drops that run alone). While a run records, its recorder holds one of
-//! its store's lock files (a [`Slot`], named in the run's row); the lock dies with the process,
-//! which is how [`crate::Store::open`] tells a run that is still going in another process from
-//! one whose process was killed (see [`crate::locks`]).
+//! ([`Store::record_many`], where one run's failure drops that run alone). While a run
+//! records, its recorder holds one of its store's lock files (a [`Slot`], named in the run's
+//! row); the lock dies with the process, which is how [`crate::Store::open`] tells a run that
+//! is still going in another process from one whose process was killed (see [`crate::locks`]).
 //!
 //! Each text is stored once. A step's answer is in its row; the requests of later steps that
 //! saw it refer to that row (see [`crate::stored`]), and events leave out the texts a row holds
@@ -110,11 +110,7 @@ impl Store {
                 }
             };
             if let Some(e) = failed {
-                for ((recorder, _), undo) in runs.iter_mut().zip(undos) {
-                    if let Some(undo) = undo {
-                        recorder.undo(undo);
-                    }
-                }
+                undo_all(runs, undos);
                 return Err(e);
             }
             for (((recorder, _), events), result) in runs.iter_mut().zip(&stored).zip(&results) {
@@ -123,6 +119,15 @@ impl Store {
                 }
             }
             return Ok(results);
+        }
+    }
+}
+
+/// Nothing of a batch is kept: each recorder forgets what it applied.
+fn undo_all(runs: &mut [(&mut Recorder, &[RunEvent])], undos: Vec<Option<Undo>>) {
+    for ((recorder, _), undo) in runs.iter_mut().zip(undos) {
+        if let Some(undo) = undo {
+            recorder.undo(undo);
         }
     }
 }
@@ -188,11 +193,7 @@ fn record_batch(
                 if mode == Mode::Alone {
                     *result = Err(e);
                 }
-                for ((recorder, _), undo) in runs.iter_mut().zip(undos.drain(..)) {
-                    if let Some(undo) = undo {
-                        recorder.undo(undo);
-                    }
-                }
+                undo_all(runs, std::mem::take(undos));
                 return Ok(false);
             }
         }
