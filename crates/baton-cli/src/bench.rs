@@ -72,6 +72,9 @@ pub enum Command {
         /// Serve without a history, to see what recording adds.
         #[arg(long)]
         no_history: bool,
+        /// Pin the runtime's worker threads one per core, as `baton serve --pin-threads` does.
+        #[arg(long)]
+        pin_threads: bool,
         /// One JSON object on stdout.
         #[arg(long)]
         json: bool,
@@ -136,8 +139,8 @@ pub async fn run(cmd: Command) -> Outcome {
     match cmd {
         Command::Executor { latency_ms, runs, json } => executor(latency_ms, runs, json).await,
         Command::History { db, runs, steps, repeat, json } => history(&db, runs, steps, repeat, json).await,
-        Command::Serve { requests, bursts, latency_ms, no_history, json } => {
-            serve(requests, bursts, latency_ms, !no_history, json).await
+        Command::Serve { requests, bursts, latency_ms, no_history, pin_threads, json } => {
+            serve(requests, bursts, latency_ms, !no_history, pin_threads, json).await
         }
         #[cfg(feature = "local")]
         Command::Conductor(args) => conductor::run(args).await,
@@ -267,7 +270,7 @@ async fn measure(plan: &Plan, latency: Duration) -> Result<Sample, Failure> {
     Ok(Sample { wall, critical })
 }
 
-async fn serve(requests: usize, bursts: usize, latency_ms: u64, history: bool, json: bool) -> Outcome {
+async fn serve(requests: usize, bursts: usize, latency_ms: u64, history: bool, pinned: bool, json: bool) -> Outcome {
     if requests == 0 || bursts == 0 {
         return Err(Failure::BadInput("--requests and --bursts must be at least 1".into()));
     }
@@ -435,7 +438,7 @@ async fn serve(requests: usize, bursts: usize, latency_ms: u64, history: bool, j
             "{}",
             serde_json::json!({
                 "requests": requests, "bursts": bursts, "latency_ms": latency_ms, "ok": overhead.len(), "errors": errors,
-                "history": history, "recorded_finished": finished, "runs": runs, "overhead_ms_p50": p50,
+                "history": history, "pinned_threads": pinned, "recorded_finished": finished, "runs": runs, "overhead_ms_p50": p50,
                 "overhead_ms_p99": p99, "overhead_ms_max": max, "head_ms_p50": head_p50, "head_ms_p99": head_p99,
                 "total_s": total_s, "in_process": { "overhead_ms_p50": alone_p50, "overhead_ms_p99": alone_p99 },
                 "new_connections": {
@@ -446,7 +449,8 @@ async fn serve(requests: usize, bursts: usize, latency_ms: u64, history: bool, j
     } else {
         println!(
             "{requests} streamed requests at once over loopback, on new connections, then {bursts} times on them; \
-             fake worker at {latency_ms} ms"
+             fake worker at {latency_ms} ms{}",
+            if pinned { "; worker threads pinned one per core" } else { "" }
         );
         let answered = cold.len() + overhead.len();
         if history {

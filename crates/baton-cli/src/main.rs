@@ -14,6 +14,7 @@ mod models_cmd;
 mod plan_cmd;
 mod pool_cmd;
 mod progress;
+mod runtime;
 mod serve_cmd;
 
 use std::path::PathBuf;
@@ -147,8 +148,19 @@ fn run() -> ExitCode {
     }
     // Without a log the command still works; it says why there is none.
     let _log = baton_engine::logs::init("baton").map_err(|e| eprintln!("warning: no log file: {e}")).ok();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(rt) => rt,
+    let pin = match &cli.command {
+        Command::Serve(args) => args.pin_threads,
+        Command::Bench(bench::Command::Serve { pin_threads, .. }) => *pin_threads,
+        _ => false,
+    };
+    let runtime = match runtime::build(pin) {
+        Ok((rt, pinned)) => {
+            if !pinned.is_empty() {
+                let cores: Vec<String> = pinned.iter().map(usize::to_string).collect();
+                eprintln!("the server's worker threads are pinned to cores {}", cores.join(", "));
+            }
+            rt
+        }
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
             return ExitCode::from(1);

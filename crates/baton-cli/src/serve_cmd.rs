@@ -49,6 +49,11 @@ pub struct Args {
     /// Do not record runs in the history.
     #[arg(long)]
     no_history: bool,
+    /// Pin the server's worker threads one per core (Linux). Lowers the latency of bursts of
+    /// requests on machines whose scheduler keeps threads on one busy core while another is idle
+    /// (small cloud VMs); on a desktop shared with other busy programs, leave it off.
+    #[arg(long)]
+    pub(crate) pin_threads: bool,
 }
 
 #[derive(Debug, clap::Subcommand)]
