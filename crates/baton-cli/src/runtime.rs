@@ -2,11 +2,11 @@
 //! (`--pin-threads` on `baton serve` and `baton bench serve`).
 //!
 //! Why pin: some kernels keep a woken thread on the core of the thread that woke it while
-//! another core sits idle. Small cloud VMs do so on purpose (their guest scheduler packs threads
-//! onto few vCPUs to spare the host), and there, under a burst of requests, the server's workers
-//! take turns on one core for milliseconds at a time. Pinned, each worker has a core of its own.
-//! It is off by default: a pinned worker cannot leave its core when another busy program holds
-//! it, which on a desktop costs more than it saves.
+//! another core sits idle. Some VMs' kernels do so on purpose (they pack threads onto few vCPUs
+//! to spare the host), and there, under a burst of requests, the server's workers take turns on
+//! one core for milliseconds at a time. Pinned, each worker has a core of its own. It is off by
+//! default: a pinned worker cannot leave its core when another busy program holds it, which on
+//! a desktop shared with busy programs may cost more than it saves.
 //!
 //! Only the workers are pinned, each to a core no other worker holds; every other thread of
 //! the runtime (for blocking calls) gets back every core the process may use, though the worker
