@@ -235,7 +235,9 @@ async fn a_five_item_evaluation_runs_with_the_real_model_as_conductor_and_worker
 }
 
 /// `baton serve` with the real model as conductor, asked through the official `openai` package
-/// as a client would: the plan is written and ends, its steps run, and the answer streams.
+/// as a client would: the plan is written and ends, its steps run, and the answer streams. The
+/// server pins its workers (`--pin-threads`), and the model's own threads must not inherit a
+/// worker's core.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_served_real_conductor_plans_and_streams_an_answer_to_the_openai_package() {
     use tokio::io::AsyncBufReadExt;
@@ -259,7 +261,7 @@ async fn a_served_real_conductor_plans_and_streams_an_answer_to_the_openai_packa
     std::fs::write(&pool, text).expect("pool");
     let db = dir.path().join("history.sqlite");
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["serve", "--port", "0", "--token-env", "BATON_SERVE_TEST_TOKEN", "--pool"])
+        .args(["serve", "--port", "0", "--pin-threads", "--token-env", "BATON_SERVE_TEST_TOKEN", "--pool"])
         .arg(&pool)
         .arg("--db")
         .arg(&db)
@@ -315,7 +317,47 @@ print(json.dumps({"content": content, "reasoning": reasoning, "baton": last}))
     let steps = got["baton"]["steps"].as_array().unwrap();
     assert!(steps.iter().all(|s| s["status"] == "finished"), "{got}");
     let pid = child.id().expect("running").to_string();
+    #[cfg(target_os = "linux")]
+    only_workers_are_pinned(&pid);
     std::process::Command::new("kill").args(["-INT", &pid]).status().expect("kill");
     let status = tokio::time::timeout(Duration::from_secs(20), child.wait()).await.expect("stops").unwrap();
     assert!(status.success(), "{status:?}");
+}
+
+/// After a served run with the real model: the threads confined to one core are the runtime's
+/// workers, each on its own, and every other thread (the model's, the database's) may use every
+/// core the server was started with. On a one-core machine nothing is pinned.
+#[cfg(target_os = "linux")]
+fn only_workers_are_pinned(pid: &str) {
+    let cores = |status: &str| {
+        status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).map(|v| v.trim().to_owned()).unwrap()
+    };
+    let all = cores(&std::fs::read_to_string("/proc/self/status").expect("own status"));
+    let mut pinned = Vec::new();
+    let mut others = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).expect("the server's threads") {
+        let task = task.expect("thread").path();
+        let (Ok(name), Ok(status)) =
+            (std::fs::read_to_string(task.join("comm")), std::fs::read_to_string(task.join("status")))
+        else {
+            continue; // ended meanwhile
+        };
+        let list = cores(&status);
+        if list.parse::<usize>().is_ok() && list != all {
+            pinned.push((name.trim().to_owned(), list));
+        } else {
+            others.push((name.trim().to_owned(), list));
+        }
+    }
+    let one_core = all.parse::<usize>().is_ok();
+    assert!(one_core || !pinned.is_empty(), "no worker is pinned: {others:?}");
+    assert!(
+        pinned.iter().all(|(name, _)| name == "tokio-rt-worker"),
+        "a thread that is no worker is pinned: {pinned:?}"
+    );
+    let mut distinct: Vec<&String> = pinned.iter().map(|(_, c)| c).collect();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), pinned.len(), "two workers share a core: {pinned:?}");
+    assert!(others.iter().all(|(_, list)| *list == all), "a thread lost cores: {others:?} (all: {all})");
 }
