@@ -19,7 +19,6 @@ use std::cell::Cell;
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::ThreadId;
 
 /// The runtime; with `pin`, its workers are one per core the process may use, each pinned to
 /// its own. Returns the cores they are pinned to (none when not pinned: not asked, one core,
@@ -63,10 +62,10 @@ pub fn build(pin: bool) -> std::io::Result<(tokio::runtime::Runtime, Vec<usize>)
     Ok((builder.build()?, cpus[..workers].to_vec()))
 }
 
-/// The cores workers are pinned to, and which thread holds each.
+/// The cores workers are pinned to, and whether a thread holds each.
 #[derive(Debug)]
 struct Cores {
-    held: Mutex<Vec<(usize, Option<ThreadId>)>>,
+    held: Mutex<Vec<(usize, bool)>>,
     /// How many are free: a worker without a core looks at the list only when one is, since it
     /// asks each time it wakes.
     free: AtomicUsize,
@@ -79,7 +78,7 @@ thread_local! {
 
 impl Cores {
     fn new(cpus: &[usize]) -> Cores {
-        Cores { held: Mutex::new(cpus.iter().map(|&c| (c, None)).collect()), free: AtomicUsize::new(cpus.len()) }
+        Cores { held: Mutex::new(cpus.iter().map(|&c| (c, false)).collect()), free: AtomicUsize::new(cpus.len()) }
     }
 
     fn claim(&self) {
@@ -87,10 +86,10 @@ impl Cores {
             return;
         }
         let mut held = self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let Some(slot) = held.iter_mut().find(|(_, holder)| holder.is_none()) else { return };
+        let Some(slot) = held.iter_mut().find(|(_, taken)| !taken) else { return };
         match affinity::set(&affinity::only(slot.0)) {
             Ok(()) => {
-                slot.1 = Some(std::thread::current().id());
+                slot.1 = true;
                 HOLDS.set(Some(slot.0));
                 self.free.fetch_sub(1, Ordering::AcqRel);
             }
@@ -102,7 +101,7 @@ impl Cores {
         let Some(cpu) = HOLDS.take() else { return };
         let mut held = self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(slot) = held.iter_mut().find(|(c, _)| *c == cpu) {
-            slot.1 = None;
+            slot.1 = false;
             self.free.fetch_add(1, Ordering::AcqRel);
         }
     }

@@ -51,7 +51,7 @@ pub struct Args {
     no_history: bool,
     /// Pin the server's worker threads one per core (Linux). Lowers the latency of bursts of
     /// requests on machines whose scheduler keeps threads on one busy core while another is idle
-    /// (small cloud VMs); on a desktop shared with other busy programs, leave it off.
+    /// (some VMs); on a desktop shared with other busy programs, leave it off.
     #[arg(long)]
     pub(crate) pin_threads: bool,
 }
