@@ -1,17 +1,13 @@
 //! Runs: a question (or a reviewed plan) goes to the engine, and every `RunEvent` comes back on
 //! the run's own IPC channel in order, after the history has recorded it.
 
-use std::collections::BTreeMap;
-
-use baton_conductor::setup::{self, ConductorChoice, LoadNotice};
-use baton_engine::rerun::{self, Source};
 use baton_engine::{Executor, Pool, RunEvent, RunRequest, RunStatus, new_run_id};
 use baton_plan::{Limits, Plan};
+use baton_runner::{Conductor, ConductorChoice, LoadNotice, Setup};
 use baton_store::Recorder;
 use serde::{Deserialize, Serialize};
 use tauri::ipc::Channel;
 use tauri::{AppHandle, Emitter, Runtime, State};
-use tokio::sync::mpsc;
 
 use crate::error::{AppError, AppResult, ErrorKind};
 use crate::state::{AppState, Registration};
@@ -119,39 +115,20 @@ pub(crate) async fn executor<R: Runtime>(
     planner: bool,
 ) -> AppResult<Executor> {
     let notify = notifier(app);
-    let mut pool = pool.clone();
-    state.store().await?.choose_fallback_worker(&mut pool).await;
-    let pool = &pool;
-    let mut executor = Executor::from_pool(pool);
-    let models = &state.models;
-    if planner {
-        let planner = setup::planner(pool, &ConductorChoice::default(), models, &notify).await?;
-        executor = executor.with_planner(planner);
-    }
-    let force_cpu = pool.options.conductor.device.as_deref() == Some("cpu");
-    setup::attach_local_workers(&mut executor, pool, models, force_cpu, &notify).await?;
-    Ok(executor)
+    let conductor = if planner { Conductor::Required } else { Conductor::None };
+    let choice = ConductorChoice::default();
+    let store = state.store().await?;
+    let setup = Setup { models: &state.models, choice: &choice, conductor, store: Some(store), notify: &notify };
+    Ok(baton_runner::build(pool.clone(), setup).await?.executor)
 }
 
 /// Loads the configured local conductor now, so the first question does not wait for it.
 #[tauri::command]
 pub async fn load_conductor<R: Runtime>(app: AppHandle<R>, state: State<'_, AppState>) -> AppResult<String> {
     let pool = state.pool()?;
-    let planner = setup::planner(&pool, &ConductorChoice::default(), &state.models, &notifier(&app)).await?;
+    let planner =
+        baton_conductor::setup::planner(&pool, &ConductorChoice::default(), &state.models, &notifier(&app)).await?;
     Ok(planner.describe())
-}
-
-/// The turns a follow-up in `conversation` is asked with (none for a new chat); a conversation
-/// the history does not have is refused before anything runs.
-async fn conversation_so_far(
-    store: &baton_store::Store,
-    conversation: Option<i64>,
-) -> AppResult<Vec<baton_providers::Message>> {
-    let Some(id) = conversation else { return Ok(Vec::new()) };
-    if store.conversation_title(id).await?.is_none() {
-        return Err(AppError::not_found(format!("there is no conversation {id} in the history")));
-    }
-    Ok(store.messages(id).await?)
 }
 
 /// Runs a question (or `request.plan`) and streams its events on `on_event`. Returns when the
@@ -178,7 +155,7 @@ pub async fn ask<R: Runtime>(
     }
     // The history opens first, so a damaged database costs no provider calls.
     let store = state.store().await?;
-    let history = conversation_so_far(store, request.conversation_id).await?;
+    let history = baton_runner::conversation_so_far(store, request.conversation_id).await?;
     let executor = executor(&app, &state, &pool, request.plan.is_none()).await?;
     let run = RunRequest { run_id: new_run_id(), question, history, plan: request.plan, ..RunRequest::default() };
     run_recorded(&app, &registration, &executor, store.recorder(request.conversation_id), run, on_event).await
@@ -196,45 +173,12 @@ pub async fn rerun_step<R: Runtime>(
 ) -> AppResult<AskResult> {
     let registration = state.register(&stop_id)?;
     let store = state.store().await?;
-    let tree = store
-        .run(request.run_id)
-        .await?
-        .ok_or_else(|| AppError::not_found(format!("there is no run {} in the history", request.run_id)))?;
-    if tree.run.status == baton_store::RunStatus::Running {
-        return Err(AppError::bad_input("this run is still going; re-run a step once it has ended"));
-    }
-    let Some(top) = tree.plans.iter().find(|p| p.parent.is_none()) else {
-        return Err(AppError::bad_input(
-            "this run has no plan to re-run (the conductor wrote none); ask the question again instead",
-        ));
-    };
-    let outputs: BTreeMap<usize, String> = tree
-        .steps
-        .iter()
-        .filter(|s| s.round == top.round && s.status == "finished")
-        .filter_map(|s| Some((s.step as usize, s.output.clone()?)))
-        .collect();
-    let pool = state.pool()?;
-    let source = Source { run_id: &tree.run.uid, plan: &top.plan, workers: &tree.run.workers, outputs: &outputs };
-    let rerun = rerun::prepare(source, &pool, request.step as usize, &request.worker).map_err(|e| match e {
-        rerun::RerunError::NoSuchWorker(_) => AppError::not_found(e.to_string()),
-        e => AppError::bad_input(e.to_string()),
-    })?;
-    // Steps given to the conductor itself that run again need it, to write their rounds anew.
-    let conductor_steps = rerun.reuse.runs_worker(&rerun.plan, rerun.pool.workers.len());
-    let conversation = tree.run.conversation_id;
-    // The conductor sees the conversation as it was when the question was first asked.
-    let history = store.messages_before_run(conversation, tree.run.id).await?;
-    let executor = executor(&app, &state, &rerun.pool, conductor_steps).await?;
-    let run = RunRequest {
-        run_id: new_run_id(),
-        question: tree.run.question.clone(),
-        history,
-        plan: Some(rerun.plan),
-        reuse: Some(rerun.reuse),
-        ..RunRequest::default()
-    };
-    run_recorded(&app, &registration, &executor, store.recorder(Some(conversation)), run, on_event).await
+    let rerun =
+        baton_runner::rerun::prepare(store, &state.pool()?, request.run_id, request.step as usize, &request.worker)
+            .await?;
+    let executor = executor(&app, &state, &rerun.pool, rerun.needs_conductor).await?;
+    run_recorded(&app, &registration, &executor, store.recorder(Some(rerun.conversation)), rerun.request, on_event)
+        .await
 }
 
 /// Compare in chat: the same question asked of the conductor and of one worker alone.
@@ -287,7 +231,7 @@ pub async fn ask_compared<R: Runtime>(
     let pool = subset(full.clone(), request.workers.as_deref())?;
     let single_pool = subset(full, Some(&[alone as u32]))?;
     let store = state.store().await?;
-    let history = conversation_so_far(store, request.conversation_id).await?;
+    let history = baton_runner::conversation_so_far(store, request.conversation_id).await?;
     let conductor = executor(&app, &state, &pool, true).await?;
     let single = executor(&app, &state, &single_pool, false).await?;
     // Both runs join one conversation, so a new chat's is made before either starts.
@@ -372,44 +316,25 @@ async fn run_recorded<R: Runtime>(
     if registration.token.is_cancelled() {
         return Err(AppError::new(ErrorKind::Cancelled, "the run was stopped before it started"));
     }
-    let run_id = run.run_id.clone();
-    let cancel = registration.token.clone();
-    let (tx, mut rx) = mpsc::unbounded_channel::<RunEvent>();
-    // Where it was asked: reported even if the history could not record the run.
-    let conversation_id = recorder.conversation_id();
-    let mut recorder = Some(recorder);
-    let mut timing = TimingLog::for_run(&run_id);
-    let warn = app.clone();
-    let consumer = tokio::spawn(async move {
-        while let Some(event) = rx.recv().await {
-            if let Some(t) = &mut timing {
-                t.observe(&event);
-            }
-            // Recorded before it is shown: what the window saw is in the history.
-            if let Some(r) = &mut recorder
-                && let Err(e) = r.record(&event).await
-            {
-                let _ = warn.emit(HISTORY_WARNING_EVENT, format!("this run is not fully recorded in the history: {e}"));
-                recorder = None;
-            }
-            // A closed window only stops the display, never the run or its record.
-            let _ = on_event.send(event);
+    let mut timing = TimingLog::for_run(&run.run_id);
+    let show = |event: RunEvent| {
+        if let Some(t) = &mut timing {
+            t.observe(&event);
         }
-        recorder.map(|r| (r.run_id(), r.conversation_id()))
-    });
-    let outcome = executor.run(run, &tx, &cancel).await;
-    drop(tx);
-    let recorded = consumer.await.ok().flatten();
+        // A closed window only stops the display, never the run or its record.
+        let _ = on_event.send(event);
+    };
+    let warn = |e: baton_store::StoreError| {
+        let _ = app.emit(HISTORY_WARNING_EVENT, format!("this run is not fully recorded in the history: {e}"));
+    };
+    let recorded = baton_runner::run_recorded(executor, run, Some(recorder), show, warn, &registration.token).await;
+    let outcome = recorded.outcome;
     let status = match outcome.status {
         RunStatus::Finished => "finished",
         RunStatus::Failed => "failed",
         RunStatus::Cancelled => "cancelled",
     };
-    Ok(AskResult {
-        run_id: recorded.and_then(|r| r.0),
-        conversation_id: recorded.and_then(|r| r.1).or(conversation_id),
-        status: status.to_owned(),
-    })
+    Ok(AskResult { run_id: recorded.run_id, conversation_id: recorded.conversation_id, status: status.to_owned() })
 }
 
 /// Stops a run (calls in flight are dropped and it ends as cancelled) or a plan being drafted,
@@ -452,32 +377,29 @@ pub async fn draft_plan<R: Runtime>(
     // Stoppable from the start; a model still loading finishes loading (mistral.rs cannot stop
     // a load), and the draft stops right after.
     let registration = state.register(&draft_id)?;
-    let cancelled = || AppError::new(ErrorKind::Cancelled, "the plan was not finished: stopped");
-    let pool = subset(state.pool()?, workers.as_deref())?;
+    let mut pool = subset(state.pool()?, workers.as_deref())?;
+    // A reviewed plan runs without its conductor (see `ask`), so the draft may not hand it steps.
+    pool.options.recursion.enabled = false;
+    let store = state.store().await?;
     let history = match conversation_id {
-        Some(id) => state.store().await?.messages(id).await?,
+        Some(id) => store.messages(id).await?,
         None => Vec::new(),
     };
-    let planner = setup::planner(&pool, &ConductorChoice::default(), &state.models, &notifier(&app)).await?;
-    if registration.token.is_cancelled() {
-        return Err(cancelled());
-    }
-    let mut ctx = baton_engine::PlanningContext::question(question.trim(), pool.workers.len(), pool.options.max_steps);
-    ctx.history = history;
     let deltas = Box::new(move |text: &str| {
         // A closed window only stops the display.
         let _ = on_delta.send(text.to_owned());
     });
-    // A draft is not a run yet: no budget caps it (the run that follows has its own).
-    let ledger = baton_engine::accounting::Ledger::new(baton_engine::Budget::default());
-    let meter = baton_engine::accounting::Meter { ledger: &ledger, stop: &registration.token };
-    // Dropping the planner's future stops generation (local and remote alike).
-    let planned = tokio::select! {
-        biased;
-        () = registration.token.cancelled() => Err(cancelled()),
-        planned = planner.plan(ctx, deltas, meter) => planned.map_err(|e| AppError::new(ErrorKind::Conductor, e.to_string())),
+    let notify = notifier(&app);
+    let choice = ConductorChoice::default();
+    let setup = Setup {
+        models: &state.models,
+        choice: &choice,
+        conductor: Conductor::Required,
+        store: Some(store),
+        notify: &notify,
     };
-    let planned = planned?;
+    let (planned, pool) =
+        baton_runner::draft::draft(pool, setup, &question, history, deltas, &registration.token).await?;
     Ok(Draft { plan: planned.plan, raw: planned.raw, workers: pool.infos(), max_steps: pool.options.max_steps as u32 })
 }
 

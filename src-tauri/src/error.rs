@@ -84,4 +84,18 @@ impl From<baton_conductor::setup::SetupError> for AppError {
     }
 }
 
+impl From<baton_runner::RunnerError> for AppError {
+    fn from(e: baton_runner::RunnerError) -> Self {
+        use baton_runner::RunnerError;
+        match e {
+            RunnerError::Setup(e) => e.into(),
+            RunnerError::Store(e) => e.into(),
+            RunnerError::NotFound(m) => AppError::not_found(m),
+            RunnerError::BadInput(m) => AppError::bad_input(m),
+            RunnerError::Cancelled(m) => AppError::new(ErrorKind::Cancelled, m),
+            RunnerError::Conductor(m) => AppError::new(ErrorKind::Conductor, m),
+        }
+    }
+}
+
 pub type AppResult<T> = Result<T, AppError>;

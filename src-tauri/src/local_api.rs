@@ -11,15 +11,16 @@
 
 use std::sync::Arc;
 
+use baton_engine::pool::edit::{self, ServeEdit};
 use baton_engine::{Pool, ServeSpec};
 use baton_serve::{ServeOptions, Service};
 use serde::{Deserialize, Serialize};
 use tauri::{AppHandle, Runtime, State};
 use tokio_util::sync::CancellationToken;
-use toml_edit::{Array, DocumentMut, Item, Table};
 
 use crate::error::{AppError, AppResult, ErrorKind};
-use crate::state::AppState;
+use crate::settings::edit_error;
+use crate::state::{AppState, Running};
 
 /// The `[serve]` table as the Local API screen edits it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ts_rs::TS)]
@@ -59,28 +60,6 @@ pub struct LocalApiStatus {
     pub stale: bool,
     /// Why the server is not running when it should be (the last start failed).
     pub error: Option<String>,
-}
-
-/// The server the app runs, when it runs.
-struct Running {
-    service: Arc<Service>,
-    shutdown: CancellationToken,
-    task: tokio::task::JoinHandle<std::io::Result<()>>,
-    url: String,
-    /// The pool file's text when the server started.
-    pool_text: String,
-}
-
-/// The Local API's place in [`AppState`]: the server while it runs, and why the last start failed.
-#[derive(Default)]
-pub struct LocalApi {
-    running: tokio::sync::Mutex<(Option<Running>, Option<String>)>,
-}
-
-impl std::fmt::Debug for LocalApi {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LocalApi").finish_non_exhaustive()
-    }
 }
 
 const DEFAULT_PORT: u16 = 8765;
@@ -248,11 +227,11 @@ pub async fn save_local_api<R: Runtime>(
             format!("{}: cannot read the pool file: {e}; add a worker first (Workers & keys)", path.display()),
         )
     })?;
-    let new = apply_form(&text, &form)?;
     let file = path.display().to_string();
+    let new = apply_form(&text, &form, &file)?;
     let after = Pool::parse(&new, &file).map_err(|e| AppError::bad_input(e.to_string()))?.options.serve;
     let before = Pool::parse(&text, &file).map(|p| p.options.serve).ok();
-    crate::settings::write_atomically(path, &new)?;
+    edit::write_atomically(path, &new).map_err(edit_error)?;
     // A restart only when what the server was built from changed (not for switching it on).
     let restart = before.is_some_and(|b| ServeSpec { app: after.app, ..b } != after);
     apply(&app, &state, restart).await?;
@@ -283,50 +262,23 @@ pub async fn local_api_token<R: Runtime>(
     Ok(token)
 }
 
-/// Writes `form` into the `[serve]` table of pool TOML `text`.
-pub fn apply_form(text: &str, form: &LocalApiForm) -> AppResult<String> {
-    let mut doc: DocumentMut =
-        text.parse().map_err(|e: toml_edit::TomlError| AppError::new(ErrorKind::Pool, e.to_string()))?;
-    if !doc.get("serve").is_some_and(Item::is_table) {
-        doc.insert("serve", Item::Table(Table::new()));
-    }
-    let t = doc["serve"].as_table_mut().expect("inserted above");
-    let host = form.host.trim();
-    let host = (!host.is_empty() && host != "127.0.0.1").then(|| host.to_owned());
-    if host.as_deref() != t.get("host").and_then(Item::as_str) {
-        return Err(AppError::bad_input(
-            "the Local API's address (host) can only be changed in the pool file itself: anything but loopback opens the server to the network",
-        ));
-    }
-    let origins: Vec<String> = form
-        .allow_origins
-        .iter()
-        .map(|o| o.trim().trim_end_matches('/').to_owned())
-        .filter(|o| !o.is_empty())
-        .collect();
-    for origin in &origins {
-        let after_scheme = origin.strip_prefix("http://").or_else(|| origin.strip_prefix("https://"));
-        if after_scheme.is_none_or(|rest| rest.is_empty() || rest.contains('/')) {
-            return Err(AppError::bad_input(format!(
-                "{origin:?} is not a web origin: write it as the browser shows it, e.g. http://localhost:3000 (scheme, host and port, no path)"
-            )));
+/// Writes `form` into the `[serve]` table of pool TOML `text` and checks the result; `file`
+/// names the file in errors.
+pub fn apply_form(text: &str, form: &LocalApiForm, file: &str) -> AppResult<String> {
+    edit::apply_serve(text, &ServeEdit::from(form), file).map_err(edit_error)
+}
+
+impl From<&LocalApiForm> for ServeEdit {
+    fn from(form: &LocalApiForm) -> Self {
+        ServeEdit {
+            enabled: form.enabled,
+            host: form.host.clone(),
+            port: form.port,
+            max_concurrent_runs: form.max_concurrent_runs,
+            daily_max_cost_usd: form.daily_max_cost_usd,
+            allow_origins: form.allow_origins.clone(),
         }
     }
-    t["app"] = toml_edit::value(form.enabled);
-    t["port"] = toml_edit::value(i64::from(form.port));
-    t["max_concurrent_runs"] = toml_edit::value(i64::from(form.max_concurrent_runs));
-    match form.daily_max_cost_usd {
-        Some(usd) => t["daily_max_cost_usd"] = toml_edit::value(usd),
-        None => {
-            t.remove("daily_max_cost_usd");
-        }
-    }
-    if origins.is_empty() {
-        t.remove("allow_origins");
-    } else {
-        t["allow_origins"] = toml_edit::value(origins.into_iter().collect::<Array>());
-    }
-    Ok(doc.to_string())
 }
 
 #[cfg(test)]
@@ -346,26 +298,14 @@ mod tests {
         f.enabled = true;
         f.daily_max_cost_usd = Some(2.5);
         f.allow_origins = vec!["http://localhost:3000/".into()];
-        let text = apply_form(POOL, &f).unwrap();
+        let text = apply_form(POOL, &f, "pool.toml").unwrap();
         assert!(text.contains("# mine") && text.contains("token_env = \"T\""), "{text}");
         let spec = Pool::parse(&text, "pool.toml").unwrap().options.serve;
         assert!(spec.app);
         assert_eq!((spec.port, spec.daily_max_cost_usd), (Some(9000), Some(2.5)));
         assert_eq!(spec.allow_origins, ["http://localhost:3000"]);
         f.daily_max_cost_usd = None;
-        let text = apply_form(&text, &f).unwrap();
+        let text = apply_form(&text, &f, "pool.toml").unwrap();
         assert_eq!(Pool::parse(&text, "pool.toml").unwrap().options.serve.daily_max_cost_usd, None);
-    }
-
-    #[test]
-    fn the_form_cannot_open_the_server_to_the_network_or_name_a_page_as_an_origin() {
-        let mut f = form();
-        f.host = "0.0.0.0".into();
-        assert!(apply_form(POOL, &f).unwrap_err().message.contains("pool file itself"));
-        let mut f = form();
-        f.allow_origins = vec!["localhost:3000".into()];
-        assert!(apply_form(POOL, &f).unwrap_err().message.contains("not a web origin"));
-        f.allow_origins = vec!["https://chat.example.com/page".into()];
-        assert!(apply_form(POOL, &f).unwrap_err().message.contains("no path"));
     }
 }

@@ -52,7 +52,7 @@ pub struct AppState {
     /// path. Tests that run without a window answer it themselves ([`AppState::with_save_dialog`]).
     pub save_dialog: Option<SaveDialog>,
     /// The Local API server, while it runs.
-    pub local_api: crate::local_api::LocalApi,
+    pub local_api: LocalApi,
 }
 
 impl std::fmt::Debug for AppState {
@@ -114,5 +114,27 @@ pub struct Registration<'a> {
 impl Drop for Registration<'_> {
     fn drop(&mut self) {
         self.runs.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
+    }
+}
+
+/// The server the app runs, when it runs.
+pub(crate) struct Running {
+    pub(crate) service: std::sync::Arc<baton_serve::Service>,
+    pub(crate) shutdown: CancellationToken,
+    pub(crate) task: tokio::task::JoinHandle<std::io::Result<()>>,
+    pub(crate) url: String,
+    /// The pool file's text when the server started.
+    pub(crate) pool_text: String,
+}
+
+/// The Local API's place in [`AppState`]: the server while it runs, and why the last start failed.
+#[derive(Default)]
+pub struct LocalApi {
+    pub(crate) running: tokio::sync::Mutex<(Option<Running>, Option<String>)>,
+}
+
+impl std::fmt::Debug for LocalApi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalApi").finish_non_exhaustive()
     }
 }

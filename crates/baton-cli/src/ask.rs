@@ -4,11 +4,12 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use baton_engine::{Executor, RunRequest, RunStatus, new_run_id};
+use baton_engine::{RunEvent, RunRequest, RunStatus, new_run_id};
 use baton_plan::Limits;
-use tokio::sync::mpsc;
+use baton_runner::{Conductor, LocalModels};
 use tokio_util::sync::CancellationToken;
 
+use crate::conductor_setup::Build;
 use crate::progress::Progress;
 use crate::{Failure, Outcome, PoolArg};
 
@@ -39,7 +40,7 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> Outcome {
-    let mut pool = args.pool.load()?;
+    let pool = args.pool.load()?;
     if args.question == "-" && args.plan.as_ref().is_some_and(|p| p.as_os_str() == "-") {
         return Err(Failure::BadInput("the question and the plan cannot both come from stdin".into()));
     }
@@ -67,68 +68,46 @@ pub async fn run(args: Args) -> Outcome {
     }
     // The history opens before anything runs, so a database problem costs no provider calls.
     let store = if args.no_history { None } else { Some(args.db.open().await?) };
-    let history = match (&store, args.conversation) {
-        (Some(store), Some(id)) => {
-            if store.conversation_title(id).await.map_err(|e| Failure::Failed(e.to_string()))?.is_none() {
-                return Err(Failure::BadInput(format!("there is no conversation {id} in the history")));
-            }
-            store.messages(id).await.map_err(|e| Failure::Failed(e.to_string()))?
-        }
-        _ => Vec::new(),
+    let history = match &store {
+        Some(store) => baton_runner::conversation_so_far(store, args.conversation).await.map_err(|e| match e {
+            baton_runner::RunnerError::NotFound(m) => Failure::BadInput(m),
+            e => Failure::Failed(e.to_string()),
+        })?,
+        None => Vec::new(),
     };
-    let mut recorder = store.as_ref().map(|s| s.recorder(args.conversation));
-    if let Some(store) = &store {
-        store.choose_fallback_worker(&mut pool).await;
-    }
-
-    let mut executor = Executor::from_pool(&pool);
-    let models = crate::conductor_setup::LocalModels::default();
-    if plan.is_none() {
-        let planner = crate::conductor_setup::planner(&pool, &args.conductor, &models, args.json).await?;
-        executor = executor.with_planner(planner);
-    }
-    let force_cpu = args.conductor.cpu || pool.options.conductor.device.as_deref() == Some("cpu");
-    crate::conductor_setup::attach_local_workers(&mut executor, &pool, &models, force_cpu, args.json).await?;
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let conductor = if plan.is_none() { Conductor::Required } else { Conductor::None };
+    let build = Build { args: &args.conductor, conductor, store: store.as_ref(), quiet: args.json };
+    let models = LocalModels::default();
+    let built = build.executor(pool, &models).await?;
     let cancel = CancellationToken::new();
     let ctrl_c = crate::cancel_on_ctrl_c(&cancel);
 
     let json = args.json;
-    let names: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
-    let consumer = tokio::spawn(async move {
-        let mut progress = Progress::new(names);
-        let stdout = std::io::stdout();
-        while let Some(event) = rx.recv().await {
-            // A history that fails mid-run must not cost the answer: warn once, go on.
-            if let Some(r) = &mut recorder
-                && let Err(e) = r.record(&event).await
-            {
-                eprintln!("warning: this run is not fully recorded in the history: {e}");
-                recorder = None;
-            }
-            if json {
-                let mut out = stdout.lock();
-                // A closed stdout (e.g. `| head`) must not abort the run.
-                let _ = serde_json::to_writer(&mut out, &event).map(|()| writeln!(out));
-                let _ = out.flush();
-            } else {
-                progress.show(&event);
-            }
+    let names: Vec<String> = built.pool.workers.iter().map(|w| w.name.clone()).collect();
+    let mut progress = Progress::new(names);
+    let stdout = std::io::stdout();
+    let show = move |event: RunEvent| {
+        if json {
+            let mut out = stdout.lock();
+            // A closed stdout (e.g. `| head`) must not abort the run.
+            let _ = serde_json::to_writer(&mut out, &event).map(|()| writeln!(out));
+            let _ = out.flush();
+        } else {
+            progress.show(&event);
         }
-        recorder.and_then(|r| Some((r.run_id()?, r.conversation_id()?)))
-    });
-
+    };
+    let warn = |e: baton_store::StoreError| eprintln!("warning: this run is not fully recorded in the history: {e}");
+    let recorder = store.as_ref().map(|s| s.recorder(args.conversation));
     let request = RunRequest { run_id: new_run_id(), question, plan, history, ..RunRequest::default() };
-    let outcome = executor.run(request, &tx, &cancel).await;
-    drop(tx);
-    let recorded = consumer.await.ok().flatten();
+    let recorded = baton_runner::run_recorded(&built.executor, request, recorder, show, warn, &cancel).await;
     ctrl_c.abort();
     if let Some(store) = &store {
         store.close().await;
     }
-    if let (Some((run, conversation)), false) = (recorded, json) {
+    if let (Some(run), Some(conversation), false) = (recorded.run_id, recorded.conversation_id, json) {
         eprintln!("recorded as run {run} in conversation {conversation} (baton history show {run})");
     }
+    let outcome = recorded.outcome;
 
     match outcome.status {
         RunStatus::Finished => {

@@ -2,15 +2,14 @@
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::Arc;
 
-use baton_conductor::setup::{ConductorChoice, LoadNotice, SetupError};
-use baton_engine::{Planner, Pool};
+use baton_engine::Pool;
 use baton_providers::ServerGrammar;
+use baton_runner::{Built, Conductor, ConductorChoice, LoadNotice, LocalModels, Setup, SetupError};
 
 use crate::Failure;
 
-#[derive(Debug, Clone, clap::Args)]
+#[derive(Debug, Clone, Default, clap::Args)]
 pub struct ConductorArgs {
     /// The conductor: a .gguf file or a safetensors model directory, or the URL of an
     /// OpenAI-compatible server (default: the pool's [conductor] table).
@@ -47,8 +46,6 @@ fn parse_server_grammar(s: &str) -> Result<GrammarArg, String> {
     }
 }
 
-pub use baton_conductor::setup::LocalModels;
-
 impl ConductorArgs {
     fn choice(&self) -> ConductorChoice {
         ConductorChoice {
@@ -79,44 +76,45 @@ fn progress(quiet: bool) -> impl Fn(LoadNotice<'_>) + Send + Sync {
     }
 }
 
+/// What a command builds its executor from: the pool, these arguments, and the history (which
+/// picks the fallback worker). `quiet` keeps load progress off stderr (JSON output).
+#[derive(Debug)]
+pub struct Build<'a> {
+    pub args: &'a ConductorArgs,
+    pub conductor: Conductor,
+    pub store: Option<&'a baton_store::Store>,
+    pub quiet: bool,
+}
+
+impl Build<'_> {
+    /// The executor for `pool` through the runner, loading local models into `models`.
+    pub async fn executor(&self, pool: Pool, models: &LocalModels) -> Result<Built, Failure> {
+        let choice = self.args.choice();
+        let notify = progress(self.quiet);
+        let setup = Setup { models, choice: &choice, conductor: self.conductor, store: self.store, notify: &notify };
+        baton_runner::build(pool, setup).await.map_err(failure)
+    }
+
+    /// A plan for `question`, through the executor's own planning round; nothing runs.
+    pub async fn draft(
+        &self,
+        pool: Pool,
+        models: &LocalModels,
+        question: &str,
+        deltas: baton_engine::PlanDeltas<'_>,
+    ) -> Result<baton_engine::Planned, Failure> {
+        let choice = self.args.choice();
+        let notify = progress(self.quiet);
+        let setup = Setup { models, choice: &choice, conductor: self.conductor, store: self.store, notify: &notify };
+        let stop = tokio_util::sync::CancellationToken::new();
+        match baton_runner::draft::draft(pool, setup, question, Vec::new(), deltas, &stop).await {
+            Ok((planned, _)) => Ok(planned),
+            Err(baton_runner::RunnerError::Setup(e)) => Err(failure(e)),
+            Err(e) => Err(Failure::Failed(e.to_string())),
+        }
+    }
+}
+
 fn failure(e: SetupError) -> Failure {
     Failure::BadInput(e.to_string())
-}
-
-/// Runs the pool's `local` workers in process.
-pub async fn attach_local_workers(
-    executor: &mut baton_engine::Executor,
-    pool: &Pool,
-    models: &LocalModels,
-    force_cpu: bool,
-    quiet: bool,
-) -> Result<(), Failure> {
-    baton_conductor::setup::attach_local_workers(executor, pool, models, force_cpu, &progress(quiet))
-        .await
-        .map_err(failure)
-}
-
-/// Builds the planner the arguments and the pool describe. `quiet` suppresses load progress.
-pub async fn planner(
-    pool: &Pool,
-    args: &ConductorArgs,
-    models: &LocalModels,
-    quiet: bool,
-) -> Result<Arc<dyn Planner>, Failure> {
-    baton_conductor::setup::planner(pool, &args.choice(), models, &progress(quiet)).await.map_err(failure)
-}
-
-/// Like [`planner`], but a pool with no conductor (and none given) is `None`, not an error:
-/// `baton serve` then serves the workers alone.
-pub async fn optional_planner(
-    pool: &Pool,
-    args: &ConductorArgs,
-    models: &LocalModels,
-    quiet: bool,
-) -> Result<Option<Arc<dyn Planner>>, Failure> {
-    match baton_conductor::setup::planner(pool, &args.choice(), models, &progress(quiet)).await {
-        Ok(planner) => Ok(Some(planner)),
-        Err(SetupError::NotConfigured) => Ok(None),
-        Err(e) => Err(failure(e)),
-    }
 }

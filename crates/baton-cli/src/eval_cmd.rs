@@ -6,12 +6,13 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use baton_engine::Executor;
 use baton_eval::report::{self, Report};
 use baton_eval::{Ended, Harness, Progress, Spec, Strategy};
+use baton_runner::{Conductor, LocalModels};
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio_util::sync::CancellationToken;
 
+use crate::conductor_setup::Build;
 use crate::{Failure, Outcome, PoolArg};
 
 #[derive(Debug, clap::Args)]
@@ -209,7 +210,7 @@ pub async fn run(args: Args) -> Outcome {
     }
 }
 
-/// One prompt's group of samples, as `export-grpo` writes it (see the README's schema).
+/// One prompt's group of samples, as `export-grpo` writes it (see the schema in docs/evaluation.md).
 #[derive(serde::Serialize)]
 struct GrpoGroup {
     /// The conductor's exact messages (conversational form: GRPOTrainer's `prompt` column).
@@ -429,7 +430,7 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
     }
     let source = args.suite.clone().unwrap_or_default();
     let suite = baton_eval::suite::load(&source).map_err(|e| Failure::BadInput(e.to_string()))?;
-    let mut pool = args.pool.load()?;
+    let pool = args.pool.load()?;
     let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
     let strategies = Strategy::parse_list(&args.strategies, &workers).map_err(Failure::BadInput)?;
     if args.repeats == 0 || args.concurrency == 0 {
@@ -447,17 +448,11 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
     });
     // The history opens before anything runs, so a database problem costs no calls.
     let store = db.open().await?;
-    store.choose_fallback_worker(&mut pool).await;
-
-    let mut executor = Executor::from_pool(&pool);
-    let models = crate::conductor_setup::LocalModels::default();
+    let models = LocalModels::default();
     let wants_conductor = strategies.contains(&Strategy::Conductor);
-    if wants_conductor {
-        let planner = crate::conductor_setup::planner(&pool, &args.conductor, &models, args.json).await?;
-        executor = executor.with_planner(planner);
-    }
-    let force_cpu = args.conductor.cpu || pool.options.conductor.device.as_deref() == Some("cpu");
-    crate::conductor_setup::attach_local_workers(&mut executor, &pool, &models, force_cpu, args.json).await?;
+    let conductor = if wants_conductor { Conductor::Required } else { Conductor::None };
+    let build = Build { args: &args.conductor, conductor, store: Some(&store), quiet: args.json };
+    let executor = build.executor(pool, &models).await?.executor;
     let harness = Harness::new(Arc::new(executor), workers, store.clone(), wants_conductor);
 
     let spec = Spec {

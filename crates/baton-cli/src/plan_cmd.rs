@@ -57,31 +57,23 @@ async fn write(
     json: bool,
 ) -> Outcome {
     let pool = pool.load()?;
-    let models = crate::conductor_setup::LocalModels::default();
-    let planner = crate::conductor_setup::planner(&pool, conductor, &models, json).await?;
-    let context = baton_engine::PlanningContext {
-        allow_self: pool.options.recursion.enabled,
-        ..baton_engine::PlanningContext::question(question, pool.workers.len(), pool.options.max_steps)
-    };
+    let models = baton_runner::LocalModels::default();
     let stream_text = !json;
-    // Planning alone is not a run: no budget applies.
-    let ledger = baton_engine::accounting::Ledger::new(baton_engine::Budget::default());
-    let stop = tokio_util::sync::CancellationToken::new();
-    let planned = planner
-        .plan(
-            context,
-            Box::new(move |t: &str| {
-                if stream_text {
-                    use std::io::Write;
-                    let mut out = std::io::stdout().lock();
-                    let _ = out.write_all(t.as_bytes());
-                    let _ = out.flush();
-                }
-            }),
-            baton_engine::accounting::Meter { ledger: &ledger, stop: &stop },
-        )
-        .await
-        .map_err(|e| Failure::Failed(e.to_string()))?;
+    let deltas = Box::new(move |t: &str| {
+        if stream_text {
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(t.as_bytes());
+            let _ = out.flush();
+        }
+    });
+    let build = crate::conductor_setup::Build {
+        args: conductor,
+        conductor: baton_runner::Conductor::Required,
+        store: None,
+        quiet: json,
+    };
+    let planned = build.draft(pool, &models, question, deltas).await?;
     if json {
         println!("{}", planned.plan.to_json());
     } else {

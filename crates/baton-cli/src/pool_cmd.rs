@@ -2,9 +2,10 @@
 
 use std::time::{Duration, Instant};
 
+use baton_engine::Pool;
 use baton_engine::calls::check_worker;
 use baton_engine::prices::Pricing;
-use baton_engine::{Executor, Pool};
+use baton_runner::{Conductor, LocalModels};
 
 use crate::{Failure, Outcome, PoolArg};
 
@@ -74,7 +75,11 @@ async fn check(pool: &Pool, json: bool, timeout: Option<Duration>) -> Outcome {
     for w in pool.workers.iter_mut() {
         w.timeout = timeout.unwrap_or(w.timeout);
     }
-    let executor = Executor::from_pool(&pool);
+    // Local workers are loaded and asked too, as the app's *Test connection* does.
+    let args = crate::conductor_setup::ConductorArgs::default();
+    let build = crate::conductor_setup::Build { args: &args, conductor: Conductor::None, store: None, quiet: json };
+    let models = LocalModels::default();
+    let executor = build.executor(pool.clone(), &models).await?.executor;
     let stop = tokio_util::sync::CancellationToken::new();
     let checks = executor.workers().iter().map(|worker| {
         let (retry, stop) = (&pool.options.retry, &stop);

@@ -1,17 +1,16 @@
 //! Human-readable progress on stderr: the plan, then one line per step start, retry, finish or
 //! failure, with elapsed time, so a fan-out is visibly concurrent.
 
-use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
 use std::time::Instant;
 
-use baton_engine::{RunEvent, Totals};
+use baton_engine::{RunEvent, RunProgress, Totals};
 use baton_plan::Access;
 
 pub struct Progress {
     names: Vec<String>,
-    /// Worker index per step of each round, from the plans.
-    step_workers: HashMap<u32, Vec<usize>>,
+    /// The run so far, as the engine folds its events.
+    run: RunProgress,
     started: Instant,
     color: bool,
     /// The conductor's text is being echoed and the line is still open.
@@ -21,7 +20,7 @@ pub struct Progress {
 impl Progress {
     pub fn new(names: Vec<String>) -> Self {
         let color = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
-        Progress { names, step_workers: HashMap::new(), started: Instant::now(), color, streaming_plan: false }
+        Progress { names, run: RunProgress::default(), started: Instant::now(), color, streaming_plan: false }
     }
 
     fn paint(&self, code: &str, text: &str) -> String {
@@ -29,9 +28,9 @@ impl Progress {
     }
 
     fn worker(&self, round: u32, step: usize) -> &str {
-        match self.step_workers.get(&round).and_then(|w| w.get(step)) {
-            Some(&w) if w == self.names.len() => "conductor",
-            Some(&w) => self.names.get(w).map_or("?", String::as_str),
+        match self.run.worker_of(round, step) {
+            Some(w) if w == self.names.len() => "conductor",
+            Some(w) => self.names.get(w).map_or("?", String::as_str),
             None => "?",
         }
     }
@@ -55,6 +54,7 @@ impl Progress {
     }
 
     pub fn show(&mut self, event: &RunEvent) {
+        self.run.see(event);
         if !matches!(event, RunEvent::PlanDelta { .. }) {
             self.end_plan_stream();
         }
@@ -82,7 +82,6 @@ impl Progress {
                 self.line(self.paint("33", &format!("plan rejected: {reason}; {next}")));
             }
             RunEvent::PlanReady { round, plan, fallback, .. } => {
-                self.step_workers.insert(*round, plan.steps.iter().map(|s| s.model_id).collect());
                 if let Some(why) = fallback {
                     self.line(self.paint("33", &format!("fallback: {why}")));
                 }

@@ -3,10 +3,11 @@
 
 use std::sync::Arc;
 
-use baton_engine::Executor;
+use baton_runner::{Built, Conductor, LocalModels};
 use baton_serve::{ServeOptions, Service};
 use tokio_util::sync::CancellationToken;
 
+use crate::conductor_setup::Build;
 use crate::{Failure, Outcome, PoolArg};
 
 #[derive(Debug, clap::Args)]
@@ -86,7 +87,7 @@ pub async fn run(args: Args) -> Outcome {
     if let Some(host) = &args.host {
         baton_serve::guard::check_bind(host, !args.no_token).map_err(Failure::BadInput)?;
     }
-    let mut pool = args.pool.load()?;
+    let pool = args.pool.load()?;
     let spec = pool.options.serve.clone();
     let host = args.host.clone().or(spec.host).unwrap_or_else(|| "127.0.0.1".to_owned());
     let port = args.port.or(spec.port).unwrap_or(8765);
@@ -102,18 +103,10 @@ pub async fn run(args: Args) -> Outcome {
     };
 
     let store = if args.no_history { None } else { Some(args.db.open().await?) };
-    if let Some(store) = &store {
-        store.choose_fallback_worker(&mut pool).await;
-    }
-    let models = crate::conductor_setup::LocalModels::default();
-    let planner = crate::conductor_setup::optional_planner(&pool, &args.conductor, &models, false).await?;
-    let mut executor = Executor::from_pool(&pool);
-    let conductor = planner.is_some();
-    if let Some(planner) = planner {
-        executor = executor.with_planner(planner);
-    }
-    let force_cpu = args.conductor.cpu || pool.options.conductor.device.as_deref() == Some("cpu");
-    crate::conductor_setup::attach_local_workers(&mut executor, &pool, &models, force_cpu, false).await?;
+    let models = LocalModels::default();
+    let build =
+        Build { args: &args.conductor, conductor: Conductor::IfConfigured, store: store.as_ref(), quiet: false };
+    let Built { executor, conductor, .. } = build.executor(pool, &models).await?;
 
     let listener = tokio::net::TcpListener::bind((host.as_str(), port))
         .await

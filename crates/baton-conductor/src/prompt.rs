@@ -14,7 +14,7 @@
 //! conversation and the question. Every question asked of the same pool shares the prompt up to
 //! its examples (v2: the whole system prompt).
 
-use baton_engine::{PlanningContext, WorkerInfo};
+use baton_engine::{PlanningContext, ShownExample, WorkerInfo};
 use baton_providers::{Message, Role};
 
 /// A version of the conductor's prompt; recorded with each plan so a run can be traced to the
@@ -110,43 +110,43 @@ impl PromptBuilder {
     /// The example workflows a prompt for `ctx` shows, as text: none on a second attempt
     /// (the first may have copied one), v2's fixed list, or v3's closest to the question.
     pub fn examples_for(&self, ctx: &PlanningContext) -> String {
+        self.choose_examples(ctx).text
+    }
+
+    /// The examples a prompt for `ctx` shows, with their questions and subtasks (what a plan
+    /// is checked against for copies), taken from the examples themselves as they are chosen.
+    pub fn shown_examples(&self, ctx: &PlanningContext) -> Vec<ShownExample> {
+        self.choose_examples(ctx).examples
+    }
+
+    fn choose_examples(&self, ctx: &PlanningContext) -> Chosen {
         if !self.examples || ctx.attempt > 0 {
-            return String::new();
+            return Chosen::default();
         }
         match self.version {
-            PromptVersion::V2 => V2_EXAMPLES.to_owned(),
+            PromptVersion::V2 => {
+                let examples = V2_EXAMPLES
+                    .split("\nExample ")
+                    .filter_map(|e| {
+                        let question = e.split_once("Question: ")?.1.split("\n```").next()?.lines().next()?;
+                        shown(question, e)
+                    })
+                    .collect();
+                Chosen { text: V2_EXAMPLES.to_owned(), examples }
+            }
             PromptVersion::V3 => {
                 let (intro, bank) = split_bank(V3_EXAMPLES);
                 // A workflow longer than this round may be would teach a shape it cannot take.
                 let bank: Vec<Example<'_>> = bank.into_iter().filter(|e| steps_in(e.text) <= ctx.max_steps).collect();
-                let chosen = closest_examples(&bank, &ctx.question, V3_EXAMPLES_SHOWN);
-                let mut out = format!("\n{intro}");
-                for e in chosen {
-                    out.push_str(&format!(
-                        "\n{}\n",
-                        with_models(e.text, ctx.lead.min(ctx.pool_size.saturating_sub(1)))
-                    ));
+                let mut chosen = Chosen { text: format!("\n{intro}"), examples: Vec::new() };
+                for e in closest_examples(&bank, &ctx.question, V3_EXAMPLES_SHOWN) {
+                    let lead = ctx.lead.min(ctx.pool_size.saturating_sub(1));
+                    chosen.text.push_str(&format!("\n{}\n", with_models(e.text, lead)));
+                    chosen.examples.extend(shown(e.question, e.text));
                 }
-                out
+                chosen
             }
         }
-    }
-
-    /// The examples a prompt for `ctx` shows, with their questions and subtasks (what a plan
-    /// is checked against for copies).
-    pub fn shown_examples(&self, ctx: &PlanningContext) -> Vec<baton_engine::ShownExample> {
-        let text = self.examples_for(ctx);
-        let limits = baton_plan::Limits { max_steps: 64, pool_size: None, allow_stop: false };
-        text.split("\nExample ")
-            .filter_map(|e| {
-                let plan = baton_plan::parse(e, &limits).ok()?;
-                let question = e.split_once("Question: ")?.1.split("\n```").next()?.lines().next()?.to_owned();
-                Some(baton_engine::ShownExample {
-                    question,
-                    subtasks: plan.steps.into_iter().map(|s| s.subtask).collect(),
-                })
-            })
-            .collect()
     }
 
     pub fn system(&self, ctx: &PlanningContext) -> String {
@@ -252,6 +252,20 @@ impl PromptBuilder {
         out.push(Message::user(question));
         out
     }
+}
+
+/// The examples one prompt shows: its text, and the same examples as data.
+#[derive(Debug, Default)]
+struct Chosen {
+    text: String,
+    examples: Vec<ShownExample>,
+}
+
+/// An example's question and the subtasks of its workflow (`text`).
+fn shown(question: &str, text: &str) -> Option<ShownExample> {
+    let limits = baton_plan::Limits { max_steps: 64, pool_size: None, allow_stop: false };
+    let plan = baton_plan::parse(text, &limits).ok()?;
+    Some(ShownExample { question: question.to_owned(), subtasks: plan.steps.into_iter().map(|s| s.subtask).collect() })
 }
 
 /// One workflow of v3's example bank.

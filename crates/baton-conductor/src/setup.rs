@@ -213,7 +213,7 @@ fn wanted_models(pool: &Pool) -> Vec<crate::local::LocalModelConfig> {
     {
         wanted.push(conductor_config(pool, &ConductorChoice::default(), model));
     }
-    let force_cpu = spec.device.as_deref() == Some("cpu");
+    let force_cpu = spec.device.forces_cpu();
     wanted.extend(
         pool.workers.iter().filter(|w| w.provider == ProviderKind::Local).map(|w| worker_config(&w.model, force_cpu)),
     );
@@ -232,7 +232,7 @@ fn conductor_config(pool: &Pool, choice: &ConductorChoice, path: &str) -> crate:
         path: PathBuf::from(path),
         lora: choice.lora.clone().or_else(|| spec.lora.as_ref().map(PathBuf::from)),
         chat_template: choice.chat_template.clone().or_else(|| spec.chat_template.as_ref().map(PathBuf::from)),
-        force_cpu: choice.force_cpu || spec.device.as_deref() == Some("cpu"),
+        force_cpu: choice.force_cpu || spec.device.forces_cpu(),
         isq: spec.isq.clone(),
         dtype: spec.dtype.clone(),
     }

@@ -25,8 +25,17 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::pool::Budget;
 use crate::prices::Pricing;
+
+/// Caps per run, checked before every call (the pool file's `[budget]` table).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct Budget {
+    /// Provider calls, retries included.
+    pub max_calls: Option<u32>,
+    /// Input plus output tokens.
+    pub max_tokens: Option<u64>,
+    pub max_cost_usd: Option<f64>,
+}
 
 /// Tokens allowed for each message's framing (role markers, the chat template) on top of its
 /// bytes, and once more for the request's own framing. Chat templates use a handful per turn.

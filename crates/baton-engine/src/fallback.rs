@@ -15,6 +15,9 @@ use baton_providers::{Message, Role};
 
 use crate::planner::ShownExample;
 use crate::pool::FallbackOptions;
+// What an evaluation measured is a pool option (the pool holds it); it stays reachable here,
+// beside the choice it feeds.
+pub use crate::pool::{MIN_CATEGORY_ITEMS, Measured};
 
 /// A copy is a run of this many words, in order, shared with an example's subtask.
 pub const COPY_WORDS: usize = 8;
@@ -156,24 +159,6 @@ pub fn holds_question(subtask: &str, question: &str) -> bool {
 fn words(text: &str) -> Vec<String> {
     text.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()).map(str::to_lowercase).collect()
 }
-
-/// What an evaluation of the pool measured of its workers alone: the best one overall and per
-/// category, and the category of each question it asked, so a new question can be placed by
-/// the evaluated questions nearest to it.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Measured {
-    /// The best worker alone over every test item.
-    pub best: Option<usize>,
-    /// Category → the best worker alone on its items (only categories with at least
-    /// [`MIN_CATEGORY_ITEMS`] items, where one right answer more is not the whole difference).
-    pub best_by_category: BTreeMap<String, usize>,
-    /// Each evaluated question with its category.
-    pub questions: Vec<(String, String)>,
-}
-
-/// The fewest items a category needs before its own best worker is trusted over the best
-/// overall.
-pub const MIN_CATEGORY_ITEMS: usize = 4;
 
 /// How many evaluated questions vote on a new question's category, and how alike (shared
 /// distinctive words over all of either's, Jaccard) the nearest must be for the vote to count.

@@ -14,12 +14,15 @@ pub mod logs;
 pub mod planner;
 pub mod pool;
 pub mod prices;
+pub mod progress;
 pub mod rerun;
 
+pub use accounting::Budget;
 pub use event::{RerunOf, RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, StepRef, Totals};
 pub use executor::{AnswerSettings, EventSink, Executor, Reuse, RunOutcome, RunRequest, RunStatus, Worker, new_run_id};
 pub use planner::{PlanDeltas, PlanPrompt, Planned, Planner, PlannerError, PlanningContext, ShownExample};
 pub use pool::{
-    Budget, ConductorSpec, FallbackOptions, Pool, PoolError, PoolOptions, RecursionOptions, ServeSpec, WorkerInfo,
+    ConductorSpec, Device, FallbackOptions, Pool, PoolError, PoolOptions, RecursionOptions, ServeSpec, WorkerInfo,
     WorkerSpec,
 };
+pub use progress::RunProgress;

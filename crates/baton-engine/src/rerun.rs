@@ -14,7 +14,6 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use baton_plan::Plan;
 
-use crate::executor::Reuse;
 use crate::pool::{Pool, WorkerInfo};
 
 /// A finished run, as much of it as a re-run needs.
@@ -36,6 +35,39 @@ pub struct Rerun {
     pub pool: Pool,
     pub plan: Plan,
     pub reuse: Reuse,
+}
+
+/// What a re-run keeps from the run it re-runs.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Reuse {
+    /// The run the outputs come from.
+    pub from_run: String,
+    /// The step that is re-run with another worker (recorded with the run).
+    pub step: usize,
+    /// Outputs of round-0 steps, by step number. Every step a kept step sees must be kept too.
+    pub outputs: BTreeMap<usize, String>,
+}
+
+impl Reuse {
+    /// Whether some step of `plan` given to `worker` runs again (is not kept).
+    pub fn runs_worker(&self, plan: &Plan, worker: usize) -> bool {
+        plan.steps.iter().enumerate().any(|(i, s)| s.model_id == worker && !self.outputs.contains_key(&i))
+    }
+
+    /// Why this cannot be used with `plan`, if it cannot: outputs for steps the plan lacks, or
+    /// a kept step that sees a step which runs again (its output would be stale).
+    pub(crate) fn check(&self, plan: &Plan) -> Result<(), String> {
+        let deps = plan.dependencies();
+        for &i in self.outputs.keys() {
+            let Some(seen) = deps.get(i) else {
+                return Err(format!("the re-run keeps step {i}, which the plan does not have"));
+            };
+            if let Some(j) = seen.iter().find(|j| !self.outputs.contains_key(j)) {
+                return Err(format!("the re-run keeps step {i} but runs step {j}, which step {i} sees, again"));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

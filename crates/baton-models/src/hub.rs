@@ -11,27 +11,22 @@
 //! The token goes only to the endpoint's own origin, never to the file host a redirect names
 //! (its address is signed for the one file).
 
-use std::path::Path;
-use std::time::{Duration, Instant};
+mod blobs;
+mod download;
+mod meta;
 
-use futures::StreamExt;
-use reqwest::StatusCode;
-use reqwest::header::{self, HeaderMap};
-use sha2::Digest;
-use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
+use std::path::Path;
+use std::time::Duration;
+
+use reqwest::header;
 use tokio_util::sync::CancellationToken;
 
-use crate::cache::{Cache, PartialNote};
+use crate::cache::Cache;
 use crate::{ModelRef, PullError};
+use blobs::{check_space, is_complete, open_locked, pulled, write_note};
+use download::{Download, verify};
 
 pub(crate) const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
-
-/// Room left free beside a download, so that finishing it does not fill the disk to the last byte.
-const SPACE_MARGIN: u64 = 64 * 1024 * 1024;
-/// Dropped connections in a row (with no byte between them) before a pull gives up.
-const MAX_DROPS: u32 = 5;
-/// How often progress is reported while bytes flow.
-const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 
 /// A hub endpoint and the token to show it.
 #[derive(Clone)]
@@ -50,20 +45,6 @@ impl std::fmt::Debug for Hub {
         // The token is never printed.
         f.debug_struct("Hub").field("endpoint", &self.endpoint).field("token", &self.token.is_some()).finish()
     }
-}
-
-/// What the hub says of a file before it is downloaded.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct FileMeta {
-    commit: String,
-    /// The name of its blob in the cache: the SHA-256 for LFS files, the git blob id otherwise.
-    etag: String,
-    /// The SHA-256 to check the bytes against (LFS files only: other files are small text
-    /// files whose ETag is a git hash).
-    sha256: Option<String>,
-    size: u64,
-    /// Where the bytes are (the file host a redirect names, or the resolve address itself).
-    url: reqwest::Url,
 }
 
 /// How far a pull is.
@@ -176,70 +157,6 @@ impl Hub {
         request
     }
 
-    async fn metadata(&self, reference: &ModelRef) -> Result<FileMeta, PullError> {
-        let start = self.resolve_url(reference);
-        let mut url = reqwest::Url::parse(&start)
-            .map_err(|e| PullError::Protocol { url: start.clone(), what: format!("not an address: {e}") })?;
-        for _ in 0..5 {
-            let response = self
-                .request(reqwest::Method::HEAD, url.clone())
-                .timeout(Duration::from_secs(30))
-                .send()
-                .await
-                .map_err(|e| PullError::Unreachable { url: url.to_string(), cause: cause(&e) })?;
-            let status = response.status();
-            let headers = response.headers();
-            if status.is_success() || status.is_redirection() {
-                let location = headers
-                    .get(header::LOCATION)
-                    .and_then(|l| l.to_str().ok())
-                    .map(|l| url.join(l))
-                    .transpose()
-                    .map_err(|e| PullError::Protocol { url: url.to_string(), what: format!("a bad Location: {e}") })?;
-                // A relative redirect stays on the hub (a renamed repository, a cached resolve):
-                // followed, as the hub's own clients do. An absolute one is the file host.
-                let relative = headers
-                    .get(header::LOCATION)
-                    .and_then(|l| l.to_str().ok())
-                    .is_some_and(|l| !l.contains("://") && !l.starts_with("//"));
-                if status.is_redirection()
-                    && relative
-                    && let Some(next) = &location
-                {
-                    url = next.clone();
-                    continue;
-                }
-                let target = if status.is_redirection() { location } else { Some(url.clone()) };
-                return read_meta(&url, headers, target);
-            }
-            return Err(self.refusal(reference, &url, status, headers));
-        }
-        Err(PullError::Protocol { url: start, what: "more than five redirects".into() })
-    }
-
-    fn refusal(&self, r: &ModelRef, url: &reqwest::Url, status: StatusCode, headers: &HeaderMap) -> PullError {
-        let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
-        let code = get("x-error-code").unwrap_or_default();
-        let message = get("x-error-message");
-        let endpoint = self.endpoint.clone();
-        match (code.as_str(), status.as_u16()) {
-            ("GatedRepo", _) | ("", 401 | 403) => {
-                PullError::Gated { repo: r.repo.clone(), endpoint, had_token: self.token.is_some(), message }
-            }
-            ("RepoNotFound", _) => PullError::RepoNotFound { repo: r.repo.clone(), endpoint },
-            ("RevisionNotFound", _) => {
-                PullError::RevisionNotFound { repo: r.repo.clone(), revision: r.revision.clone(), endpoint }
-            }
-            ("EntryNotFound", _) | ("", 404) => PullError::FileNotFound {
-                repo: r.repo.clone(),
-                revision: r.revision.clone(),
-                file: r.file.clone(),
-                endpoint,
-            },
-            _ => PullError::Http { url: url.to_string(), status: status.as_u16(), message },
-        }
-    }
-
     /// Downloads `reference` into `cache` (or finds it there) and returns the file to load.
     ///
     /// Resumes a partial file an earlier pull left; retries a dropped connection from the last
@@ -254,259 +171,31 @@ impl Hub {
         stop: &CancellationToken,
     ) -> Result<Pulled, PullError> {
         on_progress(Progress { phase: Phase::Resolving, done: 0, total: 0 });
-        let meta = tokio::select! {
-            meta = self.metadata(reference) => meta?,
-            () = stop.cancelled() => return Err(PullError::Cancelled { have: 0, size: 0 }),
-        };
-        let repo = &reference.repo;
-        let blob = cache.blob(repo, &meta.etag);
-        let done = |fetched: u64, resumed_from: u64, cached: bool| -> Result<Pulled, PullError> {
-            let path = cache.link(reference, &meta.commit, &meta.etag).map_err(io(cache.repo_dir(repo).as_path()))?;
-            Ok(Pulled {
-                reference: reference.clone(),
-                path,
-                size: meta.size,
-                commit: meta.commit.clone(),
-                sha256: meta.sha256.clone(),
-                fetched,
-                resumed_from,
-                cached,
-            })
-        };
-        if std::fs::metadata(&blob).is_ok_and(|m| m.len() == meta.size) {
-            return done(0, 0, true);
+        let meta = self.resolve(reference, stop, 0, 0).await?;
+        let blob = cache.blob(&reference.repo, &meta.etag);
+        if is_complete(&blob, meta.size) {
+            return pulled(cache, reference, &meta, 0, 0, true);
         }
 
-        let blobs = cache.blobs_dir(repo);
-        std::fs::create_dir_all(&blobs).map_err(io(&blobs))?;
-        let partial = cache.incomplete(repo, &meta.etag);
-        // Space first, before a partial file (and its note) exists for a download that cannot
-        // finish: what a partial file holds already need not fit again.
-        let on_disk = std::fs::metadata(&partial).map_or(0, |m| m.len()).min(meta.size);
-        let free = fs2::available_space(&blobs).map_err(io(&blobs))?;
-        let need = meta.size - on_disk;
-        if free < need.saturating_add(SPACE_MARGIN) {
-            return Err(PullError::NoSpace { dir: blobs, need, free });
-        }
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&partial)
-            .map_err(io(&partial))?;
-        // The lock lives as long as the file is open: one writer per partial file, across
-        // processes (the app and the command line), and released by a crash.
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => return Err(PullError::Busy { reference: reference.to_string() }),
-            Err(std::fs::TryLockError::Error(e)) => return Err(io(&partial)(e)),
-        }
+        let partial = cache.incomplete(&reference.repo, &meta.etag);
+        check_space(&cache.blobs_dir(&reference.repo), &partial, meta.size)?;
+        let file = open_locked(&partial, reference)?;
         // Another pull may have finished it between our look and the lock (and renamed the
         // partial file we opened into the blob).
-        if std::fs::metadata(&blob).is_ok_and(|m| m.len() == meta.size) {
-            return done(0, 0, true);
+        if is_complete(&blob, meta.size) {
+            return pulled(cache, reference, &meta, 0, 0, true);
         }
-        let note = PartialNote { reference: reference.clone(), commit: meta.commit.clone(), size: meta.size };
-        let note_path = cache.note(repo, &meta.etag);
-        std::fs::write(&note_path, serde_json::to_vec(&note).unwrap_or_default()).map_err(io(&note_path))?;
+        let note_path = write_note(cache, reference, &meta)?;
 
-        let mut have = file.metadata().map_err(io(&partial))?.len();
-        let mut file = tokio::fs::File::from_std(file);
-        if have > meta.size {
-            file.set_len(0).await.map_err(io(&partial))?;
-            have = 0;
-        }
+        let mut download = Download::resume(file, &partial, meta.size, on_progress, stop).await?;
+        self.fetch(reference, &meta, &mut download, on_progress, stop).await?;
+        let resumed_from = download.resumed_from;
+        let actual = download.finish(on_progress).await?;
 
-        // The hash covers the whole file, so a resumed pull first reads back what is there.
-        let mut hasher = sha2::Sha256::new();
-        if have > 0 {
-            let mut buf = vec![0u8; 1 << 20];
-            let mut read = 0u64;
-            file.seek(std::io::SeekFrom::Start(0)).await.map_err(io(&partial))?;
-            let mut last = Instant::now();
-            while read < have {
-                if stop.is_cancelled() {
-                    return Err(PullError::Cancelled { have, size: meta.size });
-                }
-                let want = buf.len().min((have - read) as usize);
-                let n = file.read(&mut buf[..want]).await.map_err(io(&partial))?;
-                if n == 0 {
-                    break;
-                }
-                hasher.update(&buf[..n]);
-                read += n as u64;
-                if last.elapsed() >= PROGRESS_EVERY {
-                    last = Instant::now();
-                    on_progress(Progress { phase: Phase::Checking, done: read, total: have });
-                }
-            }
-            have = read;
-            on_progress(Progress { phase: Phase::Checking, done: read, total: have });
-        }
-        let mut resumed_from = have;
-
-        let mut drops = 0u32;
-        let mut url = meta.url.clone();
-        let mut refreshed = false;
-        while have < meta.size {
-            file.seek(std::io::SeekFrom::Start(have)).await.map_err(io(&partial))?;
-            let mut request = self.request(reqwest::Method::GET, url.clone());
-            if have > 0 {
-                request = request.header(header::RANGE, format!("bytes={have}-"));
-            }
-            let sent = tokio::select! {
-                r = request.send() => r,
-                () = stop.cancelled() => return Err(PullError::Cancelled { have, size: meta.size }),
-            };
-            let response = match sent {
-                Ok(r) => r,
-                Err(e) => {
-                    drops += 1;
-                    if drops > MAX_DROPS {
-                        return Err(PullError::Unreachable { url: host_of(&url), cause: cause(&e) });
-                    }
-                    on_progress(Progress { phase: Phase::Reconnecting, done: have, total: meta.size });
-                    backoff(drops, stop).await;
-                    continue;
-                }
-            };
-            let status = response.status();
-            match status {
-                StatusCode::PARTIAL_CONTENT => {
-                    let start = content_range_start(response.headers());
-                    if start != Some(have) {
-                        return Err(PullError::Protocol {
-                            url: host_of(&url),
-                            what: format!("asked for bytes from {have}, got a range starting at {start:?}"),
-                        });
-                    }
-                }
-                StatusCode::OK => {
-                    if have > 0 {
-                        // The server ignored the range: the body starts at byte 0.
-                        tracing::info!(%reference, have, "the file host ignored the range; starting over");
-                        file.set_len(0).await.map_err(io(&partial))?;
-                        file.seek(std::io::SeekFrom::Start(0)).await.map_err(io(&partial))?;
-                        have = 0;
-                        resumed_from = 0;
-                        hasher = sha2::Sha256::new();
-                    }
-                }
-                StatusCode::RANGE_NOT_SATISFIABLE => {
-                    return Err(PullError::Protocol {
-                        url: host_of(&url),
-                        what: format!("refused the range from byte {have} of a {}-byte file", meta.size),
-                    });
-                }
-                // A file host's signed address expires (a resume hours later): ask the hub for a
-                // fresh one, once.
-                StatusCode::FORBIDDEN | StatusCode::UNAUTHORIZED if !refreshed && !self.same_origin(&url) => {
-                    refreshed = true;
-                    let fresh = tokio::select! {
-                        m = self.metadata(reference) => m?,
-                        () = stop.cancelled() => return Err(PullError::Cancelled { have, size: meta.size }),
-                    };
-                    if fresh.etag != meta.etag || fresh.size != meta.size {
-                        // The revision moved on to another file while this one downloaded: the
-                        // part on disk stays for a pull of the old commit; this pull starts again.
-                        return Err(PullError::Protocol {
-                            url: host_of(&url),
-                            what: format!(
-                                "{reference} changed on the hub during the download; pull again to download the new version"
-                            ),
-                        });
-                    }
-                    url = fresh.url;
-                    continue;
-                }
-                _ if status.is_server_error() => {
-                    drops += 1;
-                    if drops > MAX_DROPS {
-                        return Err(PullError::Http { url: host_of(&url), status: status.as_u16(), message: None });
-                    }
-                    on_progress(Progress { phase: Phase::Reconnecting, done: have, total: meta.size });
-                    backoff(drops, stop).await;
-                    continue;
-                }
-                _ if self.same_origin(&url) => return Err(self.refusal(reference, &url, status, response.headers())),
-                _ => return Err(PullError::Http { url: host_of(&url), status: status.as_u16(), message: None }),
-            }
-
-            let mut body = response.bytes_stream();
-            let mut last = Instant::now();
-            loop {
-                let chunk = tokio::select! {
-                    c = body.next() => c,
-                    () = stop.cancelled() => {
-                        file.flush().await.map_err(io(&partial))?;
-                        return Err(PullError::Cancelled { have, size: meta.size });
-                    }
-                };
-                match chunk {
-                    Some(Ok(bytes)) => {
-                        if have + bytes.len() as u64 > meta.size {
-                            file.set_len(0).await.map_err(io(&partial))?;
-                            return Err(PullError::Protocol {
-                                url: host_of(&url),
-                                what: format!("sent more than the {} bytes the hub announced", meta.size),
-                            });
-                        }
-                        // Written through before the next read: after a crash, what the file
-                        // holds is exactly what the next pull need not fetch again.
-                        file.write_all(&bytes).await.map_err(io(&partial))?;
-                        file.flush().await.map_err(io(&partial))?;
-                        hasher.update(&bytes);
-                        have += bytes.len() as u64;
-                        drops = 0;
-                        if last.elapsed() >= PROGRESS_EVERY {
-                            last = Instant::now();
-                            on_progress(Progress { phase: Phase::Downloading, done: have, total: meta.size });
-                        }
-                    }
-                    Some(Err(e)) => {
-                        drops += 1;
-                        tracing::info!(%reference, have, "the download's connection dropped: {}", cause(&e));
-                        if drops > MAX_DROPS {
-                            return Err(PullError::Unreachable { url: host_of(&url), cause: cause(&e) });
-                        }
-                        on_progress(Progress { phase: Phase::Reconnecting, done: have, total: meta.size });
-                        backoff(drops, stop).await;
-                        break;
-                    }
-                    None => {
-                        if have < meta.size {
-                            // The body ended early without an error: also a dropped connection.
-                            drops += 1;
-                            if drops > MAX_DROPS {
-                                return Err(PullError::Unreachable {
-                                    url: host_of(&url),
-                                    cause: format!("the transfer kept ending at byte {have} of {}", meta.size),
-                                });
-                            }
-                            on_progress(Progress { phase: Phase::Reconnecting, done: have, total: meta.size });
-                            backoff(drops, stop).await;
-                        }
-                        break;
-                    }
-                }
-            }
-        }
-        on_progress(Progress { phase: Phase::Downloading, done: have, total: meta.size });
-        file.sync_all().await.map_err(io(&partial))?;
-        drop(file);
-
-        let actual = hex(&hasher.finalize());
-        if let Some(expected) = &meta.sha256
-            && *expected != actual
-        {
-            let _ = std::fs::remove_file(&partial);
-            let _ = std::fs::remove_file(&note_path);
-            return Err(PullError::Checksum { file: reference.to_string(), expected: expected.clone(), actual });
-        }
+        verify(reference, &meta, actual, &partial, &note_path)?;
         std::fs::rename(&partial, &blob).map_err(io(&blob))?;
         let _ = std::fs::remove_file(&note_path);
-        done(meta.size - resumed_from, resumed_from, false)
+        pulled(cache, reference, &meta, meta.size - resumed_from, resumed_from, false)
     }
 }
 
@@ -514,51 +203,6 @@ impl Hub {
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> PullError + use<> {
     let path = path.to_path_buf();
     move |source| PullError::Io { path, source }
-}
-
-fn read_meta(url: &reqwest::Url, headers: &HeaderMap, target: Option<reqwest::Url>) -> Result<FileMeta, PullError> {
-    let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
-    let missing = |what: &str| PullError::Protocol {
-        url: url.to_string(),
-        what: format!("no {what} in its answer (is HF_ENDPOINT a Hugging Face hub or mirror?)"),
-    };
-    let commit = get("x-repo-commit").ok_or_else(|| missing("X-Repo-Commit"))?;
-    let linked = get("x-linked-etag");
-    let etag = linked.clone().or_else(|| get("etag")).map(|e| normalize_etag(&e)).ok_or_else(|| missing("ETag"))?;
-    let size = get("x-linked-size")
-        .or_else(|| get("content-length"))
-        .and_then(|s| s.trim().parse::<u64>().ok())
-        .ok_or_else(|| missing("file size (X-Linked-Size or Content-Length)"))?;
-    let is_sha256 = |e: &str| e.len() == 64 && e.bytes().all(|b| b.is_ascii_hexdigit());
-    let sha256 = linked.map(|e| normalize_etag(&e)).filter(|e| is_sha256(e)).map(|e| e.to_ascii_lowercase());
-    // The etag names a file in the cache: nothing but a plain name will do.
-    if etag.is_empty() || !etag.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
-        return Err(PullError::Protocol { url: url.to_string(), what: format!("an unusable ETag \"{etag}\"") });
-    }
-    if commit.is_empty() || !commit.bytes().all(|b| b.is_ascii_alphanumeric()) {
-        return Err(PullError::Protocol { url: url.to_string(), what: format!("an unusable commit \"{commit}\"") });
-    }
-    let url = target.ok_or_else(|| missing("Location"))?;
-    Ok(FileMeta { commit, etag, sha256, size, url })
-}
-
-/// `W/"abc"` → `abc`.
-fn normalize_etag(etag: &str) -> String {
-    etag.trim().trim_start_matches("W/").trim_matches('"').to_owned()
-}
-
-fn content_range_start(headers: &HeaderMap) -> Option<u64> {
-    // `bytes 100-199/200`
-    let value = headers.get(header::CONTENT_RANGE)?.to_str().ok()?;
-    value.strip_prefix("bytes ")?.split('-').next()?.trim().parse().ok()
-}
-
-/// The address without its query: file hosts sign their addresses, and a signature is no one's
-/// business in an error message or a log.
-fn host_of(url: &reqwest::Url) -> String {
-    let mut shown = url.clone();
-    shown.set_query(None);
-    shown.to_string()
 }
 
 /// A transport error's cause chain in one line ("connection refused", "dns error: …").
@@ -577,14 +221,6 @@ fn cause(error: &reqwest::Error) -> String {
     }
 }
 
-async fn backoff(attempt: u32, stop: &CancellationToken) {
-    let delay = Duration::from_millis(250 * (1 << attempt.min(5)));
-    tokio::select! {
-        () = tokio::time::sleep(delay) => {}
-        () = stop.cancelled() => {}
-    }
-}
-
 /// Percent-encodes a path segment (the hub's file names are usually plain; spaces are not).
 fn encode(segment: &str) -> String {
     let mut out = String::with_capacity(segment.len());
@@ -596,10 +232,6 @@ fn encode(segment: &str) -> String {
         }
     }
     out
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 //! run's failure drops that run alone ([`Store::record_many`]): 64 runs that end together make
 //! one commit, not 64, which keeps the database's share of a small machine's cores small when it is busiest.
 //! A run counts among those the history is recording until its record is committed; when too
-//! many wait, new requests are refused (see `chat::admit`), so a slow history slows the server
+//! many wait, new requests are refused (see `handling::admit`), so a slow history slows the server
 //! instead of falling behind without end.
 
 use std::collections::HashMap;
@@ -81,9 +81,11 @@ impl Writer {
     }
 }
 
-impl RunLog {
-    pub(crate) fn event(&self, event: RunEvent) {
-        let _ = self.to.send(Entry::Event { run: self.run, event });
+impl baton_store::relay::EventLog for RunLog {
+    /// Hands the event to the writer, which records it with the others waiting.
+    async fn keep(&mut self, event: &RunEvent) -> Result<(), baton_store::StoreError> {
+        let _ = self.to.send(Entry::Event { run: self.run, event: event.clone() });
+        Ok(())
     }
 }
 

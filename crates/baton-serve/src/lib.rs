@@ -12,8 +12,10 @@
 mod chat;
 mod error;
 pub mod guard;
+mod handling;
 mod history;
 mod models;
+mod request;
 mod responses;
 mod token;
 
@@ -259,7 +261,7 @@ impl Service {
     }
 
     /// Caps `call`'s cost at what is left of the day's cap (refused once it is spent).
-    pub(crate) fn limit_to_today(&self, call: &mut chat::Call) -> Result<(), ApiError> {
+    pub(crate) fn limit_to_today(&self, call: &mut request::Call) -> Result<(), ApiError> {
         if let Some(left) = self.left_today()? {
             let budget = call.budget.get_or_insert_with(Default::default);
             budget.max_cost_usd = Some(budget.max_cost_usd.map_or(left, |c| c.min(left)));
@@ -372,16 +374,16 @@ mod tests {
         let options =
             ServeOptions { token: Some("t".into()), daily_max_cost_usd: Some(1.0), ..ServeOptions::default() };
         let service = Service::new(executor, false, None, options).expect("service");
-        let mut call = chat::Call::for_tests();
+        let mut call = request::Call::for_tests();
         service.limit_to_today(&mut call).expect("nothing spent yet");
         assert_eq!(call.budget.and_then(|b| b.max_cost_usd), Some(1.0));
         service.spend(0.75);
-        let mut call = chat::Call::for_tests();
+        let mut call = request::Call::for_tests();
         call.budget = Some(baton_engine::Budget { max_cost_usd: Some(0.5), ..Default::default() });
         service.limit_to_today(&mut call).expect("a quarter is left");
         assert_eq!(call.budget.and_then(|b| b.max_cost_usd), Some(0.25), "the tighter of the request's and the day's");
         service.spend(0.3);
-        let refused = service.limit_to_today(&mut chat::Call::for_tests()).unwrap_err();
+        let refused = service.limit_to_today(&mut request::Call::for_tests()).unwrap_err();
         assert_eq!((refused.status.as_u16(), refused.code), (429, Some("daily_cap_reached")));
         assert!(refused.retry_after.is_some_and(|s| (1..=86_400).contains(&s)), "{refused:?}");
         // Without a cap nothing is added.
@@ -389,7 +391,7 @@ mod tests {
         let free =
             Service::new(executor, false, None, ServeOptions { token: Some("t".into()), ..ServeOptions::default() })
                 .expect("service");
-        let mut call = chat::Call::for_tests();
+        let mut call = request::Call::for_tests();
         free.limit_to_today(&mut call).expect("no cap");
         assert_eq!(call.budget, None);
     }

@@ -10,13 +10,14 @@
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use baton_engine::{AnswerSettings, RunEvent, Totals};
-use baton_providers::{Message, Role};
+use baton_engine::{RunEvent, Totals};
+use baton_providers::Message;
 use serde_json::{Map, Value, json};
 
-use crate::chat::{self, Call, Field, Progress, Running};
+use crate::handling::{self, Progress, Running, StreamFormat, baton_object, cost_text, failure};
+use crate::request::{self, Call, Field, Messages};
 use crate::{ApiError, Service};
 
 /// Fields of the Responses API's create request and what Baton does with each (as for chat
@@ -65,57 +66,18 @@ fn asks_for_nothing(name: &str, value: &Value) -> bool {
 
 /// The text of an input message's content: a string, or `input_text` / `output_text` parts.
 fn text_of(content: &Value, at: usize) -> Result<String, ApiError> {
-    match content {
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(parts) => {
-            let mut text = String::new();
-            for (j, part) in parts.iter().enumerate() {
-                let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
-                if !matches!(kind, "input_text" | "output_text" | "text") {
-                    return Err(ApiError::bad_field(
-                        &format!("input[{at}].content[{j}].type"),
-                        format!("only text parts are supported, not `{kind}`"),
-                    ));
-                }
-                text.push_str(part.get("text").and_then(Value::as_str).unwrap_or(""));
-            }
-            Ok(text)
-        }
-        _ => Err(ApiError::bad_field(&format!("input[{at}].content"), "content must be a string or text parts")),
-    }
+    request::text_of(content, "input", at, &["input_text", "output_text", "text"])
 }
 
-struct Parsed {
-    call: Call,
-    previous: Option<String>,
-    instructions: Option<String>,
-}
-
-fn parse(service: &Service, headers: &HeaderMap, bytes: &[u8]) -> Result<Parsed, ApiError> {
-    let body: Value = serde_json::from_slice(bytes)
-        .map_err(|e| ApiError::bad_request(format!("the body is not JSON ({e}); send a Responses request")))?;
-    let Value::Object(body) = body else {
-        return Err(ApiError::bad_request("the body must be a JSON object"));
-    };
-    chat::check_fields(&body, FIELDS, asks_for_nothing)?;
-    let model = body
-        .get("model")
-        .and_then(Value::as_str)
-        .ok_or_else(|| ApiError::bad_field("model", "`model` is required: `baton`, or `baton/<worker>`"))?
-        .to_owned();
-    let worker = service.target(&model)?;
-    let mut instructions: Vec<String> =
-        body.get("instructions").and_then(Value::as_str).map(str::to_owned).into_iter().collect();
-    let mut turns = Vec::new();
+fn parse(service: &Service, headers: &HeaderMap, bytes: &[u8]) -> Result<(Call, Echo), ApiError> {
+    let body = request::object(bytes, "Responses", FIELDS, asks_for_nothing)?;
+    let (model, worker) = request::model(service, &body)?;
+    let mut sorted = Messages::default();
+    sorted.instructions.extend(body.get("instructions").and_then(Value::as_str).map(str::to_owned));
     match body.get("input") {
-        Some(Value::String(s)) => turns.push(Message::user(s.clone())),
+        Some(Value::String(s)) => sorted.turns.push(Message::user(s.clone())),
         Some(Value::Array(items)) => {
-            if items.len() > service.options.max_messages {
-                return Err(ApiError::bad_field(
-                    "input",
-                    format!("{} items is over this server's limit of {}", items.len(), service.options.max_messages),
-                ));
-            }
+            request::within_limit(service, "input", items.len(), "items")?;
             for (i, item) in items.iter().enumerate() {
                 let kind = item.get("type").and_then(Value::as_str).unwrap_or("message");
                 if kind != "message" {
@@ -125,54 +87,32 @@ fn parse(service: &Service, headers: &HeaderMap, bytes: &[u8]) -> Result<Parsed,
                     ));
                 }
                 let text = text_of(item.get("content").unwrap_or(&Value::Null), i)?;
-                match item.get("role").and_then(Value::as_str).unwrap_or("") {
-                    "system" | "developer" => instructions.push(text),
-                    "user" => turns.push(Message::user(text)),
-                    "assistant" => turns.push(Message::assistant(text)),
-                    other => {
-                        return Err(ApiError::bad_field(
-                            &format!("input[{i}].role"),
-                            format!("role `{other}` is not supported: use system, developer, user or assistant"),
-                        ));
-                    }
-                }
+                sorted.add("input", i, item.get("role").and_then(Value::as_str).unwrap_or(""), text)?;
             }
         }
         _ => return Err(ApiError::bad_field("input", "`input` is required: the question, or a list of messages")),
     }
-    let question = match turns.pop() {
-        Some(Message { role: Role::User, content }) if !content.trim().is_empty() => content,
-        _ => {
-            return Err(ApiError::bad_field(
-                "input",
-                "the last input message must be the user's question, and not empty",
-            ));
-        }
-    };
-    let max_tokens = match chat::number(&body, "max_output_tokens")? {
+    let (question, history, instructions) =
+        sorted.split("input", "the last input message must be the user's question, and not empty")?;
+    let max_tokens = match request::number(&body, "max_output_tokens")? {
         Some(m) if m >= 1.0 => Some(m as u32),
         Some(_) => return Err(ApiError::bad_field("max_output_tokens", "`max_output_tokens` must be at least 1")),
         None => None,
     };
-    let instructions = (!instructions.is_empty()).then(|| instructions.join("\n\n"));
     let call = Call {
         model,
         worker,
         question,
-        history: turns,
+        history,
         instructions: instructions.clone(),
-        answer: AnswerSettings {
-            max_tokens,
-            temperature: chat::number(&body, "temperature")?.map(|t| t as f32),
-            top_p: chat::number(&body, "top_p")?.map(|t| t as f32),
-        },
+        answer: request::answer(&body, max_tokens)?,
         stream: body.get("stream").and_then(Value::as_bool).unwrap_or(false),
         include_usage: true,
-        budget: chat::budget(headers)?,
-        conversation: chat::header_number(headers, "x-baton-conversation")?.map(|c| c as i64),
+        budget: request::budget(headers)?,
+        conversation: request::conversation(headers)?,
     };
     let previous = body.get("previous_response_id").and_then(Value::as_str).map(str::to_owned);
-    Ok(Parsed { call, previous, instructions })
+    Ok((call, Echo { previous, instructions }))
 }
 
 pub async fn create(
@@ -180,66 +120,60 @@ pub async fn create(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let bytes = match chat::read_body(&service, body).await {
-        Ok(bytes) => bytes,
-        Err(e) => return e.into_response(),
-    };
-    let Parsed { mut call, previous, instructions } = match parse(&service, &headers, &bytes) {
-        Ok(p) => p,
-        Err(e) => return e.into_response(),
-    };
-    let permit = match chat::admit(&service, &mut call) {
-        Ok(permit) => permit,
-        Err(e) => return e.into_response(),
-    };
-    if let Some(store) = &service.store {
-        if let Some(previous) = &previous {
-            // The earlier response's conversation, as the history keeps it, comes before
-            // whatever this request's input adds.
-            let unreadable =
-                |e: baton_store::StoreError| ApiError::internal(format!("the history cannot be read: {e}"));
-            let look = async || match previous.strip_prefix("resp_") {
-                Some(uid) => store.run_by_uid(uid).await.map_err(unreadable),
-                None => Ok(None),
-            };
-            let mut found = look().await;
-            if matches!(found, Ok(None)) {
-                // The earlier response may have reached the client a moment before its run
-                // was recorded.
-                service.caught_up().await;
-                found = look().await;
+    let started = async {
+        let bytes = handling::read_body(&service, body).await?;
+        let (mut call, echo) = parse(&service, &headers, &bytes)?;
+        let permit = handling::admit(&service, &mut call)?;
+        if let Some(store) = &service.store {
+            if let Some(previous) = &echo.previous {
+                continue_response(&service, store, previous, &mut call).await?;
+            } else {
+                call.conversation = handling::continued(&service, store, &call).await?;
             }
-            match found {
-                Ok(Some((run, conversation))) => match store.messages_through_run(conversation, run).await {
-                    Ok(mut history) => {
-                        history.append(&mut call.history);
-                        call.history = history;
-                        call.conversation = Some(conversation);
-                    }
-                    Err(e) => return unreadable(e).into_response(),
-                },
-                Ok(None) => {
-                    return ApiError::not_found(
-                        Some("previous_response_id"),
-                        format!("there is no response {previous} in this server's history"),
-                    )
-                    .into_response();
-                }
-                Err(e) => return e.into_response(),
-            }
-        } else {
-            match chat::continued(&service, store, &call).await {
-                Ok(conversation) => call.conversation = conversation,
-                Err(e) => return e.into_response(),
-            }
+        } else if echo.previous.is_some() {
+            return Err(ApiError::bad_field("previous_response_id", "this server keeps no history (--no-history)"));
         }
-    } else if previous.is_some() {
-        return ApiError::bad_field("previous_response_id", "this server keeps no history (--no-history)")
-            .into_response();
-    }
-    let run = chat::start(&service, call, permit);
-    let echo = Echo { previous, instructions };
+        Ok::<_, ApiError>((handling::start(&service, call, permit), echo))
+    };
+    let (run, echo) = match started.await {
+        Ok(started) => started,
+        Err(e) => return e.into_response(),
+    };
     if run.stream { stream(run, echo).await } else { complete(run, echo).await }
+}
+
+/// Puts the conversation of the earlier response `previous` into `call`: refused when the
+/// history holds no such response.
+async fn continue_response(
+    service: &Service,
+    store: &baton_store::Store,
+    previous: &str,
+    call: &mut Call,
+) -> Result<(), ApiError> {
+    // The earlier response's conversation, as the history keeps it, comes before
+    // whatever this request's input adds.
+    let look = async || match previous.strip_prefix("resp_") {
+        Some(uid) => store.run_by_uid(uid).await.map_err(handling::unreadable),
+        None => Ok(None),
+    };
+    let mut found = look().await;
+    if matches!(found, Ok(None)) {
+        // The earlier response may have reached the client a moment before its run
+        // was recorded.
+        service.caught_up().await;
+        found = look().await;
+    }
+    let Some((run, conversation)) = found? else {
+        return Err(ApiError::not_found(
+            Some("previous_response_id"),
+            format!("there is no response {previous} in this server's history"),
+        ));
+    };
+    let mut history = store.messages_through_run(conversation, run).await.map_err(handling::unreadable)?;
+    history.append(&mut call.history);
+    call.history = history;
+    call.conversation = Some(conversation);
+    Ok(())
 }
 
 /// What a response repeats of its request.
@@ -309,33 +243,25 @@ fn finished(
         Some(RunEvent::RunFinished { answer, totals }) => {
             let mut extra = Map::new();
             extra.insert("usage".into(), usage(&totals));
-            extra.insert("baton".into(), chat::baton_object(run, progress, "finished", Some(&totals)));
+            extra.insert("baton".into(), baton_object(run, progress, "finished", Some(&totals)));
             Ok((response(run, echo, "completed", vec![message(run, &answer, "completed")], extra), totals))
         }
         Some(RunEvent::RunFailed { error, totals }) => {
-            let e = chat::failure(Some(error.kind), &error.message, progress, &run.workers);
-            Err(Box::new((e, chat::baton_object(run, progress, "failed", Some(&totals)))))
+            let e = failure(Some(error.kind), &error.message, progress, &run.workers);
+            Err(Box::new((e, baton_object(run, progress, "failed", Some(&totals)))))
         }
         Some(RunEvent::RunCancelled { totals }) => Err(Box::new((
             ApiError::internal("the run was cancelled before it answered"),
-            chat::baton_object(run, progress, "cancelled", Some(&totals)),
+            baton_object(run, progress, "cancelled", Some(&totals)),
         ))),
         _ => Err(Box::new((ApiError::internal("the run ended without a result"), json!({ "run_id": run.run_id })))),
     }
 }
 
 async fn complete(mut run: Running, echo: Echo) -> Response {
-    let _stop_on_drop = run.cancel.clone().drop_guard();
-    let mut progress = Progress::default();
-    let mut end = None;
-    while let Some(event) = run.events.recv().await {
-        progress.see(&event, &run.workers);
-        if event.is_terminal() {
-            end = Some(event);
-        }
-    }
+    let (progress, end) = handling::wait(&mut run, |_| {}).await;
     let (mut out, cost) = match finished(&run, &echo, &progress, end) {
-        Ok((body, totals)) => ((StatusCode::OK, axum::Json(body)).into_response(), Some(chat::cost_text(&totals))),
+        Ok((body, totals)) => ((StatusCode::OK, axum::Json(body)).into_response(), Some(cost_text(&totals))),
         Err(failed) => {
             let (e, baton) = *failed;
             let mut body = e.body();
@@ -344,13 +270,7 @@ async fn complete(mut run: Running, echo: Echo) -> Response {
             (e.into_response_with(body), cost)
         }
     };
-    let h = out.headers_mut();
-    if let Ok(v) = HeaderValue::from_str(&run.run_id) {
-        h.insert("x-baton-run-id", v);
-    }
-    if let Some(v) = cost.and_then(|c| HeaderValue::from_str(&c).ok()) {
-        h.insert("x-baton-cost-usd", v);
-    }
+    handling::run_headers(&mut out, &run.run_id, cost.as_deref());
     out
 }
 
@@ -361,59 +281,41 @@ fn event(kind: &str, sequence: &mut u64, mut data: Value) -> String {
     format!("event: {kind}\ndata: {data}\n\n")
 }
 
-async fn stream(mut run: Running, echo: Echo) -> Response {
-    let run_id = run.run_id.clone();
-    let stop = run.cancel.clone().drop_guard();
+async fn stream(run: Running, echo: Echo) -> Response {
     // The head waits for the run's first events and goes out with them and the opening events
     // in one write (as a chat completion's stream does).
-    let (mut progress, mut at) = (Progress::default(), Sent::default());
+    let mut at = Sent::default();
     let created = response(&run, &echo, "in_progress", vec![], Map::new());
     let mut opening = event("response.created", &mut at.seq, json!({ "response": created }));
     opening.push_str(&event("response.in_progress", &mut at.seq, json!({ "response": created })));
-    let first = Some(frame(&mut run, &echo, &mut progress, &mut at, opening).await);
-    let chunks = futures::stream::unfold(
-        (run, echo, progress, at, first),
-        |(mut run, echo, mut progress, mut at, waiting)| async move {
-            if let Some(out) = waiting {
-                return Some((out, (run, echo, progress, at, None)));
-            }
-            if at.done {
-                return None;
-            }
-            let out = frame(&mut run, &echo, &mut progress, &mut at, String::new()).await;
-            Some((out, (run, echo, progress, at, None)))
-        },
-    );
-    let body = futures::StreamExt::map(chunks, move |text| {
-        let _ = &stop;
-        Ok::<_, std::convert::Infallible>(text)
-    });
-    let mut response = Response::new(Body::from_stream(body));
-    let h = response.headers_mut();
-    h.insert(axum::http::header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-    h.insert(axum::http::header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    if let Ok(v) = HeaderValue::from_str(&run_id) {
-        h.insert("x-baton-run-id", v);
-    }
-    response
+    handling::stream(run, ResponseStream { echo, progress: Progress::default(), at }, opening).await
 }
 
-/// A Responses stream's next write, after `out`. A run whose events end without its terminal
-/// one ends the stream with `response.failed`.
-async fn frame(run: &mut Running, echo: &Echo, progress: &mut Progress, at: &mut Sent, mut out: String) -> String {
-    let shown = chat::next_write(run, &mut out, |run, ev, out| {
-        on_event(run, echo, progress, at, ev, out);
-        at.done
-    })
-    .await;
-    if shown.is_none() {
-        let e = ApiError::internal("the run ended without a result");
-        let mut failed = response(run, echo, "failed", vec![], Map::new());
-        failed["error"] = json!({ "code": e.code.unwrap_or(e.kind), "message": e.message });
-        out.push_str(&event("response.failed", &mut at.seq, json!({ "response": failed })));
-        at.done = true;
+/// A Responses stream's state between writes: what the response repeats of its request, what
+/// the client is shown of the run, and what has been sent.
+struct ResponseStream {
+    echo: Echo,
+    progress: Progress,
+    at: Sent,
+}
+
+impl StreamFormat for ResponseStream {
+    fn show(&mut self, run: &Running, event: RunEvent, out: &mut String) -> bool {
+        on_event(run, &self.echo, &mut self.progress, &mut self.at, event, out)
     }
-    out
+
+    /// A run whose events end without its terminal one ends the stream with `response.failed`.
+    fn cut_off(&mut self, run: &Running, out: &mut String) {
+        let failed = failed_response(run, &self.echo, &ApiError::internal("the run ended without a result"));
+        out.push_str(&event("response.failed", &mut self.at.seq, json!({ "response": failed })));
+    }
+}
+
+/// The response object of a run that failed with `e`.
+fn failed_response(run: &Running, echo: &Echo, e: &ApiError) -> Value {
+    let mut failed = response(run, echo, "failed", vec![], Map::new());
+    failed["error"] = json!({ "code": e.code.unwrap_or(e.kind), "message": e.message });
+    failed
 }
 
 /// What a Responses stream has sent so far.
@@ -423,18 +325,24 @@ struct Sent {
     seq: u64,
     /// The answer's text so far.
     text: String,
-    /// The terminal event went out.
-    done: bool,
 }
 
-/// Adds to `out` what `ev` shows the client.
-fn on_event(run: &Running, echo: &Echo, progress: &mut Progress, at: &mut Sent, ev: RunEvent, out: &mut String) {
+/// Adds to `out` what `ev` shows the client; true when the stream is over (the terminal event
+/// went out).
+fn on_event(
+    run: &Running,
+    echo: &Echo,
+    progress: &mut Progress,
+    at: &mut Sent,
+    ev: RunEvent,
+    out: &mut String,
+) -> bool {
     let item = format!("msg_{}", run.run_id);
     if let Some(note) = progress.see(&ev, &run.workers) {
         out.push_str(&event("baton.progress", &mut at.seq, json!({ "run_id": run.run_id, "text": note })));
     }
     match ev {
-        RunEvent::StepDelta { round, step, text: piece } if Some((round, step)) == progress.answer_step => {
+        RunEvent::StepDelta { round, step, text: piece } if Some((round, step)) == progress.run.answer_step() => {
             if at.text.is_empty() {
                 out.push_str(&open(run, &item, &mut at.seq));
             }
@@ -446,17 +354,16 @@ fn on_event(run: &Running, echo: &Echo, progress: &mut Progress, at: &mut Sent, 
             ));
         }
         RunEvent::StepRetrying { round, step, .. }
-            if Some((round, step)) == progress.answer_step && !at.text.is_empty() =>
+            if Some((round, step)) == progress.run.answer_step() && !at.text.is_empty() =>
         {
-            at.text.push_str(chat::RESTARTED);
+            at.text.push_str(handling::RESTARTED);
             out.push_str(&event(
                 "response.output_text.delta",
                 &mut at.seq,
-                json!({ "item_id": item, "output_index": 0, "content_index": 0, "delta": chat::RESTARTED, "logprobs": [] }),
+                json!({ "item_id": item, "output_index": 0, "content_index": 0, "delta": handling::RESTARTED, "logprobs": [] }),
             ));
         }
         end if end.is_terminal() => {
-            at.done = true;
             match finished(run, echo, progress, Some(end)) {
                 Ok((body, _)) => {
                     let answer = body["output"][0]["content"][0]["text"].as_str().unwrap_or_default().to_owned();
@@ -490,15 +397,16 @@ fn on_event(run: &Running, echo: &Echo, progress: &mut Progress, at: &mut Sent, 
                 }
                 Err(failure) => {
                     let (e, baton) = *failure;
-                    let mut failed = response(run, echo, "failed", vec![], Map::new());
-                    failed["error"] = json!({ "code": e.code.unwrap_or(e.kind), "message": e.message });
+                    let mut failed = failed_response(run, echo, &e);
                     failed["baton"] = baton;
                     out.push_str(&event("response.failed", &mut at.seq, json!({ "response": failed })));
                 }
             }
+            return true;
         }
         _ => {}
     }
+    false
 }
 
 /// The output item and its text part, opened.

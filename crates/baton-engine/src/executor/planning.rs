@@ -1,0 +1,299 @@
+//! The plan for each round: a client's own plan for the question, checked against the pool, or
+//! the conductor's. For the question's plan the conductor's work is checked and, with the
+//! fallback on, asked for again or replaced by one worker alone; [`Executor::draft`] asks for
+//! the question's plan the same way for review, without running it.
+
+use std::sync::atomic::Ordering;
+
+use baton_plan::{Limits, Plan};
+use baton_providers::{Message, Usage};
+use tokio_util::sync::CancellationToken;
+
+use super::step::StepFailure;
+use super::{Executor, RunCtx};
+use crate::accounting::{Budget, Ledger, Meter};
+use crate::event::{RunError, RunErrorKind, RunEvent, StepRef};
+use crate::planner::{PlanDeltas, Planned, PlannerError, PlanningContext, ShownExample};
+use crate::rerun::Reuse;
+
+/// A plan the conductor wrote, and what writing it cost.
+pub(super) struct Written {
+    pub(super) round: u32,
+    pub(super) plan: Plan,
+    pub(super) usage: Usage,
+    pub(super) cost_usd: Option<f64>,
+}
+
+/// Why a run has no plan for its question; the run ends here.
+pub(super) enum NoPlan {
+    /// The run was stopped while the conductor wrote.
+    Stopped,
+    Failed(RunError),
+}
+
+impl Executor {
+    /// Drafts the question's plan for review, without running it. The conductor is asked
+    /// exactly as a run with no plan asks it for the question's round (the same
+    /// [`PlanningContext`]: the lead worker for the question, whether the plan may give steps
+    /// to the conductor, the pool's `max_steps`, the conversation so far), and its plan is held
+    /// to the limits that round holds it to. The conductor's text streams to `deltas` as it is
+    /// written.
+    ///
+    /// Unlike a run, a draft sends no events, asks no second time and never falls back to one
+    /// worker: the reviewer sees the conductor's own plan, or why there is none. It has no
+    /// client instructions (a run without them is asked the same).
+    ///
+    /// A draft is not a run: no budget caps it (the run that follows has its own). Cancelling
+    /// `cancel` stops generation at once; the error then says the plan was stopped, and
+    /// `cancel.is_cancelled()` tells a stop from a failure.
+    pub async fn draft(
+        &self,
+        question: &str,
+        history: Vec<Message>,
+        deltas: PlanDeltas<'_>,
+        cancel: &CancellationToken,
+    ) -> Result<Planned, PlannerError> {
+        let Some(planner) = &self.planner else {
+            return Err(PlannerError::new("no conductor is configured to write a plan"));
+        };
+        let context = self.question_context(question, history, None);
+        let limits = limits(&context);
+        let ledger = Ledger::new(Budget::default());
+        let meter = Meter { ledger: &ledger, stop: cancel };
+        // Dropping the planner's future stops generation (local and remote alike).
+        let planned = tokio::select! {
+            biased;
+            () = cancel.cancelled() => return Err(PlannerError::new("the plan was not finished: stopped")),
+            planned = planner.plan(context, deltas, meter) => planned,
+        };
+        let planned = planned?;
+        // The conductor should only produce valid plans; the run's round checks anyway, and so
+        // does its draft.
+        if let Err(e) = planned.plan.validate(&limits) {
+            return Err(PlannerError::new(format!("the conductor's plan is not usable: {e}")));
+        }
+        Ok(planned)
+    }
+
+    /// The question's round: `plan`, when the client gave one (a reviewed draft, a re-run's
+    /// edited plan), else the conductor's. Returns the round number and the plan.
+    pub(super) async fn question_plan(
+        &self,
+        ctx: &RunCtx<'_>,
+        plan: Option<Plan>,
+        reuse: &Reuse,
+    ) -> Result<(u32, Plan), NoPlan> {
+        match plan {
+            Some(plan) => self.given_plan(ctx, plan, reuse),
+            None if !reuse.outputs.is_empty() => {
+                let message = "a re-run needs the plan it re-runs".to_owned();
+                Err(NoPlan::Failed(RunError { kind: RunErrorKind::InvalidPlan, message }))
+            }
+            None => match self.write_plan(ctx, 0, None, Vec::new()).await {
+                Ok(written) => Ok((written.round, written.plan)),
+                Err(StepFailure::Stopped) => Err(NoPlan::Stopped),
+                Err(failure) => {
+                    let kind = match failure {
+                        StepFailure::Budget(_) => RunErrorKind::BudgetExceeded,
+                        _ => RunErrorKind::Conductor,
+                    };
+                    Err(NoPlan::Failed(RunError { kind, message: failure.message() }))
+                }
+            },
+        }
+    }
+
+    /// The client's plan for the question's round, checked against the pool and against what
+    /// `reuse` keeps; emits its `PlanReady`.
+    fn given_plan(&self, ctx: &RunCtx<'_>, plan: Plan, reuse: &Reuse) -> Result<(u32, Plan), NoPlan> {
+        // A re-run may keep the output of a step the conductor ran, even when there is
+        // no conductor (or no recursion) now; only steps that run need one.
+        let conductor = self.workers.len();
+        let conductor_kept = plan.steps.iter().any(|s| s.model_id == conductor) && !reuse.runs_worker(&plan, conductor);
+        let limits = Limits {
+            max_steps: self.options.max_steps,
+            pool_size: Some(self.plan_pool_size().max(conductor + usize::from(conductor_kept))),
+            allow_stop: false,
+        };
+        if let Err(message) = plan.validate(&limits).map_err(|e| e.to_string()).and_then(|()| reuse.check(&plan)) {
+            return Err(NoPlan::Failed(RunError { kind: RunErrorKind::InvalidPlan, message }));
+        }
+        let round = ctx.rounds.fetch_add(1, Ordering::SeqCst);
+        ctx.emit(RunEvent::PlanReady {
+            round,
+            depth: 0,
+            parent: None,
+            plan: plan.clone(),
+            raw: None,
+            usage: None,
+            stop_reason: None,
+            prompt: None,
+            fallback: None,
+        });
+        Ok((round, plan))
+    }
+
+    /// What the conductor is asked for the question's plan (depth 0). A run's rounds and a
+    /// draft all start from here, so a draft is asked what the run would ask.
+    fn question_context(&self, question: &str, history: Vec<Message>, instructions: Option<String>) -> PlanningContext {
+        PlanningContext {
+            question: question.to_owned(),
+            history,
+            instructions,
+            lead: crate::fallback::fallback_worker(&self.options.fallback, self.workers.len(), question).0,
+            work: Vec::new(),
+            depth: 0,
+            allow_self: self.allows_self(0),
+            allow_stop: false,
+            max_steps: self.options.max_steps,
+            pool_size: self.workers.len(),
+            attempt: 0,
+        }
+    }
+
+    /// Whether a plan written at `depth` may give a step to the conductor itself: on recursive
+    /// pools, while the depth cap leaves room for another round.
+    fn allows_self(&self, depth: u32) -> bool {
+        self.recursive() && depth < self.options.recursion.max_depth
+    }
+
+    /// Asks the conductor for a plan; emits the round's plan events. Returns the round number.
+    ///
+    /// For the question's plan (depth 0), with the fallback on: a plan that fails, loops,
+    /// copies an example or keeps the question from the workers is asked for once more (the
+    /// conductor writes the second attempt differently), and if that one is no better, or the
+    /// run's caps leave no room for it, the question goes to one worker alone (see
+    /// [`crate::fallback`]). Each rejected attempt is reported with
+    /// `PlanRejected`; the plan that runs instead says why in `PlanReady::fallback`.
+    pub(super) async fn write_plan(
+        &self,
+        ctx: &RunCtx<'_>,
+        depth: u32,
+        parent: Option<StepRef>,
+        work: Vec<Message>,
+    ) -> Result<Written, StepFailure> {
+        let Some(planner) = &self.planner else {
+            return Err(StepFailure::Conductor("no conductor is configured to write a plan".into()));
+        };
+        let round = ctx.rounds.fetch_add(1, Ordering::SeqCst);
+        ctx.emit(RunEvent::PlanStarted { round, depth, parent });
+        let recursive_round = parent.is_some();
+        let remaining = ctx.step_cap.load(Ordering::SeqCst).saturating_sub(ctx.steps_started.load(Ordering::SeqCst));
+        let max_steps = if recursive_round { self.options.max_steps.min(remaining) } else { self.options.max_steps };
+        let mut context = PlanningContext {
+            work,
+            depth,
+            allow_self: self.allows_self(depth),
+            allow_stop: recursive_round,
+            max_steps,
+            ..self.question_context(&ctx.question, ctx.history.clone(), ctx.instructions.clone())
+        };
+        let limits = limits(&context);
+        let checked = depth == 0 && self.options.fallback.enabled;
+        let mut spent = (Usage::default(), Some(0.0));
+        let mut reasons: Vec<String> = Vec::new();
+        // Every example shown in this round's attempts: a second attempt that names what only
+        // the first one's examples had is no more about the question than the first.
+        let mut shown: Vec<ShownExample> = Vec::new();
+        loop {
+            let events = ctx.events;
+            let deltas = Box::new(move |text: &str| {
+                let _ = events.send(RunEvent::PlanDelta { round, text: text.to_owned() });
+            });
+            let meter = Meter { ledger: &ctx.ledger, stop: &ctx.stop };
+            let planned = tokio::select! {
+                biased;
+                () = ctx.stop.cancelled() => return Err(StepFailure::Stopped),
+                planned = planner.plan(context.clone(), deltas, meter) => planned,
+            };
+            // Why this attempt cannot run. A budget refusal of the first attempt is final; of a
+            // second one, it leaves the fallback, which costs one worker's call, to answer.
+            let timed_out = matches!(&planned, Err(e) if e.timed_out);
+            let (problem, raw, prompt) = match planned {
+                Err(e) if e.budget && context.attempt > 0 => {
+                    reasons.push(format!("a second plan did not fit under the run's caps: {}", e.message));
+                    break;
+                }
+                Err(e) if e.budget => return Err(StepFailure::Budget(e.message)),
+                Err(e) => {
+                    if !checked {
+                        return Err(StepFailure::Conductor(format!("the conductor failed: {}", e.message)));
+                    }
+                    (format!("the conductor failed: {}", e.message), None, None)
+                }
+                Ok(planned) => {
+                    spent.0 += planned.usage;
+                    spent.1 = spent.1.zip(planned.cost_usd).map(|(a, b)| a + b);
+                    shown.extend(planned.examples.iter().cloned());
+                    // The conductor should only produce valid plans; check anyway, against this round.
+                    let problem = match planned.plan.validate(&limits) {
+                        Err(e) => Some(format!("the conductor's plan is not usable: {e}")),
+                        Ok(()) if checked => {
+                            let pool_gives_it = self.options.show_question || self.options.question_to_answer_step;
+                            crate::fallback::check(&planned.plan, &shown, &ctx.question, pool_gives_it)
+                                .map(|u| u.to_string())
+                        }
+                        Ok(()) => None,
+                    };
+                    match problem {
+                        None => {
+                            ctx.emit(RunEvent::PlanReady {
+                                round,
+                                depth,
+                                parent,
+                                plan: planned.plan.clone(),
+                                raw: Some(planned.raw),
+                                usage: Some(spent.0),
+                                stop_reason: planned.stop_reason,
+                                prompt: planned.prompt,
+                                fallback: None,
+                            });
+                            return Ok(Written { round, plan: planned.plan, usage: spent.0, cost_usd: spent.1 });
+                        }
+                        Some(p) if !checked => return Err(StepFailure::Conductor(p)),
+                        Some(p) => (p, Some(planned.raw), planned.prompt),
+                    }
+                }
+            };
+            // Only a time limit is not worth a second attempt: it would take as long again.
+            let again = context.attempt == 0 && !timed_out;
+            ctx.emit(RunEvent::PlanRejected { round, reason: problem.clone(), raw, prompt, retry: again });
+            reasons.push(problem);
+            if again {
+                context.attempt += 1;
+                continue;
+            }
+            break;
+        }
+        let (worker, why) = crate::fallback::fallback_worker(&self.options.fallback, self.workers.len(), &ctx.question);
+        let plan = crate::fallback::alone_plan(worker, &ctx.history, &ctx.question);
+        let reason = format!(
+            "{}; the question went to {} alone{}",
+            reasons.join("; then "),
+            self.workers.get(worker).map_or("the first worker", |w| w.info.name.as_str()),
+            why.map(|w| format!(" ({w})")).unwrap_or_default()
+        );
+        ctx.emit(RunEvent::PlanReady {
+            round,
+            depth,
+            parent,
+            plan: plan.clone(),
+            raw: None,
+            usage: Some(spent.0),
+            stop_reason: None,
+            prompt: None,
+            fallback: Some(reason),
+        });
+        Ok(Written { round, plan, usage: spent.0, cost_usd: spent.1 })
+    }
+}
+
+/// What a plan written for `context` must keep to: its length, the workers (and the conductor,
+/// where the plan may give it a step), and a stop only where the round may stop.
+fn limits(context: &PlanningContext) -> Limits {
+    Limits {
+        max_steps: context.max_steps,
+        pool_size: Some(context.pool_size + usize::from(context.allow_self)),
+        allow_stop: context.allow_stop,
+    }
+}

@@ -1,0 +1,218 @@
+//! One run: the item worded as every strategy asks it, sent through the executor by the job's
+//! plan, recorded in the history like any other run, scored, and its result kept.
+
+use std::collections::BTreeMap;
+
+use baton_engine::{Budget, Executor, RunEvent, RunOutcome, RunRequest, RunStatus, new_run_id};
+use baton_plan::{Access, Plan, Step};
+use baton_store::Store;
+use baton_store::evaluations::EvalResult;
+use tokio_util::sync::CancellationToken;
+
+use super::jobs::{Job, Run, RunCtx};
+use super::scoring::{score, vote};
+use super::{EvalError, Harness, Progress};
+use crate::suite::{Item, Kind};
+
+/// The question as every strategy sends it: the item, then how to write the answer.
+pub fn prompt(item: &Item) -> String {
+    let question = item.question.trim_end();
+    let how = match item.kind {
+        Kind::Number => "Solve the problem. End your reply with a final line of the form `#### <number>`.",
+        Kind::Choice => "Choose one option. End your reply with a final line of the form `Answer: <letter>`.",
+        Kind::Exact => "End your reply with the final answer alone on its last line.",
+        Kind::Code => {
+            const BLOCK: &str = "Reply with the whole function in one ```python code block.";
+            return match item.code_stub() {
+                Some(stub) if stub == item.question => {
+                    format!("{question}\n\nComplete the Python function above. {BLOCK}")
+                }
+                Some(stub) => {
+                    format!(
+                        "{question}\n\n```python\n{}\n```\n\nComplete the Python function above. {BLOCK}",
+                        stub.trim_end()
+                    )
+                }
+                None => format!(
+                    "{question}\n\nWrite it as a Python function named `{}`, with the imports it needs. {BLOCK}",
+                    item.entry_point.as_deref().unwrap_or_default()
+                ),
+            };
+        }
+    };
+    format!("{question}\n\n{how}")
+}
+
+/// MoA's aggregation instruction (after togethercomputer/MoA's aggregator prompt).
+fn aggregate_prompt(question: &str) -> String {
+    format!(
+        "You have been given answers from several models to the question below. Some may be wrong. \
+         Evaluate them critically and write one accurate, complete reply of your own; do not just copy one.\n\n{question}"
+    )
+}
+
+/// The plan `what` is run by; `None` leaves the planning to the conductor.
+fn plan_for(h: &Harness, what: &Run, question: &str) -> Option<Plan> {
+    let one = |w: usize, subtask: String, access: Access| Step { model_id: w, subtask, access };
+    match what {
+        Run::Conductor => None,
+        Run::Single(w) => Some(Plan { steps: vec![one(*w, question.to_owned(), Access::Steps(vec![]))] }),
+        Run::Moa { aggregator } => {
+            let proposers = h.workers.len().min(h.executor.options().max_steps.saturating_sub(1).max(1));
+            let mut steps: Vec<Step> =
+                (0..proposers).map(|w| one(w, question.to_owned(), Access::Steps(vec![]))).collect();
+            steps.push(one(*aggregator, aggregate_prompt(question), Access::All));
+            Some(Plan { steps })
+        }
+        Run::BestOfN { worker, n } => {
+            Some(Plan { steps: (0..*n).map(|_| one(*worker, question.to_owned(), Access::Steps(vec![]))).collect() })
+        }
+    }
+}
+
+/// Makes one run and records its result. `Ok(Some(true))`: the run was refused by the
+/// spending cap (not recorded; a resume with a higher cap redoes it). `Ok(None)`: stopped.
+pub(super) async fn run_one(
+    ctx: &RunCtx<'_>,
+    job: &Job,
+    share: Option<f64>,
+    cancel: &CancellationToken,
+) -> Result<Option<bool>, EvalError> {
+    let h = &ctx.harness;
+    let item = &ctx.items[job.item];
+    let question = prompt(item);
+    let plan = plan_for(h, &job.what, &question);
+    let title = format!("{} · {} · {}", ctx.id, job.strategy, item.id);
+    let conversation = h.store.create_evaluation_conversation(&ctx.id, &title).await?;
+    let run_id = new_run_id();
+    let request = RunRequest {
+        run_id: run_id.clone(),
+        question: question.clone(),
+        plan,
+        budget: share.map(|usd| Budget { max_cost_usd: Some(usd), ..Budget::default() }),
+        ..RunRequest::default()
+    };
+    // The share is counted as spent before the run starts, so a process killed mid-run leaves
+    // the history saying at least what it may have spent; the difference is settled after.
+    let promised = share.unwrap_or(0.0);
+    h.store.add_evaluation_spend(&ctx.id, promised).await?;
+    let mut seen = Seen::default();
+    let outcome = run_recorded(&h.store, &h.executor, conversation, request, cancel, |event| seen.note(event)).await;
+    let Seen { outputs, planned, steps, budget_hit, refused_key } = seen;
+    let totals = &outcome.totals;
+    {
+        let mut purse = ctx.purse.lock().unwrap_or_else(|e| e.into_inner());
+        purse.spent += totals.cost_usd;
+    }
+    h.store.add_evaluation_spend(&ctx.id, totals.cost_usd - promised).await?;
+    if outcome.status == RunStatus::Cancelled || cancel.is_cancelled() {
+        return Ok(None);
+    }
+    // A refused key is the user's to fix, not the strategy's failure: scoring every item wrong
+    // for it would be final (a resume skips recorded items).
+    if let Some(message) = refused_key {
+        return Err(EvalError::Settings(format!(
+            "a worker refused its key ({message}); fix the key (Workers & keys, or `baton keys set`) and run again with the same id"
+        )));
+    }
+    // A run cut short by its share of the cap is not a result: a resume with a higher cap
+    // makes it again.
+    if budget_hit || outcome.error.as_ref().is_some_and(|e| e.kind == baton_engine::RunErrorKind::BudgetExceeded) {
+        return Ok(Some(true));
+    }
+    let answer = match &job.what {
+        Run::BestOfN { .. } => vote(item, outputs.values().map(String::as_str)),
+        _ => outcome.answer.clone(),
+    };
+    let scored = score(ctx.sandbox.as_deref(), item, answer.as_deref()).await?;
+    let error = match (&outcome.error, scored.error) {
+        (Some(e), _) => Some(e.message.clone()),
+        (None, e) => e,
+    };
+    let row = EvalResult {
+        strategy: job.strategy.clone(),
+        item_id: item.id.clone(),
+        repeat: job.repeat,
+        split: if job.calibration { "calibration" } else { "test" }.into(),
+        category: item.stratum().to_owned(),
+        run_uid: Some(run_id),
+        run_id: None,
+        answer,
+        extracted: scored.extracted,
+        correct: scored.correct,
+        error,
+        plan_valid: matches!(job.what, Run::Conductor).then_some(planned),
+        steps: Some(steps),
+        calls: totals.calls,
+        input_tokens: totals.usage.input_tokens,
+        cached_input_tokens: totals.usage.cached_input_tokens,
+        output_tokens: totals.usage.output_tokens,
+        conductor_input_tokens: totals.conductor.usage.input_tokens,
+        conductor_cached_input_tokens: totals.conductor.usage.cached_input_tokens,
+        conductor_output_tokens: totals.conductor.usage.output_tokens,
+        cost_usd: totals.cost_usd,
+        cost_complete: totals.cost_complete,
+        latency_ms: totals.wall_ms,
+    };
+    h.store.put_eval_result(&ctx.id, &row).await?;
+    let spent = ctx.purse.lock().unwrap_or_else(|e| e.into_inner()).spent;
+    (ctx.progress)(Progress::Scored {
+        strategy: job.strategy.clone(),
+        item: item.id.clone(),
+        correct: row.correct,
+        cost_usd: row.cost_usd,
+        spent_usd: spent,
+    });
+    Ok(Some(false))
+}
+
+/// What the harness reads from a run's events, beyond what its outcome says.
+#[derive(Debug, Default)]
+struct Seen {
+    /// The first round's step outputs, by step (best-of-n votes over them).
+    outputs: BTreeMap<usize, String>,
+    /// A first-round plan was ready (kept as the conductor's `plan_valid`).
+    planned: bool,
+    /// Steps started.
+    steps: u32,
+    /// A step failed on the run's budget (its share of the spending cap).
+    budget_hit: bool,
+    /// A worker's key refused, with the provider's message.
+    refused_key: Option<String>,
+}
+
+impl Seen {
+    fn note(&mut self, event: &RunEvent) {
+        match event {
+            RunEvent::PlanReady { round: 0, .. } => self.planned = true,
+            RunEvent::StepStarted { .. } => self.steps += 1,
+            RunEvent::StepFinished { round: 0, step, output, .. } => {
+                self.outputs.insert(*step, output.clone());
+            }
+            RunEvent::StepFailed { error, .. } if error.kind == baton_engine::StepErrorKind::Budget => {
+                self.budget_hit = true;
+            }
+            RunEvent::StepFailed { error, .. } if error.kind == baton_engine::StepErrorKind::Auth => {
+                self.refused_key = Some(error.message.clone());
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Makes the run through the executor, recording it in the history (in `conversation`) as its
+/// events arrive, and relays each event to `relay` once recorded.
+async fn run_recorded(
+    store: &Store,
+    executor: &Executor,
+    conversation: i64,
+    request: RunRequest,
+    cancel: &CancellationToken,
+    mut relay: impl FnMut(&RunEvent) + Send,
+) -> RunOutcome {
+    let recorder = Some(store.recorder(Some(conversation)));
+    // A history write that fails must not lose the run's result: it is noted, and no more of
+    // this run is recorded.
+    let warn = |e: baton_store::StoreError| tracing::warn!("evaluation run not fully recorded: {e}");
+    baton_store::relay::run_kept(executor, request, cancel, recorder, |event| relay(&event), warn).await.0
+}

@@ -1,0 +1,92 @@
+//! From a pool and the user's settings to an executor that can run: the fallback worker chosen
+//! from the pool's measurements, the conductor loaded (when the run needs one), the `local`
+//! workers loaded in process.
+
+use baton_conductor::setup::{self, ConductorChoice, LocalModels, Notify, SetupError};
+use baton_engine::{Executor, Pool};
+use baton_store::Store;
+
+/// Whether the executor gets a conductor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Conductor {
+    /// The run asks the conductor for a plan: a pool without one is an error.
+    Required,
+    /// Load the pool's conductor if it names one (`baton serve` then serves the workers alone).
+    IfConfigured,
+    /// The plan is given (a written plan, a worker alone): no conductor is loaded.
+    None,
+}
+
+/// What an executor is built from.
+#[derive(Clone, Copy)]
+pub struct Setup<'a> {
+    pub models: &'a LocalModels,
+    /// What overrides the pool's `[conductor]` table (the command line's `--conductor…` flags).
+    pub choice: &'a ConductorChoice,
+    pub conductor: Conductor,
+    /// The history whose latest evaluation picks the fallback worker; `None` keeps the pool's.
+    pub store: Option<&'a Store>,
+    /// Told of every model load.
+    pub notify: Notify<'a>,
+}
+
+impl std::fmt::Debug for Setup<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Setup")
+            .field("choice", &self.choice)
+            .field("conductor", &self.conductor)
+            .field("store", &self.store.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// An executor ready to run, and the pool it was built from.
+#[derive(Debug)]
+pub struct Built {
+    pub executor: Executor,
+    /// The pool with its fallback worker chosen.
+    pub pool: Pool,
+    /// Whether a conductor was loaded.
+    pub conductor: bool,
+}
+
+/// Builds the executor `setup` describes for `pool`.
+pub async fn build(mut pool: Pool, setup: Setup<'_>) -> Result<Built, SetupError> {
+    if let Some(store) = setup.store {
+        store.choose_fallback_worker(&mut pool).await;
+    }
+    let mut executor = Executor::from_pool(&pool);
+    let planner = match setup.conductor {
+        Conductor::None => None,
+        Conductor::Required => Some(setup::planner(&pool, setup.choice, setup.models, setup.notify).await?),
+        Conductor::IfConfigured => match setup::planner(&pool, setup.choice, setup.models, setup.notify).await {
+            Ok(planner) => Some(planner),
+            Err(SetupError::NotConfigured) => None,
+            Err(e) => return Err(e),
+        },
+    };
+    let conductor = planner.is_some();
+    if let Some(planner) = planner {
+        executor = executor.with_planner(planner);
+    }
+    setup::attach_local_workers(&mut executor, &pool, setup.models, forces_cpu(&pool, setup.choice), setup.notify)
+        .await?;
+    Ok(Built { executor, pool, conductor })
+}
+
+/// Whether local models run on the CPU whatever the machine has: the user's choice, or the
+/// pool's `[conductor] device`.
+pub fn forces_cpu(pool: &Pool, choice: &ConductorChoice) -> bool {
+    choice.force_cpu || pool.options.conductor.device.forces_cpu()
+}
+
+/// Like [`build`] for an executor that only plans (a draft): the conductor is loaded, the
+/// `local` workers are not, since nothing runs.
+pub async fn build_planning(mut pool: Pool, setup: Setup<'_>) -> Result<Built, SetupError> {
+    if let Some(store) = setup.store {
+        store.choose_fallback_worker(&mut pool).await;
+    }
+    let planner = setup::planner(&pool, setup.choice, setup.models, setup.notify).await?;
+    let executor = Executor::from_pool(&pool).with_planner(planner);
+    Ok(Built { executor, pool, conductor: true })
+}

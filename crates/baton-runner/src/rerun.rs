@@ -1,0 +1,63 @@
+//! Going on from an earlier run: re-running one step of it with another worker, in the same
+//! conversation (see [`baton_engine::rerun`] for what runs again and what is kept).
+
+use std::collections::BTreeMap;
+
+use baton_engine::rerun::{self, RerunError, Source};
+use baton_engine::{Pool, RunRequest, new_run_id};
+use baton_store::Store;
+
+use crate::RunnerError;
+
+/// A re-run ready to go: the pool it runs on, its request, and where it is recorded.
+#[derive(Debug)]
+pub struct Rerun {
+    /// The pool rebuilt by worker name as the earlier run saw it.
+    pub pool: Pool,
+    pub request: RunRequest,
+    /// The earlier run's conversation, which the re-run joins.
+    pub conversation: i64,
+    /// Steps given to the conductor itself run again, and need it to write their rounds anew.
+    pub needs_conductor: bool,
+}
+
+/// Prepares re-running `step` of the question's plan of history run `run_id` with the pool
+/// worker named `worker`; every step that sees it runs again, the rest keep their output.
+pub async fn prepare(store: &Store, pool: &Pool, run_id: i64, step: usize, worker: &str) -> Result<Rerun, RunnerError> {
+    let tree = store
+        .run(run_id)
+        .await?
+        .ok_or_else(|| RunnerError::NotFound(format!("there is no run {run_id} in the history")))?;
+    if tree.run.status == baton_store::RunStatus::Running {
+        return Err(RunnerError::BadInput("this run is still going; re-run a step once it has ended".into()));
+    }
+    let Some(top) = tree.plans.iter().find(|p| p.parent.is_none()) else {
+        return Err(RunnerError::BadInput(
+            "this run has no plan to re-run (the conductor wrote none); ask the question again instead".into(),
+        ));
+    };
+    let outputs: BTreeMap<usize, String> = tree
+        .steps
+        .iter()
+        .filter(|s| s.round == top.round && s.status == "finished")
+        .filter_map(|s| Some((s.step as usize, s.output.clone()?)))
+        .collect();
+    let source = Source { run_id: &tree.run.uid, plan: &top.plan, workers: &tree.run.workers, outputs: &outputs };
+    let rerun = rerun::prepare(source, pool, step, worker).map_err(|e| match e {
+        RerunError::NoSuchWorker(_) => RunnerError::NotFound(e.to_string()),
+        e => RunnerError::BadInput(e.to_string()),
+    })?;
+    let needs_conductor = rerun.reuse.runs_worker(&rerun.plan, rerun.pool.workers.len());
+    let conversation = tree.run.conversation_id;
+    // The conductor sees the conversation as it was when the question was first asked.
+    let history = store.messages_before_run(conversation, tree.run.id).await?;
+    let request = RunRequest {
+        run_id: new_run_id(),
+        question: tree.run.question.clone(),
+        history,
+        plan: Some(rerun.plan),
+        reuse: Some(rerun.reuse),
+        ..RunRequest::default()
+    };
+    Ok(Rerun { pool: rerun.pool, request, conversation, needs_conductor })
+}

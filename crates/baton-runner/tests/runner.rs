@@ -1,0 +1,150 @@
+//! The runner over real parts: a pool of loopback workers speaking OpenAI's wire format, a real
+//! SQLite history, the real executor.
+
+use baton_engine::{Pool, RunEvent, RunRequest, RunStatus, new_run_id};
+use baton_runner::{Conductor, ConductorChoice, LocalModels, RunnerError, Setup, SetupError};
+use baton_store::Store;
+use baton_testserver::{TestServer, Wire};
+use tokio_util::sync::CancellationToken;
+
+/// Keyless workers (an OpenAI-compatible server needs no key) whose answers echo their subtasks.
+fn pool(server: &TestServer, extra: &str) -> Pool {
+    let mut text = format!("question_to_answer_step = false\n{extra}\n[retry]\nmax_retries = 0\n");
+    for name in ["first", "second"] {
+        text.push_str(&format!(
+            "\n[[worker]]\nname = \"{name}\"\nprovider = \"openai-compatible\"\nmodel = \"{name}-model\"\nbase_url = \"{}\"\n",
+            server.base_url(Wire::OpenAi)
+        ));
+    }
+    Pool::parse(&text, "pool.toml").expect("valid pool")
+}
+
+async fn store() -> (tempfile::TempDir, Store) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(&dir.path().join("history.sqlite")).await.expect("opens");
+    (dir, store)
+}
+
+fn setup<'a>(
+    models: &'a LocalModels,
+    choice: &'a ConductorChoice,
+    conductor: Conductor,
+    store: &'a Store,
+) -> Setup<'a> {
+    Setup { models, choice, conductor, store: Some(store), notify: &|_| {} }
+}
+
+const PLAN: &str =
+    "model_id = [0, 1]\nsubtasks = [\"Name a colour.\", \"Say which colour was named.\"]\naccess_list = [[], \"all\"]";
+
+fn request(question: &str, history: Vec<baton_providers::Message>) -> RunRequest {
+    let plan = baton_plan::parse(PLAN, &baton_plan::Limits::default()).expect("plan parses");
+    RunRequest { run_id: new_run_id(), question: question.into(), plan: Some(plan), history, ..RunRequest::default() }
+}
+
+#[tokio::test]
+async fn a_pool_without_a_conductor_builds_for_given_plans_and_is_refused_where_one_is_required() {
+    let server = TestServer::start().await.expect("server");
+    let (_dir, store) = store().await;
+    let (models, choice) = (LocalModels::default(), ConductorChoice::default());
+
+    let built = baton_runner::build(pool(&server, ""), setup(&models, &choice, Conductor::IfConfigured, &store))
+        .await
+        .expect("builds without a conductor");
+    assert!(!built.conductor);
+    assert_eq!(built.executor.workers().len(), 2);
+
+    let refused = baton_runner::build(pool(&server, ""), setup(&models, &choice, Conductor::Required, &store)).await;
+    assert!(matches!(refused, Err(SetupError::NotConfigured)), "{refused:?}");
+}
+
+#[tokio::test]
+async fn a_run_is_recorded_before_each_event_is_shown_and_a_follow_up_sees_the_conversation() {
+    let server = TestServer::start().await.expect("server");
+    let (_dir, store) = store().await;
+    let (models, choice) = (LocalModels::default(), ConductorChoice::default());
+    let built =
+        baton_runner::build(pool(&server, ""), setup(&models, &choice, Conductor::None, &store)).await.expect("builds");
+    let cancel = CancellationToken::new();
+
+    let mut shown = Vec::new();
+    let recorded = baton_runner::run_recorded(
+        &built.executor,
+        request("What colour is the sky?", Vec::new()),
+        Some(store.recorder(None)),
+        |event: RunEvent| shown.push(event),
+        |e| panic!("the history failed: {e}"),
+        &cancel,
+    )
+    .await;
+    assert_eq!(recorded.outcome.status, RunStatus::Finished, "{:?}", recorded.outcome.error);
+    let (run, conversation) = (recorded.run_id.expect("recorded"), recorded.conversation_id.expect("a conversation"));
+    baton_engine::event::check_sequence(&shown).expect("the events keep their contract");
+    let tree = store.run(run).await.expect("reads").expect("the run is there");
+    assert_eq!(tree.run.answer, recorded.outcome.answer);
+    assert_eq!(tree.steps.len(), 2);
+
+    // A follow-up is asked with the conversation's turns so far.
+    let turns = baton_runner::conversation_so_far(&store, Some(conversation)).await.expect("the conversation");
+    assert_eq!(turns.len(), 2, "{turns:?}");
+    assert_eq!(turns[0].content, "What colour is the sky?");
+    let follow_up = baton_runner::run_recorded(
+        &built.executor,
+        request("And at night?", turns),
+        Some(store.recorder(Some(conversation))),
+        |_| {},
+        |e| panic!("the history failed: {e}"),
+        &cancel,
+    )
+    .await;
+    assert_eq!(follow_up.conversation_id, Some(conversation));
+    assert_eq!(baton_runner::conversation_so_far(&store, Some(conversation)).await.expect("turns").len(), 4);
+
+    // A conversation the history does not have is refused before anything runs.
+    let missing = baton_runner::conversation_so_far(&store, Some(conversation + 100)).await;
+    assert!(matches!(missing, Err(RunnerError::NotFound(_))), "{missing:?}");
+}
+
+#[tokio::test]
+async fn a_rerun_runs_the_step_and_those_that_see_it_again_in_the_same_conversation() {
+    let server = TestServer::start().await.expect("server");
+    let (_dir, store) = store().await;
+    let (models, choice) = (LocalModels::default(), ConductorChoice::default());
+    let pool = pool(&server, "");
+    let built =
+        baton_runner::build(pool.clone(), setup(&models, &choice, Conductor::None, &store)).await.expect("builds");
+    let cancel = CancellationToken::new();
+    let first = baton_runner::run_recorded(
+        &built.executor,
+        request("What colour is the sky?", Vec::new()),
+        Some(store.recorder(None)),
+        |_| {},
+        |e| panic!("the history failed: {e}"),
+        &cancel,
+    )
+    .await;
+    let run = first.run_id.expect("recorded");
+
+    // Step 1 again with the first worker: step 0 keeps its output.
+    let rerun = baton_runner::rerun::prepare(&store, &pool, run, 1, "first").await.expect("prepares");
+    assert_eq!(Some(rerun.conversation), first.conversation_id);
+    assert!(!rerun.needs_conductor);
+    let requests_before = server.requests().len();
+    let again = baton_runner::run_recorded(
+        &built.executor,
+        rerun.request,
+        Some(store.recorder(Some(rerun.conversation))),
+        |_| {},
+        |e| panic!("the history failed: {e}"),
+        &cancel,
+    )
+    .await;
+    assert_eq!(again.outcome.status, RunStatus::Finished, "{:?}", again.outcome.error);
+    assert_eq!(server.requests().len() - requests_before, 1, "only the re-run step calls a worker");
+    assert_eq!(again.conversation_id, first.conversation_id);
+
+    let unknown = baton_runner::rerun::prepare(&store, &pool, run, 1, "nobody").await;
+    assert!(matches!(unknown, Err(RunnerError::NotFound(_))), "{unknown:?}");
+    let no_run = baton_runner::rerun::prepare(&store, &pool, run + 100, 0, "first").await;
+    assert!(matches!(no_run, Err(RunnerError::NotFound(_))), "{no_run:?}");
+}
