@@ -11,10 +11,10 @@
 
 use std::sync::Arc;
 
-use baton_engine::pool::edit::{self, ServeEdit};
+use baton_engine::pool::edit;
 use baton_engine::{Pool, ServeSpec};
 use baton_serve::{ServeOptions, Service};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use tauri::{AppHandle, Runtime, State};
 use tokio_util::sync::CancellationToken;
 
@@ -22,21 +22,8 @@ use crate::error::{AppError, AppResult, ErrorKind};
 use crate::settings::edit_error;
 use crate::state::{AppState, Running};
 
-/// The `[serve]` table as the Local API screen edits it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ts_rs::TS)]
-pub struct LocalApiForm {
-    /// Serve while the app is open (`app`).
-    pub enabled: bool,
-    /// `127.0.0.1` unless the pool file says otherwise; only the pool file can change it, since
-    /// anything but loopback opens the server to the network.
-    pub host: String,
-    /// 0 picks a free port each time.
-    pub port: u16,
-    pub max_concurrent_runs: u32,
-    pub daily_max_cost_usd: Option<f64>,
-    /// Web clients (origins such as `http://localhost:3000`) allowed to call from a browser.
-    pub allow_origins: Vec<String>,
-}
+/// The `[serve]` table as the Local API screen edits it: the engine's own edit of the pool file.
+pub use baton_engine::pool::edit::ServeEdit as LocalApiForm;
 
 /// What the Local API screen shows.
 #[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
@@ -265,20 +252,7 @@ pub async fn local_api_token<R: Runtime>(
 /// Writes `form` into the `[serve]` table of pool TOML `text` and checks the result; `file`
 /// names the file in errors.
 pub fn apply_form(text: &str, form: &LocalApiForm, file: &str) -> AppResult<String> {
-    edit::apply_serve(text, &ServeEdit::from(form), file).map_err(edit_error)
-}
-
-impl From<&LocalApiForm> for ServeEdit {
-    fn from(form: &LocalApiForm) -> Self {
-        ServeEdit {
-            enabled: form.enabled,
-            host: form.host.clone(),
-            port: form.port,
-            max_concurrent_runs: form.max_concurrent_runs,
-            daily_max_cost_usd: form.daily_max_cost_usd,
-            allow_origins: form.allow_origins.clone(),
-        }
-    }
+    edit::apply_serve(text, form, file).map_err(edit_error)
 }
 
 #[cfg(test)]

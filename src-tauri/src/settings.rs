@@ -5,67 +5,17 @@
 //! sets the conductor first). Here are the forms as the UI sees them.
 
 use baton_engine::Pool;
-use baton_engine::pool::edit::{self, ConductorEdit, EditError, SettingsEdit, WorkerEdit};
-use baton_providers::ProviderKind;
-use serde::{Deserialize, Serialize};
+use baton_engine::pool::edit::{self, EditError};
+use serde::Serialize;
 use tauri::State;
 
 use crate::error::{AppError, AppResult, ErrorKind};
 use crate::state::AppState;
 
-/// One `[[worker]]` table as the form shows it. `None` fields are absent from the file.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ts_rs::TS)]
-pub struct WorkerForm {
-    /// Index of the table this form was read from, so a save keeps its other keys and comments;
-    /// `null` for a new worker.
-    pub original: Option<u32>,
-    pub name: String,
-    pub provider: ProviderKind,
-    pub model: String,
-    pub base_url: Option<String>,
-    pub api_key_env: Option<String>,
-    pub max_tokens: Option<u32>,
-    pub temperature: Option<f64>,
-    pub reasoning_effort: Option<String>,
-    pub thinking_budget: Option<u32>,
-    /// $ per million input tokens.
-    pub price_in: Option<f64>,
-    pub price_out: Option<f64>,
-    /// $ per million input tokens read from a prompt cache (default: `price_in`).
-    pub price_cached_in: Option<f64>,
-    pub description: Option<String>,
-}
-
-/// The `[conductor]`, `[recursion]` and `[budget]` tables and `max_steps`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ts_rs::TS)]
-pub struct ConductorForm {
-    /// A local `.gguf` file or safetensors directory; with `url`, the model name the server serves.
-    pub model: Option<String>,
-    /// An OpenAI-compatible server that runs the conductor.
-    pub url: Option<String>,
-    /// With `url`: the server's plan-grammar field (`vllm`, `sglang`, `llama.cpp`), or `None`
-    /// to parse its answers.
-    #[serde(default)]
-    pub grammar: Option<String>,
-    /// `auto` (GPU when there is one) or `cpu`.
-    pub device: String,
-    pub max_steps: u32,
-    pub recursion: bool,
-    pub max_depth: u32,
-    /// When the conductor's plans cannot be used (they fail, copy an example, or keep the
-    /// question from the workers), answer with one worker alone (`[conductor] fallback`).
-    #[serde(default = "yes")]
-    pub fallback: bool,
-    pub max_calls: Option<u32>,
-    pub max_tokens: Option<u32>,
-    pub max_cost_usd: Option<f64>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ts_rs::TS)]
-pub struct PoolForm {
-    pub workers: Vec<WorkerForm>,
-    pub conductor: ConductorForm,
-}
+// The forms are the engine's own edits of the pool file, so what the UI sends is what is written.
+pub use baton_engine::pool::edit::{
+    ConductorEdit as ConductorForm, SettingsEdit as PoolForm, WorkerEdit as WorkerForm,
+};
 
 /// What the settings screens show.
 #[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
@@ -149,16 +99,12 @@ pub async fn save_settings(state: State<'_, AppState>, form: PoolForm) -> AppRes
 
 /// Reads the form from pool TOML; a missing file is an empty form.
 pub fn read_form(text: &str) -> Result<PoolForm, String> {
-    edit::read_settings(text).map(PoolForm::from).map_err(|e| e.to_string())
-}
-
-fn yes() -> bool {
-    true
+    edit::read_settings(text).map_err(|e| e.to_string())
 }
 
 /// Applies `form` to the pool TOML `text` and checks the result; returns the new text.
 pub fn apply_form(text: &str, form: &PoolForm, file: &str) -> AppResult<String> {
-    edit::apply_settings(text, &SettingsEdit::from(form), file).map_err(edit_error)
+    edit::apply_settings(text, form, file).map_err(edit_error)
 }
 
 /// What a pool-file edit's error is to the UI (the Local API screen's too): what the form asks
@@ -172,94 +118,10 @@ pub(crate) fn edit_error(e: EditError) -> AppError {
     AppError::new(kind, e.to_string())
 }
 
-impl From<SettingsEdit> for PoolForm {
-    fn from(s: SettingsEdit) -> Self {
-        let c = s.conductor;
-        PoolForm {
-            workers: s.workers.into_iter().map(WorkerForm::from).collect(),
-            conductor: ConductorForm {
-                model: c.model,
-                url: c.url,
-                grammar: c.grammar,
-                device: c.device,
-                max_steps: c.max_steps,
-                recursion: c.recursion,
-                max_depth: c.max_depth,
-                fallback: c.fallback,
-                max_calls: c.max_calls,
-                max_tokens: c.max_tokens,
-                max_cost_usd: c.max_cost_usd,
-            },
-        }
-    }
-}
-
-impl From<WorkerEdit> for WorkerForm {
-    fn from(w: WorkerEdit) -> Self {
-        WorkerForm {
-            original: w.original.map(|i| i as u32),
-            name: w.name,
-            provider: w.provider,
-            model: w.model,
-            base_url: w.base_url,
-            api_key_env: w.api_key_env,
-            max_tokens: w.max_tokens,
-            temperature: w.temperature,
-            reasoning_effort: w.reasoning_effort,
-            thinking_budget: w.thinking_budget,
-            price_in: w.price_in,
-            price_out: w.price_out,
-            price_cached_in: w.price_cached_in,
-            description: w.description,
-        }
-    }
-}
-
-impl From<&PoolForm> for SettingsEdit {
-    fn from(form: &PoolForm) -> Self {
-        let c = form.conductor.clone();
-        SettingsEdit {
-            workers: form.workers.iter().cloned().map(WorkerEdit::from).collect(),
-            conductor: ConductorEdit {
-                model: c.model,
-                url: c.url,
-                grammar: c.grammar,
-                device: c.device,
-                max_steps: c.max_steps,
-                recursion: c.recursion,
-                max_depth: c.max_depth,
-                fallback: c.fallback,
-                max_calls: c.max_calls,
-                max_tokens: c.max_tokens,
-                max_cost_usd: c.max_cost_usd,
-            },
-        }
-    }
-}
-
-impl From<WorkerForm> for WorkerEdit {
-    fn from(w: WorkerForm) -> Self {
-        WorkerEdit {
-            original: w.original.map(|i| i as usize),
-            name: w.name,
-            provider: w.provider,
-            model: w.model,
-            base_url: w.base_url,
-            api_key_env: w.api_key_env,
-            max_tokens: w.max_tokens,
-            temperature: w.temperature,
-            reasoning_effort: w.reasoning_effort,
-            thinking_budget: w.thinking_budget,
-            price_in: w.price_in,
-            price_out: w.price_out,
-            price_cached_in: w.price_cached_in,
-            description: w.description,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use baton_providers::ProviderKind;
+
     use super::*;
 
     const FILE: &str = r#"# my pool

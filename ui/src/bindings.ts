@@ -294,8 +294,8 @@ export type AppError = { kind: ErrorKind, message: string, };
 
 export type WorkerForm = { 
 /**
- * Index of the table this form was read from, so a save keeps its other keys and comments;
- * `null` for a new worker.
+ * Index of the table this worker was read from, so a save keeps its other keys and
+ * comments; `None` for a new worker.
  */
 original: number | null, name: string, provider: ProviderKind, model: string, base_url: string | null, api_key_env: string | null, max_tokens: number | null, temperature: number | null, reasoning_effort: string | null, thinking_budget: number | null, 
 /**
@@ -322,7 +322,8 @@ url: string | null,
  */
 grammar: string | null, 
 /**
- * `auto` (GPU when there is one) or `cpu`.
+ * `auto` (GPU when there is one) or `cpu` ([`Device`]), as the file says it: a name the
+ * pool refuses is shown and refused on save, not replaced unseen.
  */
 device: string, max_steps: number, recursion: boolean, max_depth: number, 
 /**
@@ -758,8 +759,8 @@ export type LocalApiForm = {
  */
 enabled: boolean, 
 /**
- * `127.0.0.1` unless the pool file says otherwise; only the pool file can change it, since
- * anything but loopback opens the server to the network.
+ * Must be what the file says (`127.0.0.1` when it says nothing): only the pool file can
+ * change it, since anything but loopback opens the server to the network.
  */
 host: string, 
 /**

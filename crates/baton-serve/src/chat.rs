@@ -15,10 +15,10 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use baton_engine::{RunEvent, Totals};
+use baton_engine::RunEvent;
 use serde_json::{Value, json};
 
-use crate::handling::{self, Progress, Running, StreamFormat, baton_object, cost_text, failure};
+use crate::handling::{self, Progress, Running, StreamFormat, baton_object, cost_text, failure, usage};
 use crate::request::{self, Call, Field, Messages};
 use crate::{ApiError, Service};
 
@@ -150,24 +150,6 @@ pub async fn completions(
         Err(e) => return e.into_response(),
     };
     if run.stream { stream(run).await } else { complete(run).await }
-}
-
-/// OpenAI's `usage`, with the conductor's share in the orchestration fields.
-pub(crate) fn usage(totals: &Totals) -> Value {
-    let all = totals.usage;
-    let c = totals.conductor.usage;
-    json!({
-        "prompt_tokens": all.input_tokens,
-        "completion_tokens": all.output_tokens,
-        "total_tokens": all.input_tokens + all.output_tokens,
-        "prompt_tokens_details": {
-            "cached_tokens": all.cached_input_tokens,
-            "orchestration_input_tokens": c.input_tokens,
-            "orchestration_input_cached_tokens": c.cached_input_tokens,
-        },
-        "completion_tokens_details": { "orchestration_output_tokens": c.output_tokens },
-        "estimated": all.estimated,
-    })
 }
 
 /// Not streamed: waits for the run's end, then answers in one body.

@@ -243,12 +243,30 @@ pub(crate) fn baton_object(run: &Running, progress: &Progress, status: &str, tot
     }
     if let Some(t) = totals {
         // In Chat Completions' shape, whichever format carries the object.
-        o["usage"] = crate::chat::usage(t);
+        o["usage"] = usage(t);
         o["cost_usd"] = json!(t.cost_usd);
         o["cost_complete"] = json!(t.cost_complete);
         o["wall_ms"] = json!(t.wall_ms);
     }
     o
+}
+
+/// Chat Completions' `usage` (the `baton` object carries it in this shape in both formats), with the conductor's share in the orchestration fields.
+pub(crate) fn usage(totals: &Totals) -> Value {
+    let all = totals.usage;
+    let c = totals.conductor.usage;
+    json!({
+        "prompt_tokens": all.input_tokens,
+        "completion_tokens": all.output_tokens,
+        "total_tokens": all.input_tokens + all.output_tokens,
+        "prompt_tokens_details": {
+            "cached_tokens": all.cached_input_tokens,
+            "orchestration_input_tokens": c.input_tokens,
+            "orchestration_input_cached_tokens": c.cached_input_tokens,
+        },
+        "completion_tokens_details": { "orchestration_output_tokens": c.output_tokens },
+        "estimated": all.estimated,
+    })
 }
 
 /// How a run that ended without an answer reaches the client.

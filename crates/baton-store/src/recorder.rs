@@ -623,12 +623,9 @@ pub(crate) fn title(question: &str) -> String {
     }
 }
 
+/// A step's access list as its `steps.access` column holds it (read back by `records`).
 fn access_to_json(access: &Access) -> String {
     serde_json::to_string(access).unwrap_or_else(|_| "[]".into())
-}
-
-pub(crate) fn access_from_json(s: &str) -> Result<Access, serde_json::Error> {
-    serde_json::from_str(s)
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use baton_providers::{Message, Usage};
 use serde::Serialize;
 use sqlx::{FromRow, Row};
 
-use crate::{StoreError, recorder};
+use crate::StoreError;
 
 /// How a run ended, or that it has not (yet).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ts_rs::TS)]
@@ -337,7 +337,7 @@ impl StepRow {
             worker_index: self.worker_index as u32,
             worker: self.worker,
             subtask: self.subtask,
-            access: recorder::access_from_json(&self.access).map_err(|e| decode("steps.access", e))?,
+            access: serde_json::from_str(&self.access).map_err(|e| decode("steps.access", e))?,
             request,
             status: self.status,
             output: self.output,

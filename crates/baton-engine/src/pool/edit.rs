@@ -8,12 +8,14 @@ use std::path::{Path, PathBuf};
 
 use baton_plan::DEFAULT_MAX_STEPS;
 use baton_providers::ProviderKind;
+use serde::{Deserialize, Serialize};
 use toml_edit::{Array, ArrayOfTables, DocumentMut, Item, Table, TableLike};
 
 use super::{Device, Pool, PoolError};
 
 /// One `[[worker]]` table as the Settings form edits it. `None` fields are absent from the file.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ts_rs::TS)]
+#[ts(rename = "WorkerForm")]
 pub struct WorkerEdit {
     /// Index of the table this worker was read from, so a save keeps its other keys and
     /// comments; `None` for a new worker.
@@ -37,7 +39,8 @@ pub struct WorkerEdit {
 
 /// The `[conductor]`, `[recursion]` and `[budget]` tables and `max_steps`, as the Settings form
 /// edits them.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ts_rs::TS)]
+#[ts(rename = "ConductorForm")]
 pub struct ConductorEdit {
     /// A local `.gguf` file or safetensors directory; with `url`, the model name the server serves.
     pub model: Option<String>,
@@ -45,6 +48,7 @@ pub struct ConductorEdit {
     pub url: Option<String>,
     /// With `url`: the server's plan-grammar field (`vllm`, `sglang`, `llama.cpp`), or `None`
     /// to parse its answers.
+    #[serde(default)]
     pub grammar: Option<String>,
     /// `auto` (GPU when there is one) or `cpu` ([`Device`]), as the file says it: a name the
     /// pool refuses is shown and refused on save, not replaced unseen.
@@ -54,6 +58,7 @@ pub struct ConductorEdit {
     pub max_depth: u32,
     /// When the conductor's plans cannot be used (they fail, copy an example, or keep the
     /// question from the workers), answer with one worker alone (`[conductor] fallback`).
+    #[serde(default = "yes")]
     pub fallback: bool,
     pub max_calls: Option<u32>,
     pub max_tokens: Option<u32>,
@@ -61,20 +66,23 @@ pub struct ConductorEdit {
 }
 
 /// What the Settings form edits: the workers, in order, and the conductor's options.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ts_rs::TS)]
+#[ts(rename = "PoolForm")]
 pub struct SettingsEdit {
     pub workers: Vec<WorkerEdit>,
     pub conductor: ConductorEdit,
 }
 
 /// The `[serve]` table as the Local API form edits it.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ts_rs::TS)]
+#[ts(rename = "LocalApiForm")]
 pub struct ServeEdit {
     /// Serve while the app is open (`app`).
     pub enabled: bool,
     /// Must be what the file says (`127.0.0.1` when it says nothing): only the pool file can
     /// change it, since anything but loopback opens the server to the network.
     pub host: String,
+    /// 0 picks a free port each time.
     pub port: u16,
     pub max_concurrent_runs: u32,
     pub daily_max_cost_usd: Option<f64>,
@@ -109,6 +117,10 @@ pub enum EditError {
     Invalid(#[from] PoolError),
     #[error("{}: cannot write the pool file: {source}", .path.display())]
     Write { path: PathBuf, source: std::io::Error },
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// Reads the Settings form from pool TOML; empty text (no file yet) is an empty form.
