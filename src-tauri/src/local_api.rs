@@ -265,21 +265,11 @@ mod tests {
         form_of(&Pool::parse(POOL, "pool.toml").unwrap().options.serve)
     }
 
+    // Saving is tested with the engine (`baton_engine::pool::edit`); here, what the form shows.
     #[test]
-    fn a_save_keeps_what_the_form_does_not_show() {
-        let mut f = form();
-        assert_eq!((f.port, f.enabled, f.host.as_str()), (9000, false, "127.0.0.1"));
-        f.enabled = true;
-        f.daily_max_cost_usd = Some(2.5);
-        f.allow_origins = vec!["http://localhost:3000/".into()];
-        let text = apply_form(POOL, &f, "pool.toml").unwrap();
-        assert!(text.contains("# mine") && text.contains("token_env = \"T\""), "{text}");
-        let spec = Pool::parse(&text, "pool.toml").unwrap().options.serve;
-        assert!(spec.app);
-        assert_eq!((spec.port, spec.daily_max_cost_usd), (Some(9000), Some(2.5)));
-        assert_eq!(spec.allow_origins, ["http://localhost:3000"]);
-        f.daily_max_cost_usd = None;
-        let text = apply_form(&text, &f, "pool.toml").unwrap();
-        assert_eq!(Pool::parse(&text, "pool.toml").unwrap().options.serve.daily_max_cost_usd, None);
+    fn the_form_shows_what_the_file_says() {
+        let f = form();
+        assert_eq!((f.port, f.enabled, f.host.as_str(), f.daily_max_cost_usd), (9000, false, "127.0.0.1", None));
+        assert!(f.allow_origins.is_empty());
     }
 }

@@ -120,34 +120,17 @@ pub(crate) fn edit_error(e: EditError) -> AppError {
 
 #[cfg(test)]
 mod tests {
-    use baton_providers::ProviderKind;
-
     use super::*;
 
-    const FILE: &str = r#"# my pool
-max_steps = 4
-
-[retry]
-max_retries = 1
-
-[[worker]]
-name = "gpt"   # the strong one
-provider = "openai"
-model = "gpt-5"
-timeout_secs = 90
-"#;
-
+    // The editing itself is tested with the engine (`baton_engine::pool::edit`); here, what
+    // its refusals are to the UI.
     #[test]
-    fn an_invalid_worker_is_refused_with_the_pool_error() {
-        let mut form = read_form(FILE).unwrap();
-        form.workers[0].provider = ProviderKind::OpenAiCompatible; // needs a base_url
-        let err = apply_form(FILE, &form, "pool.toml").unwrap_err();
+    fn a_refused_form_is_bad_input_and_a_file_that_is_not_toml_is_the_pools_problem() {
+        let mut form = read_form("[[worker]]\nname = \"w\"\nprovider = \"openai\"\nmodel = \"m\"\n").unwrap();
+        form.workers[0].provider = baton_providers::ProviderKind::OpenAiCompatible; // needs a base_url
+        let err = apply_form("", &form, "pool.toml").unwrap_err();
         assert_eq!(err.kind, ErrorKind::BadInput);
         assert!(err.message.contains("base_url"), "{}", err.message);
-    }
-
-    #[test]
-    fn broken_toml_is_never_rewritten() {
         let err = apply_form("[[worker]\nname=", &read_form("").unwrap(), "pool.toml").unwrap_err();
         assert_eq!(err.kind, ErrorKind::Pool);
         assert!(err.message.contains("will not rewrite"), "{}", err.message);

@@ -133,6 +133,11 @@ raw?: string | null,
  */
 usage?: Usage | null, 
 /**
+ * What those tokens cost; absent for a given plan, and when the conductor's price is
+ * unknown.
+ */
+cost_usd?: number | null, 
+/**
  * Why the conductor's generation ended: `stop` (its end token), `length` (its token cap),
  * or `complete` (Baton ended the stream once the plan was whole).
  */

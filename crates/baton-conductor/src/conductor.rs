@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use baton_engine::accounting::{Meter, WorstCase};
+use baton_engine::accounting::{Figures, Meter, WorstCase};
 use baton_engine::calls::{CallPolicy, with_retries};
 use baton_engine::prices::Pricing;
 use baton_engine::{PlanDeltas, Planned, Planner, PlannerError, PlanningContext, WorkerInfo};
@@ -296,7 +296,7 @@ impl RemoteConductor {
         let deltas = std::sync::Mutex::new(deltas);
         let write = |text: &str| (deltas.lock().unwrap_or_else(std::sync::PoisonError::into_inner))(text);
         // Every attempt's usage counts toward the plan's, failed ones included.
-        let spent = std::sync::Mutex::new((Usage::default(), Some(0.0)));
+        let spent = std::sync::Mutex::new(Figures::default());
         let attempt = || async {
             // A budget refusal is not a provider error: it ends the retries (inner `Err`).
             let reservation = match meter.reserve("the conductor", worst).await {
@@ -313,9 +313,7 @@ impl RemoteConductor {
             };
             let cost_usd = self.pricing.cost(&usage);
             reservation.settle(usage, cost_usd);
-            let mut total = spent.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            total.0 += usage;
-            total.1 = total.1.zip(cost_usd).map(|(a, b)| a + b);
+            spent.lock().unwrap_or_else(std::sync::PoisonError::into_inner).add(usage, cost_usd);
             answer.map(Ok)
         };
         let on_retry = |r: baton_engine::calls::Retrying<'_>| {
@@ -326,7 +324,8 @@ impl RemoteConductor {
             ));
         };
         let answer = with_retries(&self.options.call, meter.stop, attempt, on_retry).await;
-        let (usage, cost_usd) = *spent.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let spent = spent.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let (usage, cost_usd) = (spent.usage, spent.cost());
         let answer = answer.map_err(|e| PlannerError::new(format!("the conductor's server: {e}")))??;
         Ok(Asked { text: answer.text, usage, cost_usd, stop_reason: answer.stop_reason })
     }

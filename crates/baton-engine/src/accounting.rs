@@ -70,12 +70,19 @@ impl Default for Figures {
 }
 
 impl Figures {
-    fn add(&mut self, usage: Usage, cost: Option<f64>) {
+    /// Adds what a call (or a plan's calls) used and cost, `None` for an unknown price; the
+    /// calls themselves are counted by whoever makes them.
+    pub fn add(&mut self, usage: Usage, cost: Option<f64>) {
         self.usage += usage;
         match cost {
             Some(c) => self.cost_usd += c,
             None => self.cost_complete = false,
         }
+    }
+
+    /// The dollars, when every call's price is known.
+    pub fn cost(&self) -> Option<f64> {
+        self.cost_complete.then_some(self.cost_usd)
     }
 
     /// Both sides together.

@@ -66,6 +66,10 @@ pub enum RunEvent {
         /// for a given plan.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         usage: Option<Usage>,
+        /// What those tokens cost; absent for a given plan, and when the conductor's price is
+        /// unknown.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cost_usd: Option<f64>,
         /// Why the conductor's generation ended: `stop` (its end token), `length` (its token cap),
         /// or `complete` (Baton ended the stream once the plan was whole).
         #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -143,6 +143,7 @@ mod tests {
             plan: Plan { steps },
             raw: None,
             usage: None,
+            cost_usd: None,
             stop_reason: None,
             prompt: None,
             fallback: None,

@@ -320,7 +320,7 @@ impl Recorder {
                 let rejected = crate::RejectedPlan { reason: reason.clone(), raw: raw.clone(), prompt: prompt.clone() };
                 self.rejected.entry(*round).or_default().push(rejected);
             }
-            RunEvent::PlanReady { round, depth, parent, plan, raw, usage, stop_reason, prompt, fallback } => {
+            RunEvent::PlanReady { round, depth, parent, plan, raw, usage, stop_reason, prompt, fallback, .. } => {
                 let rejected = self.rejected.remove(round).filter(|r| !r.is_empty());
                 conn.prepare_cached(
                     "INSERT INTO plans (run_id, round, depth, parent_round, parent_step, raw, plan,

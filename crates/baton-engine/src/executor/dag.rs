@@ -210,7 +210,7 @@ impl Executor {
         // conductor and the next round's workers see.
         let work: Vec<Message> = messages[..messages.len().saturating_sub(1)].to_vec();
         let parent = Some(StepRef { round, step });
-        let Written { round: inner_round, plan, usage, cost_usd } =
+        let Written { round: inner_round, plan, spent } =
             match self.write_plan(ctx, depth + 1, parent, messages.clone()).await {
                 Ok(written) => written,
                 Err(failure) => return (step, Err(failure)),
@@ -236,7 +236,8 @@ impl Executor {
         };
         // The step's own figures are the conductor's call that wrote its round; the round's
         // steps report theirs.
-        let done = StepDone { output, usage, cost_usd, latency: started.elapsed(), retries: 0 };
+        let done =
+            StepDone { output, usage: spent.usage, cost_usd: spent.cost(), latency: started.elapsed(), retries: 0 };
         (step, Ok(done))
     }
 }

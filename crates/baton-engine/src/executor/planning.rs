@@ -6,12 +6,12 @@
 use std::sync::atomic::Ordering;
 
 use baton_plan::{Limits, Plan};
-use baton_providers::{Message, Usage};
+use baton_providers::Message;
 use tokio_util::sync::CancellationToken;
 
 use super::step::StepFailure;
 use super::{Executor, RunCtx};
-use crate::accounting::{Budget, Ledger, Meter};
+use crate::accounting::{Budget, Figures, Ledger, Meter};
 use crate::event::{RunError, RunErrorKind, RunEvent, StepRef};
 use crate::planner::{PlanDeltas, Planned, PlannerError, PlanningContext, ShownExample};
 use crate::rerun::Reuse;
@@ -20,8 +20,8 @@ use crate::rerun::Reuse;
 pub(super) struct Written {
     pub(super) round: u32,
     pub(super) plan: Plan,
-    pub(super) usage: Usage,
-    pub(super) cost_usd: Option<f64>,
+    /// The conductor's tokens and dollars for it, every attempt included.
+    pub(super) spent: Figures,
 }
 
 /// Why a run has no plan for its question; the run ends here.
@@ -126,6 +126,7 @@ impl Executor {
             plan: plan.clone(),
             raw: None,
             usage: None,
+            cost_usd: None,
             stop_reason: None,
             prompt: None,
             fallback: None,
@@ -190,7 +191,7 @@ impl Executor {
         };
         let limits = limits(&context);
         let checked = depth == 0 && self.options.fallback.enabled;
-        let mut spent = (Usage::default(), Some(0.0));
+        let mut spent = Figures::default();
         let mut reasons: Vec<String> = Vec::new();
         // Every example shown in this round's attempts: a second attempt that names what only
         // the first one's examples had is no more about the question than the first.
@@ -222,8 +223,7 @@ impl Executor {
                     (format!("the conductor failed: {}", e.message), None, None)
                 }
                 Ok(planned) => {
-                    spent.0 += planned.usage;
-                    spent.1 = spent.1.zip(planned.cost_usd).map(|(a, b)| a + b);
+                    spent.add(planned.usage, planned.cost_usd);
                     shown.extend(planned.examples.iter().cloned());
                     // The conductor should only produce valid plans; check anyway, against this round.
                     let problem = match planned.plan.validate(&limits) {
@@ -243,12 +243,13 @@ impl Executor {
                                 parent,
                                 plan: planned.plan.clone(),
                                 raw: Some(planned.raw),
-                                usage: Some(spent.0),
+                                usage: Some(spent.usage),
+                                cost_usd: spent.cost(),
                                 stop_reason: planned.stop_reason,
                                 prompt: planned.prompt,
                                 fallback: None,
                             });
-                            return Ok(Written { round, plan: planned.plan, usage: spent.0, cost_usd: spent.1 });
+                            return Ok(Written { round, plan: planned.plan, spent });
                         }
                         Some(p) if !checked => return Err(StepFailure::Conductor(p)),
                         Some(p) => (p, Some(planned.raw), planned.prompt),
@@ -279,12 +280,13 @@ impl Executor {
             parent,
             plan: plan.clone(),
             raw: None,
-            usage: Some(spent.0),
+            usage: Some(spent.usage),
+            cost_usd: spent.cost(),
             stop_reason: None,
             prompt: None,
             fallback: Some(reason),
         });
-        Ok(Written { round, plan, usage: spent.0, cost_usd: spent.1 })
+        Ok(Written { round, plan, spent })
     }
 }
 
