@@ -317,14 +317,15 @@ async fn run_recorded<R: Runtime>(
         return Err(AppError::new(ErrorKind::Cancelled, "the run was stopped before it started"));
     }
     let mut timing = TimingLog::for_run(&run.run_id);
-    let show = |event: RunEvent| {
+    let show = move |event: RunEvent| {
         if let Some(t) = &mut timing {
             t.observe(&event);
         }
         // A closed window only stops the display, never the run or its record.
         let _ = on_event.send(event);
     };
-    let warn = |e: baton_store::StoreError| {
+    let app = app.clone();
+    let warn = move |e: baton_store::StoreError| {
         let _ = app.emit(HISTORY_WARNING_EVENT, format!("this run is not fully recorded in the history: {e}"));
     };
     let recorded = baton_runner::run_recorded(executor, run, Some(recorder), show, warn, &registration.token).await;

@@ -51,10 +51,8 @@ pub struct Built {
 }
 
 /// Builds the executor `setup` describes for `pool`.
-pub async fn build(mut pool: Pool, setup: Setup<'_>) -> Result<Built, SetupError> {
-    if let Some(store) = setup.store {
-        store.choose_fallback_worker(&mut pool).await;
-    }
+pub async fn build(pool: Pool, setup: Setup<'_>) -> Result<Built, SetupError> {
+    let pool = with_fallback_chosen(pool, setup.store).await;
     let mut executor = Executor::from_pool(&pool);
     let planner = match setup.conductor {
         Conductor::None => None,
@@ -74,19 +72,26 @@ pub async fn build(mut pool: Pool, setup: Setup<'_>) -> Result<Built, SetupError
     Ok(Built { executor, pool, conductor })
 }
 
+/// Like [`build`] for an executor that only plans (a draft): the conductor is loaded whatever
+/// `setup.conductor` says, the `local` workers are not, since nothing runs.
+pub async fn build_planning(pool: Pool, setup: Setup<'_>) -> Result<Built, SetupError> {
+    let pool = with_fallback_chosen(pool, setup.store).await;
+    let planner = setup::planner(&pool, setup.choice, setup.models, setup.notify).await?;
+    let executor = Executor::from_pool(&pool).with_planner(planner);
+    Ok(Built { executor, pool, conductor: true })
+}
+
+/// The pool with its fallback worker (and so the plan's lead) chosen from the history's latest
+/// evaluation, when there is a history.
+async fn with_fallback_chosen(mut pool: Pool, store: Option<&Store>) -> Pool {
+    if let Some(store) = store {
+        store.choose_fallback_worker(&mut pool).await;
+    }
+    pool
+}
+
 /// Whether local models run on the CPU whatever the machine has: the user's choice, or the
 /// pool's `[conductor] device`.
 pub fn forces_cpu(pool: &Pool, choice: &ConductorChoice) -> bool {
     choice.force_cpu || pool.options.conductor.device.forces_cpu()
-}
-
-/// Like [`build`] for an executor that only plans (a draft): the conductor is loaded, the
-/// `local` workers are not, since nothing runs.
-pub async fn build_planning(mut pool: Pool, setup: Setup<'_>) -> Result<Built, SetupError> {
-    if let Some(store) = setup.store {
-        store.choose_fallback_worker(&mut pool).await;
-    }
-    let planner = setup::planner(&pool, setup.choice, setup.models, setup.notify).await?;
-    let executor = Executor::from_pool(&pool).with_planner(planner);
-    Ok(Built { executor, pool, conductor: true })
 }

@@ -6,7 +6,7 @@ use baton_providers::Message;
 use tokio_util::sync::CancellationToken;
 
 use crate::RunnerError;
-use crate::build::{Conductor, Setup};
+use crate::build::Setup;
 
 /// The conductor's plan for `question` (after `history`), its text streamed to `deltas` as it
 /// is written; nothing runs. `cancel` stops it, and the error is then [`RunnerError::Cancelled`].
@@ -18,21 +18,19 @@ pub async fn draft(
     deltas: PlanDeltas<'_>,
     cancel: &CancellationToken,
 ) -> Result<(Planned, Pool), RunnerError> {
-    let setup = Setup { conductor: Conductor::Required, ..setup };
     let built = crate::build::build_planning(pool, setup).await?;
     // A model still loading finishes loading (mistral.rs cannot stop a load); the draft stops
     // right after.
     if cancel.is_cancelled() {
         return Err(stopped());
     }
-    // Dropping the planner's future stops generation (local and remote alike).
-    let planned = tokio::select! {
-        biased;
-        () = cancel.cancelled() => Err(stopped()),
-        planned = built.executor.draft(question.trim(), history, deltas, cancel) => {
-            planned.map_err(|e| RunnerError::Conductor(e.to_string()))
-        }
-    }?;
+    // The executor's draft stops the planner (dropping its future stops generation, local and
+    // remote alike) when `cancel` fires.
+    let planned = built
+        .executor
+        .draft(question.trim(), history, deltas, cancel)
+        .await
+        .map_err(|e| if cancel.is_cancelled() { stopped() } else { RunnerError::Conductor(e.to_string()) })?;
     Ok((planned, built.pool))
 }
 

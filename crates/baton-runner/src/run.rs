@@ -3,6 +3,7 @@
 use baton_engine::{Executor, RunEvent, RunOutcome, RunRequest};
 use baton_providers::Message;
 use baton_store::{Recorder, Store, StoreError};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::RunnerError;
@@ -20,19 +21,25 @@ pub struct Recorded {
 /// Runs `request`, recording each event with `recorder` (none: not recorded) before handing it
 /// to `show`; returns once the run has ended and is recorded.
 ///
-/// A history that fails mid-run must not cost the answer: the first error goes to
-/// `on_history_error`, and the run goes on unrecorded.
+/// Recording and showing happen on a task of their own, so a display that blocks (a terminal
+/// piped into a pager) holds up only itself, never the run's calls. A history that fails
+/// mid-run must not cost the answer: the first error goes to `on_history_error`, and the run
+/// goes on unrecorded.
 pub async fn run_recorded(
     executor: &Executor,
     request: RunRequest,
     recorder: Option<Recorder>,
-    show: impl FnMut(RunEvent) + Send,
-    on_history_error: impl FnOnce(StoreError) + Send,
+    show: impl FnMut(RunEvent) + Send + 'static,
+    on_history_error: impl FnOnce(StoreError) + Send + 'static,
     cancel: &CancellationToken,
 ) -> Recorded {
     let asked_in = recorder.as_ref().and_then(Recorder::conversation_id);
-    let (outcome, kept) =
-        baton_store::relay::run_kept(executor, request, cancel, recorder, show, on_history_error).await;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let relay = tokio::spawn(baton_store::relay::relay(recorder, rx, show, on_history_error));
+    let outcome = executor.run(request, &tx, cancel).await;
+    // The relay ends once the last sender is gone.
+    drop(tx);
+    let kept = relay.await.ok().flatten();
     let run_id = kept.as_ref().and_then(Recorder::run_id);
     let conversation_id = kept.as_ref().and_then(Recorder::conversation_id).or(asked_in);
     Recorded { outcome, run_id, conversation_id }

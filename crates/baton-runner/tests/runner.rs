@@ -67,19 +67,20 @@ async fn a_run_is_recorded_before_each_event_is_shown_and_a_follow_up_sees_the_c
         baton_runner::build(pool(&server, ""), setup(&models, &choice, Conductor::None, &store)).await.expect("builds");
     let cancel = CancellationToken::new();
 
-    let mut shown = Vec::new();
+    let shown = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let into = shown.clone();
     let recorded = baton_runner::run_recorded(
         &built.executor,
         request("What colour is the sky?", Vec::new()),
         Some(store.recorder(None)),
-        |event: RunEvent| shown.push(event),
+        move |event: RunEvent| into.lock().unwrap().push(event),
         |e| panic!("the history failed: {e}"),
         &cancel,
     )
     .await;
     assert_eq!(recorded.outcome.status, RunStatus::Finished, "{:?}", recorded.outcome.error);
     let (run, conversation) = (recorded.run_id.expect("recorded"), recorded.conversation_id.expect("a conversation"));
-    baton_engine::event::check_sequence(&shown).expect("the events keep their contract");
+    baton_engine::event::check_sequence(&shown.lock().unwrap()).expect("the events keep their contract");
     let tree = store.run(run).await.expect("reads").expect("the run is there");
     assert_eq!(tree.run.answer, recorded.outcome.answer);
     assert_eq!(tree.steps.len(), 2);
