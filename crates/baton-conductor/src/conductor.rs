@@ -8,7 +8,6 @@ use baton_engine::accounting::{Figures, Meter, WorstCase};
 use baton_engine::calls::{CallPolicy, with_retries};
 use baton_engine::prices::Pricing;
 use baton_engine::{PlanDeltas, Planned, Planner, PlannerError, PlanningContext, WorkerInfo};
-use baton_plan::Limits;
 use baton_providers::{ChatModel, ChatRequest, Constraint, Message, ServerGrammar, Usage, read_answer};
 use futures::future::BoxFuture;
 
@@ -61,14 +60,6 @@ impl ConductorOptions {
     fn prompts(&self, workers: Vec<WorkerInfo>) -> PromptBuilder {
         let p = PromptBuilder::new(workers).with_version(self.prompt_version);
         if self.no_examples { p.without_examples() } else { p }
-    }
-}
-
-fn limits(ctx: &PlanningContext) -> Limits {
-    Limits {
-        max_steps: ctx.max_steps,
-        pool_size: Some(ctx.pool_size + usize::from(ctx.allow_self)),
-        allow_stop: ctx.allow_stop,
     }
 }
 
@@ -172,7 +163,7 @@ impl LocalConductor {
         // A failed generation's tokens are not reported by mistral.rs; it counts as a call.
         reservation.settle(generated.as_ref().map(|g| g.usage).unwrap_or_default(), Some(0.0));
         let generated = generated?;
-        let plan = baton_plan::parse(&generated.text, &limits(ctx)).map_err(|e| {
+        let plan = baton_plan::parse(&generated.text, &ctx.limits()).map_err(|e| {
             let budget = if max_tokens < full && generated.finish_reason.as_deref() == Some("length") {
                 format!("; the run's token cap (budget.max_tokens) left room for only {max_tokens} tokens of plan")
             } else {
@@ -361,7 +352,7 @@ impl Planner for RemoteConductor {
             let Asked { text, usage, cost_usd, stop_reason } = first;
             let record = self.prompts.record(&system, &messages);
             let examples = self.prompts.shown_examples(&ctx);
-            let error = match baton_plan::parse(&text, &limits(&ctx)) {
+            let error = match baton_plan::parse(&text, &ctx.limits()) {
                 Ok(plan) => {
                     return Ok(Planned {
                         raw: text,
@@ -387,7 +378,7 @@ impl Planner for RemoteConductor {
             let mut total = usage;
             total += second.usage;
             let cost_usd = cost_usd.zip(second.cost_usd).map(|(a, b)| a + b);
-            match baton_plan::parse(&second.text, &limits(&ctx)) {
+            match baton_plan::parse(&second.text, &ctx.limits()) {
                 Ok(plan) => Ok(Planned {
                     raw: second.text,
                     plan,

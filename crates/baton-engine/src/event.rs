@@ -179,6 +179,23 @@ pub struct StepRef {
 }
 
 impl RunEvent {
+    /// The `PlanReady` of a plan no conductor wrote (a client's, a reviewed draft, a re-run's):
+    /// no text, tokens, cost or prompt of its own.
+    pub fn given_plan(round: u32, depth: u32, parent: Option<StepRef>, plan: Plan) -> RunEvent {
+        RunEvent::PlanReady {
+            round,
+            depth,
+            parent,
+            plan,
+            raw: None,
+            usage: None,
+            cost_usd: None,
+            stop_reason: None,
+            prompt: None,
+            fallback: None,
+        }
+    }
+
     /// Whether this event ends the run.
     pub fn is_terminal(&self) -> bool {
         self.final_totals().is_some()

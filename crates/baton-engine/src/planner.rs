@@ -1,7 +1,7 @@
 //! The conductor as the executor sees it: something that writes a plan for a question, and,
 //! on recursive pools, for the work a step hands back to it.
 
-use baton_plan::Plan;
+use baton_plan::{Limits, Plan};
 use baton_providers::{Message, Usage};
 use futures::future::BoxFuture;
 
@@ -38,6 +38,17 @@ pub struct PlanningContext {
 }
 
 impl PlanningContext {
+    /// What a plan for this context may be: its length, its workers (the conductor among them
+    /// when it may take a step) and whether it may stop. The conductor parses under these, and
+    /// the executor checks every plan against them again.
+    pub fn limits(&self) -> Limits {
+        Limits {
+            max_steps: self.max_steps,
+            pool_size: Some(self.pool_size + usize::from(self.allow_self)),
+            allow_stop: self.allow_stop,
+        }
+    }
+
     /// The first plan for a question with no conversation before it: depth 0, no stop, and
     /// the conductor not among the workers (set `allow_self` for a recursive pool).
     pub fn question(question: impl Into<String>, pool_size: usize, max_steps: usize) -> Self {

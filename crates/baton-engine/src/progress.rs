@@ -136,18 +136,7 @@ mod tests {
     fn ready(round: u32, parent: Option<StepRef>, workers: &[usize]) -> RunEvent {
         let steps =
             workers.iter().map(|&w| Step { model_id: w, subtask: "do it".into(), access: Access::All }).collect();
-        RunEvent::PlanReady {
-            round,
-            depth: round,
-            parent,
-            plan: Plan { steps },
-            raw: None,
-            usage: None,
-            cost_usd: None,
-            stop_reason: None,
-            prompt: None,
-            fallback: None,
-        }
+        RunEvent::given_plan(round, round, parent, Plan { steps })
     }
 
     fn started(round: u32, step: usize, worker: usize) -> RunEvent {

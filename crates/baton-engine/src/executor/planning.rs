@@ -57,7 +57,7 @@ impl Executor {
             return Err(PlannerError::new("no conductor is configured to write a plan"));
         };
         let context = self.question_context(question, history, None);
-        let limits = limits(&context);
+        let limits = context.limits();
         let ledger = Ledger::new(Budget::default());
         let meter = Meter { ledger: &ledger, stop: cancel };
         // Dropping the planner's future stops generation (local and remote alike).
@@ -119,18 +119,7 @@ impl Executor {
             return Err(NoPlan::Failed(RunError { kind: RunErrorKind::InvalidPlan, message }));
         }
         let round = ctx.rounds.fetch_add(1, Ordering::SeqCst);
-        ctx.emit(RunEvent::PlanReady {
-            round,
-            depth: 0,
-            parent: None,
-            plan: plan.clone(),
-            raw: None,
-            usage: None,
-            cost_usd: None,
-            stop_reason: None,
-            prompt: None,
-            fallback: None,
-        });
+        ctx.emit(RunEvent::given_plan(round, 0, None, plan.clone()));
         Ok((round, plan))
     }
 
@@ -189,7 +178,7 @@ impl Executor {
             max_steps,
             ..self.question_context(&ctx.question, ctx.history.clone(), ctx.instructions.clone())
         };
-        let limits = limits(&context);
+        let limits = context.limits();
         let checked = depth == 0 && self.options.fallback.enabled;
         let mut spent = Figures::default();
         let mut reasons: Vec<String> = Vec::new();
@@ -287,15 +276,5 @@ impl Executor {
             fallback: Some(reason),
         });
         Ok(Written { round, plan, spent })
-    }
-}
-
-/// What a plan written for `context` must keep to: its length, the workers (and the conductor,
-/// where the plan may give it a step), and a stop only where the round may stop.
-fn limits(context: &PlanningContext) -> Limits {
-    Limits {
-        max_steps: context.max_steps,
-        pool_size: Some(context.pool_size + usize::from(context.allow_self)),
-        allow_stop: context.allow_stop,
     }
 }
