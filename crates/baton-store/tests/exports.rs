@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use baton_engine::rerun::{self, Source};
-use baton_engine::{Executor, Pool, RunRequest};
+use baton_engine::{Executor, Pool, RunProgress, RunRequest};
 use baton_plan::Limits;
 use baton_providers::ApiKey;
 use baton_store::{RunTree, Store, export};
@@ -243,4 +243,54 @@ async fn a_history_from_before_texts_were_stored_once_reads_the_same() {
     let step = &store.run(id).await.expect("query").expect("run").steps[0];
     assert_eq!(step.status, "cancelled");
     assert_eq!(store.search("rayleigh", 10).await.expect("search").len(), 3, "and indexes new ones");
+}
+
+/// The engine's one fold of run events ([`RunProgress`], behind the command line's progress and
+/// the server's reasoning text) reads the pinned recordings as the history's rows say they went:
+/// every step that started has its row's worker and status, every plan gives each row's worker,
+/// and the answer is the last top-round step's. The app's topology is checked against the same
+/// files (`ui/src/lib/recorded.test.ts`).
+#[test]
+fn the_progress_fold_reads_recorded_runs_as_the_history_does() {
+    use baton_engine::RunEvent;
+    use baton_engine::progress::StepStatus;
+
+    let read = |name: &str| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join(name)).expect("fixture")).expect("json")
+    };
+    let mut runs: Vec<Value> = read("conversation.json")["runs"].as_array().expect("runs").clone();
+    runs.push(read("failed-run.json"));
+    let statuses: Vec<&str> = runs.iter().map(|r| r["run"]["status"].as_str().expect("status")).collect();
+    assert_eq!(statuses, ["finished", "finished", "failed"], "the recordings cover these endings");
+
+    for recorded in &runs {
+        let uid = recorded["run"]["uid"].as_str().expect("uid");
+        let mut progress = RunProgress::default();
+        for event in recorded["events"].as_array().expect("events") {
+            progress.see(&serde_json::from_value::<RunEvent>(event.clone()).expect("a recorded event reads back"));
+        }
+        let rows = recorded["steps"].as_array().expect("steps");
+        let number = |row: &Value, key: &str| row[key].as_u64().expect(key) as usize;
+        for row in rows {
+            let (round, step, worker) = (number(row, "round") as u32, number(row, "step"), number(row, "worker_index"));
+            assert_eq!(progress.worker_of(round, step), Some(worker), "{uid}: the plan's worker for step {step}");
+            if let Some(started) = progress.steps().iter().find(|s| (s.round, s.step) == (round, step)) {
+                let status = match started.status {
+                    StepStatus::Running => "running",
+                    StepStatus::Finished => "finished",
+                    StepStatus::Failed => "failed",
+                };
+                assert_eq!(
+                    (started.worker, status),
+                    (worker, row["status"].as_str().expect("status")),
+                    "{uid}: step {step}"
+                );
+            }
+        }
+        let last = rows.iter().filter(|r| r["round"] == 0).max_by_key(|r| number(r, "step")).expect("a top-round step");
+        assert_eq!(progress.answer_step(), Some((0, number(last, "step"))), "{uid}: the answer's step");
+        assert_eq!(progress.answer_worker(), Some(number(last, "worker_index")), "{uid}: the answer's worker");
+        let failed = last["status"] == "failed";
+        assert_eq!(progress.answer_error().is_some(), failed, "{uid}: the answer's step failed or not");
+    }
 }
