@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use baton_eval::report::{self, Report};
-use baton_eval::{Harness, Progress, Spec, Strategy};
+use baton_eval::{Harness, Progress, Purpose, Spec, Strategy};
 use baton_store::evaluations::{EvalResult, Evaluation};
 use serde::{Deserialize, Serialize};
 use tauri::ipc::Channel;
@@ -103,6 +103,7 @@ pub async fn run_evaluation<R: Runtime>(
     // The history opens first, so a damaged database costs no provider calls.
     let store = state.store().await?.clone();
     let wants_conductor = strategies.contains(&Strategy::Conductor);
+    let learned = baton_runner::build::learned_questions(&pool, &store).await;
     let executor = crate::chat::executor(&app, &state, &pool, wants_conductor).await?;
     let harness = Harness::new(Arc::new(executor), workers, store.clone(), wants_conductor);
     let id = request.id.filter(|i| !i.trim().is_empty()).unwrap_or_else(|| {
@@ -120,6 +121,7 @@ pub async fn run_evaluation<R: Runtime>(
         calibration: request.calibration,
         limit: request.limit.map(|l| l as usize),
         seed: request.seed.unwrap_or(1),
+        purpose: Purpose::EvaluateLeavingOut(learned),
     };
     let _ = on_progress.send(EvalProgress::Started { id: id.clone() });
     let progress = |p: Progress| {

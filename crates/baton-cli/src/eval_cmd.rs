@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use baton_eval::report::{self, Report};
-use baton_eval::{Ended, Harness, Progress, Spec, Strategy};
+use baton_eval::{Ended, Harness, Progress, Purpose, Spec, Strategy};
 use baton_runner::{Conductor, LocalModels};
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio_util::sync::CancellationToken;
@@ -451,6 +451,7 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
     let models = LocalModels::default();
     let wants_conductor = strategies.contains(&Strategy::Conductor);
     let conductor = if wants_conductor { Conductor::Required } else { Conductor::None };
+    let learned = baton_runner::build::learned_questions(&pool, &store).await;
     let build = Build { args: &args.conductor, conductor, store: Some(&store), quiet: args.json };
     let executor = build.executor(pool, &models).await?.executor;
     let harness = Harness::new(Arc::new(executor), workers, store.clone(), wants_conductor);
@@ -466,6 +467,7 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
         calibration: args.calibration,
         limit: args.limit,
         seed: args.seed,
+        purpose: Purpose::EvaluateLeavingOut(learned),
     };
     let cancel = CancellationToken::new();
     let ctrl_c = crate::cancel_on_ctrl_c(&cancel);
@@ -510,13 +512,13 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
 }
 
 /// The progress bar: runs done, ETA, accuracy so far per strategy, and spend.
-struct Bar {
+pub(crate) struct Bar {
     bar: Option<ProgressBar>,
     tally: Mutex<std::collections::BTreeMap<String, (u32, u32)>>,
 }
 
 impl Bar {
-    fn new(quiet: bool) -> Bar {
+    pub(crate) fn new(quiet: bool) -> Bar {
         let bar = (!quiet).then(|| {
             let bar = if std::io::stderr().is_terminal() { ProgressBar::new(0) } else { ProgressBar::hidden() };
             bar.set_style(
@@ -529,7 +531,7 @@ impl Bar {
         Bar { bar, tally: Mutex::new(Default::default()) }
     }
 
-    fn show(&self, p: Progress) {
+    pub(crate) fn show(&self, p: Progress) {
         let Some(bar) = &self.bar else {
             // Quiet (JSON on stdout): notes still go to stderr.
             if let Progress::Note(note) = p {
@@ -562,7 +564,7 @@ impl Bar {
         }
     }
 
-    fn finish(&self) {
+    pub(crate) fn finish(&self) {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }

@@ -10,6 +10,7 @@ mod conductor_setup;
 mod eval_cmd;
 mod history_cmd;
 mod keys_cmd;
+mod learn_cmd;
 mod models_cmd;
 mod plan_cmd;
 mod pool_cmd;

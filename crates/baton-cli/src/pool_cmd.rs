@@ -13,8 +13,17 @@ use crate::{Failure, Outcome, PoolArg};
 pub enum Command {
     /// Print where the pool file is.
     Path(PoolArg),
-    /// List the workers, numbered as the conductor sees them.
-    Show(PoolArg),
+    /// List the workers, numbered as the conductor sees them, with what each was measured to
+    /// get right (`baton pool learn`).
+    Show {
+        #[command(flatten)]
+        pool: PoolArg,
+        #[command(flatten)]
+        db: crate::history_cmd::DbArg,
+    },
+    /// Learn the pool: each worker alone on a suite's items; runs then send each kind of
+    /// question to the cheapest worker that is as good at it.
+    Learn(crate::learn_cmd::LearnArgs),
     /// Make a minimal call to each worker; report reachability, auth and latency.
     Check {
         #[command(flatten)]
@@ -35,11 +44,22 @@ pub async fn run(cmd: Command) -> Outcome {
             println!("{}", pool.path().display());
             Ok(())
         }
-        Command::Show(pool) => {
+        Command::Show { pool, db } => {
             let pool = pool.load()?;
             show(&pool);
+            // The history is read only when it is there: showing a pool creates nothing.
+            if db.path().exists() {
+                let store = db.open().await?;
+                let learned = store
+                    .learned(&baton_runner::build::identities(&pool))
+                    .await
+                    .map_err(|e| Failure::Failed(e.to_string()))?;
+                store.close().await;
+                print!("{}", crate::learn_cmd::profiles_table(&pool, &learned.profiles));
+            }
             Ok(())
         }
+        Command::Learn(args) => crate::learn_cmd::learn(args).await,
         Command::Check { pool, json, timeout_secs } => {
             let pool = pool.load()?;
             check(&pool, json, timeout_secs.map(Duration::from_secs)).await

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use baton_providers::{Message, Role};
 
 use crate::planner::ShownExample;
-use crate::pool::FallbackOptions;
+use crate::pool::{FallbackOptions, Route};
 // What an evaluation measured is a pool option (the pool holds it); it stays reachable here,
 // beside the choice it feeds.
 pub use crate::pool::{MIN_CATEGORY_ITEMS, Measured};
@@ -180,12 +180,42 @@ pub fn fallback_worker(options: &FallbackOptions, workers: usize, question: &str
     if let Some(category) = category_of(question, &m.questions)
         && let Some(w) = valid(m.best_by_category.get(category).copied())
     {
-        return (w, Some(format!("the best alone at {category} in this pool's latest evaluation")));
+        return (w, Some(format!("the cheapest as good at {category} when this pool learned")));
     }
     if let Some(w) = valid(m.best) {
-        return (w, Some("the best alone in this pool's latest evaluation".into()));
+        return (w, Some("the best alone when this pool learned".into()));
     }
     (valid(options.worker).unwrap_or(0), None)
+}
+
+/// Whether the question goes straight to one worker, with no plan, and why: with
+/// [`Route::Auto`], when the learned profile names the worker for the question's category by a
+/// clear margin; with [`Route::Always`], to the profile's worker for the category, else the
+/// best overall, else the fallback worker. A worker the user chose (`fallback_worker`) does
+/// not route: it is the fallback's choice, not a measurement.
+pub fn route(options: &FallbackOptions, workers: usize, question: &str) -> Option<(usize, String)> {
+    let m = &options.measured;
+    let category = category_of(question, &m.questions);
+    let valid = |w: Option<usize>| w.filter(|w| *w < workers);
+    match options.route {
+        Route::Never => None,
+        Route::Auto => {
+            let category = category?;
+            let w = valid(m.best_by_category.get(category).copied())?;
+            let why = m.clear.get(category)?;
+            Some((w, format!("routed by what the pool learned: the question is like its {category} items, and {why}")))
+        }
+        Route::Always => {
+            if let Some(category) = category
+                && let Some(w) = valid(m.best_by_category.get(category).copied())
+            {
+                let why = format!("routed by what the pool learned: the cheapest worker as good at {category}");
+                return Some((w, why));
+            }
+            let (w, why) = fallback_worker(options, workers, question);
+            Some((w, format!("routed: {}", why.unwrap_or_else(|| "nothing learned places this question".into()))))
+        }
+    }
 }
 
 /// The category of the evaluated questions most like `question`, by a vote of the
@@ -272,6 +302,7 @@ mod tests {
         let measured = Measured {
             best: Some(0),
             best_by_category: [("chemistry".to_owned(), 2)].into(),
+            clear: Default::default(),
             questions: vec![
                 ("What is the pH of a 0.01 M solution of hydrochloric acid?".into(), "chemistry".into()),
                 ("Which gas is released when zinc reacts with hydrochloric acid?".into(), "chemistry".into()),
@@ -294,6 +325,32 @@ mod tests {
         assert_eq!(fallback_worker(&options, 3, acid), (1, None));
         // Nothing measured, nothing chosen: the first worker.
         assert_eq!(fallback_worker(&FallbackOptions::default(), 3, acid), (0, None));
+    }
+
+    #[test]
+    fn a_question_routes_only_where_the_profile_is_clear_unless_routing_is_always() {
+        let measured = Measured {
+            best: Some(0),
+            best_by_category: [("chemistry".to_owned(), 2), ("history".to_owned(), 1)].into(),
+            clear: [("chemistry".to_owned(), "c was right on 8 of 8".to_owned())].into(),
+            questions: vec![
+                ("What is the pH of a 0.01 M solution of hydrochloric acid?".into(), "chemistry".into()),
+                ("Who wrote the Federalist Papers with Madison and Jay?".into(), "history".into()),
+            ],
+        };
+        let mut options = FallbackOptions { measured, ..Default::default() };
+        let acid = "What is the pH of a 0.1 M solution of acetic acid?";
+        let papers = "Who wrote the Federalist Papers?";
+        let (w, why) = route(&options, 3, acid).expect("chemistry is clear");
+        assert_eq!(w, 2);
+        assert!(why.contains("chemistry") && why.contains("8 of 8"), "{why}");
+        assert_eq!(route(&options, 3, papers), None, "history's choice is not clear: the conductor plans");
+        assert_eq!(route(&options, 2, acid), None, "a worker the pool no longer has");
+        options.route = Route::Always;
+        assert_eq!(route(&options, 3, papers).map(|r| r.0), Some(1));
+        assert_eq!(route(&options, 3, "Translate 'good morning' into French.").map(|r| r.0), Some(0));
+        options.route = Route::Never;
+        assert_eq!(route(&options, 3, acid), None);
     }
 
     #[test]

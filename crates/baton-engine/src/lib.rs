@@ -14,6 +14,7 @@ pub mod logs;
 pub mod planner;
 pub mod pool;
 pub mod prices;
+pub mod profile;
 pub mod progress;
 pub mod rerun;
 
@@ -22,7 +23,7 @@ pub use event::{RerunOf, RunError, RunErrorKind, RunEvent, StepError, StepErrorK
 pub use executor::{AnswerSettings, EventSink, Executor, Reuse, RunOutcome, RunRequest, RunStatus, Worker, new_run_id};
 pub use planner::{PlanDeltas, PlanPrompt, Planned, Planner, PlannerError, PlanningContext, ShownExample};
 pub use pool::{
-    ConductorSpec, Device, FallbackOptions, Pool, PoolError, PoolOptions, RecursionOptions, ServeSpec, WorkerInfo,
-    WorkerSpec,
+    ConductorSpec, Device, FallbackOptions, Pool, PoolError, PoolOptions, RecursionOptions, Route, ServeSpec,
+    WorkerInfo, WorkerSpec,
 };
 pub use progress::RunProgress;

@@ -91,29 +91,67 @@ pub struct FallbackOptions {
     /// Whether `worker` is the user's choice (`fallback_worker`), which an evaluation's does not
     /// replace.
     pub chosen: bool,
-    /// What the pool's latest evaluation measured of each worker alone, per category, so the
-    /// question can go to the best worker for its kind (set by the app and the CLI from the
-    /// history; empty otherwise). Not used when the user chose the worker.
+    /// What the pool learned of each worker alone, per category (`baton pool learn`), so the
+    /// question can go to the cheapest worker as good for its kind (set by the application
+    /// layer from the history's profiles; empty otherwise). Not used when the user chose the
+    /// worker.
     pub measured: Measured,
+    /// When a question goes straight to the worker its kind's profile names, with no plan.
+    pub route: Route,
+}
+
+/// `[conductor] route`: when the learned profile, not the conductor, picks the worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ts_rs::TS)]
+#[serde(rename_all = "lowercase")]
+pub enum Route {
+    /// When the profile names one worker by a clear margin for the question's kind; else the
+    /// conductor plans.
+    #[default]
+    Auto,
+    /// Always: the lookup router, one call and no plan (the best worker overall where the
+    /// question's kind is unknown). Needs no conductor.
+    Always,
+    /// Never: the conductor plans every question.
+    Never,
+}
+
+impl Route {
+    pub fn parse(text: &str) -> Option<Route> {
+        match text {
+            "auto" => Some(Route::Auto),
+            "always" => Some(Route::Always),
+            "never" => Some(Route::Never),
+            _ => None,
+        }
+    }
 }
 
 impl Default for FallbackOptions {
     fn default() -> Self {
-        FallbackOptions { enabled: true, worker: None, chosen: false, measured: Default::default() }
+        FallbackOptions {
+            enabled: true,
+            worker: None,
+            chosen: false,
+            measured: Default::default(),
+            route: Route::default(),
+        }
     }
 }
 
-/// What an evaluation of the pool measured of its workers alone: the best one overall and per
-/// category, and the category of each question it asked, so a new question can be placed by
-/// the evaluated questions nearest to it.
+/// What the pool learned of its workers alone (see [`crate::profile::measure`]): the best one
+/// overall and per category, and the category of each question it learned from, so a new
+/// question can be placed by the learned questions nearest to it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Measured {
     /// The best worker alone over every test item.
     pub best: Option<usize>,
-    /// Category → the best worker alone on its items (only categories with at least
-    /// [`MIN_CATEGORY_ITEMS`] items, where one right answer more is not the whole difference).
+    /// Category → the cheapest worker alone as good as the best on its items (only categories
+    /// with at least [`MIN_CATEGORY_ITEMS`] runs of every worker).
     pub best_by_category: BTreeMap<String, usize>,
-    /// Each evaluated question with its category.
+    /// Category → why its worker may answer without a plan: the categories whose choice is
+    /// clear (its interval above every worker that is not as good).
+    pub clear: BTreeMap<String, String>,
+    /// Each learned question with its category.
     pub questions: Vec<(String, String)>,
 }
 
@@ -264,6 +302,23 @@ impl WorkerSpec {
             (Some(input), Some(output)) => Pricing::Pool(Price { input, output, cached_input: self.price_cached_in }),
             _ => prices::lookup(self.provider, self.effective_base_url(), &self.model),
         }
+    }
+
+    /// What defines this worker's answers, as one line: provider, model, endpoint and the
+    /// settings that shape what it writes. Its learned profile is kept under this; a worker
+    /// whose identity changes (another model, a new temperature) has to be learned again.
+    /// Name, key, prices, time limits and description are not part of it.
+    pub fn identity(&self) -> String {
+        let mut parts = vec![self.provider.to_string(), self.model.clone(), self.effective_base_url().to_owned()];
+        parts.push(format!("max_tokens={}", self.max_tokens));
+        let optional = [
+            ("temperature", self.temperature.map(|t| t.to_string())),
+            ("top_p", self.top_p.map(|t| t.to_string())),
+            ("reasoning_effort", self.reasoning_effort.clone()),
+            ("thinking_budget", self.thinking_budget.map(|t| t.to_string())),
+        ];
+        parts.extend(optional.into_iter().filter_map(|(key, value)| Some(format!("{key}={}", value?))));
+        parts.join(" ")
     }
 
     pub fn settings(&self) -> ModelSettings {

@@ -62,6 +62,22 @@ pub struct Spec {
     /// Evaluate this many items, drawn stratified by category (default: all).
     pub limit: Option<usize>,
     pub seed: u64,
+    pub purpose: Purpose,
+}
+
+/// Why the items run: to score the strategies, or to teach the pool its workers' strengths.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Purpose {
+    /// An evaluation. Items whose question is in `leave_out` (what the pool learned from) are
+    /// left out, and said so: a pool is never scored on what it was taught with.
+    #[default]
+    Evaluate,
+    EvaluateLeavingOut(Vec<String>),
+    /// A learning run (`baton pool learn`): `identities` are the workers' identities, in the
+    /// pool's order, which the profiles are kept under.
+    Learn {
+        identities: Vec<String>,
+    },
 }
 
 /// The settings an evaluation is resumed with must be these; stored as its config.
@@ -87,6 +103,12 @@ pub struct Config {
     /// The latest spending cap (may change between resumes).
     #[serde(default)]
     pub max_cost_usd: Option<f64>,
+    /// A learning run (`baton pool learn`): its single-worker results are the workers'
+    /// profiles, kept under `identities` (one per worker, in `workers`' order).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub learn: bool,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub identities: Vec<String>,
 }
 
 impl Config {
@@ -98,6 +120,8 @@ impl Config {
             && self.limit == other.limit
             && self.seed == other.seed
             && self.workers == other.workers
+            && self.learn == other.learn
+            && self.identities == other.identities
     }
 }
 
@@ -165,6 +189,7 @@ impl Harness {
         progress: &(dyn Fn(Progress) + Send + Sync),
         cancel: &CancellationToken,
     ) -> Result<Ended, EvalError> {
+        let spec = &self.leaving_out_what_was_learned(spec, progress)?;
         let calibration = self.calibration_share(spec)?;
         let sandbox = setup::sandbox(spec, progress)?;
         let (config, spent_before) = self.create_or_resume(spec, calibration).await?;

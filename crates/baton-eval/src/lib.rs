@@ -22,5 +22,5 @@ pub mod stats;
 pub mod strategy;
 pub mod suite;
 
-pub use harness::{Ended, EvalError, Harness, Progress, Spec};
+pub use harness::{Ended, EvalError, Harness, Progress, Purpose, Spec};
 pub use strategy::Strategy;

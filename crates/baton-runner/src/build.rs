@@ -81,13 +81,45 @@ pub async fn build_planning(pool: Pool, setup: Setup<'_>) -> Result<Built, Setup
     Ok(Built { executor, pool, conductor: true })
 }
 
-/// The pool with its fallback worker (and so the plan's lead) chosen from the history's latest
-/// evaluation, when there is a history.
+/// The pool with what it learned ([`learned_into`]), when there is a history.
 async fn with_fallback_chosen(mut pool: Pool, store: Option<&Store>) -> Pool {
     if let Some(store) = store {
-        store.choose_fallback_worker(&mut pool).await;
+        learned_into(&mut pool, store).await;
     }
     pool
+}
+
+/// Each worker's name and identity, as its learned profile is kept.
+pub fn identities(pool: &Pool) -> Vec<(String, String)> {
+    pool.workers.iter().map(|w| (w.name.clone(), w.identity())).collect()
+}
+
+/// The questions the pool's current profiles were learned from, which an evaluation leaves
+/// out; none when the history cannot be read (said in the log).
+pub async fn learned_questions(pool: &Pool, store: &Store) -> Vec<String> {
+    store.learned_questions(&identities(pool)).await.unwrap_or_else(|e| {
+        tracing::warn!("what the pool learned cannot be read: {e}");
+        Vec::new()
+    })
+}
+
+/// Gives `pool` what its workers' current profiles say (see
+/// [`baton_engine::profile::measure`]): the fallback worker and the plan's lead for the
+/// question's kind, and where a question may skip the plan. A worker the pool names
+/// (`fallback_worker`) is kept. A history that cannot be read leaves the pool as it is: what
+/// was learned helps a run, and is no reason to fail one.
+pub async fn learned_into(pool: &mut Pool, store: &Store) {
+    if pool.options.fallback.chosen {
+        return;
+    }
+    match store.learned(&identities(pool)).await {
+        Ok(learned) => {
+            let measured = baton_engine::profile::measure(&learned.profiles, learned.questions);
+            pool.options.fallback.worker = measured.best;
+            pool.options.fallback.measured = measured;
+        }
+        Err(e) => tracing::warn!("what the pool learned cannot be read, so it is not used: {e}"),
+    }
 }
 
 /// Whether local models run on the CPU whatever the machine has: the user's choice, or the

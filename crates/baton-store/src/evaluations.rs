@@ -5,10 +5,6 @@
 use serde::{Deserialize, Serialize};
 use sqlx::Row;
 
-use std::collections::BTreeMap;
-
-use baton_engine::fallback::{MIN_CATEGORY_ITEMS, Measured};
-
 use crate::time::now_ms;
 use crate::{Store, StoreError};
 
@@ -235,79 +231,6 @@ impl Store {
 
     /// Deletes the evaluation, its results, and its runs with their conversations. False when
     /// there is no such evaluation.
-    /// Points `pool`'s fallback at what its newest evaluation measured ([`Store::measured_alone`]):
-    /// the best worker alone for the question's category, else overall. A worker the pool names
-    /// (`fallback_worker`) is kept. A history that cannot be read leaves the default (the first
-    /// worker): a fallback is no reason to fail a run.
-    pub async fn choose_fallback_worker(&self, pool: &mut baton_engine::Pool) {
-        if pool.options.fallback.chosen {
-            return;
-        }
-        let names: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
-        match self.measured_alone(&names).await {
-            Ok(measured) => {
-                pool.options.fallback.worker = measured.best;
-                pool.options.fallback.measured = measured;
-            }
-            Err(e) => tracing::warn!("the fallback worker stays the first: the evaluations cannot be read: {e}"),
-        }
-    }
-
-    /// What the newest evaluation of a pool with exactly these workers (the same names in the
-    /// same order) measured of each worker alone on its test items: the best overall, the best
-    /// per category (categories of at least [`MIN_CATEGORY_ITEMS`] items), and the questions
-    /// with their categories. Empty when no such evaluation ran any worker alone. Ties go to the
-    /// worker listed first.
-    ///
-    /// [`MIN_CATEGORY_ITEMS`]: baton_engine::fallback::MIN_CATEGORY_ITEMS
-    pub async fn measured_alone(&self, workers: &[String]) -> Result<Measured, StoreError> {
-        for evaluation in self.evaluations().await? {
-            if evaluation.config["workers"] != serde_json::json!(workers) {
-                continue;
-            }
-            let rows = sqlx::query(
-                "SELECT e.strategy, e.item_id, e.category, e.correct, r.question
-                 FROM eval_results e LEFT JOIN runs r ON r.uid = e.run_uid
-                 WHERE e.evaluation_id = ?1 AND e.split = 'test' AND e.strategy LIKE 'single:%'
-                 ORDER BY e.item_id, e.repeat",
-            )
-            .bind(&evaluation.id)
-            .fetch_all(&self.pool)
-            .await?;
-            // (right, asked) per worker, overall and per category.
-            let mut overall = vec![(0u32, 0u32); workers.len()];
-            let mut by_category: BTreeMap<String, Vec<(u32, u32)>> = BTreeMap::new();
-            let mut items: BTreeMap<String, usize> = BTreeMap::new();
-            let mut questions: BTreeMap<String, (String, String)> = BTreeMap::new();
-            for r in &rows {
-                let strategy: String = r.try_get("strategy")?;
-                let Some(w) = strategy.strip_prefix("single:").and_then(|n| workers.iter().position(|x| x == n)) else {
-                    continue;
-                };
-                let (item, category): (String, String) = (r.try_get("item_id")?, r.try_get("category")?);
-                let right = u32::from(r.try_get::<bool, _>("correct")?);
-                overall[w].0 += right;
-                overall[w].1 += 1;
-                let tally = by_category.entry(category.clone()).or_insert_with(|| vec![(0, 0); workers.len()]);
-                tally[w].0 += right;
-                tally[w].1 += 1;
-                if let Some(question) = r.try_get::<Option<String>, _>("question")?
-                    && questions.insert(item.clone(), (question, category.clone())).is_none()
-                {
-                    *items.entry(category).or_default() += 1;
-                }
-            }
-            let Some(best) = best_of(&overall) else { continue };
-            let best_by_category = by_category
-                .into_iter()
-                .filter(|(category, _)| items.get(category).copied().unwrap_or(0) >= MIN_CATEGORY_ITEMS)
-                .filter_map(|(category, tally)| best_of(&tally).map(|w| (category, w)))
-                .collect();
-            return Ok(Measured { best: Some(best), best_by_category, questions: questions.into_values().collect() });
-        }
-        Ok(Measured::default())
-    }
-
     pub async fn delete_evaluation(&self, id: &str) -> Result<bool, StoreError> {
         let mut tx = self.write().await?;
         sqlx::query("DELETE FROM conversations WHERE evaluation_id = ?1").bind(id).execute(&mut *tx).await?;
@@ -330,12 +253,4 @@ fn evaluation_row(r: &sqlx::sqlite::SqliteRow) -> Result<Evaluation, StoreError>
         updated_at: r.try_get("updated_at")?,
         results: r.try_get("results")?,
     })
-}
-
-/// The worker with the highest share right among those asked anything; ties go to the first.
-fn best_of(tally: &[(u32, u32)]) -> Option<usize> {
-    let rate = |(c, n): (u32, u32)| f64::from(c) / f64::from(n);
-    (0..tally.len())
-        .filter(|&w| tally[w].1 > 0)
-        .max_by(|&a, &b| rate(tally[a]).total_cmp(&rate(tally[b])).then(b.cmp(&a)))
 }

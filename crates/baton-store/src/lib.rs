@@ -16,6 +16,7 @@ pub mod export;
 pub mod figures;
 mod locks;
 mod open;
+pub mod profiles;
 mod recorder;
 mod records;
 pub mod relay;

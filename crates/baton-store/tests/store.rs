@@ -1074,23 +1074,26 @@ async fn record_with(mut recorder: baton_store::Recorder, executor: &Executor, r
     recorder.run_id().expect("a run id")
 }
 
-/// The worker that answers alone when plans cannot be used is measured: from the newest
-/// evaluation of a pool with the same workers, the best alone for the question's category
-/// (told by the evaluated questions nearest to it), else the best overall. A worker the pool
-/// names wins over any measurement.
+/// A worker's profile is what learning runs measured of it alone, found by its identity: an
+/// evaluation that was not a learning run says nothing, a renamed worker keeps its profile, a
+/// changed one has a stale profile. The fallback worker is the profile's choice for the
+/// question's category (told by the learned questions nearest to it), else the best overall.
 #[tokio::test]
-async fn the_fallback_worker_is_the_best_alone_for_the_questions_category_in_the_newest_evaluation() {
+async fn profiles_come_from_learning_runs_by_identity_and_choose_the_fallback_worker() {
     use baton_engine::fallback::fallback_worker;
+    use baton_engine::profile::{Freshness, measure};
     use baton_store::evaluations::EvalResult;
 
     let server = TestServer::start().await.expect("server");
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Store::open(&dir.path().join("history.sqlite")).await.expect("opens");
     let mut pool = pool(&server, &[("a", "model-a"), ("b", "model-b")]);
-    let names = serde_json::json!(["a", "b"]);
-    // An evaluation of other workers says nothing about these.
-    store.create_evaluation("others", "s", "0", &serde_json::json!({"workers": ["b", "a"]})).await.expect("created");
-    store.create_evaluation("ours", "s", "0", &serde_json::json!({"workers": names})).await.expect("created");
+    let ids: Vec<(String, String)> = pool.workers.iter().map(|w| (w.name.clone(), w.identity())).collect();
+    // An evaluation that was not a learning run teaches nothing, though its workers are these.
+    let plain = serde_json::json!({"workers": ["a", "b"]});
+    store.create_evaluation("evaluated", "s", "0", &plain).await.expect("created");
+    let learning = serde_json::json!({"workers": ["a", "b"], "learn": true, "identities": [&ids[0].1, &ids[1].1]});
+    store.create_evaluation("ours", "s", "0", &learning).await.expect("created");
     let chemistry = [
         "What is the pH of a 0.01 M solution of hydrochloric acid?",
         "Which gas is released when zinc reacts with hydrochloric acid?",
@@ -1139,26 +1142,35 @@ async fn the_fallback_worker_is_the_best_alone_for_the_questions_category_in_the
                     latency_ms: 0,
                 };
                 store.put_eval_result("ours", &result).await.expect("put");
+                store.put_eval_result("evaluated", &EvalResult { correct: !right, ..result }).await.expect("put");
             }
         }
     }
 
-    let measured = store.measured_alone(&["a".into(), "b".into()]).await.expect("reads");
+    let learned = store.learned(&ids).await.expect("reads");
+    assert_eq!(learned.questions.len(), 10);
+    let [a, b] = &learned.profiles[..] else { panic!("two profiles") };
+    assert_eq!((a.freshness, a.by_category["history"].right, a.by_category["history"].n), (Freshness::Current, 6, 6));
+    assert_eq!((b.by_category["chemistry"].right, b.by_category["chemistry"].n), (4, 4));
+    assert_eq!(a.learned_in, ["ours"], "the plain evaluation is not a learning run");
+    let measured = measure(&learned.profiles, learned.questions.clone());
     assert_eq!(measured.best, Some(0), "a is right on 6 of 10, b on 4");
     assert_eq!(measured.best_by_category, [("chemistry".to_owned(), 1), ("history".to_owned(), 0)].into());
-    assert_eq!(measured.questions.len(), 10);
-    assert_eq!(store.measured_alone(&["a".into()]).await.expect("reads"), Default::default(), "another pool");
 
-    store.choose_fallback_worker(&mut pool).await;
+    pool.options.fallback.measured = measured;
     let acid = "What is the pH of a 0.5 M solution of nitric acid?";
     let (worker, why) = fallback_worker(&pool.options.fallback, 2, acid);
     assert_eq!(worker, 1, "b is the best alone at chemistry");
     assert!(why.expect("measured").contains("chemistry"));
-    assert_eq!(fallback_worker(&pool.options.fallback, 2, "Name a prime number above 100.").0, 0);
 
-    // The user's own choice stands.
-    let mut chosen = pool.clone();
-    chosen.options.fallback = baton_engine::FallbackOptions { worker: Some(0), chosen: true, ..Default::default() };
-    store.choose_fallback_worker(&mut chosen).await;
-    assert_eq!(fallback_worker(&chosen.options.fallback, 2, acid), (0, None));
+    // Renamed, a worker keeps its profile; with another model, its profile is stale.
+    let renamed = [("alpha".to_owned(), ids[0].1.clone()), ("b".to_owned(), format!("{} temperature=1", ids[1].1))];
+    let learned = store.learned(&renamed).await.expect("reads");
+    assert_eq!(learned.profiles[0].freshness, Freshness::Current);
+    assert_eq!(learned.profiles[1].freshness, Freshness::Stale);
+    assert_eq!(learned.profiles[1].identity.as_deref(), Some(ids[1].1.as_str()), "as it was learned");
+    let measured = measure(&learned.profiles, learned.questions);
+    assert_eq!(measured.best_by_category.get("chemistry"), None, "a is right on no chemistry item, b is stale");
+    let unknown = store.learned(&[("c".to_owned(), "openai other".to_owned())]).await.expect("reads");
+    assert_eq!(unknown.profiles[0].freshness, Freshness::None);
 }

@@ -162,6 +162,21 @@ impl Executor {
         parent: Option<StepRef>,
         work: Vec<Message>,
     ) -> Result<Written, StepFailure> {
+        // What the pool learned may name the worker for this kind of question; then no plan
+        // is written (a plan costs seconds to minutes on a CPU). Only for the question's round.
+        if depth == 0
+            && let Some((worker, why)) =
+                crate::fallback::route(&self.options.fallback, self.workers.len(), &ctx.question)
+        {
+            let round = ctx.rounds.fetch_add(1, Ordering::SeqCst);
+            let plan = crate::fallback::alone_plan(worker, &ctx.history, &ctx.question);
+            let mut ready = RunEvent::given_plan(round, depth, parent, plan.clone());
+            if let RunEvent::PlanReady { fallback, .. } = &mut ready {
+                *fallback = Some(why);
+            }
+            ctx.emit(ready);
+            return Ok(Written { round, plan, spent: Figures::default() });
+        }
         let Some(planner) = &self.planner else {
             return Err(StepFailure::Conductor("no conductor is configured to write a plan".into()));
         };

@@ -89,6 +89,7 @@ pub(super) struct ConductorFile {
     pub prompt: Option<Text>,
     pub fallback: Option<Flag>,
     pub fallback_worker: Option<Text>,
+    pub route: Option<Text>,
 }
 
 /// One `[[worker]]` table. `name`, `provider` and `model` are required, and checked in

@@ -7,7 +7,7 @@ use std::time::Duration;
 use baton_providers::{ProviderKind, ServerGrammar};
 
 use super::format::{self, ConductorFile, FieldError, NonNegative, PoolFile, Text, WorkerFile};
-use super::{ConductorSpec, Device, Pool, PoolError, PoolOptions, WorkerSpec};
+use super::{ConductorSpec, Device, Pool, PoolError, PoolOptions, Route, WorkerSpec};
 
 impl Pool {
     pub fn load(path: &Path) -> Result<Pool, PoolError> {
@@ -101,6 +101,11 @@ impl Pool {
                 options.fallback.enabled = b.0;
             }
             fallback_worker = c.fallback_worker.as_ref().map(|t| t.0.clone());
+            if let Some(t) = &c.route {
+                options.fallback.route = Route::parse(&t.0).ok_or_else(|| {
+                    err(None, None, Some("conductor.route"), format!("\"{}\" is not auto, always or never", t.0))
+                })?;
+            }
             options.conductor =
                 conductor(c).map_err(|e| err(None, None, Some(&format!("conductor.{}", e.field)), e.message))?;
         }

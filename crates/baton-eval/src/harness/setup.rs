@@ -5,12 +5,41 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::items::pinned_share;
-use super::{Config, EvalError, Harness, Progress, Spec};
+use super::{Config, EvalError, Harness, Progress, Purpose, Spec};
 use crate::sandbox::Sandbox;
 use crate::strategy::Strategy;
 use crate::suite::Kind;
 
 impl Harness {
+    /// `spec` without the items the pool learned from (see [`Purpose::EvaluateLeavingOut`]),
+    /// said in a note; refused when nothing is left.
+    pub(super) fn leaving_out_what_was_learned(
+        &self,
+        spec: &Spec,
+        progress: &(dyn Fn(Progress) + Send + Sync),
+    ) -> Result<Spec, EvalError> {
+        let Purpose::EvaluateLeavingOut(learned) = &spec.purpose else { return Ok(spec.clone()) };
+        let learned: std::collections::HashSet<&str> = learned.iter().map(|q| q.trim()).collect();
+        let mut kept = spec.clone();
+        // The history keeps each question as the item's prompt was sent.
+        kept.suite.items.retain(|i| !learned.contains(i.question.trim()) && !learned.contains(super::prompt(i).trim()));
+        let left_out = spec.suite.items.len() - kept.suite.items.len();
+        if left_out > 0 && kept.suite.items.is_empty() {
+            return Err(EvalError::Settings(format!(
+                "every item of {} is a question this pool learned from (`baton pool learn`); evaluate it on other items",
+                spec.suite.name
+            )));
+        }
+        if left_out > 0 {
+            progress(Progress::Note(format!(
+                "{left_out} of {}'s {} items are questions this pool learned from; they are left out, so the pool is scored only on what it was not taught with",
+                spec.suite.name,
+                spec.suite.items.len()
+            )));
+        }
+        Ok(kept)
+    }
+
     /// The share of items kept for calibration, with the settings that cannot run refused.
     pub(super) fn calibration_share(&self, spec: &Spec) -> Result<f64, EvalError> {
         let needs_calibration = spec.strategies.iter().any(|s| matches!(s, Strategy::RouterLookup | Strategy::Moa));
@@ -58,6 +87,11 @@ impl Harness {
             moa_aggregator: None,
             lookup: BTreeMap::new(),
             max_cost_usd: spec.max_cost_usd,
+            learn: matches!(spec.purpose, Purpose::Learn { .. }),
+            identities: match &spec.purpose {
+                Purpose::Learn { identities } => identities.clone(),
+                _ => Vec::new(),
+            },
         };
         let spent_before = match self.store.evaluation(&spec.id).await? {
             Some(existing) => {

@@ -1,0 +1,265 @@
+//! `baton pool learn` against loopback workers scripted so the truth is known, with a scripted
+//! conductor that knows nothing of the questions: it sends every question to worker 0, as an
+//! unlearned conductor that knows its workers only by name does. What the pool learned must
+//! change what the user gets: the right worker for each kind of question, and the cheapest one
+//! where two are as good. Learned items are never scored.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use baton_tests::{Output, TEST_KEY};
+use baton_testserver::{Options, TestServer, Wire};
+use serde_json::{Value, json};
+
+async fn baton(args: &[&str]) -> Output {
+    baton_tests::run_within(
+        Duration::from_secs(120),
+        Path::new(env!("CARGO_BIN_EXE_baton")),
+        args,
+        None,
+        &[("BATON_E2E_KEY", Some(TEST_KEY))],
+    )
+    .await
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// An arithmetic item (`a`nswered by whoever knows its needle) and a multiple-choice one.
+fn number(id: &str) -> (Value, String, String) {
+    let i: u32 = id.bytes().map(u32::from).sum::<u32>() % 50;
+    let needle = format!("<{id}>");
+    let item = json!({"id": id, "kind": "number", "category": "arithmetic",
+        "question": format!("{needle} What is {i} + 40?"), "answer": (i + 40).to_string()});
+    (item, needle, format!("{i} plus 40 is {}.\n#### {}", i + 40, i + 40))
+}
+
+fn choice(id: &str) -> (Value, String, String) {
+    let letter = ["A", "B", "C", "D"][id.len() % 4];
+    let needle = format!("<{id}>");
+    let item = json!({"id": id, "kind": "choice", "category": "trivia",
+        "question": format!("{needle} Which one?\n\nA. w\nB. x\nC. y\nD. z"), "answer": letter});
+    (item, needle, format!("It is the one.\nAnswer: {letter}"))
+}
+
+struct Setup {
+    dir: tempfile::TempDir,
+    db: PathBuf,
+}
+
+impl Setup {
+    fn new() -> Setup {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = dir.path().join("history.sqlite");
+        Setup { dir, db }
+    }
+
+    fn write(&self, name: &str, text: &str) -> PathBuf {
+        let p = self.dir.path().join(name);
+        std::fs::write(&p, text).expect("write");
+        p
+    }
+
+    fn suite(&self, name: &str, items: &[&(Value, String, String)]) -> PathBuf {
+        let text: String = items.iter().map(|(item, _, _)| format!("{item}\n")).collect();
+        self.write(name, &text)
+    }
+
+    /// A worker that knows the answers of `items` and nothing else.
+    fn knows(&self, name: &str, items: &[&(Value, String, String)]) -> PathBuf {
+        let map: serde_json::Map<String, Value> =
+            items.iter().map(|(_, needle, reply)| (needle.clone(), Value::from(reply.clone()))).collect();
+        self.write(&format!("{name}.json"), &Value::Object(map).to_string())
+    }
+
+    /// A pool on `server` of `workers` (name, knowledge file, $ per 1M input and output), all
+    /// described alike, and a conductor whose every plan is worker 0 alone.
+    fn pool(&self, server: &TestServer, workers: &[(&str, &Path, f64)]) -> PathBuf {
+        let plan =
+            "Route it.\n```python\nmodel_id = [0]\nsubtasks = [\"Answer the question.\"]\naccess_list = [[]]\n```";
+        let conductor = self.write("conductor.json", &json!({ "<": plan }).to_string());
+        let url = server.base_url(Wire::OpenAi);
+        let mut pool = format!(
+            "show_question = true\n\n[conductor]\nurl = \"{url}\"\nmodel = \"cond;knows={}\"\napi_key_env = \"BATON_E2E_KEY\"\n\n[retry]\ninitial_delay_ms = 10\nmax_delay_ms = 100\n",
+            path(&conductor)
+        );
+        for (name, knows, price) in workers {
+            pool.push_str(&format!(
+                "\n[[worker]]\nname = \"{name}\"\nprovider = \"openai-compatible\"\nmodel = \"{name};knows={};reply=No_idea.\"\nbase_url = \"{url}\"\napi_key_env = \"BATON_E2E_KEY\"\nprice_in = {price}\nprice_out = {}\ndescription = \"A general assistant.\"\n",
+                path(knows),
+                price * 2.0
+            ));
+        }
+        self.write("pool.toml", &pool)
+    }
+
+    async fn eval(&self, suite: &Path, pool: &Path, id: &str, strategies: &str) -> HashMap<String, Value> {
+        let out = baton(&[
+            "eval",
+            "run",
+            path(suite),
+            "--pool",
+            path(pool),
+            "--db",
+            path(&self.db),
+            "--strategies",
+            strategies,
+            "--id",
+            id,
+            "--json",
+        ])
+        .await;
+        assert_eq!(out.code, Some(0), "{}", out.stderr);
+        let report: Value = serde_json::from_str(out.stdout.lines().last().expect("a JSON line")).expect("json");
+        let mut by: HashMap<String, Value> = report["strategies"]
+            .as_array()
+            .expect("strategies")
+            .iter()
+            .map(|s| (s["strategy"].as_str().expect("name").to_owned(), s.clone()))
+            .collect();
+        by.insert("comparisons".into(), report["comparisons"].clone());
+        by
+    }
+
+    async fn learn(&self, suite: &Path, pool: &Path) -> Output {
+        baton(&["pool", "learn", path(suite), "--pool", path(pool), "--db", path(&self.db)]).await
+    }
+}
+
+async fn server() -> TestServer {
+    TestServer::start_with(Options { key: Some(TEST_KEY.into()), ..Options::default() }).await.expect("server")
+}
+
+fn accuracy(by: &HashMap<String, Value>, strategy: &str) -> f64 {
+    by[strategy]["accuracy"].as_f64().expect("accuracy")
+}
+
+/// Two workers, each right on one kind of question, described alike. Unlearned, the conductor
+/// sends everything to the first: half right. Learned on 16 items, on 40 others each kind
+/// goes to its worker, with no plan written: every item right, significantly better than
+/// either worker alone, and one call per item.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_complementary_pool_learns_which_worker_is_right_on_which_kind() {
+    let s = server().await;
+    let setup = Setup::new();
+    let learn_n: Vec<_> = (0..8).map(|i| number(&format!("ln{i}"))).collect();
+    let learn_c: Vec<_> = (0..8).map(|i| choice(&format!("lc{i}"))).collect();
+    let test_n: Vec<_> = (0..20).map(|i| number(&format!("tn{i}"))).collect();
+    let test_c: Vec<_> = (0..20).map(|i| choice(&format!("tc{i}"))).collect();
+    let numbers: Vec<_> = learn_n.iter().chain(&test_n).collect();
+    let choices: Vec<_> = learn_c.iter().chain(&test_c).collect();
+    let a = setup.knows("a", &numbers);
+    let b = setup.knows("b", &choices);
+    let pool = setup.pool(&s, &[("a", &a, 1.0), ("b", &b, 1.0)]);
+    let learn = setup.suite("learn.jsonl", &learn_n.iter().chain(&learn_c).collect::<Vec<_>>());
+    let held_out = setup.suite("held-out.jsonl", &test_n.iter().chain(&test_c).collect::<Vec<_>>());
+    let strategies = "conductor,single:a,single:b";
+
+    let before = setup.eval(&held_out, &pool, "before", strategies).await;
+    assert_eq!(accuracy(&before, "conductor"), 0.5, "unlearned, every question goes to a");
+
+    let out = setup.learn(&learn, &pool).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(out.stdout.contains("arithmetic") && out.stdout.contains("  8 of 8"), "{}", out.stdout);
+    assert!(out.stdout.contains("alone, without a plan"), "{}", out.stdout);
+
+    let plans_before = s.requests().iter().filter(|r| r.model.starts_with("cond")).count();
+    let after = setup.eval(&held_out, &pool, "after", strategies).await;
+    assert_eq!(accuracy(&after, "conductor"), 1.0);
+    assert_eq!(accuracy(&after, "single:a"), 0.5);
+    assert_eq!(accuracy(&after, "single:b"), 0.5);
+    let plans_after = s.requests().iter().filter(|r| r.model.starts_with("cond")).count();
+    assert_eq!(plans_after, plans_before, "a clear margin writes no plan");
+    assert_eq!(after["conductor"]["calls"], 40, "one call per item");
+    let against_best = &after["comparisons"][0];
+    assert_eq!(against_best["a"], "conductor");
+    assert_eq!((against_best["only_a"].as_u64(), against_best["only_b"].as_u64()), (Some(20), Some(0)));
+    assert!(against_best["mcnemar_p"].as_f64().expect("p") < 0.05, "{against_best}");
+
+    // What was learned is in `pool show`, with n.
+    let show = baton(&["pool", "show", "--pool", path(&pool), "--db", path(&setup.db)]).await;
+    assert_eq!(show.code, Some(0), "{}", show.stderr);
+    assert!(show.stdout.contains("a: learned in learn-learn-"), "{}", show.stdout);
+    assert!(show.stdout.contains("trivia") && show.stdout.contains("  0 of 8"), "{}", show.stdout);
+
+    // The same command again goes on from where the last ended: nothing is left, nothing is asked.
+    let calls = s.requests().len();
+    let again = setup.learn(&learn, &pool).await;
+    assert_eq!(again.code, Some(0), "{}", again.stderr);
+    assert_eq!(s.requests().len(), calls, "a finished learning run is not run twice");
+
+    // The pool is never scored on what it was taught with.
+    let leak = baton(&[
+        "eval",
+        "run",
+        path(&learn),
+        "--pool",
+        path(&pool),
+        "--db",
+        path(&setup.db),
+        "--strategies",
+        strategies,
+    ])
+    .await;
+    assert_eq!(leak.code, Some(2), "{}", leak.stderr);
+    assert!(leak.stderr.contains("every item of learn is a question this pool learned from"), "{}", leak.stderr);
+
+    // A worker whose model changes has a stale profile, shown and not used.
+    let changed = std::fs::read_to_string(&pool)
+        .expect("pool")
+        .replace("name = \"b\"\nprovider", "name = \"b\"\ntemperature = 1\nprovider");
+    let changed_pool = setup.write("changed.toml", &changed);
+    let show = baton(&["pool", "show", "--pool", path(&changed_pool), "--db", path(&setup.db)]).await;
+    assert!(show.stdout.contains("b: STALE, not used"), "{}", show.stdout);
+    let stale = setup.eval(&held_out, &changed_pool, "stale", "conductor").await;
+    assert_eq!(accuracy(&stale, "conductor"), 0.5, "b's stale profile no longer routes the choices");
+}
+
+/// An expensive worker right on everything and a cheap one right on arithmetic: learned, the
+/// arithmetic goes to the cheap one, as right and at a fraction of the cost.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_economy_pool_sends_each_kind_to_the_cheapest_worker_that_is_as_good() {
+    let s = server().await;
+    let setup = Setup::new();
+    let learn_n: Vec<_> = (0..8).map(|i| number(&format!("ln{i}"))).collect();
+    let learn_c: Vec<_> = (0..8).map(|i| choice(&format!("lc{i}"))).collect();
+    let test_n: Vec<_> = (0..20).map(|i| number(&format!("tn{i}"))).collect();
+    let everything: Vec<_> = learn_n.iter().chain(&learn_c).chain(&test_n).collect();
+    let numbers: Vec<_> = learn_n.iter().chain(&test_n).collect();
+    let dear = setup.knows("dear", &everything);
+    let cheap = setup.knows("cheap", &numbers);
+    let pool = setup.pool(&s, &[("dear", &dear, 10.0), ("cheap", &cheap, 0.1)]);
+    let learn = setup.suite("learn.jsonl", &learn_n.iter().chain(&learn_c).collect::<Vec<_>>());
+    let held_out = setup.suite("sums.jsonl", &test_n.iter().collect::<Vec<_>>());
+
+    let out = setup.learn(&learn, &pool).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let by = setup.eval(&held_out, &pool, "economy", "conductor,single:dear").await;
+    assert!(accuracy(&by, "conductor") >= accuracy(&by, "single:dear") - 2.0 / 20.0, "{by:?}");
+    let cost = |s: &str| by[s]["cost_usd"].as_f64().expect("cost");
+    assert!(cost("conductor") <= cost("single:dear") / 2.0, "{} against {}", cost("conductor"), cost("single:dear"));
+}
+
+/// What cannot be learned is said before anything runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pool_of_one_worker_and_a_suite_without_answers_are_refused() {
+    let s = server().await;
+    let setup = Setup::new();
+    let item = number("ln0");
+    let a = setup.knows("a", &[&item]);
+    let one = setup.pool(&s, &[("a", &a, 1.0)]);
+    let suite = setup.suite("learn.jsonl", &[&item]);
+    let out = setup.learn(&suite, &one).await;
+    assert_eq!(out.code, Some(2), "{}", out.stderr);
+    assert!(out.stderr.contains("needs two or more"), "{}", out.stderr);
+
+    let two = setup.pool(&s, &[("a", &a, 1.0), ("b", &a, 1.0)]);
+    let unanswered =
+        setup.write("unanswered.jsonl", "{\"id\": \"q\", \"kind\": \"number\", \"question\": \"What is 2 + 2?\"}\n");
+    let out = setup.learn(&unanswered, &two).await;
+    assert_eq!(out.code, Some(2), "{}", out.stderr);
+    assert!(out.stderr.contains("answer"), "{}", out.stderr);
+    assert!(s.requests().is_empty(), "nothing was asked");
+}

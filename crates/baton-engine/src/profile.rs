@@ -1,0 +1,233 @@
+//! What a pool learned of its workers (`baton pool learn`), and the choices drawn from it: which
+//! worker is the cheapest that is as good on a kind of question, and whether the measurements
+//! name it by a margin clear enough to answer without asking the conductor for a plan.
+//!
+//! A [`Profile`] belongs to a worker as its [`identity`](crate::WorkerSpec::identity) defines it
+//! (provider, model, endpoint and the settings that shape its answers). A worker whose identity
+//! changed since it was measured has a stale profile: shown, never used.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::pool::{MIN_CATEGORY_ITEMS, Measured};
+
+/// What a worker did alone on one category's items while the pool learned.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, ts_rs::TS)]
+pub struct CategoryFigures {
+    pub right: u32,
+    /// Runs scored (items × repeats).
+    pub n: u32,
+    /// Dollars per run; 0 for local models and unpriced calls (see `cost_complete`).
+    pub cost_per_item_usd: f64,
+    pub cost_complete: bool,
+    pub latency_p50_ms: u64,
+    /// Input and output tokens per run.
+    pub tokens_per_item: u64,
+}
+
+impl CategoryFigures {
+    pub fn accuracy(&self) -> f64 {
+        if self.n == 0 { 0.0 } else { f64::from(self.right) / f64::from(self.n) }
+    }
+
+    /// The 95% Wilson interval of the accuracy: honest at small n, where 2 of 3 is not 67%.
+    pub fn interval(&self) -> (f64, f64) {
+        wilson(self.right, self.n)
+    }
+}
+
+/// Whether a worker's profile can be used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ts_rs::TS)]
+#[serde(rename_all = "snake_case")]
+pub enum Freshness {
+    /// Learned with the worker as it is now.
+    Current,
+    /// Learned when the worker was defined otherwise (another model, endpoint or setting).
+    Stale,
+    /// Never learned.
+    None,
+}
+
+/// One worker's profile, per category.
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
+pub struct Profile {
+    pub worker: String,
+    pub freshness: Freshness,
+    /// The identity the figures were learned with (for a stale profile, not the worker's now).
+    pub identity: Option<String>,
+    pub by_category: BTreeMap<String, CategoryFigures>,
+    /// The learning runs these figures come from.
+    pub learned_in: Vec<String>,
+}
+
+/// How close to the best a worker's accuracy must be to count as "as good": within this share.
+pub const AS_GOOD_WITHIN: f64 = 0.05;
+
+/// The choices the profiles support, for the executor (see [`Measured`]). `questions` are the
+/// learned items with their categories: a new question is placed by the nearest of them.
+/// Only current profiles count, and only categories where every current worker has at least
+/// [`MIN_CATEGORY_ITEMS`] runs.
+pub fn measure(profiles: &[Profile], questions: Vec<(String, String)>) -> Measured {
+    let current: Vec<(usize, &Profile)> =
+        profiles.iter().enumerate().filter(|(_, p)| p.freshness == Freshness::Current).collect();
+    if current.is_empty() {
+        return Measured::default();
+    }
+    let mut categories: Vec<&String> = current.iter().flat_map(|(_, p)| p.by_category.keys()).collect();
+    categories.sort();
+    categories.dedup();
+    let mut measured = Measured { questions, ..Measured::default() };
+    for category in categories {
+        let figures: Vec<(usize, &CategoryFigures)> =
+            current.iter().filter_map(|(w, p)| p.by_category.get(category).map(|f| (*w, f))).collect();
+        if figures.len() < current.len() || figures.iter().any(|(_, f)| (f.n as usize) < MIN_CATEGORY_ITEMS) {
+            continue;
+        }
+        if let Some((worker, why)) = choose(&figures, &profiles_names(profiles)) {
+            measured.best_by_category.insert(category.clone(), worker);
+            if let Some(why) = why {
+                measured.clear.insert(category.clone(), why);
+            }
+        }
+    }
+    let overall: Vec<(usize, CategoryFigures)> = current.iter().map(|(w, p)| (*w, total(p))).collect();
+    let overall: Vec<(usize, &CategoryFigures)> = overall.iter().map(|(w, f)| (*w, f)).collect();
+    measured.best = choose(&overall, &profiles_names(profiles)).map(|(w, _)| w);
+    measured
+}
+
+fn profiles_names(profiles: &[Profile]) -> Vec<&str> {
+    profiles.iter().map(|p| p.worker.as_str()).collect()
+}
+
+/// A profile's figures over all its categories.
+pub fn total(profile: &Profile) -> CategoryFigures {
+    let mut all = CategoryFigures { cost_complete: true, ..CategoryFigures::default() };
+    let (mut cost, mut tokens, mut latencies) = (0.0, 0u64, Vec::new());
+    for f in profile.by_category.values() {
+        all.right += f.right;
+        all.n += f.n;
+        all.cost_complete &= f.cost_complete;
+        cost += f.cost_per_item_usd * f64::from(f.n);
+        tokens += f.tokens_per_item * u64::from(f.n);
+        latencies.push(f.latency_p50_ms);
+    }
+    if all.n > 0 {
+        all.cost_per_item_usd = cost / f64::from(all.n);
+        all.tokens_per_item = tokens / u64::from(all.n);
+    }
+    latencies.sort_unstable();
+    all.latency_p50_ms = latencies.get(latencies.len() / 2).copied().unwrap_or(0);
+    all
+}
+
+/// The cheapest worker as good as the best (within [`AS_GOOD_WITHIN`]), by cost per item, then
+/// time, then tokens; and, when its accuracy's interval lies wholly above every worker that is
+/// not as good, why it may answer without a plan. `None` when no worker got anything right.
+fn choose(figures: &[(usize, &CategoryFigures)], names: &[&str]) -> Option<(usize, Option<String>)> {
+    let best = figures.iter().map(|(_, f)| f.accuracy()).fold(0.0, f64::max);
+    if best == 0.0 {
+        return None;
+    }
+    let as_good = |f: &CategoryFigures| f.accuracy() >= best - AS_GOOD_WITHIN - 1e-9;
+    let (worker, chosen) = figures.iter().filter(|(_, f)| as_good(f)).min_by(|a, b| {
+        let key = |f: &CategoryFigures| (f.cost_per_item_usd, f.latency_p50_ms, f.tokens_per_item);
+        let (ka, kb) = (key(a.1), key(b.1));
+        ka.0.total_cmp(&kb.0).then(ka.1.cmp(&kb.1)).then(ka.2.cmp(&kb.2)).then(a.0.cmp(&b.0))
+    })?;
+    let low = chosen.interval().0;
+    let clear = figures.iter().filter(|(_, f)| !as_good(f)).all(|(_, f)| f.accuracy() < low);
+    let name = names.get(*worker).copied().unwrap_or("?");
+    let why = clear.then(|| {
+        format!(
+            "{name} was right on {} of {} when the pool learned it, the cheapest as good as the best",
+            chosen.right, chosen.n
+        )
+    });
+    Some((*worker, why))
+}
+
+/// The 95% Wilson score interval for `right` of `n`.
+pub fn wilson(right: u32, n: u32) -> (f64, f64) {
+    if n == 0 {
+        return (0.0, 1.0);
+    }
+    let (n, p, z) = (f64::from(n), f64::from(right) / f64::from(n), 1.96_f64);
+    let centre = (p + z * z / (2.0 * n)) / (1.0 + z * z / n);
+    let half = z * (p * (1.0 - p) / n + z * z / (4.0 * n * n)).sqrt() / (1.0 + z * z / n);
+    ((centre - half).max(0.0), (centre + half).min(1.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn figures(right: u32, n: u32, cost: f64) -> CategoryFigures {
+        CategoryFigures {
+            right,
+            n,
+            cost_per_item_usd: cost,
+            cost_complete: true,
+            latency_p50_ms: 100,
+            tokens_per_item: 50,
+        }
+    }
+
+    fn profile(worker: &str, freshness: Freshness, categories: &[(&str, CategoryFigures)]) -> Profile {
+        Profile {
+            worker: worker.into(),
+            freshness,
+            identity: Some(worker.into()),
+            by_category: categories.iter().map(|(c, f)| ((*c).to_owned(), f.clone())).collect(),
+            learned_in: vec!["learn-1".into()],
+        }
+    }
+
+    #[test]
+    fn each_kind_goes_to_the_cheapest_worker_that_is_as_good() {
+        let profiles = [
+            profile("dear", Freshness::Current, &[("sums", figures(8, 8, 0.01)), ("trivia", figures(8, 8, 0.01))]),
+            profile("cheap", Freshness::Current, &[("sums", figures(8, 8, 0.001)), ("trivia", figures(0, 8, 0.001))]),
+        ];
+        let m = measure(&profiles, Vec::new());
+        assert_eq!(m.best_by_category["sums"], 1, "as good and ten times cheaper");
+        assert_eq!(m.best_by_category["trivia"], 0);
+        assert!(m.clear["sums"].contains("cheap was right on 8 of 8"), "{:?}", m.clear);
+        assert!(m.clear.contains_key("trivia"));
+        assert_eq!(m.best, Some(0), "overall only the dear one is right on everything");
+    }
+
+    #[test]
+    fn a_margin_the_measurements_cannot_tell_from_chance_is_not_clear() {
+        let profiles = [
+            profile("a", Freshness::Current, &[("sums", figures(3, 5, 0.0))]),
+            profile("b", Freshness::Current, &[("sums", figures(2, 5, 0.0))]),
+        ];
+        let m = measure(&profiles, Vec::new());
+        assert_eq!(m.best_by_category["sums"], 0);
+        assert!(m.clear.is_empty(), "3 of 5 against 2 of 5 is no clear margin: the conductor plans");
+    }
+
+    #[test]
+    fn stale_and_thin_profiles_are_not_used() {
+        let profiles = [
+            profile("a", Freshness::Stale, &[("sums", figures(8, 8, 0.0))]),
+            profile("b", Freshness::Current, &[("sums", figures(1, 8, 0.0)), ("few", figures(3, 3, 0.0))]),
+        ];
+        let m = measure(&profiles, Vec::new());
+        assert_eq!(m.best_by_category.get("sums"), Some(&1), "only b's profile is current");
+        assert!(!m.best_by_category.contains_key("few"), "3 runs are too few to choose by");
+        let none = [profile("a", Freshness::None, &[])];
+        assert_eq!(measure(&none, Vec::new()), Measured::default());
+    }
+
+    #[test]
+    fn the_wilson_interval_is_wide_at_small_n() {
+        let (low, high) = wilson(2, 3);
+        assert!(low < 0.21 && high > 0.9, "({low}, {high})");
+        let (low, high) = wilson(80, 100);
+        assert!((low - 0.711).abs() < 0.01 && (high - 0.867).abs() < 0.01, "({low}, {high})");
+        assert_eq!(wilson(0, 0), (0.0, 1.0));
+    }
+}

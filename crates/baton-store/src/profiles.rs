@@ -1,0 +1,152 @@
+//! The workers' learned profiles, read from the history's learning runs (`baton pool learn`).
+//!
+//! A learning run is an evaluation whose config says `"learn": true` and lists, beside each
+//! worker's name, the worker's [identity](baton_engine::WorkerSpec::identity) when it was
+//! learned. Its results are kept as any evaluation's are, so the same rows serve the reports
+//! and exports. A profile is found by identity, not by name: renaming a worker keeps its
+//! profile, changing its model or settings makes it stale.
+
+use std::collections::BTreeMap;
+
+use baton_engine::profile::{CategoryFigures, Freshness, Profile};
+use sqlx::Row;
+
+use crate::{Store, StoreError};
+
+/// What the pool learned: a profile per worker (in the pool's order) and every learned
+/// question with its category, by which a new question is placed.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Learned {
+    pub profiles: Vec<Profile>,
+    pub questions: Vec<(String, String)>,
+}
+
+/// Tallies of one worker on one category, before they become [`CategoryFigures`].
+#[derive(Default)]
+struct Tally {
+    right: u32,
+    n: u32,
+    cost_usd: f64,
+    cost_complete: bool,
+    tokens: u64,
+    latencies: Vec<u64>,
+}
+
+impl Tally {
+    fn figures(mut self) -> CategoryFigures {
+        self.latencies.sort_unstable();
+        let n = u64::from(self.n.max(1));
+        CategoryFigures {
+            right: self.right,
+            n: self.n,
+            cost_per_item_usd: self.cost_usd / n as f64,
+            cost_complete: self.cost_complete,
+            latency_p50_ms: self.latencies.get(self.latencies.len() / 2).copied().unwrap_or(0),
+            tokens_per_item: self.tokens / n,
+        }
+    }
+}
+
+impl Store {
+    /// The profiles of `workers` (name, identity), from every learning run that measured a
+    /// worker of the same identity; a worker measured only under another identity has a
+    /// stale profile (with the figures of the newest such run, for showing), one never
+    /// measured none.
+    pub async fn learned(&self, workers: &[(String, String)]) -> Result<Learned, StoreError> {
+        let mut tallies: Vec<BTreeMap<String, Tally>> = workers.iter().map(|_| BTreeMap::new()).collect();
+        let mut learned_in: Vec<Vec<String>> = vec![Vec::new(); workers.len()];
+        let mut stale: Vec<Option<(String, String, String)>> = vec![None; workers.len()];
+        let mut questions: BTreeMap<String, String> = BTreeMap::new();
+        for evaluation in self.evaluations().await? {
+            let config = &evaluation.config;
+            if config["learn"] != serde_json::json!(true) {
+                continue;
+            }
+            let names: Vec<&str> =
+                config["workers"].as_array().into_iter().flatten().filter_map(|v| v.as_str()).collect();
+            let identities: Vec<&str> =
+                config["identities"].as_array().into_iter().flatten().filter_map(|v| v.as_str()).collect();
+            for (w, (name, identity)) in workers.iter().enumerate() {
+                if let Some(j) = identities.iter().position(|i| i == identity) {
+                    let Some(then) = names.get(j) else { continue };
+                    self.tally(&evaluation.id, then, &mut tallies[w], &mut questions).await?;
+                    learned_in[w].push(evaluation.id.clone());
+                } else if let Some(j) = names.iter().position(|n| n == name)
+                    && stale[w].is_none()
+                {
+                    let then = identities.get(j).map(|i| (*i).to_owned()).unwrap_or_default();
+                    stale[w] = Some((evaluation.id.clone(), (*names.get(j).unwrap_or(&"")).to_owned(), then));
+                }
+            }
+        }
+        let mut profiles = Vec::with_capacity(workers.len());
+        for (w, (name, identity)) in workers.iter().enumerate() {
+            let mut profile = Profile {
+                worker: name.clone(),
+                freshness: Freshness::None,
+                identity: None,
+                by_category: BTreeMap::new(),
+                learned_in: Vec::new(),
+            };
+            if !learned_in[w].is_empty() {
+                profile.freshness = Freshness::Current;
+                profile.identity = Some(identity.clone());
+                profile.by_category =
+                    std::mem::take(&mut tallies[w]).into_iter().map(|(c, t)| (c, t.figures())).collect();
+                profile.learned_in = learned_in[w].clone();
+            } else if let Some((evaluation, then_name, then_identity)) = stale[w].take() {
+                let mut old = BTreeMap::new();
+                self.tally(&evaluation, &then_name, &mut old, &mut BTreeMap::new()).await?;
+                profile.freshness = Freshness::Stale;
+                profile.identity = Some(then_identity);
+                profile.by_category = old.into_iter().map(|(c, t)| (c, t.figures())).collect();
+                profile.learned_in = vec![evaluation];
+            }
+            profiles.push(profile);
+        }
+        Ok(Learned { profiles, questions: questions.into_iter().collect() })
+    }
+
+    /// The question texts the pool's current profiles were learned from: an evaluation leaves
+    /// these out, so that it never scores what the pool was taught with.
+    pub async fn learned_questions(&self, workers: &[(String, String)]) -> Result<Vec<String>, StoreError> {
+        Ok(self.learned(workers).await?.questions.into_iter().map(|(q, _)| q).collect())
+    }
+
+    /// Adds the results of worker `name` alone in learning run `evaluation` to `tallies`, and
+    /// its questions (with their categories) to `questions`.
+    async fn tally(
+        &self,
+        evaluation: &str,
+        name: &str,
+        tallies: &mut BTreeMap<String, Tally>,
+        questions: &mut BTreeMap<String, String>,
+    ) -> Result<(), StoreError> {
+        let rows = sqlx::query(
+            "SELECT e.category, e.correct, e.cost_usd, e.cost_complete, e.input_tokens, e.output_tokens,
+                    e.latency_ms, r.question
+             FROM eval_results e LEFT JOIN runs r ON r.uid = e.run_uid
+             WHERE e.evaluation_id = ?1 AND e.strategy = ?2",
+        )
+        .bind(evaluation)
+        .bind(format!("single:{name}"))
+        .fetch_all(&self.pool)
+        .await?;
+        for r in &rows {
+            let category: String = r.try_get("category")?;
+            let t =
+                tallies.entry(category.clone()).or_insert_with(|| Tally { cost_complete: true, ..Tally::default() });
+            t.right += u32::from(r.try_get::<bool, _>("correct")?);
+            t.n += 1;
+            t.cost_usd += r.try_get::<f64, _>("cost_usd")?;
+            t.cost_complete &= r.try_get::<bool, _>("cost_complete")?;
+            t.tokens += r.try_get::<i64, _>("input_tokens")?.max(0) as u64
+                + r.try_get::<i64, _>("output_tokens")?.max(0) as u64;
+            t.latencies.push(r.try_get::<i64, _>("latency_ms")?.max(0) as u64);
+            if let Some(question) = r.try_get::<Option<String>, _>("question")? {
+                questions.entry(question).or_insert(category);
+            }
+        }
+        Ok(())
+    }
+}
