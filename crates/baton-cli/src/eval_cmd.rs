@@ -469,23 +469,13 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
         seed: args.seed,
         purpose: Purpose::EvaluateLeavingOut(learned),
     };
-    let cancel = CancellationToken::new();
-    let ctrl_c = crate::cancel_on_ctrl_c(&cancel);
-    let bar = Bar::new(args.json);
-    let progress = |p: Progress| bar.show(p);
     eprintln!(
         "evaluation {id}: {} items of {} ({})",
         args.limit.map_or(spec.suite.items.len(), |l| l.min(spec.suite.items.len())),
         spec.suite.name,
         spec.suite.provenance
     );
-    let ended = harness.run(&spec, &progress, &cancel).await;
-    bar.finish();
-    ctrl_c.abort();
-    let ended = ended.map_err(|e| match e {
-        baton_eval::EvalError::Settings(m) => Failure::BadInput(m),
-        other => Failure::Failed(other.to_string()),
-    })?;
+    let ended = run_with_bar(&harness, &spec, args.json).await?;
     let report = load_report(&store, &id).await?;
     store.close().await;
     if args.json {
@@ -511,14 +501,29 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
     }
 }
 
+/// Runs `spec` with a progress bar (none when `quiet`) until it ends or Ctrl-C stops it.
+pub(crate) async fn run_with_bar(harness: &Harness, spec: &Spec, quiet: bool) -> Result<Ended, Failure> {
+    let cancel = CancellationToken::new();
+    let ctrl_c = crate::cancel_on_ctrl_c(&cancel);
+    let bar = Bar::new(quiet);
+    let progress = |p: Progress| bar.show(p);
+    let ended = harness.run(spec, &progress, &cancel).await;
+    bar.finish();
+    ctrl_c.abort();
+    ended.map_err(|e| match e {
+        baton_eval::EvalError::Settings(m) => Failure::BadInput(m),
+        other => Failure::Failed(other.to_string()),
+    })
+}
+
 /// The progress bar: runs done, ETA, accuracy so far per strategy, and spend.
-pub(crate) struct Bar {
+struct Bar {
     bar: Option<ProgressBar>,
     tally: Mutex<std::collections::BTreeMap<String, (u32, u32)>>,
 }
 
 impl Bar {
-    pub(crate) fn new(quiet: bool) -> Bar {
+    fn new(quiet: bool) -> Bar {
         let bar = (!quiet).then(|| {
             let bar = if std::io::stderr().is_terminal() { ProgressBar::new(0) } else { ProgressBar::hidden() };
             bar.set_style(
@@ -531,7 +536,7 @@ impl Bar {
         Bar { bar, tally: Mutex::new(Default::default()) }
     }
 
-    pub(crate) fn show(&self, p: Progress) {
+    fn show(&self, p: Progress) {
         let Some(bar) = &self.bar else {
             // Quiet (JSON on stdout): notes still go to stderr.
             if let Progress::Note(note) = p {
@@ -564,7 +569,7 @@ impl Bar {
         }
     }
 
-    pub(crate) fn finish(&self) {
+    fn finish(&self) {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }

@@ -7,12 +7,10 @@ use std::sync::Arc;
 use baton_engine::Pool;
 use baton_engine::prices::Pricing;
 use baton_engine::profile::{self, Freshness, Profile};
-use baton_eval::{Ended, Harness, Progress, Purpose, Spec, Strategy};
+use baton_eval::{Ended, Harness, Purpose, Spec, Strategy};
 use baton_runner::{Conductor, LocalModels};
-use tokio_util::sync::CancellationToken;
 
 use crate::conductor_setup::Build;
-use crate::eval_cmd::Bar;
 use crate::history_cmd::DbArg;
 use crate::{Failure, Outcome, PoolArg};
 
@@ -83,17 +81,7 @@ pub async fn learn(args: LearnArgs) -> Outcome {
     };
     let items = args.limit.map_or(spec.suite.items.len(), |l| l.min(spec.suite.items.len()));
     eprintln!("learning {id}: each of {} workers alone on {items} items of {}", workers.len(), spec.suite.name);
-    let cancel = CancellationToken::new();
-    let ctrl_c = crate::cancel_on_ctrl_c(&cancel);
-    let bar = Bar::new(false);
-    let progress = |p: Progress| bar.show(p);
-    let ended = harness.run(&spec, &progress, &cancel).await;
-    bar.finish();
-    ctrl_c.abort();
-    let ended = ended.map_err(|e| match e {
-        baton_eval::EvalError::Settings(m) => Failure::BadInput(m),
-        other => Failure::Failed(other.to_string()),
-    })?;
+    let ended = crate::eval_cmd::run_with_bar(&harness, &spec, false).await?;
     let learned = store.learned(&identities).await.map_err(|e| Failure::Failed(e.to_string()))?;
     store.close().await;
     print!("{}", profiles_table(&pool, &learned.profiles));
@@ -156,8 +144,7 @@ pub fn profiles_table(pool: &Pool, profiles: &[Profile]) -> String {
             ));
         }
     }
-    let learned: Vec<(String, String)> = Vec::new();
-    let measured = profile::measure(profiles, learned);
+    let measured = profile::measure(profiles, Vec::new());
     if !measured.best_by_category.is_empty() {
         out.push_str("Runs send each kind of question to:\n");
         for (category, w) in &measured.best_by_category {

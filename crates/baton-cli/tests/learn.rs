@@ -27,12 +27,14 @@ fn path(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
 }
 
-/// An arithmetic item (`a`nswered by whoever knows its needle) and a multiple-choice one.
+/// An arithmetic item (answered by whoever knows its needle) and a multiple-choice one. Their
+/// words say what kind they are, as real questions' do: a new question's kind is told by the
+/// learned questions that share its words.
 fn number(id: &str) -> (Value, String, String) {
     let i: u32 = id.bytes().map(u32::from).sum::<u32>() % 50;
     let needle = format!("<{id}>");
     let item = json!({"id": id, "kind": "number", "category": "arithmetic",
-        "question": format!("{needle} What is {i} + 40?"), "answer": (i + 40).to_string()});
+        "question": format!("{needle} Compute the sum of {i} and 40."), "answer": (i + 40).to_string()});
     (item, needle, format!("{i} plus 40 is {}.\n#### {}", i + 40, i + 40))
 }
 
@@ -40,7 +42,7 @@ fn choice(id: &str) -> (Value, String, String) {
     let letter = ["A", "B", "C", "D"][id.len() % 4];
     let needle = format!("<{id}>");
     let item = json!({"id": id, "kind": "choice", "category": "trivia",
-        "question": format!("{needle} Which one?\n\nA. w\nB. x\nC. y\nD. z"), "answer": letter});
+        "question": format!("{needle} Trivia about capital cities: which one?\n\nA. w\nB. x\nC. y\nD. z"), "answer": letter});
     (item, needle, format!("It is the one.\nAnswer: {letter}"))
 }
 
@@ -215,6 +217,22 @@ async fn a_complementary_pool_learns_which_worker_is_right_on_which_kind() {
     assert!(show.stdout.contains("b: STALE, not used"), "{}", show.stdout);
     let stale = setup.eval(&held_out, &changed_pool, "stale", "conductor").await;
     assert_eq!(accuracy(&stale, "conductor"), 0.5, "b's stale profile no longer routes the choices");
+
+    // Routing as a mode: every question to its kind's worker, one call, no conductor at all.
+    let text = std::fs::read_to_string(&pool).expect("pool");
+    let workers = &text[text.find("\n[[worker]]").expect("workers")..];
+    let routed =
+        setup.write("routed.toml", &format!("show_question = true\n\n[conductor]\nroute = \"always\"\n{workers}"));
+    let (item, _, _) = &test_c[3];
+    let question = item["question"].as_str().expect("question");
+    let calls = s.requests().len();
+    let out = baton(&["ask", question, "--pool", path(&routed), "--db", path(&setup.db)]).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(out.stdout.contains(&format!("Answer: {}", item["answer"].as_str().expect("answer"))), "{}", out.stdout);
+    assert!(out.stderr.contains("routed by what the pool learned"), "{}", out.stderr);
+    let asked: Vec<String> = s.requests()[calls..].iter().map(|r| r.model.clone()).collect();
+    assert_eq!(asked.len(), 1, "one call: {asked:?}");
+    assert!(asked[0].starts_with("b;"), "the choice went to b: {asked:?}");
 }
 
 /// An expensive worker right on everything and a cheap one right on arithmetic: learned, the

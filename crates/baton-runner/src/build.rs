@@ -1,15 +1,16 @@
-//! From a pool and the user's settings to an executor that can run: the fallback worker chosen
-//! from the pool's measurements, the conductor loaded (when the run needs one), the `local`
+//! From a pool and the user's settings to an executor that can run: what the pool learned put
+//! into it (the fallback worker, the routes), the conductor loaded (when the run needs one), the `local`
 //! workers loaded in process.
 
 use baton_conductor::setup::{self, ConductorChoice, LocalModels, Notify, SetupError};
-use baton_engine::{Executor, Pool};
+use baton_engine::{Executor, Pool, Route};
 use baton_store::Store;
 
 /// Whether the executor gets a conductor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Conductor {
-    /// The run asks the conductor for a plan: a pool without one is an error.
+    /// The run asks the conductor for a plan: a pool without one is an error, unless the pool
+    /// routes every question by what it learned (`route = "always"`), which needs no plan.
     Required,
     /// Load the pool's conductor if it names one (`baton serve` then serves the workers alone).
     IfConfigured,
@@ -24,7 +25,8 @@ pub struct Setup<'a> {
     /// What overrides the pool's `[conductor]` table (the command line's `--conductor…` flags).
     pub choice: &'a ConductorChoice,
     pub conductor: Conductor,
-    /// The history whose latest evaluation picks the fallback worker; `None` keeps the pool's.
+    /// The history whose learned profiles choose the fallback worker and the routes; `None`
+    /// keeps the pool's.
     pub store: Option<&'a Store>,
     /// Told of every model load.
     pub notify: Notify<'a>,
@@ -54,7 +56,11 @@ pub struct Built {
 pub async fn build(pool: Pool, setup: Setup<'_>) -> Result<Built, SetupError> {
     let pool = with_fallback_chosen(pool, setup.store).await;
     let mut executor = Executor::from_pool(&pool);
-    let planner = match setup.conductor {
+    let needed = match setup.conductor {
+        Conductor::Required if pool.options.fallback.route == Route::Always => Conductor::IfConfigured,
+        other => other,
+    };
+    let planner = match needed {
         Conductor::None => None,
         Conductor::Required => Some(setup::planner(&pool, setup.choice, setup.models, setup.notify).await?),
         Conductor::IfConfigured => match setup::planner(&pool, setup.choice, setup.models, setup.notify).await {
