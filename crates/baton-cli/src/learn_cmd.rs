@@ -4,9 +4,9 @@
 
 use std::sync::Arc;
 
-use baton_engine::Pool;
 use baton_engine::prices::Pricing;
 use baton_engine::profile::{self, Freshness, Profile};
+use baton_engine::{Pool, Route};
 use baton_eval::{Ended, Harness, Purpose, Spec, Strategy};
 use baton_runner::{Conductor, LocalModels};
 
@@ -57,7 +57,7 @@ pub async fn learn(args: LearnArgs) -> Outcome {
         crate::warn_unpriced(&pool, "--max-cost-usd");
     }
     let identities: Vec<(String, String)> = baton_runner::build::identities(&pool);
-    let id = args.id.clone().unwrap_or_else(|| default_id(&suite.name, &identities));
+    let id = args.id.clone().unwrap_or_else(|| default_id(&suite, &identities, args.limit, args.seed));
     let store = args.db.open().await?;
     let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
     let strategies = Strategy::parse_list("all-singles", &workers).map_err(Failure::BadInput)?;
@@ -91,24 +91,30 @@ pub async fn learn(args: LearnArgs) -> Outcome {
             eprintln!("stopped; what was measured is kept, and the same command goes on from there");
             Err(Failure::Interrupted)
         }
-        Ended::OverBudget => Err(Failure::Failed(format!(
-            "the spending cap was reached; `baton pool learn {} --id {id} --max-cost-usd <more>` goes on",
-            args.suite
-        ))),
+        Ended::OverBudget => Err(Failure::Failed(
+            "the spending cap was reached; the same command with a higher --max-cost-usd goes on".into(),
+        )),
     }
 }
 
-/// `learn-SUITE-HASH`, the hash over the workers' identities: the same suite and workers give
-/// the same id (so the command resumes), a changed worker a new one.
-fn default_id(suite: &str, identities: &[(String, String)]) -> String {
+/// `learn-SUITE-HASH`, the hash over what a learning run is: the suite's items, which of them
+/// (`--limit`, `--seed`) and the workers' identities. The same command on the same pool gives
+/// the same id, so it goes on where a stopped one ended; a changed worker or suite a new one.
+fn default_id(
+    suite: &baton_eval::suite::Suite,
+    identities: &[(String, String)],
+    limit: Option<usize>,
+    seed: u64,
+) -> String {
     // FNV-1a: stable across builds and platforms, unlike the standard library's hasher.
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for (_, identity) in identities {
-        for byte in identity.bytes().chain([0]) {
+    let parts = [suite.sha256.clone(), format!("{limit:?} {seed}")];
+    for part in parts.iter().chain(identities.iter().map(|(_, identity)| identity)) {
+        for byte in part.bytes().chain([0]) {
             hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
         }
     }
-    format!("learn-{suite}-{:08x}", hash >> 32)
+    format!("learn-{}-{:08x}", suite.name, hash >> 32)
 }
 
 /// One block per worker: whether its profile is current, then a line per category with right
@@ -144,15 +150,26 @@ pub fn profiles_table(pool: &Pool, profiles: &[Profile]) -> String {
             ));
         }
     }
+    let fallback = &pool.options.fallback;
+    if fallback.chosen {
+        let name = fallback.worker.and_then(|w| pool.workers.get(w)).map_or("?", |w| w.name.as_str());
+        out.push_str(&format!("The pool names its fallback worker ({name}): what was learned does not route runs.\n"));
+        return out;
+    }
     let measured = profile::measure(profiles, Vec::new());
     if !measured.best_by_category.is_empty() {
         out.push_str("Runs send each kind of question to:\n");
         for (category, w) in &measured.best_by_category {
             let name = pool.workers.get(*w).map_or("?", |w| w.name.as_str());
-            let how = if measured.clear.contains_key(category) {
-                "alone, without a plan (a clear margin)"
-            } else {
-                "as the plan's lead (the conductor plans)"
+            let alone = match fallback.route {
+                Route::Always => true,
+                Route::Never => false,
+                Route::Auto => measured.clear.contains_key(category),
+            };
+            let how = match (alone, fallback.route) {
+                (true, Route::Always) => "alone, without a plan (route = \"always\")",
+                (true, _) => "alone, without a plan (a clear margin)",
+                (false, _) => "as the plan's lead (the conductor plans)",
             };
             out.push_str(&format!("  {category:<20} {name}, {how}\n"));
         }

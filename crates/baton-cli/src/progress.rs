@@ -82,8 +82,10 @@ impl Progress {
                 self.line(self.paint("33", &format!("plan rejected: {reason}; {next}")));
             }
             RunEvent::PlanReady { round, plan, fallback, .. } => {
-                if let Some(why) = fallback {
-                    self.line(self.paint("33", &format!("fallback: {why}")));
+                match fallback {
+                    Some(why) if baton_engine::fallback::is_routed(why) => self.line(why.clone()),
+                    Some(why) => self.line(self.paint("33", &format!("fallback: {why}"))),
+                    None => {}
                 }
                 let title = match (round, plan.is_stop()) {
                     (_, true) => format!("round {round}: the conductor stops here"),

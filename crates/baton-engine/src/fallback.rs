@@ -5,8 +5,11 @@
 //! the question without its numbers while the workers never see the question itself, or its
 //! subtasks loop (the same phrase over and over until the token limit). Such a
 //! plan is asked for once more, differently; if that one is no better, the question goes to
-//! one worker alone, verbatim (the pool's best, when an evaluation says which). The run says
+//! one worker alone, verbatim (the pool's best, when what it learned says which). The run says
 //! that it fell back and why.
+//!
+//! What the pool learned (`baton pool learn`) may also send a question straight to one worker,
+//! with no plan at all: [`route`].
 
 use baton_plan::{Access, Plan, Step};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -15,7 +18,7 @@ use baton_providers::{Message, Role};
 
 use crate::planner::ShownExample;
 use crate::pool::{FallbackOptions, Route};
-// What an evaluation measured is a pool option (the pool holds it); it stays reachable here,
+// What the pool learned is a pool option (the pool holds it); it stays reachable here,
 // beside the choice it feeds.
 pub use crate::pool::{MIN_CATEGORY_ITEMS, Measured};
 
@@ -160,15 +163,15 @@ fn words(text: &str) -> Vec<String> {
     text.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()).map(str::to_lowercase).collect()
 }
 
-/// How many evaluated questions vote on a new question's category, and how alike (shared
+/// How many learned questions vote on a new question's category, and how alike (shared
 /// distinctive words over all of either's, Jaccard) the nearest must be for the vote to count.
 const NEIGHBOURS: usize = 3;
 const MIN_LIKENESS: f64 = 0.12;
 
 /// Which worker answers alone when the plans cannot be used, and why that one (`None`: no
-/// measurement chose it). The user's `fallback_worker` first; then the best worker for the
-/// question's category, when the evaluated questions nearest to it say which category that is;
-/// then the best overall; else the first worker.
+/// measurement chose it). The user's `fallback_worker` first; then what the pool learned: the
+/// cheapest worker as good at the question's category, when the learned questions nearest to
+/// it say which category that is; then the best overall; else the first worker.
 pub fn fallback_worker(options: &FallbackOptions, workers: usize, question: &str) -> (usize, Option<String>) {
     let valid = |w: Option<usize>| w.filter(|w| *w < workers);
     if options.chosen
@@ -193,7 +196,13 @@ pub fn fallback_worker(options: &FallbackOptions, workers: usize, question: &str
 /// clear margin; with [`Route::Always`], to the profile's worker for the category, else the
 /// best overall, else the fallback worker. A worker the user chose (`fallback_worker`) does
 /// not route: it is the fallback's choice, not a measurement.
+///
+/// The reason starts with [`ROUTED`]: a routed run is told apart from one whose plans failed by
+/// its `PlanReady::fallback` reason ([`is_routed`]).
 pub fn route(options: &FallbackOptions, workers: usize, question: &str) -> Option<(usize, String)> {
+    if options.chosen {
+        return None;
+    }
     let m = &options.measured;
     let category = category_of(question, &m.questions);
     let valid = |w: Option<usize>| w.filter(|w| *w < workers);
@@ -218,7 +227,7 @@ pub fn route(options: &FallbackOptions, workers: usize, question: &str) -> Optio
     }
 }
 
-/// The category of the evaluated questions most like `question`, by a vote of the
+/// The category of the learned questions most like `question`, by a vote of the
 /// [`NEIGHBOURS`] nearest weighted by likeness; `None` when none is alike enough.
 pub fn category_of<'a>(question: &str, evaluated: &'a [(String, String)]) -> Option<&'a str> {
     let mine = distinctive(question);
@@ -265,6 +274,15 @@ pub fn alone_subtask(history: &[Message], question: &str) -> String {
     }
     text.push_str(&format!("\nAnswer the user's new message:\n\n{question}"));
     text
+}
+
+/// How the reason of a routed question's `PlanReady::fallback` begins.
+pub const ROUTED: &str = "routed";
+
+/// Whether a `PlanReady::fallback` reason says the question was routed by what the pool learned
+/// (rather than that its plans could not be used).
+pub fn is_routed(reason: &str) -> bool {
+    reason.starts_with(ROUTED)
 }
 
 /// The plan that runs the question on `worker` alone.

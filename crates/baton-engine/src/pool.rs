@@ -85,11 +85,11 @@ pub struct FallbackOptions {
     /// Off: the conductor's plan runs as written, and a plan that fails fails the run.
     pub enabled: bool,
     /// The worker that answers alone: `[conductor] fallback_worker` when the pool names one,
-    /// else the best worker of this pool's latest evaluation (set from the history), else the
-    /// first. [`crate::fallback::fallback_worker`] prefers the best for the question's category.
+    /// else the best worker the pool learned (set from the history), else the first.
+    /// [`crate::fallback::fallback_worker`] prefers the choice for the question's category.
     pub worker: Option<usize>,
-    /// Whether `worker` is the user's choice (`fallback_worker`), which an evaluation's does not
-    /// replace.
+    /// Whether `worker` is the user's choice (`fallback_worker`), which what was learned does
+    /// not replace (and which turns routing off).
     pub chosen: bool,
     /// What the pool learned of each worker alone, per category (`baton pool learn`), so the
     /// question can go to the cheapest worker as good for its kind (set by the application

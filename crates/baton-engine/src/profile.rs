@@ -64,10 +64,15 @@ pub struct Profile {
 /// How close to the best a worker's accuracy must be to count as "as good": within this share.
 pub const AS_GOOD_WITHIN: f64 = 0.05;
 
+/// Where every worker is as good, the lower end of the choice's interval must reach this for the
+/// question to go to it alone.
+pub const ALONE_AT_LEAST: f64 = 0.5;
+
 /// The choices the profiles support, for the executor (see [`Measured`]). `questions` are the
 /// learned items with their categories: a new question is placed by the nearest of them.
 /// Only current profiles count, and only categories where every current worker has at least
-/// [`MIN_CATEGORY_ITEMS`] runs.
+/// [`MIN_CATEGORY_ITEMS`] runs. A worker with no current profile (never learned, or changed
+/// since) is in no choice; while one is, no choice is clear: it might be the better one.
 pub fn measure(profiles: &[Profile], questions: Vec<(String, String)>) -> Measured {
     let current: Vec<(usize, &Profile)> =
         profiles.iter().enumerate().filter(|(_, p)| p.freshness == Freshness::Current).collect();
@@ -86,7 +91,7 @@ pub fn measure(profiles: &[Profile], questions: Vec<(String, String)>) -> Measur
         }
         if let Some((worker, why)) = choose(&figures, &profiles_names(profiles)) {
             measured.best_by_category.insert(category.clone(), worker);
-            if let Some(why) = why {
+            if let Some(why) = why.filter(|_| current.len() == profiles.len()) {
                 measured.clear.insert(category.clone(), why);
             }
         }
@@ -122,9 +127,16 @@ pub fn total(profile: &Profile) -> CategoryFigures {
     all
 }
 
-/// The cheapest worker as good as the best (within [`AS_GOOD_WITHIN`]), by cost per item, then
-/// time, then tokens; and, when its accuracy's interval lies wholly above every worker that is
-/// not as good, why it may answer without a plan. `None` when no worker got anything right.
+/// The cheapest worker as good as the best (within [`AS_GOOD_WITHIN`]), by cost per item (a
+/// worker whose price is unknown counts as dearest: its cost is a lower bound), then time, then
+/// tokens; and, when the measurements leave no doubt, why it may answer without a plan. `None`
+/// when no worker got anything right.
+///
+/// No doubt means: at least two workers were measured, and the choice's 95% interval lies wholly
+/// above the interval of every worker that is not as good; where every worker is as good, the
+/// choice is right more often than not (the lower end of its interval at least
+/// [`ALONE_AT_LEAST`]), since then no worker is known to do better and a plan is not known to
+/// help.
 fn choose(figures: &[(usize, &CategoryFigures)], names: &[&str]) -> Option<(usize, Option<String>)> {
     let best = figures.iter().map(|(_, f)| f.accuracy()).fold(0.0, f64::max);
     if best == 0.0 {
@@ -132,12 +144,17 @@ fn choose(figures: &[(usize, &CategoryFigures)], names: &[&str]) -> Option<(usiz
     }
     let as_good = |f: &CategoryFigures| f.accuracy() >= best - AS_GOOD_WITHIN - 1e-9;
     let (worker, chosen) = figures.iter().filter(|(_, f)| as_good(f)).min_by(|a, b| {
-        let key = |f: &CategoryFigures| (f.cost_per_item_usd, f.latency_p50_ms, f.tokens_per_item);
+        let key = |f: &CategoryFigures| {
+            let cost = if f.cost_complete { f.cost_per_item_usd } else { f64::INFINITY };
+            (cost, f.latency_p50_ms, f.tokens_per_item)
+        };
         let (ka, kb) = (key(a.1), key(b.1));
         ka.0.total_cmp(&kb.0).then(ka.1.cmp(&kb.1)).then(ka.2.cmp(&kb.2)).then(a.0.cmp(&b.0))
     })?;
     let low = chosen.interval().0;
-    let clear = figures.iter().filter(|(_, f)| !as_good(f)).all(|(_, f)| f.accuracy() < low);
+    let others: Vec<&CategoryFigures> = figures.iter().filter(|(_, f)| !as_good(f)).map(|(_, f)| *f).collect();
+    let clear = figures.len() >= 2
+        && if others.is_empty() { low >= ALONE_AT_LEAST } else { others.iter().all(|f| f.interval().1 < low) };
     let name = names.get(*worker).copied().unwrap_or("?");
     let why = clear.then(|| {
         format!(
@@ -200,13 +217,54 @@ mod tests {
 
     #[test]
     fn a_margin_the_measurements_cannot_tell_from_chance_is_not_clear() {
+        let clear = |a: (u32, u32), b: (u32, u32)| {
+            let profiles = [
+                profile("a", Freshness::Current, &[("sums", figures(a.0, a.1, 0.0))]),
+                profile("b", Freshness::Current, &[("sums", figures(b.0, b.1, 0.0))]),
+            ];
+            let m = measure(&profiles, Vec::new());
+            assert_eq!(m.best_by_category["sums"], 0, "a is the better");
+            m.clear.contains_key("sums")
+        };
+        assert!(!clear((3, 5), (2, 5)), "3 of 5 against 2 of 5: the conductor plans");
+        assert!(!clear((8, 8), (5, 8)), "the intervals overlap");
+        assert!(!clear((4, 4), (2, 4)));
+        assert!(clear((8, 8), (0, 8)));
+        assert!(clear((20, 20), (8, 20)));
+        assert!(!clear((3, 8), (0, 8)), "better than nothing is no reason to skip the plan");
+    }
+
+    #[test]
+    fn equally_good_workers_are_routed_only_when_right_more_often_than_not() {
+        let both = |right: u32| {
+            let profiles = [
+                profile("dear", Freshness::Current, &[("sums", figures(right, 8, 0.01))]),
+                profile("cheap", Freshness::Current, &[("sums", figures(right, 8, 0.001))]),
+            ];
+            measure(&profiles, Vec::new())
+        };
+        assert_eq!(both(1).best_by_category["sums"], 1, "the cheaper of two equals leads");
+        assert!(both(1).clear.is_empty(), "1 of 8 each: nobody is known to be good, the conductor plans");
+        assert!(both(8).clear.contains_key("sums"));
+    }
+
+    #[test]
+    fn an_unpriced_worker_is_not_taken_for_the_cheapest_and_one_unlearned_worker_keeps_the_conductor() {
+        let mut unpriced = figures(8, 8, 0.0);
+        unpriced.cost_complete = false;
         let profiles = [
-            profile("a", Freshness::Current, &[("sums", figures(3, 5, 0.0))]),
-            profile("b", Freshness::Current, &[("sums", figures(2, 5, 0.0))]),
+            profile("remote", Freshness::Current, &[("sums", unpriced)]),
+            profile("priced", Freshness::Current, &[("sums", figures(8, 8, 0.002))]),
+        ];
+        assert_eq!(measure(&profiles, Vec::new()).best_by_category["sums"], 1);
+        let profiles = [
+            profile("a", Freshness::Current, &[("sums", figures(8, 8, 0.0))]),
+            profile("b", Freshness::Current, &[("sums", figures(0, 8, 0.0))]),
+            profile("new", Freshness::None, &[]),
         ];
         let m = measure(&profiles, Vec::new());
-        assert_eq!(m.best_by_category["sums"], 0);
-        assert!(m.clear.is_empty(), "3 of 5 against 2 of 5 is no clear margin: the conductor plans");
+        assert_eq!(m.best_by_category["sums"], 0, "a still leads");
+        assert!(m.clear.is_empty(), "the new worker might be better: no question skips the plan");
     }
 
     #[test]

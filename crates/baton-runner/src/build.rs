@@ -54,7 +54,7 @@ pub struct Built {
 
 /// Builds the executor `setup` describes for `pool`.
 pub async fn build(pool: Pool, setup: Setup<'_>) -> Result<Built, SetupError> {
-    let pool = with_fallback_chosen(pool, setup.store).await;
+    let pool = with_what_was_learned(pool, setup.store).await;
     let mut executor = Executor::from_pool(&pool);
     let needed = match setup.conductor {
         Conductor::Required if pool.options.fallback.route == Route::Always => Conductor::IfConfigured,
@@ -81,14 +81,14 @@ pub async fn build(pool: Pool, setup: Setup<'_>) -> Result<Built, SetupError> {
 /// Like [`build`] for an executor that only plans (a draft): the conductor is loaded whatever
 /// `setup.conductor` says, the `local` workers are not, since nothing runs.
 pub async fn build_planning(pool: Pool, setup: Setup<'_>) -> Result<Built, SetupError> {
-    let pool = with_fallback_chosen(pool, setup.store).await;
+    let pool = with_what_was_learned(pool, setup.store).await;
     let planner = setup::planner(&pool, setup.choice, setup.models, setup.notify).await?;
     let executor = Executor::from_pool(&pool).with_planner(planner);
     Ok(Built { executor, pool, conductor: true })
 }
 
 /// The pool with what it learned ([`learned_into`]), when there is a history.
-async fn with_fallback_chosen(mut pool: Pool, store: Option<&Store>) -> Pool {
+async fn with_what_was_learned(mut pool: Pool, store: Option<&Store>) -> Pool {
     if let Some(store) = store {
         learned_into(&mut pool, store).await;
     }

@@ -149,3 +149,62 @@ async fn a_rerun_runs_the_step_and_those_that_see_it_again_in_the_same_conversat
     let no_run = baton_runner::rerun::prepare(&store, &pool, run + 100, 0, "first").await;
     assert!(matches!(no_run, Err(RunnerError::NotFound(_))), "{no_run:?}");
 }
+
+/// What the history's learning runs measured goes into the pool the runner builds: the best
+/// worker as the fallback, each category's choice, where it is clear, and the questions that
+/// place a new one. A worker the pool names as its fallback stands, and then nothing routes.
+#[tokio::test]
+async fn what_the_pool_learned_goes_into_the_pool_it_builds_unless_the_user_chose_the_worker() {
+    use baton_store::evaluations::EvalResult;
+
+    let server = TestServer::start().await.expect("server");
+    let (_dir, store) = store().await;
+    let pool = pool(&server, "");
+    let identities = baton_runner::build::identities(&pool);
+    let config = serde_json::json!({
+        "workers": ["first", "second"], "learn": true, "identities": [&identities[0].1, &identities[1].1],
+    });
+    store.create_evaluation("learned", "s", "0", &config).await.expect("created");
+    for i in 0..8 {
+        for (worker, right) in [("first", false), ("second", true)] {
+            let result = EvalResult {
+                strategy: format!("single:{worker}"),
+                item_id: format!("item-{i}"),
+                repeat: 0,
+                split: "test".into(),
+                category: "geography".into(),
+                run_uid: None,
+                run_id: None,
+                answer: None,
+                extracted: None,
+                correct: right,
+                error: None,
+                plan_valid: None,
+                steps: None,
+                calls: 1,
+                input_tokens: 10,
+                cached_input_tokens: 0,
+                output_tokens: 5,
+                conductor_input_tokens: 0,
+                conductor_cached_input_tokens: 0,
+                conductor_output_tokens: 0,
+                cost_usd: 0.0,
+                cost_complete: true,
+                latency_ms: 20,
+            };
+            store.put_eval_result("learned", &result).await.expect("put");
+        }
+    }
+
+    let mut learned = pool.clone();
+    baton_runner::build::learned_into(&mut learned, &store).await;
+    let fallback = &learned.options.fallback;
+    assert_eq!(fallback.worker, Some(1), "second was right on all 8, first on none");
+    assert_eq!(fallback.measured.best_by_category["geography"], 1);
+    assert!(fallback.measured.clear["geography"].contains("8 of 8"), "{:?}", fallback.measured.clear);
+
+    let mut chosen = self::pool(&server, "[conductor]\nfallback_worker = \"first\"\n");
+    baton_runner::build::learned_into(&mut chosen, &store).await;
+    assert_eq!(chosen.options.fallback.worker, Some(0), "the user's choice stands");
+    assert_eq!(chosen.options.fallback.measured, Default::default(), "and nothing routes");
+}

@@ -6,7 +6,7 @@
 //! and exports. A profile is found by identity, not by name: renaming a worker keeps its
 //! profile, changing its model or settings makes it stale.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use baton_engine::profile::{CategoryFigures, Freshness, Profile};
 use sqlx::Row;
@@ -54,6 +54,9 @@ impl Store {
     /// measured none.
     pub async fn learned(&self, workers: &[(String, String)]) -> Result<Learned, StoreError> {
         let mut tallies: Vec<BTreeMap<String, Tally>> = workers.iter().map(|_| BTreeMap::new()).collect();
+        // Per worker, the questions already counted: learning runs are read newest first, and
+        // an item learned again counts once, as it went the last time.
+        let mut counted: Vec<HashSet<String>> = vec![HashSet::new(); workers.len()];
         let mut learned_in: Vec<Vec<String>> = vec![Vec::new(); workers.len()];
         let mut stale: Vec<Option<(String, String, String)>> = vec![None; workers.len()];
         let mut questions: BTreeMap<String, String> = BTreeMap::new();
@@ -69,8 +72,11 @@ impl Store {
             for (w, (name, identity)) in workers.iter().enumerate() {
                 if let Some(j) = identities.iter().position(|i| i == identity) {
                     let Some(then) = names.get(j) else { continue };
-                    self.tally(&evaluation.id, then, &mut tallies[w], &mut questions).await?;
-                    learned_in[w].push(evaluation.id.clone());
+                    let rows =
+                        self.tally(&evaluation.id, then, &mut tallies[w], &mut counted[w], &mut questions).await?;
+                    if rows > 0 {
+                        learned_in[w].push(evaluation.id.clone());
+                    }
                 } else if let Some(j) = names.iter().position(|n| n == name)
                     && stale[w].is_none()
                 {
@@ -96,7 +102,7 @@ impl Store {
                 profile.learned_in = learned_in[w].clone();
             } else if let Some((evaluation, then_name, then_identity)) = stale[w].take() {
                 let mut old = BTreeMap::new();
-                self.tally(&evaluation, &then_name, &mut old, &mut BTreeMap::new()).await?;
+                self.tally(&evaluation, &then_name, &mut old, &mut HashSet::new(), &mut BTreeMap::new()).await?;
                 profile.freshness = Freshness::Stale;
                 profile.identity = Some(then_identity);
                 profile.by_category = old.into_iter().map(|(c, t)| (c, t.figures())).collect();
@@ -113,26 +119,41 @@ impl Store {
         Ok(self.learned(workers).await?.questions.into_iter().map(|(q, _)| q).collect())
     }
 
-    /// Adds the results of worker `name` alone in learning run `evaluation` to `tallies`, and
-    /// its questions (with their categories) to `questions`.
+    /// Adds the results of worker `name` alone in learning run `evaluation` to `tallies`, but
+    /// for questions in `counted` (which it extends), and its questions (with their categories)
+    /// to `questions`. Returns how many results it added.
     async fn tally(
         &self,
         evaluation: &str,
         name: &str,
         tallies: &mut BTreeMap<String, Tally>,
+        counted: &mut HashSet<String>,
         questions: &mut BTreeMap<String, String>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<usize, StoreError> {
         let rows = sqlx::query(
-            "SELECT e.category, e.correct, e.cost_usd, e.cost_complete, e.input_tokens, e.output_tokens,
+            "SELECT e.item_id, e.category, e.correct, e.cost_usd, e.cost_complete, e.input_tokens, e.output_tokens,
                     e.latency_ms, r.question
              FROM eval_results e LEFT JOIN runs r ON r.uid = e.run_uid
-             WHERE e.evaluation_id = ?1 AND e.strategy = ?2",
+             WHERE e.evaluation_id = ?1 AND e.strategy = ?2
+             ORDER BY e.item_id, e.repeat",
         )
         .bind(evaluation)
         .bind(format!("single:{name}"))
         .fetch_all(&self.pool)
         .await?;
+        let before = counted.clone();
+        let mut added = 0;
         for r in &rows {
+            let question: Option<String> = r.try_get("question")?;
+            let item: String = r.try_get("item_id")?;
+            // A run deleted from the history leaves its result without a question: the item's id
+            // in this learning run stands in for it.
+            let key = question.clone().unwrap_or_else(|| format!("{evaluation}/{item}"));
+            if before.contains(&key) {
+                continue;
+            }
+            counted.insert(key);
+            added += 1;
             let category: String = r.try_get("category")?;
             let t =
                 tallies.entry(category.clone()).or_insert_with(|| Tally { cost_complete: true, ..Tally::default() });
@@ -143,10 +164,10 @@ impl Store {
             t.tokens += r.try_get::<i64, _>("input_tokens")?.max(0) as u64
                 + r.try_get::<i64, _>("output_tokens")?.max(0) as u64;
             t.latencies.push(r.try_get::<i64, _>("latency_ms")?.max(0) as u64);
-            if let Some(question) = r.try_get::<Option<String>, _>("question")? {
+            if let Some(question) = question {
                 questions.entry(question).or_insert(category);
             }
         }
-        Ok(())
+        Ok(added)
     }
 }

@@ -1094,6 +1094,8 @@ async fn profiles_come_from_learning_runs_by_identity_and_choose_the_fallback_wo
     store.create_evaluation("evaluated", "s", "0", &plain).await.expect("created");
     let learning = serde_json::json!({"workers": ["a", "b"], "learn": true, "identities": [&ids[0].1, &ids[1].1]});
     store.create_evaluation("ours", "s", "0", &learning).await.expect("created");
+    // The same items learned again: each counts once.
+    store.create_evaluation("again", "s", "0", &learning).await.expect("created");
     let chemistry = [
         "What is the pH of a 0.01 M solution of hydrochloric acid?",
         "Which gas is released when zinc reacts with hydrochloric acid?",
@@ -1142,6 +1144,7 @@ async fn profiles_come_from_learning_runs_by_identity_and_choose_the_fallback_wo
                     latency_ms: 0,
                 };
                 store.put_eval_result("ours", &result).await.expect("put");
+                store.put_eval_result("again", &result).await.expect("put");
                 store.put_eval_result("evaluated", &EvalResult { correct: !right, ..result }).await.expect("put");
             }
         }
@@ -1149,10 +1152,12 @@ async fn profiles_come_from_learning_runs_by_identity_and_choose_the_fallback_wo
 
     let learned = store.learned(&ids).await.expect("reads");
     assert_eq!(learned.questions.len(), 10);
+    // (The user's own `fallback_worker` standing over what was learned is the runner's:
+    // crates/baton-runner/tests/runner.rs.)
     let [a, b] = &learned.profiles[..] else { panic!("two profiles") };
     assert_eq!((a.freshness, a.by_category["history"].right, a.by_category["history"].n), (Freshness::Current, 6, 6));
     assert_eq!((b.by_category["chemistry"].right, b.by_category["chemistry"].n), (4, 4));
-    assert_eq!(a.learned_in, ["ours"], "the plain evaluation is not a learning run");
+    assert_eq!(a.learned_in.len(), 1, "one of the two learning runs counts, the plain evaluation not at all");
     let measured = measure(&learned.profiles, learned.questions.clone());
     assert_eq!(measured.best, Some(0), "a is right on 6 of 10, b on 4");
     assert_eq!(measured.best_by_category, [("chemistry".to_owned(), 1), ("history".to_owned(), 0)].into());
