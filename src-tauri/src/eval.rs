@@ -121,7 +121,7 @@ pub async fn run_evaluation<R: Runtime>(
         calibration: request.calibration,
         limit: request.limit.map(|l| l as usize),
         seed: request.seed.unwrap_or(1),
-        purpose: Purpose::EvaluateLeavingOut(learned),
+        purpose: Purpose::Evaluate { leave_out: learned },
     };
     let _ = on_progress.send(EvalProgress::Started { id: id.clone() });
     let progress = |p: Progress| {

@@ -467,7 +467,7 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
         calibration: args.calibration,
         limit: args.limit,
         seed: args.seed,
-        purpose: Purpose::EvaluateLeavingOut(learned),
+        purpose: Purpose::Evaluate { leave_out: learned },
     };
     eprintln!(
         "evaluation {id}: {} items of {} ({})",

@@ -204,26 +204,20 @@ pub fn route(options: &FallbackOptions, workers: usize, question: &str) -> Optio
         return None;
     }
     let m = &options.measured;
-    let category = category_of(question, &m.questions);
     let valid = |w: Option<usize>| w.filter(|w| *w < workers);
     match options.route {
         Route::Never => None,
         Route::Auto => {
-            let category = category?;
+            let category = category_of(question, &m.questions)?;
             let w = valid(m.best_by_category.get(category).copied())?;
             let why = m.clear.get(category)?;
             Some((w, format!("routed by what the pool learned: the question is like its {category} items, and {why}")))
         }
-        Route::Always => {
-            if let Some(category) = category
-                && let Some(w) = valid(m.best_by_category.get(category).copied())
-            {
-                let why = format!("routed by what the pool learned: the cheapest worker as good at {category}");
-                return Some((w, why));
-            }
-            let (w, why) = fallback_worker(options, workers, question);
-            Some((w, format!("routed: {}", why.unwrap_or_else(|| "nothing learned places this question".into()))))
-        }
+        // The fallback's own choice: the category's worker, else the best overall.
+        Route::Always => Some(match fallback_worker(options, workers, question) {
+            (w, Some(why)) => (w, format!("routed by what the pool learned: {why}")),
+            (w, None) => (w, "routed: nothing learned places this question".to_owned()),
+        }),
     }
 }
 

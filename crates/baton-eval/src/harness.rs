@@ -66,18 +66,14 @@ pub struct Spec {
 }
 
 /// Why the items run: to score the strategies, or to teach the pool its workers' strengths.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Purpose {
     /// An evaluation. Items whose question is in `leave_out` (what the pool learned from) are
     /// left out, and said so: a pool is never scored on what it was taught with.
-    #[default]
-    Evaluate,
-    EvaluateLeavingOut(Vec<String>),
+    Evaluate { leave_out: Vec<String> },
     /// A learning run (`baton pool learn`): `identities` are the workers' identities, in the
     /// pool's order, which the profiles are kept under.
-    Learn {
-        identities: Vec<String>,
-    },
+    Learn { identities: Vec<String> },
 }
 
 /// The settings an evaluation is resumed with must be these; stored as its config.

@@ -11,14 +11,14 @@ use crate::strategy::Strategy;
 use crate::suite::Kind;
 
 impl Harness {
-    /// `spec` without the items the pool learned from (see [`Purpose::EvaluateLeavingOut`]),
+    /// `spec` without the items the pool learned from (see [`Purpose::Evaluate`]),
     /// said in a note; refused when nothing is left.
     pub(super) fn leaving_out_what_was_learned(
         &self,
         spec: &Spec,
         progress: &(dyn Fn(Progress) + Send + Sync),
     ) -> Result<Spec, EvalError> {
-        let Purpose::EvaluateLeavingOut(learned) = &spec.purpose else { return Ok(spec.clone()) };
+        let Purpose::Evaluate { leave_out: learned } = &spec.purpose else { return Ok(spec.clone()) };
         let learned: std::collections::HashSet<&str> = learned.iter().map(|q| q.trim()).collect();
         let mut kept = spec.clone();
         // The history keeps each question as the item's prompt was sent.
