@@ -44,6 +44,8 @@ const COMMANDS: &[&str] = &[
     "loaded_models",
     "eval_suites",
     "run_evaluation",
+    "pool_learning",
+    "learn_pool",
     "list_evaluations",
     "get_evaluation",
     "delete_evaluation",

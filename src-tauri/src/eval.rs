@@ -60,6 +60,18 @@ pub enum EvalProgress {
     Note { text: String },
 }
 
+impl From<Progress> for EvalProgress {
+    fn from(p: Progress) -> EvalProgress {
+        match p {
+            Progress::Planned { total, done } => EvalProgress::Planned { total: total as u32, done: done as u32 },
+            Progress::Scored { strategy, item, correct, cost_usd, spent_usd } => {
+                EvalProgress::Scored { strategy, item, correct, cost_usd, spent_usd }
+            }
+            Progress::Note(text) => EvalProgress::Note { text },
+        }
+    }
+}
+
 /// An evaluation with its report and every result.
 #[derive(Debug, Clone, Serialize, ts_rs::TS)]
 pub struct EvalView {
@@ -125,14 +137,7 @@ pub async fn run_evaluation<R: Runtime>(
     };
     let _ = on_progress.send(EvalProgress::Started { id: id.clone() });
     let progress = |p: Progress| {
-        let news = match p {
-            Progress::Planned { total, done } => EvalProgress::Planned { total: total as u32, done: done as u32 },
-            Progress::Scored { strategy, item, correct, cost_usd, spent_usd } => {
-                EvalProgress::Scored { strategy, item, correct, cost_usd, spent_usd }
-            }
-            Progress::Note(text) => EvalProgress::Note { text },
-        };
-        let _ = on_progress.send(news);
+        let _ = on_progress.send(EvalProgress::from(p));
     };
     tracing::info!(evaluation = %id, "evaluation started");
     let ended = harness.run(&spec, &progress, &registration.token).await.map_err(|e| match e {

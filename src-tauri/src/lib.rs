@@ -9,6 +9,7 @@ pub mod error;
 pub mod eval;
 pub mod history;
 pub mod keys;
+pub mod learn;
 pub mod local_api;
 pub mod models;
 pub mod settings;
@@ -113,6 +114,8 @@ pub fn builder<R: Runtime>(base: tauri::Builder<R>, state: AppState) -> tauri::B
             eval::get_evaluation,
             eval::delete_evaluation,
             eval::export_evaluation,
+            learn::pool_learning,
+            learn::learn_pool,
             local_api::local_api_status,
             local_api::save_local_api,
             local_api::restart_local_api,

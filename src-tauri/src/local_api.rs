@@ -97,7 +97,11 @@ async fn start<R: Runtime>(app: &AppHandle<R>, state: &AppState) -> AppResult<Ru
     baton_serve::guard::check_bind(&form.host, true).map_err(AppError::bad_input)?;
     let token = token(&spec, false)?;
     let store = state.store().await?.clone();
-    let conductor = pool.options.conductor.model.is_some() || pool.options.conductor.url.is_some();
+    // The pool answers as `baton` when a conductor plans, or when it routes every question by
+    // what it learned and needs none.
+    let conductor = pool.options.conductor.model.is_some()
+        || pool.options.conductor.url.is_some()
+        || baton_runner::build::routes_every_question(&pool);
     let executor = crate::chat::executor(app, state, &pool, conductor).await?;
     let listener = tokio::net::TcpListener::bind((form.host.as_str(), form.port)).await.map_err(|e| {
         AppError::new(

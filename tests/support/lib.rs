@@ -110,6 +110,58 @@ pub async fn run_within(
     }
 }
 
+/// A `baton serve` started as a user starts it, once it says where it listens.
+#[derive(Debug)]
+pub struct Serving {
+    pub child: tokio::process::Child,
+    /// `http://HOST:PORT/v1`, as the server said.
+    pub url: String,
+    /// The rest of what it says: kept open, since a server whose stderr is closed cannot write.
+    pub stderr: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStderr>>,
+}
+
+impl Serving {
+    /// Stops it as Ctrl-C does and waits for it; whether it ended well.
+    pub async fn interrupt(mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().expect("running").to_string();
+        std::process::Command::new("kill").args(["-INT", &pid]).status().expect("kill");
+        tokio::time::timeout(Duration::from_secs(20), self.child.wait()).await.expect("stops").expect("waited")
+    }
+}
+
+/// Starts `bin serve ARGS` (`args` after `serve`) with `env` on top of this process's
+/// environment, and waits up to `limit` for it to listen (a local model may load first).
+pub async fn serve(bin: &Path, args: &[&str], env: &[(&str, &str)], limit: Duration) -> Serving {
+    use tokio::io::AsyncBufReadExt;
+    let mut command = tokio::process::Command::new(bin);
+    command.env("BATON_DB", test_history()).env("BATON_LOG_DIR", test_history().with_file_name("logs"));
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    let mut child = command
+        .arg("serve")
+        .args(args)
+        .env_remove("BATON_POOL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn");
+    let mut stderr = tokio::io::BufReader::new(child.stderr.take().expect("stderr")).lines();
+    let url = tokio::time::timeout(limit, async {
+        while let Some(line) = stderr.next_line().await.expect("stderr") {
+            if let Some(rest) = line.strip_prefix("serving on ") {
+                return rest.split_whitespace().next().expect("an address").to_owned();
+            }
+        }
+        panic!("the server ended before it served");
+    })
+    .await
+    .unwrap_or_else(|_| panic!("the server listens within {limit:?}"));
+    Serving { child, url, stderr }
+}
+
 /// Whether the tests that store keys may run: only in the throwaway keyring `scripts/test`
 /// starts (marked by `BATON_TEST_KEYRING=private`), never against one that may be the user's
 /// own. Anything else fails, so a missing keychain cannot pass for a working one, unless the

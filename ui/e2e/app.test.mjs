@@ -554,6 +554,32 @@ api_key_env = "BATON_E2E_CONDUCTOR_KEY"
     await click(await find("new-chat"));
   });
 
+  await t.test("the pool learns its workers from the Workers screen: progress, a profile per worker with n and its interval", async () => {
+    await click(await find("nav-workers"));
+    const limit = await find("learn-limit");
+    await limit.clear();
+    await limit.sendKeys("2");
+    // Three workers on two items: six runs, each one call.
+    await driver.wait(async () => (await textOf(await find("learning"))).includes("About 6 calls"), 10000);
+    await click(await find("learn-run"));
+    await find("learn-progress");
+    // The profiles are read again when the run ends: every worker's is current then.
+    await driver.wait(
+      async () =>
+        (await driver.findElements(By.css('[data-testid="learn-profile"][data-freshness="current"]'))).length === 3,
+      60000,
+    );
+    const refused = await driver.findElements(byTest("learn-error"));
+    assert.equal(refused.length, 0, refused.length ? await textOf(refused[0]) : "");
+    const rows = await driver.findElements(byTest("learn-row"));
+    assert.ok(rows.length >= 3, `a row per worker and kind of question: ${rows.length}`);
+    for (const row of rows) assert.match(await textOf(row), /\d+ of \d+ right \(95%: \d+–\d+%\)/);
+    await driver.executeScript("arguments[0].scrollIntoView()", await find("learning"));
+    await shot("24-learned");
+    // The learning run is in the history as an evaluation of its own, kept apart from the chat's runs.
+    assert.ok(history("list").every((r) => !r.question.includes("Answer: <letter>")));
+  });
+
   await t.test("after a restart the conversation and its runs are in the history", async () => {
     await driver.quit();
     figures.warm_start_ms = Math.round(await openApp());

@@ -21,6 +21,8 @@ import type {
   ExportFormat,
   ExportTarget,
   KeysView,
+  Learned,
+  LearnRequest,
   LoadedModel,
   LocalApiForm,
   LocalApiStatus,
@@ -28,6 +30,7 @@ import type {
   ModelLoad,
   Plan,
   PoolForm,
+  PoolLearning,
   Preferred,
   ProviderKind,
   RerunRequest,
@@ -135,6 +138,16 @@ export const api = {
     const channel = new Channel<EvalProgress>();
     channel.onmessage = onProgress;
     return invoke<EvalView>("run_evaluation", { request, stopId, onProgress: channel });
+  },
+  /** What the pool learned of each worker, and where each kind of question goes because of it. */
+  poolLearning: () => invoke<PoolLearning>("pool_learning"),
+  /** Runs every worker alone on a suite's items (or, the same suite again, goes on where a
+   * stopped run ended); progress goes to `onProgress`; `cancelRun(stopId)` stops it, keeping
+   * what was measured. */
+  learnPool: (request: LearnRequest, stopId: string, onProgress: (p: EvalProgress) => void) => {
+    const channel = new Channel<EvalProgress>();
+    channel.onmessage = onProgress;
+    return invoke<Learned>("learn_pool", { request, stopId, onProgress: channel });
   },
   /** Per worker over the whole history: calls, failures, latency, $, accuracy alone. */
   workerFigures: () => invoke<WorkerFigures[]>("worker_figures"),

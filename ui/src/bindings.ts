@@ -758,6 +758,79 @@ export type EvalProgress = { "type": "started", id: string, } | { "type": "plann
 
 export type EvalView = { evaluation: Evaluation, report: Report, results: Array<EvalResult>, };
 
+export type CategoryFigures = { right: number, 
+/**
+ * Runs scored (items × repeats).
+ */
+n: number, 
+/**
+ * Dollars per run; 0 for local models and unpriced calls (see `cost_complete`).
+ */
+cost_per_item_usd: number, cost_complete: boolean, latency_p50_ms: number, 
+/**
+ * Input and output tokens per run.
+ */
+tokens_per_item: number, };
+
+export type Freshness = "current" | "stale" | "none";
+
+export type CategoryRow = { category: string, figures: CategoryFigures, low: number, high: number, };
+
+export type WorkerLearning = { worker: string, freshness: Freshness, 
+/**
+ * The identity it was learned as (for a stale profile, not [`Self::identity_now`]).
+ */
+identity_learned: string | null, identity_now: string, 
+/**
+ * Whether its calls have a price (else its cost shows as unknown, not as $0).
+ */
+priced: boolean, learned_in: Array<string>, categories: Array<CategoryRow>, };
+
+export type Route = "auto" | "always" | "never";
+
+export type RouteHow = "always" | "clear" | "lead";
+
+export type KindRoute = { category: string, worker: string, how: RouteHow, };
+
+export type PoolLearning = { 
+/**
+ * In the pool's order.
+ */
+workers: Array<WorkerLearning>, 
+/**
+ * Each learned kind of question and the worker it goes to.
+ */
+routes: Array<KindRoute>, 
+/**
+ * The worker the pool names as its fallback (`fallback_worker`): then what was learned
+ * routes nothing (and with `route = "always"` every question goes to it).
+ */
+named_fallback: string | null, 
+/**
+ * `[conductor] route`.
+ */
+route: Route, };
+
+export type LearnRequest = { 
+/**
+ * A built-in suite's name, or the path of a JSONL file of items with answers.
+ */
+suite: string, 
+/**
+ * Items to learn from (stratified by category); `null` for all.
+ */
+limit: number | null, };
+
+export type Learned = { 
+/**
+ * The learning run's id (the same request goes on with it).
+ */
+id: string, 
+/**
+ * `finished`, `stopped` or `over_budget`.
+ */
+ended: string, learning: PoolLearning, };
+
 export type LocalApiForm = { 
 /**
  * Serve while the app is open (`app`).

@@ -4,10 +4,10 @@
 
 use std::sync::Arc;
 
-use baton_engine::prices::Pricing;
-use baton_engine::profile::{self, Freshness, Profile};
-use baton_engine::{Pool, Route};
-use baton_eval::{Ended, Harness, Purpose, Spec, Strategy};
+use baton_engine::Route;
+use baton_engine::profile::{Freshness, PoolLearning, RouteHow};
+use baton_eval::learn::{self, LearnOptions};
+use baton_eval::{Ended, Harness};
 use baton_runner::{Conductor, LocalModels};
 
 use crate::conductor_setup::Build;
@@ -42,49 +42,38 @@ pub struct LearnArgs {
 }
 
 pub async fn learn(args: LearnArgs) -> Outcome {
-    let suite = baton_eval::suite::load(&args.suite).map_err(|e| Failure::BadInput(e.to_string()))?;
     let pool = args.pool.load()?;
-    if pool.workers.len() < 2 {
-        return Err(Failure::BadInput(format!(
-            "the pool has one worker ({}): learning finds which worker to send each kind of question to, so it needs two or more",
-            pool.workers[0].name
-        )));
-    }
-    if args.concurrency == 0 || args.max_cost_usd.is_some_and(|c| c.is_nan() || c <= 0.0) {
-        return Err(Failure::BadInput("--concurrency must be at least 1 and --max-cost-usd above 0".into()));
-    }
+    let options = LearnOptions {
+        suite: args.suite.clone(),
+        id: args.id.clone(),
+        limit: args.limit,
+        seed: args.seed,
+        concurrency: args.concurrency,
+        max_cost_usd: args.max_cost_usd,
+    };
+    let spec = learn::spec(&pool, &options).map_err(|e| Failure::BadInput(e.to_string()))?;
     if args.max_cost_usd.is_some() {
         crate::warn_unpriced(&pool, "--max-cost-usd");
     }
-    let identities: Vec<(String, String)> = baton_runner::build::identities(&pool);
-    let id = args.id.clone().unwrap_or_else(|| default_id(&suite, &identities, args.limit, args.seed));
     let store = args.db.open().await?;
     let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
-    let strategies = Strategy::parse_list("all-singles", &workers).map_err(Failure::BadInput)?;
     let no_conductor = crate::conductor_setup::ConductorArgs::default();
     let build = Build { args: &no_conductor, conductor: Conductor::None, store: None, quiet: false };
     let models = LocalModels::default();
     let executor = build.executor(pool.clone(), &models).await?.executor;
     let harness = Harness::new(Arc::new(executor), workers.clone(), store.clone(), false);
-    let spec = Spec {
-        id: id.clone(),
-        suite,
-        suite_source: args.suite.clone(),
-        strategies,
-        repeats: 1,
-        concurrency: args.concurrency,
-        max_cost_usd: args.max_cost_usd,
-        calibration: None,
-        limit: args.limit,
-        seed: args.seed,
-        purpose: Purpose::Learn { identities: identities.iter().map(|(_, i)| i.clone()).collect() },
-    };
-    let items = args.limit.map_or(spec.suite.items.len(), |l| l.min(spec.suite.items.len()));
-    eprintln!("learning {id}: each of {} workers alone on {items} items of {}", workers.len(), spec.suite.name);
+    eprintln!(
+        "learning {}: each of {} workers alone on {} items of {}",
+        spec.id,
+        workers.len(),
+        learn::items(&spec),
+        spec.suite.name
+    );
     let ended = crate::eval_cmd::run_with_bar(&harness, &spec, false).await?;
-    let learned = store.learned(&identities).await.map_err(|e| Failure::Failed(e.to_string()))?;
+    let learning =
+        baton_runner::build::pool_learning(&pool, &store).await.map_err(|e| Failure::Failed(e.to_string()))?;
     store.close().await;
-    print!("{}", profiles_table(&pool, &learned.profiles));
+    print!("{}", profiles_table(&learning));
     match ended {
         Ended::Finished => Ok(()),
         Ended::Stopped => {
@@ -97,81 +86,57 @@ pub async fn learn(args: LearnArgs) -> Outcome {
     }
 }
 
-/// `learn-SUITE-HASH`, the hash over what a learning run is: the suite's items, which of them
-/// (`--limit`, `--seed`) and the workers' identities. The same command on the same pool gives
-/// the same id, so it goes on where a stopped one ended; a changed worker or suite a new one.
-fn default_id(
-    suite: &baton_eval::suite::Suite,
-    identities: &[(String, String)],
-    limit: Option<usize>,
-    seed: u64,
-) -> String {
-    // FNV-1a: stable across builds and platforms, unlike the standard library's hasher.
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    let parts = [suite.sha256.clone(), format!("{limit:?} {seed}")];
-    for part in parts.iter().chain(identities.iter().map(|(_, identity)| identity)) {
-        for byte in part.bytes().chain([0]) {
-            hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    format!("learn-{}-{:08x}", suite.name, hash >> 32)
-}
-
 /// One block per worker: whether its profile is current, then a line per category with right
 /// of n, the 95% interval, cost and time per item; and what runs do with it.
-pub fn profiles_table(pool: &Pool, profiles: &[Profile]) -> String {
+pub fn profiles_table(learning: &PoolLearning) -> String {
     let mut out = String::new();
-    for (w, p) in pool.workers.iter().zip(profiles) {
-        match p.freshness {
+    for w in &learning.workers {
+        match w.freshness {
             Freshness::None => {
-                out.push_str(&format!("{}: not learned (`baton pool learn SUITE`)\n", p.worker));
+                out.push_str(&format!("{}: not learned (`baton pool learn SUITE`)\n", w.worker));
                 continue;
             }
             Freshness::Stale => out.push_str(&format!(
                 "{}: STALE, not used: learned as `{}`, now `{}`; learn again\n",
-                p.worker,
-                p.identity.as_deref().unwrap_or("?"),
-                w.identity()
+                w.worker,
+                w.identity_learned.as_deref().unwrap_or("?"),
+                w.identity_now
             )),
-            Freshness::Current => out.push_str(&format!("{}: learned in {}\n", p.worker, p.learned_in.join(", "))),
+            Freshness::Current => out.push_str(&format!("{}: learned in {}\n", w.worker, w.learned_in.join(", "))),
         }
-        let unpriced = matches!(w.pricing(), Pricing::Unknown);
-        for (category, f) in &p.by_category {
-            let (low, high) = f.interval();
-            let cost = if unpriced { "price unknown".to_owned() } else { format!("${:.6}/item", f.cost_per_item_usd) };
+        for row in &w.categories {
+            let f = &row.figures;
+            let cost = if w.priced { format!("${:.6}/item", f.cost_per_item_usd) } else { "price unknown".to_owned() };
             out.push_str(&format!(
-                "  {category:<20} {:>3} of {:<3} right  (95%: {:>3.0}-{:>3.0}%)  {cost}  {} ms p50  {} tokens/item\n",
+                "  {:<20} {:>3} of {:<3} right  (95%: {:>3.0}-{:>3.0}%)  {cost}  {} ms p50  {} tokens/item\n",
+                row.category,
                 f.right,
                 f.n,
-                low * 100.0,
-                high * 100.0,
+                row.low * 100.0,
+                row.high * 100.0,
                 f.latency_p50_ms,
                 f.tokens_per_item
             ));
         }
     }
-    let fallback = &pool.options.fallback;
-    if fallback.chosen {
-        let name = fallback.worker.and_then(|w| pool.workers.get(w)).map_or("?", |w| w.name.as_str());
-        out.push_str(&format!("The pool names its fallback worker ({name}): what was learned does not route runs.\n"));
+    if let Some(name) = &learning.named_fallback {
+        out.push_str(&match learning.route {
+            Route::Always => {
+                format!("Every question goes to the pool's fallback worker ({name}) alone (route = \"always\").\n")
+            }
+            _ => format!("The pool names its fallback worker ({name}): what was learned does not route runs.\n"),
+        });
         return out;
     }
-    let measured = profile::measure(profiles, Vec::new());
-    if !measured.best_by_category.is_empty() {
+    if !learning.routes.is_empty() {
         out.push_str("Runs send each kind of question to:\n");
-        for (category, w) in &measured.best_by_category {
-            let name = pool.workers.get(*w).map_or("?", |w| w.name.as_str());
-            let alone = match fallback.route {
-                Route::Always => true,
-                Route::Never => false,
-                Route::Auto => measured.clear.contains_key(category),
+        for route in &learning.routes {
+            let how = match route.how {
+                RouteHow::Always => "alone, without a plan (route = \"always\")",
+                RouteHow::Clear => "alone, without a plan (a clear margin)",
+                RouteHow::Lead => "as the plan's lead (the conductor plans)",
             };
-            let how = match (alone, fallback.route) {
-                (true, Route::Always) => "alone, without a plan (route = \"always\")",
-                (true, _) => "alone, without a plan (a clear margin)",
-                (false, _) => "as the plan's lead (the conductor plans)",
-            };
-            out.push_str(&format!("  {category:<20} {name}, {how}\n"));
+            out.push_str(&format!("  {:<20} {}, {how}\n", route.category, route.worker));
         }
     }
     out

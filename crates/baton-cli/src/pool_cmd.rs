@@ -50,12 +50,11 @@ pub async fn run(cmd: Command) -> Outcome {
             // The history is read only when it is there: showing a pool creates nothing.
             if db.path().exists() {
                 let store = db.open().await?;
-                let learned = store
-                    .learned(&baton_runner::build::identities(&pool))
+                let learning = baton_runner::build::pool_learning(&pool, &store)
                     .await
                     .map_err(|e| Failure::Failed(e.to_string()))?;
                 store.close().await;
-                print!("{}", crate::learn_cmd::profiles_table(&pool, &learned.profiles));
+                print!("{}", crate::learn_cmd::profiles_table(&learning));
             }
             Ok(())
         }

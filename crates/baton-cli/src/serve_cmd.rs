@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use baton_runner::{Built, Conductor, LocalModels};
+use baton_runner::{Conductor, LocalModels};
 use baton_serve::{ServeOptions, Service};
 use tokio_util::sync::CancellationToken;
 
@@ -106,7 +106,8 @@ pub async fn run(args: Args) -> Outcome {
     let models = LocalModels::default();
     let build =
         Build { args: &args.conductor, conductor: Conductor::IfConfigured, store: store.as_ref(), quiet: false };
-    let Built { executor, conductor, .. } = build.executor(pool, &models).await?;
+    let built = build.executor(pool, &models).await?;
+    let (pool_served, conductor) = (built.answers_as_pool(), built.conductor);
 
     let listener = tokio::net::TcpListener::bind((host.as_str(), port))
         .await
@@ -125,11 +126,16 @@ pub async fn run(args: Args) -> Outcome {
         daily_max_cost_usd: args.daily_max_cost_usd.or(spec.daily_max_cost_usd),
         ..defaults
     };
-    let service = Service::new(Arc::new(executor), conductor, store.clone(), options).map_err(Failure::BadInput)?;
+    let service =
+        Service::new(Arc::new(built.executor), pool_served, store.clone(), options).map_err(Failure::BadInput)?;
     let shown = if host.contains(':') { format!("[{host}]") } else { host.clone() };
     eprintln!("serving on http://{shown}:{port}/v1 as {}", service.model_ids().join(", "));
-    if !conductor {
+    if !pool_served {
         eprintln!("the pool names no conductor: only the workers alone are served (baton/<worker>)");
+    } else if !conductor {
+        eprintln!(
+            "the pool names no conductor: `baton` sends each question to one worker by what the pool learned (route = \"always\")"
+        );
     }
     if !args.no_token {
         let from = token_env.as_ref().map_or("`baton serve token` prints it".to_owned(), |v| format!("from ${v}"));

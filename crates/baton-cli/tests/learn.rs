@@ -233,6 +233,30 @@ async fn a_complementary_pool_learns_which_worker_is_right_on_which_kind() {
     let asked: Vec<String> = s.requests()[calls..].iter().map(|r| r.model.clone()).collect();
     assert_eq!(asked.len(), 1, "one call: {asked:?}");
     assert!(asked[0].starts_with("b;"), "the choice went to b: {asked:?}");
+
+    // The same routing behind `baton serve`: `baton` is offered with no conductor, and answers.
+    let args = ["--port", "0", "--no-token", "--pool", path(&routed), "--db", path(&setup.db)];
+    let bin = Path::new(env!("CARGO_BIN_EXE_baton"));
+    let served = baton_tests::serve(bin, &args, &[("BATON_E2E_KEY", TEST_KEY)], Duration::from_secs(30)).await;
+    let client = reqwest::Client::new();
+    let models: Value = client.get(format!("{}/models", served.url)).send().await.unwrap().json().await.unwrap();
+    let ids: Vec<&str> = models["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["baton", "baton/a", "baton/b"]);
+    let calls = s.requests().len();
+    let body: Value = client
+        .post(format!("{}/chat/completions", served.url))
+        .json(&json!({ "model": "baton", "messages": [{ "role": "user", "content": question }] }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let answer = body["choices"][0]["message"]["content"].as_str().unwrap_or_default();
+    assert!(answer.contains(&format!("Answer: {}", item["answer"].as_str().expect("answer"))), "{body}");
+    let asked: Vec<String> = s.requests()[calls..].iter().map(|r| r.model.clone()).collect();
+    assert!(asked.len() == 1 && asked[0].starts_with("b;"), "one call, to b: {asked:?}");
+    assert!(served.interrupt().await.success());
 }
 
 /// An expensive worker right on everything and a cheap one right on arithmetic: learned, the

@@ -240,7 +240,6 @@ async fn a_five_item_evaluation_runs_with_the_real_model_as_conductor_and_worker
 /// worker's core.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_served_real_conductor_plans_and_streams_an_answer_to_the_openai_package() {
-    use tokio::io::AsyncBufReadExt;
     let _turn = ONE_AT_A_TIME.lock().await;
     let Some(model) = baton_tests::real_model() else { return };
     let Some(python) = std::env::var_os("BATON_OPENAI_PYTHON") else {
@@ -260,30 +259,13 @@ async fn a_served_real_conductor_plans_and_streams_an_answer_to_the_openai_packa
     let pool = dir.path().join("pool.toml");
     std::fs::write(&pool, text).expect("pool");
     let db = dir.path().join("history.sqlite");
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["serve", "--port", "0", "--pin-threads", "--token-env", "BATON_SERVE_TEST_TOKEN", "--pool"])
-        .arg(&pool)
-        .arg("--db")
-        .arg(&db)
-        .env("BATON_SERVE_TEST_TOKEN", "real-token")
-        .env("BATON_LOG_DIR", dir.path().join("logs"))
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn");
-    let mut lines = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();
-    let url = tokio::time::timeout(Duration::from_secs(120), async {
-        while let Some(line) = lines.next_line().await.expect("stderr") {
-            if let Some(rest) = line.strip_prefix("serving on ") {
-                return rest.split_whitespace().next().unwrap().to_owned();
-            }
-        }
-        panic!("the server ended before it served");
-    })
-    .await
-    .expect("the server starts with the model loaded");
+    let (pool, db, logs) = (pool.to_str().unwrap(), db.to_str().unwrap(), dir.path().join("logs"));
+    let args = ["--port", "0", "--pin-threads", "--token-env", "BATON_SERVE_TEST_TOKEN", "--pool", pool, "--db", db];
+    let env = [("BATON_SERVE_TEST_TOKEN", "real-token"), ("BATON_LOG_DIR", logs.to_str().unwrap())];
+    // Long enough for the model to load.
+    let served =
+        baton_tests::serve(Path::new(env!("CARGO_BIN_EXE_baton")), &args, &env, Duration::from_secs(120)).await;
+    let url = served.url.clone();
     let script = r#"
 import json, sys, openai
 client = openai.OpenAI(base_url=sys.argv[1], api_key="real-token", max_retries=0, timeout=240)
@@ -316,11 +298,9 @@ print(json.dumps({"content": content, "reasoning": reasoning, "baton": last}))
     // The answer is the last step's: the worker the plan gave it to.
     let steps = got["baton"]["steps"].as_array().unwrap();
     assert!(steps.iter().all(|s| s["status"] == "finished"), "{got}");
-    let pid = child.id().expect("running").to_string();
     #[cfg(target_os = "linux")]
-    only_workers_are_pinned(&pid);
-    std::process::Command::new("kill").args(["-INT", &pid]).status().expect("kill");
-    let status = tokio::time::timeout(Duration::from_secs(20), child.wait()).await.expect("stops").unwrap();
+    only_workers_are_pinned(&served.child.id().expect("running").to_string());
+    let status = served.interrupt().await;
     assert!(status.success(), "{status:?}");
 }
 

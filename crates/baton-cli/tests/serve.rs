@@ -2,13 +2,11 @@
 //! behind loopback servers, and a client over HTTP.
 
 use std::path::Path;
-use std::process::Stdio;
 use std::time::Duration;
 
 use baton_tests::{Output, TEST_KEY, W, private_keychain, write_pool};
 use baton_testserver::{Options, TestServer, Wire};
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, BufReader};
 
 const BIN: &str = env!("CARGO_BIN_EXE_baton");
 
@@ -60,31 +58,16 @@ async fn a_served_pool_answers_an_openai_client_and_records_the_run() {
         "planner",
         ["```python\nmodel_id = [0, 1]\nsubtasks = [\"Draft.\", \"Improve it.\"]\naccess_list = [[], \"all\"]\n```"],
     );
-    let mut child = tokio::process::Command::new(BIN)
-        .args(["serve", "--port", "0", "--token-env", "BATON_SERVE_TEST_TOKEN", "--pool"])
-        .arg(&pool)
-        .arg("--db")
-        .arg(&db)
-        .env("BATON_SERVE_TEST_TOKEN", "tok-123")
-        .env("BATON_E2E_KEY", TEST_KEY)
-        .env("BATON_LOG_DIR", dir.path().join("logs"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn");
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let url = tokio::time::timeout(Duration::from_secs(30), async {
-        while let Some(line) = lines.next_line().await.expect("stderr") {
-            if let Some(rest) = line.strip_prefix("serving on ") {
-                return rest.split_whitespace().next().unwrap().to_owned();
-            }
-        }
-        panic!("the server ended before it served");
-    })
-    .await
-    .expect("the server starts");
+    let (pool, db) = (pool.to_str().expect("utf-8"), db.to_str().expect("utf-8"));
+    let logs = dir.path().join("logs");
+    let env = [
+        ("BATON_SERVE_TEST_TOKEN", "tok-123"),
+        ("BATON_E2E_KEY", TEST_KEY),
+        ("BATON_LOG_DIR", logs.to_str().expect("utf-8")),
+    ];
+    let args = ["--port", "0", "--token-env", "BATON_SERVE_TEST_TOKEN", "--pool", pool, "--db", db];
+    let server = baton_tests::serve(Path::new(BIN), &args, &env, Duration::from_secs(30)).await;
+    let url = server.url.clone();
     assert!(url.starts_with("http://127.0.0.1:") && url.ends_with("/v1"), "{url}");
 
     let client = reqwest::Client::new();
@@ -107,11 +90,8 @@ async fn a_served_pool_answers_an_openai_client_and_records_the_run() {
     assert_eq!(wrong.status(), 401);
 
     // Ctrl-C stops it cleanly; the run is in the history, as any other.
-    let pid = child.id().expect("running").to_string();
-    std::process::Command::new("kill").args(["-INT", &pid]).status().expect("kill");
-    let status = tokio::time::timeout(Duration::from_secs(10), child.wait()).await.expect("stops").unwrap();
+    let status = server.interrupt().await;
     assert!(status.success(), "{status:?}");
-    let db = db.to_str().unwrap();
     let listed = baton(&["history", "list", "--json", "--db", db], &[]).await;
     let run: Value = serde_json::from_str(listed.stdout.lines().next().expect("a run")).unwrap();
     let shown = baton(&["history", "show", &run["id"].to_string(), "--json", "--db", db], &[]).await;

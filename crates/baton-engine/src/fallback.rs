@@ -194,17 +194,21 @@ pub fn fallback_worker(options: &FallbackOptions, workers: usize, question: &str
 /// Whether the question goes straight to one worker, with no plan, and why: with
 /// [`Route::Auto`], when the learned profile names the worker for the question's category by a
 /// clear margin; with [`Route::Always`], to the profile's worker for the category, else the
-/// best overall, else the fallback worker. A worker the user chose (`fallback_worker`) does
-/// not route: it is the fallback's choice, not a measurement.
+/// best overall, else the fallback worker. A worker the user chose (`fallback_worker`) turns
+/// [`Route::Auto`]'s routing off, since it is the user's choice, not a measurement; with
+/// [`Route::Always`] every question goes to it.
 ///
 /// The reason starts with [`ROUTED`]: a routed run is told apart from one whose plans failed by
 /// its `PlanReady::fallback` reason ([`is_routed`]).
 pub fn route(options: &FallbackOptions, workers: usize, question: &str) -> Option<(usize, String)> {
-    if options.chosen {
-        return None;
-    }
     let m = &options.measured;
     let valid = |w: Option<usize>| w.filter(|w| *w < workers);
+    if options.chosen {
+        return match (options.route, valid(options.worker)) {
+            (Route::Always, Some(w)) => Some((w, "routed to the pool's fallback_worker (route = always)".to_owned())),
+            _ => None,
+        };
+    }
     match options.route {
         Route::Never => None,
         Route::Auto => {
@@ -363,6 +367,13 @@ mod tests {
         assert_eq!(route(&options, 3, "Translate 'good morning' into French.").map(|r| r.0), Some(0));
         options.route = Route::Never;
         assert_eq!(route(&options, 3, acid), None);
+        // The user's worker: no routing by measurement, but `always` sends everything to it.
+        options.worker = Some(1);
+        options.chosen = true;
+        options.route = Route::Auto;
+        assert_eq!(route(&options, 3, acid), None);
+        options.route = Route::Always;
+        assert_eq!(route(&options, 3, acid).map(|r| r.0), Some(1));
     }
 
     #[test]

@@ -165,6 +165,109 @@ fn choose(figures: &[(usize, &CategoryFigures)], names: &[&str]) -> Option<(usiz
     Some((*worker, why))
 }
 
+/// What the pool learned, as `baton pool show` and the Workers screen show it: each worker's
+/// profile beside its identity now, and where each kind of question goes because of it.
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
+pub struct PoolLearning {
+    /// In the pool's order.
+    pub workers: Vec<WorkerLearning>,
+    /// Each learned kind of question and the worker it goes to.
+    pub routes: Vec<KindRoute>,
+    /// The worker the pool names as its fallback (`fallback_worker`): then what was learned
+    /// routes nothing (and with `route = "always"` every question goes to it).
+    pub named_fallback: Option<String>,
+    /// `[conductor] route`.
+    pub route: crate::Route,
+}
+
+/// One worker's profile, for showing.
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
+pub struct WorkerLearning {
+    pub worker: String,
+    pub freshness: Freshness,
+    /// The identity it was learned as (for a stale profile, not [`Self::identity_now`]).
+    pub identity_learned: Option<String>,
+    pub identity_now: String,
+    /// Whether its calls have a price (else its cost shows as unknown, not as $0).
+    pub priced: bool,
+    pub learned_in: Vec<String>,
+    pub categories: Vec<CategoryRow>,
+}
+
+/// A worker's figures on one kind of question, with the 95% interval of its accuracy.
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
+pub struct CategoryRow {
+    pub category: String,
+    pub figures: CategoryFigures,
+    pub low: f64,
+    pub high: f64,
+}
+
+/// Where questions of one kind go.
+#[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
+pub struct KindRoute {
+    pub category: String,
+    pub worker: String,
+    pub how: RouteHow,
+}
+
+/// How a kind of question reaches its worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ts_rs::TS)]
+#[serde(rename_all = "snake_case")]
+pub enum RouteHow {
+    /// Alone, without a plan, because the pool says `route = "always"`.
+    Always,
+    /// Alone, without a plan, because the measurements name it by a clear margin.
+    Clear,
+    /// The conductor plans, with this worker as the plan's lead and the fallback.
+    Lead,
+}
+
+/// `profiles` (in `pool`'s order, as [`measure`] takes them) made ready to show.
+pub fn learning(pool: &crate::Pool, profiles: &[Profile]) -> PoolLearning {
+    let workers = pool
+        .workers
+        .iter()
+        .zip(profiles)
+        .map(|(w, p)| WorkerLearning {
+            worker: p.worker.clone(),
+            freshness: p.freshness,
+            identity_learned: p.identity.clone(),
+            identity_now: w.identity(),
+            priced: !matches!(w.pricing(), crate::prices::Pricing::Unknown),
+            learned_in: p.learned_in.clone(),
+            categories: p
+                .by_category
+                .iter()
+                .map(|(category, f)| {
+                    let (low, high) = f.interval();
+                    CategoryRow { category: category.clone(), figures: f.clone(), low, high }
+                })
+                .collect(),
+        })
+        .collect();
+    let fallback = &pool.options.fallback;
+    let name = |w: usize| pool.workers.get(w).map_or_else(|| "?".to_owned(), |w| w.name.clone());
+    if fallback.chosen {
+        let named = fallback.worker.map(name);
+        return PoolLearning { workers, routes: Vec::new(), named_fallback: named, route: fallback.route };
+    }
+    let measured = measure(profiles, Vec::new());
+    let routes = measured
+        .best_by_category
+        .iter()
+        .map(|(category, &w)| {
+            let how = match fallback.route {
+                crate::Route::Always => RouteHow::Always,
+                crate::Route::Auto if measured.clear.contains_key(category) => RouteHow::Clear,
+                _ => RouteHow::Lead,
+            };
+            KindRoute { category: category.clone(), worker: name(w), how }
+        })
+        .collect();
+    PoolLearning { workers, routes, named_fallback: None, route: fallback.route }
+}
+
 /// The 95% Wilson score interval for `right` of `n`.
 pub fn wilson(right: u32, n: u32) -> (f64, f64) {
     if n == 0 {
@@ -287,5 +390,35 @@ mod tests {
         let (low, high) = wilson(80, 100);
         assert!((low - 0.711).abs() < 0.01 && (high - 0.867).abs() < 0.01, "({low}, {high})");
         assert_eq!(wilson(0, 0), (0.0, 1.0));
+    }
+
+    #[test]
+    fn what_was_learned_is_shown_with_intervals_and_where_each_kind_goes() {
+        let pool = |conductor: &str| {
+            let text = format!(
+                "{conductor}\n[[worker]]\nname = \"a\"\nprovider = \"openai\"\nmodel = \"m-a\"\n\n\
+                 [[worker]]\nname = \"b\"\nprovider = \"openai\"\nmodel = \"m-b\"\n"
+            );
+            crate::Pool::parse(&text, "pool.toml").expect("pool")
+        };
+        let profiles = [
+            profile("a", Freshness::Current, &[("math", figures(8, 8, 0.01)), ("trivia", figures(4, 8, 0.01))]),
+            profile("b", Freshness::Current, &[("math", figures(0, 8, 0.001)), ("trivia", figures(4, 8, 0.001))]),
+        ];
+        let shown = learning(&pool(""), &profiles);
+        assert_eq!(shown.workers[0].identity_now, pool("").workers[0].identity());
+        let math = &shown.workers[0].categories[0];
+        assert_eq!((math.category.as_str(), math.figures.right, math.figures.n), ("math", 8, 8));
+        assert!(math.low > 0.6 && math.high == 1.0, "{math:?}");
+        let routes: Vec<(&str, &str, RouteHow)> =
+            shown.routes.iter().map(|r| (r.category.as_str(), r.worker.as_str(), r.how)).collect();
+        // Math: a by a clear margin. Trivia: both as good, b cheaper, but 4 of 8 is not clearly
+        // right more often than not, so the conductor plans with b as its lead.
+        assert_eq!(routes, [("math", "a", RouteHow::Clear), ("trivia", "b", RouteHow::Lead)]);
+        let always = learning(&pool("[conductor]\nroute = \"always\"\n"), &profiles);
+        assert!(always.routes.iter().all(|r| r.how == RouteHow::Always));
+        let named = learning(&pool("[conductor]\nfallback_worker = \"b\"\n"), &profiles);
+        assert_eq!(named.named_fallback.as_deref(), Some("b"));
+        assert!(named.routes.is_empty(), "the user's worker is not replaced by a measurement");
     }
 }

@@ -8,6 +8,7 @@
 //! - [`strategy`]: the ways of answering that are compared;
 //! - [`harness`]: runs them over the same items through the executor, records every run in the
 //!   history and every result beside it, resumes, keeps to a spending cap;
+//! - [`learn`]: learning runs, which teach a pool its workers' strengths by the same harness;
 //! - [`stats`] and [`report`]: accuracy with standard errors, paired tests, the Pareto front
 //!   and its AIQ, as a table, JSON, Markdown, HTML and SVG.
 //!
@@ -16,6 +17,7 @@
 pub mod extract;
 pub mod harness;
 pub mod hf;
+pub mod learn;
 pub mod report;
 pub mod sandbox;
 pub mod stats;

@@ -4,7 +4,7 @@
 
 use baton_conductor::setup::{self, ConductorChoice, LocalModels, Notify, SetupError};
 use baton_engine::{Executor, Pool, Route};
-use baton_store::Store;
+use baton_store::{Store, StoreError};
 
 /// Whether the executor gets a conductor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,12 +52,26 @@ pub struct Built {
     pub conductor: bool,
 }
 
+impl Built {
+    /// Whether the whole pool answers (`baton` on a server): a conductor plans, or the pool
+    /// routes every question by what it learned and needs none.
+    pub fn answers_as_pool(&self) -> bool {
+        self.conductor || routes_every_question(&self.pool)
+    }
+}
+
+/// Whether `pool` sends every question to one worker without a plan (`route = "always"`), so
+/// it answers with no conductor at all.
+pub fn routes_every_question(pool: &Pool) -> bool {
+    pool.options.fallback.route == Route::Always
+}
+
 /// Builds the executor `setup` describes for `pool`.
 pub async fn build(pool: Pool, setup: Setup<'_>) -> Result<Built, SetupError> {
     let pool = with_what_was_learned(pool, setup.store).await;
     let mut executor = Executor::from_pool(&pool);
     let needed = match setup.conductor {
-        Conductor::Required if pool.options.fallback.route == Route::Always => Conductor::IfConfigured,
+        Conductor::Required if routes_every_question(&pool) => Conductor::IfConfigured,
         other => other,
     };
     let planner = match needed {
@@ -126,6 +140,13 @@ pub async fn learned_into(pool: &mut Pool, store: &Store) {
         }
         Err(e) => tracing::warn!("what the pool learned cannot be read, so it is not used: {e}"),
     }
+}
+
+/// What the pool learned of each worker and where each kind of question goes because of it,
+/// as `baton pool show` and the Workers screen show it.
+pub async fn pool_learning(pool: &Pool, store: &Store) -> Result<baton_engine::profile::PoolLearning, StoreError> {
+    let learned = store.learned(&identities(pool)).await?;
+    Ok(baton_engine::profile::learning(pool, &learned.profiles))
 }
 
 /// Whether local models run on the CPU whatever the machine has: the user's choice, or the

@@ -75,7 +75,8 @@ pub struct Service {
     executor: Arc<Executor>,
     /// Worker names, in pool order (model `baton/<name>` is worker `index`).
     workers: Vec<String>,
-    /// Whether `baton` (the conductor) is served: the executor has a planner.
+    /// Whether `baton` (the whole pool) is served: the executor has a planner, or the pool
+    /// routes every question without one.
     conductor: bool,
     store: Option<Store>,
     options: ServeOptions,
@@ -108,7 +109,8 @@ pub struct Stats {
 }
 
 impl Service {
-    /// A service over `executor` (with its planner when `conductor`), recording every run in
+    /// A service over `executor` (serving `baton` when `conductor`: it plans, or routes every
+    /// question), recording every run in
     /// `store` when there is one. Fails on a bind that needs a token and has none.
     pub fn new(
         executor: Arc<Executor>,

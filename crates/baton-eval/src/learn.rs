@@ -1,0 +1,136 @@
+//! Learning runs: every worker of a pool alone on a suite's items, kept as an evaluation under
+//! the workers' identities, from which the history reads their profiles
+//! (`baton_store::Store::learned`). `baton pool learn` and the Workers screen's *Learn this
+//! pool* both start one here, so both refuse the same input and resume the same run.
+
+use baton_engine::Pool;
+
+use crate::harness::{EvalError, Purpose, Spec};
+use crate::strategy::Strategy;
+use crate::suite::{self, Suite};
+
+/// What the user asks to learn from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LearnOptions {
+    /// A built-in suite's name or a JSONL file of items with answers.
+    pub suite: String,
+    /// Names the run; `None`: [`default_id`], so the same request resumes a stopped run.
+    pub id: Option<String>,
+    /// Learn from this many items, drawn stratified by category (`None`: all).
+    pub limit: Option<usize>,
+    pub seed: u64,
+    /// Runs in flight at once.
+    pub concurrency: usize,
+    /// Spend at most this much in total, resumes included.
+    pub max_cost_usd: Option<f64>,
+}
+
+impl LearnOptions {
+    pub fn new(suite: impl Into<String>) -> LearnOptions {
+        LearnOptions { suite: suite.into(), id: None, limit: None, seed: 1, concurrency: 4, max_cost_usd: None }
+    }
+}
+
+/// The evaluation that teaches `pool`: each worker alone on the suite's items. Refused, before
+/// any call, for a pool of one worker (there is nothing to choose between), a suite that cannot
+/// be read or has an item without an answer, and settings that cannot run.
+pub fn spec(pool: &Pool, options: &LearnOptions) -> Result<Spec, EvalError> {
+    let suite = suite::load(&options.suite).map_err(|e| EvalError::Settings(e.to_string()))?;
+    if pool.workers.len() < 2 {
+        let only = pool.workers.first().map_or("none", |w| w.name.as_str());
+        return Err(EvalError::Settings(format!(
+            "the pool has one worker ({only}): learning finds which worker to send each kind of question to, so it needs two or more"
+        )));
+    }
+    if options.concurrency == 0 || options.max_cost_usd.is_some_and(|c| c.is_nan() || c <= 0.0) {
+        return Err(EvalError::Settings("runs at once must be at least 1, and a spending cap above $0".into()));
+    }
+    if options.limit == Some(0) {
+        return Err(EvalError::Settings("learn from at least one item".into()));
+    }
+    let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
+    let identities: Vec<String> = pool.workers.iter().map(|w| w.identity()).collect();
+    let strategies = Strategy::parse_list("all-singles", &workers).map_err(EvalError::Settings)?;
+    let id = match options.id.as_deref().map(str::trim) {
+        Some(id) if !id.is_empty() => id.to_owned(),
+        _ => default_id(&suite, &identities, options.limit, options.seed),
+    };
+    Ok(Spec {
+        id,
+        suite,
+        suite_source: options.suite.clone(),
+        strategies,
+        repeats: 1,
+        concurrency: options.concurrency,
+        max_cost_usd: options.max_cost_usd,
+        calibration: None,
+        limit: options.limit,
+        seed: options.seed,
+        purpose: Purpose::Learn { identities },
+    })
+}
+
+/// How many items a learning run of `spec` asks each worker.
+pub fn items(spec: &Spec) -> usize {
+    spec.limit.map_or(spec.suite.items.len(), |l| l.min(spec.suite.items.len()))
+}
+
+/// `learn-SUITE-HASH`, the hash over what a learning run is: the suite's items, which of them
+/// (`limit`, `seed`) and the workers' identities. The same request on the same pool gives the
+/// same id, so it goes on where a stopped one ended; a changed worker or suite a new one.
+pub fn default_id(suite: &Suite, identities: &[String], limit: Option<usize>, seed: u64) -> String {
+    // FNV-1a: stable across builds and platforms, unlike the standard library's hasher.
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let parts = [suite.sha256.clone(), format!("{limit:?} {seed}")];
+    for part in parts.iter().chain(identities) {
+        for byte in part.bytes().chain([0]) {
+            hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    format!("learn-{}-{:08x}", suite.name, hash >> 32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(second_model: &str) -> Pool {
+        let text = format!(
+            "[[worker]]\nname = \"a\"\nprovider = \"openai\"\nmodel = \"m-1\"\n\n\
+             [[worker]]\nname = \"b\"\nprovider = \"openai\"\nmodel = \"{second_model}\"\n"
+        );
+        Pool::parse(&text, "pool.toml").expect("pool")
+    }
+
+    #[test]
+    fn the_same_request_on_the_same_pool_resumes_the_same_run_and_a_changed_worker_starts_another() {
+        let options = LearnOptions { limit: Some(6), ..LearnOptions::new("mmlu") };
+        let first = spec(&pool("m-2"), &options).expect("spec");
+        assert!(first.id.starts_with("learn-mmlu-"), "{}", first.id);
+        assert_eq!(spec(&pool("m-2"), &options).expect("spec").id, first.id);
+        assert_ne!(spec(&pool("m-3"), &options).expect("spec").id, first.id);
+        let other_seed = LearnOptions { seed: 2, ..options.clone() };
+        assert_ne!(spec(&pool("m-2"), &other_seed).expect("spec").id, first.id);
+        let named = LearnOptions { id: Some(" mine ".into()), ..options.clone() };
+        assert_eq!(spec(&pool("m-2"), &named).expect("spec").id, "mine");
+        assert_eq!(items(&first), 6);
+        let Purpose::Learn { identities } = &first.purpose else { panic!("a learning run") };
+        assert_eq!(identities.len(), 2);
+        assert_eq!(first.strategies.len(), 2, "each worker alone");
+    }
+
+    #[test]
+    fn what_cannot_be_learned_is_refused_with_the_reason() {
+        let one =
+            Pool::parse("[[worker]]\nname = \"a\"\nprovider = \"openai\"\nmodel = \"m\"\n", "pool.toml").expect("pool");
+        let refused = |pool: &Pool, options: LearnOptions| spec(pool, &options).expect_err("refused").to_string();
+        assert!(refused(&one, LearnOptions::new("mmlu")).contains("two or more"));
+        assert!(refused(&pool("m-2"), LearnOptions::new("no-such-suite.jsonl")).contains("no-such-suite"));
+        let broke = LearnOptions { concurrency: 0, ..LearnOptions::new("mmlu") };
+        assert!(refused(&pool("m-2"), broke).contains("at least 1"));
+        let capped = LearnOptions { max_cost_usd: Some(0.0), ..LearnOptions::new("mmlu") };
+        assert!(refused(&pool("m-2"), capped).contains("above $0"));
+        let none = LearnOptions { limit: Some(0), ..LearnOptions::new("mmlu") };
+        assert!(refused(&pool("m-2"), none).contains("at least one item"));
+    }
+}

@@ -1,0 +1,76 @@
+//! The Workers screen's *Learn this pool*: every worker alone on a suite's items (progress on a
+//! Channel, stopped with `cancel_run`, resumed by learning the same suite again), and the
+//! profiles that came of it. The work is `baton_eval::learn`'s and the history's; this is the
+//! shell around it.
+
+use std::sync::Arc;
+
+use baton_engine::profile::PoolLearning;
+use baton_eval::learn::{self, LearnOptions};
+use baton_eval::{Harness, Progress};
+use serde::{Deserialize, Serialize};
+use tauri::ipc::Channel;
+use tauri::{AppHandle, Runtime, State};
+
+use crate::error::{AppError, AppResult, ErrorKind};
+use crate::eval::EvalProgress;
+use crate::state::AppState;
+
+/// What the window asks to learn from.
+#[derive(Debug, Clone, Deserialize, ts_rs::TS)]
+pub struct LearnRequest {
+    /// A built-in suite's name, or the path of a JSONL file of items with answers.
+    pub suite: String,
+    /// Items to learn from (stratified by category); `null` for all.
+    pub limit: Option<u32>,
+}
+
+/// How a learning run ended, and what the pool knows now.
+#[derive(Debug, Clone, Serialize, ts_rs::TS)]
+pub struct Learned {
+    /// The learning run's id (the same request goes on with it).
+    pub id: String,
+    /// `finished`, `stopped` or `over_budget`.
+    pub ended: String,
+    pub learning: PoolLearning,
+}
+
+/// What the pool learned so far; every worker "not learned" when the history holds nothing.
+#[tauri::command]
+pub async fn pool_learning(state: State<'_, AppState>) -> AppResult<PoolLearning> {
+    let pool = state.pool()?;
+    Ok(baton_runner::build::pool_learning(&pool, state.store().await?).await?)
+}
+
+/// Runs (or resumes) a learning run over the pool as it is saved now; resolves once it ends.
+#[tauri::command]
+pub async fn learn_pool<R: Runtime>(
+    app: AppHandle<R>,
+    state: State<'_, AppState>,
+    request: LearnRequest,
+    stop_id: String,
+    on_progress: Channel<EvalProgress>,
+) -> AppResult<Learned> {
+    let registration = state.register(&stop_id)?;
+    let pool = state.pool()?;
+    let options = LearnOptions { limit: request.limit.map(|l| l as usize), ..LearnOptions::new(request.suite) };
+    let spec = learn::spec(&pool, &options).map_err(|e| AppError::bad_input(e.to_string()))?;
+    // The history opens first, so a damaged database costs no provider calls.
+    let store = state.store().await?.clone();
+    let executor = crate::chat::executor(&app, &state, &pool, false).await?;
+    let workers = pool.workers.iter().map(|w| w.name.clone()).collect();
+    let harness = Harness::new(Arc::new(executor), workers, store.clone(), false);
+    let _ = on_progress.send(EvalProgress::Started { id: spec.id.clone() });
+    let progress = |p: Progress| {
+        let _ = on_progress.send(EvalProgress::from(p));
+    };
+    tracing::info!(learning = %spec.id, items = learn::items(&spec), "learning started");
+    let ended = harness.run(&spec, &progress, &registration.token).await.map_err(|e| match e {
+        baton_eval::EvalError::Settings(m) => AppError::bad_input(m),
+        baton_eval::EvalError::Store(e) => e.into(),
+        other => AppError::new(ErrorKind::Io, other.to_string()),
+    })?;
+    tracing::info!(learning = %spec.id, ended = ended.as_str(), "learning ended");
+    let learning = baton_runner::build::pool_learning(&pool, &store).await?;
+    Ok(Learned { id: spec.id, ended: ended.as_str().to_owned(), learning })
+}
