@@ -217,6 +217,11 @@ async fn a_complementary_pool_learns_which_worker_is_right_on_which_kind() {
     assert!(show.stdout.contains("b: STALE, not used"), "{}", show.stdout);
     let stale = setup.eval(&held_out, &changed_pool, "stale", "conductor").await;
     assert_eq!(accuracy(&stale, "conductor"), 0.5, "b's stale profile no longer routes the choices");
+    // The conductor, planning now, is told what was measured of a, and nothing of b's stale profile.
+    let told = s.requests().iter().rev().find(|r| r.model.starts_with("cond")).expect("a plan").body.to_string();
+    let a_learned = "When this pool learned, it was right on 8 of 8 arithmetic questions and 0 of 8 trivia questions.";
+    assert_eq!(told.matches(a_learned).count(), 1, "{told}");
+    assert_eq!(told.matches("When this pool learned").count(), 1, "{told}");
 
     // Routing as a mode: every question to its kind's worker, one call, no conductor at all.
     let text = std::fs::read_to_string(&pool).expect("pool");

@@ -360,7 +360,7 @@ pub async fn planner(
         let name = format!("{model_name} at {source}");
         let grammar = choice.grammar.unwrap_or(spec.grammar);
         let pricing = baton_engine::prices::lookup(ProviderKind::OpenAiCompatible, &source, &model_name);
-        let conductor = crate::RemoteConductor::new(Arc::new(http), name, pool.infos(), &options)
+        let conductor = crate::RemoteConductor::new(Arc::new(http), name, pool.conductor_infos(), &options)
             .with_grammar(grammar)
             .with_pricing(pricing);
         return Ok(Arc::new(conductor));
@@ -378,7 +378,7 @@ async fn local(
     notify: Notify<'_>,
 ) -> Result<Arc<dyn Planner>, SetupError> {
     let model = models.load(conductor_config(pool, choice, path), "the conductor", notify).await?;
-    Ok(Arc::new(crate::LocalConductor::new(model, pool.infos(), options)))
+    Ok(Arc::new(crate::LocalConductor::new(model, pool.conductor_infos(), options)))
 }
 
 #[cfg(not(feature = "local"))]

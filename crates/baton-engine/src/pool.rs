@@ -153,6 +153,9 @@ pub struct Measured {
     pub clear: BTreeMap<String, String>,
     /// Each learned question with its category.
     pub questions: Vec<(String, String)>,
+    /// Worker → what it did alone per category when the pool learned, in words, for the
+    /// conductor's prompt (workers with a current profile only).
+    pub strengths: BTreeMap<usize, String>,
 }
 
 /// The fewest items a category needs before its own best worker is trusted over the best
@@ -378,6 +381,26 @@ pub struct WorkerInfo {
 }
 
 impl Pool {
+    /// The workers as the conductor is told of them: each one's description, then what the
+    /// pool learned of it ([`Measured::strengths`]). Measured figures say more than a line of
+    /// description; they change only when the pool learns again, so every question shares them
+    /// and a local conductor's prefix cache keeps serving them.
+    pub fn conductor_infos(&self) -> Vec<WorkerInfo> {
+        let strengths = &self.options.fallback.measured.strengths;
+        let mut infos = self.infos();
+        for info in &mut infos {
+            if let Some(learned) = strengths.get(&info.index) {
+                let described = info.description.as_deref().map(str::trim).filter(|d| !d.is_empty());
+                info.description = Some(match described {
+                    Some(d) if d.ends_with('.') => format!("{d} {learned}"),
+                    Some(d) => format!("{d}. {learned}"),
+                    None => learned.clone(),
+                });
+            }
+        }
+        infos
+    }
+
     pub fn infos(&self) -> Vec<WorkerInfo> {
         self.workers
             .iter()
