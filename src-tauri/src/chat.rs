@@ -83,6 +83,11 @@ pub fn subset(mut pool: Pool, workers: Option<&[u32]>) -> AppResult<Pool> {
         kept.push(w.clone());
     }
     pool.workers = kept;
+    // The pool's own fallback worker, renumbered as the conversation's workers are; left out of
+    // the conversation, it is no one's choice any more and what was learned chooses.
+    let fallback = &mut pool.options.fallback;
+    fallback.worker = fallback.worker.and_then(|w| chosen.iter().position(|&i| i as usize == w));
+    fallback.chosen &= fallback.worker.is_some();
     Ok(pool)
 }
 
@@ -441,4 +446,29 @@ pub async fn test_worker<R: Runtime>(
         latency_ms: checked.latency.as_millis() as u64,
         retries: checked.retries,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(conductor: &str) -> Pool {
+        let mut text = format!("{conductor}\n");
+        for name in ["a", "b", "c"] {
+            text.push_str(&format!("[[worker]]\nname = \"{name}\"\nprovider = \"openai\"\nmodel = \"m-{name}\"\n\n"));
+        }
+        Pool::parse(&text, "pool.toml").expect("pool")
+    }
+
+    #[test]
+    fn a_conversations_workers_keep_the_pools_own_fallback_worker_by_name() {
+        let named = pool("[conductor]\nfallback_worker = \"c\"");
+        let kept = subset(named.clone(), Some(&[0, 2])).expect("subset");
+        let names: Vec<&str> = kept.workers.iter().map(|w| w.name.as_str()).collect();
+        assert_eq!(names, ["a", "c"]);
+        assert_eq!((kept.options.fallback.worker, kept.options.fallback.chosen), (Some(1), true), "c, renumbered");
+        let without = subset(named, Some(&[0, 1])).expect("subset");
+        assert_eq!((without.options.fallback.worker, without.options.fallback.chosen), (None, false), "c left out");
+        assert!(subset(pool(""), Some(&[])).is_err());
+    }
 }

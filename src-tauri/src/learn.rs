@@ -55,6 +55,10 @@ pub async fn learn_pool<R: Runtime>(
     let pool = state.pool()?;
     let options = LearnOptions { limit: request.limit.map(|l| l as usize), ..LearnOptions::new(request.suite) };
     let spec = learn::spec(&pool, &options).map_err(|e| AppError::bad_input(e.to_string()))?;
+    // One run per learning id: a second would ask every worker the same items again.
+    let _one = state.register(&format!("learning {}", spec.id)).map_err(|_| {
+        AppError::bad_input(format!("the pool is already learning from these items ({}); stop it or wait", spec.id))
+    })?;
     // The history opens first, so a damaged database costs no provider calls.
     let store = state.store().await?.clone();
     let executor = crate::chat::executor(&app, &state, &pool, false).await?;

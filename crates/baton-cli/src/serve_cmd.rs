@@ -134,7 +134,7 @@ pub async fn run(args: Args) -> Outcome {
         eprintln!("the pool names no conductor: only the workers alone are served (baton/<worker>)");
     } else if !conductor {
         eprintln!(
-            "the pool names no conductor: `baton` sends each question to one worker by what the pool learned (route = \"always\")"
+            "the pool names no conductor: `baton` sends each question to one worker, without a plan (route = \"always\")"
         );
     }
     if !args.no_token {

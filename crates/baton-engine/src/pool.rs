@@ -89,12 +89,13 @@ pub struct FallbackOptions {
     /// [`crate::fallback::fallback_worker`] prefers the choice for the question's category.
     pub worker: Option<usize>,
     /// Whether `worker` is the user's choice (`fallback_worker`), which what was learned does
-    /// not replace (and which turns routing off).
+    /// not replace: it turns routing by measurement off (with `route = "always"`, every
+    /// question goes to it).
     pub chosen: bool,
     /// What the pool learned of each worker alone, per category (`baton pool learn`), so the
     /// question can go to the cheapest worker as good for its kind (set by the application
-    /// layer from the history's profiles; empty otherwise). Not used when the user chose the
-    /// worker.
+    /// layer from the history's profiles; empty otherwise). When the user chose the worker,
+    /// only what the conductor is told of the workers comes from it.
     pub measured: Measured,
     /// When a question goes straight to the worker its kind's profile names, with no plan.
     pub route: Route,
@@ -392,7 +393,7 @@ impl Pool {
             if let Some(learned) = strengths.get(&info.index) {
                 let described = info.description.as_deref().map(str::trim).filter(|d| !d.is_empty());
                 info.description = Some(match described {
-                    Some(d) if d.ends_with('.') => format!("{d} {learned}"),
+                    Some(d) if d.ends_with(['.', '!', '?']) => format!("{d} {learned}"),
                     Some(d) => format!("{d}. {learned}"),
                     None => learned.clone(),
                 });

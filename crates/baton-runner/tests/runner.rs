@@ -206,5 +206,9 @@ async fn what_the_pool_learned_goes_into_the_pool_it_builds_unless_the_user_chos
     let mut chosen = self::pool(&server, "[conductor]\nfallback_worker = \"first\"\n");
     baton_runner::build::learned_into(&mut chosen, &store).await;
     assert_eq!(chosen.options.fallback.worker, Some(0), "the user's choice stands");
-    assert_eq!(chosen.options.fallback.measured, Default::default(), "and nothing routes");
+    let fallback = &chosen.options.fallback;
+    let question = "What is the capital of Peru? (geography)";
+    assert_eq!(baton_engine::fallback::route(fallback, 2, question), None, "and nothing routes");
+    assert_eq!(baton_engine::fallback::fallback_worker(fallback, 2, question), (0, None));
+    assert!(fallback.measured.strengths[&1].contains("8 of 8"), "the conductor is still told what was measured");
 }
