@@ -88,9 +88,11 @@ before(async () => {
 
 after(async () => {
   await driver?.quit().catch(() => {});
-  driverProcess?.kill();
-  emptyDriverProcess?.kill();
-  firstRunDriverProcess?.kill();
+  // Each tauri-driver leads a process group with its WebKitWebDriver and the app it started:
+  // the whole group goes, so no app outlives the tests (or holds their output open).
+  for (const child of [driverProcess, emptyDriverProcess, firstRunDriverProcess]) {
+    if (child?.exitCode === null) killGroup(child);
+  }
   server?.kill();
   hub?.kill();
   writeFileSync(join(SHOTS, "figures.json"), JSON.stringify(figures, null, 2));
@@ -127,11 +129,25 @@ ${tables.join("\n")}`,
   );
 }
 
+/** Ends `child`'s process group: the polite signal first, then the one that cannot be ignored. */
+function killGroup(child) {
+  for (const signal of ["SIGTERM", "SIGKILL"]) {
+    try {
+      process.kill(-child.pid, signal);
+    } catch {
+      return; // the group is gone
+    }
+    if (signal === "SIGTERM") Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, 500);
+  }
+}
+
 /** Starts tauri-driver on `port`; the apps it starts get `env` (it passes its own on). */
 async function startDriver(port, env) {
   const child = spawn("tauri-driver", ["--port", String(port), "--native-port", String(port + 1)], {
     stdio: "inherit",
     env: { ...process.env, ...env },
+    // Its own process group, which `killGroup` ends whole.
+    detached: true,
   });
   for (let i = 0; i < 100; i++) {
     try {
@@ -141,7 +157,7 @@ async function startDriver(port, env) {
     }
     await new Promise((r) => setTimeout(r, 100));
   }
-  child.kill();
+  killGroup(child);
   throw new Error("tauri-driver did not start");
 }
 
