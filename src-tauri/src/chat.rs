@@ -119,11 +119,22 @@ pub(crate) async fn executor<R: Runtime>(
     pool: &Pool,
     planner: bool,
 ) -> AppResult<Executor> {
+    let store = state.store().await?;
+    executor_for(app, state, pool, planner, Some(store)).await
+}
+
+/// [`executor`] with what the pool learned taken from `store` (`None`: nothing learned).
+pub(crate) async fn executor_for<R: Runtime>(
+    app: &AppHandle<R>,
+    state: &AppState,
+    pool: &Pool,
+    planner: bool,
+    store: Option<&baton_store::Store>,
+) -> AppResult<Executor> {
     let notify = notifier(app);
     let conductor = if planner { Conductor::Required } else { Conductor::None };
     let choice = ConductorChoice::default();
-    let store = state.store().await?;
-    let setup = Setup { models: &state.models, choice: &choice, conductor, store: Some(store), notify: &notify };
+    let setup = Setup { models: &state.models, choice: &choice, conductor, store, notify: &notify };
     Ok(baton_runner::build(pool.clone(), setup).await?.executor)
 }
 

@@ -23,6 +23,9 @@ pub struct LearnRequest {
     pub suite: String,
     /// Items to learn from (stratified by category); `null` for all.
     pub limit: Option<u32>,
+    /// Plans the conductor samples and runs per item; `null`: the default
+    /// (`baton_eval::learn::DEFAULT_PLANS`), 0: the workers alone only.
+    pub plans: Option<u32>,
 }
 
 /// How a learning run ended, and what the pool knows now.
@@ -53,7 +56,12 @@ pub async fn learn_pool<R: Runtime>(
 ) -> AppResult<Learned> {
     let registration = state.register(&stop_id)?;
     let pool = state.pool()?;
-    let options = LearnOptions { limit: request.limit.map(|l| l as usize), ..LearnOptions::new(request.suite) };
+    let defaults = LearnOptions::new(request.suite);
+    let options = LearnOptions {
+        limit: request.limit.map(|l| l as usize),
+        plans: request.plans.unwrap_or(defaults.plans),
+        ..defaults
+    };
     let spec = learn::spec(&pool, &options).map_err(|e| AppError::bad_input(e.to_string()))?;
     // One run per learning id: a second would ask every worker the same items again.
     let _one = state.register(&format!("learning {}", spec.id)).map_err(|_| {
@@ -61,9 +69,11 @@ pub async fn learn_pool<R: Runtime>(
     })?;
     // The history opens first, so a damaged database costs no provider calls.
     let store = state.store().await?.clone();
-    let executor = crate::chat::executor(&app, &state, &pool, false).await?;
+    // As `baton pool learn`: the conductor samples, and what was learned before stays out.
+    let plans = learn::plan_samples(&spec) > 0;
+    let executor = crate::chat::executor_for(&app, &state, &learn::sampling_pool(&pool), plans, None).await?;
     let workers = pool.workers.iter().map(|w| w.name.clone()).collect();
-    let harness = Harness::new(Arc::new(executor), workers, store.clone(), false);
+    let harness = Harness::new(Arc::new(executor), workers, store.clone(), plans);
     let _ = on_progress.send(EvalProgress::Started { id: spec.id.clone() });
     let progress = |p: Progress| {
         let _ = on_progress.send(EvalProgress::from(p));

@@ -819,7 +819,12 @@ suite: string,
 /**
  * Items to learn from (stratified by category); `null` for all.
  */
-limit: number | null, };
+limit: number | null, 
+/**
+ * Plans the conductor samples and runs per item; `null`: the default
+ * (`baton_eval::learn::DEFAULT_PLANS`), 0: the workers alone only.
+ */
+plans: number | null, };
 
 export type Learned = { 
 /**

@@ -39,6 +39,10 @@ pub struct LearnArgs {
     /// Seed for drawing `--limit` items.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Plans the conductor writes (sampled) and runs for each item; the right ones become its
+    /// examples. 0: learn the workers alone only. Needs a conductor in the pool.
+    #[arg(long, value_name = "N", default_value_t = learn::DEFAULT_PLANS)]
+    plans: u32,
 }
 
 pub async fn learn(args: LearnArgs) -> Outcome {
@@ -50,20 +54,28 @@ pub async fn learn(args: LearnArgs) -> Outcome {
         seed: args.seed,
         concurrency: args.concurrency,
         max_cost_usd: args.max_cost_usd,
+        plans: args.plans,
     };
     let spec = learn::spec(&pool, &options).map_err(|e| Failure::BadInput(e.to_string()))?;
+    let plans = learn::plan_samples(&spec);
+    if args.plans > 0 && plans == 0 {
+        eprintln!("note: the pool has no conductor, so only the workers alone are learned (no plans)");
+    }
     if args.max_cost_usd.is_some() {
         crate::warn_unpriced(&pool, "--max-cost-usd");
     }
     let store = args.db.open().await?;
     let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
-    let no_conductor = crate::conductor_setup::ConductorArgs::default();
-    let build = Build { args: &no_conductor, conductor: Conductor::None, store: None, quiet: false };
+    // What was learned before stays out: the samples show what the conductor does on its own.
+    let conductor_args = crate::conductor_setup::ConductorArgs::default();
+    let conductor = if plans > 0 { Conductor::Required } else { Conductor::None };
+    let build = Build { args: &conductor_args, conductor, store: None, quiet: false };
     let models = LocalModels::default();
-    let executor = build.executor(pool.clone(), &models).await?.executor;
-    let harness = Harness::new(Arc::new(executor), workers.clone(), store.clone(), false);
+    let executor = build.executor(learn::sampling_pool(&pool), &models).await?.executor;
+    let harness = Harness::new(Arc::new(executor), workers.clone(), store.clone(), plans > 0);
+    let sampled = if plans > 0 { format!(", and {plans} conductor plans per item") } else { String::new() };
     eprintln!(
-        "learning {}: each of {} workers alone on {} items of {}",
+        "learning {}: each of {} workers alone on {} items of {}{sampled}",
         spec.id,
         workers.len(),
         learn::items(&spec),

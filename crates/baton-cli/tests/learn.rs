@@ -128,6 +128,29 @@ impl Setup {
     async fn learn(&self, suite: &Path, pool: &Path) -> Output {
         baton(&["pool", "learn", path(suite), "--pool", path(pool), "--db", path(&self.db)]).await
     }
+
+    /// A pool of `workers` (name, knowledge file), described alike, whose scripted conductor
+    /// (`plan=each` or `plan=copy`) has `extra` lines in its table.
+    fn conducted(
+        &self,
+        server: &TestServer,
+        file: &str,
+        plan: &str,
+        extra: &str,
+        workers: &[(&str, &Path)],
+    ) -> PathBuf {
+        let url = server.base_url(Wire::OpenAi);
+        let mut pool = format!(
+            "show_question = true\n\n[conductor]\nurl = \"{url}\"\nmodel = \"cond;plan={plan}\"\napi_key_env = \"BATON_E2E_KEY\"\n{extra}\n"
+        );
+        for (name, knows) in workers {
+            pool.push_str(&format!(
+                "\n[[worker]]\nname = \"{name}\"\nprovider = \"openai-compatible\"\nmodel = \"{name};knows={};reply=No_idea.\"\nbase_url = \"{url}\"\napi_key_env = \"BATON_E2E_KEY\"\ndescription = \"A general assistant.\"\n",
+                path(knows)
+            ));
+        }
+        self.write(file, &pool)
+    }
 }
 
 async fn server() -> TestServer {
@@ -309,4 +332,98 @@ async fn a_pool_of_one_worker_and_a_suite_without_answers_are_refused() {
     assert_eq!(out.code, Some(2), "{}", out.stderr);
     assert!(out.stderr.contains("answer"), "{}", out.stderr);
     assert!(s.requests().is_empty(), "nothing was asked");
+}
+
+/// Plans from what worked: while the pool learns, the conductor samples plans for each item
+/// (here one on each worker) and they are run; the right ones become its examples, with the
+/// workers that did the work. A conductor that follows the example closest to the question (and
+/// is pinned to `a` as its lead, so the shipped examples all name `a`) is then right on both
+/// kinds; learned without plans, it is right on half. The samples are GRPO training data.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_conductor_plans_from_the_plans_that_were_right_when_the_pool_learned() {
+    let s = server().await;
+    let learn_n: Vec<_> = (0..8).map(|i| number(&format!("ln{i}"))).collect();
+    let learn_c: Vec<_> = (0..8).map(|i| choice(&format!("lc{i}"))).collect();
+    let test_n: Vec<_> = (0..20).map(|i| number(&format!("tn{i}"))).collect();
+    let test_c: Vec<_> = (0..20).map(|i| choice(&format!("tc{i}"))).collect();
+    let strategies = "conductor,single:a,single:b";
+    let mut accuracies = Vec::new();
+    for plans in ["2", "0"] {
+        let setup = Setup::new();
+        let a = setup.knows("a", &learn_n.iter().chain(&test_n).collect::<Vec<_>>());
+        let b = setup.knows("b", &learn_c.iter().chain(&test_c).collect::<Vec<_>>());
+        let workers = [("a", a.as_path()), ("b", b.as_path())];
+        let learning_pool = setup.conducted(&s, "learning.toml", "each", "", &workers);
+        let pinned = "route = \"never\"\nfallback_worker = \"a\"";
+        let copying_pool = setup.conducted(&s, "copying.toml", "copy", pinned, &workers);
+        let learn = setup.suite("learn.jsonl", &learn_n.iter().chain(&learn_c).collect::<Vec<_>>());
+        let held_out = setup.suite("held-out.jsonl", &test_n.iter().chain(&test_c).collect::<Vec<_>>());
+
+        let out = baton(&[
+            "pool",
+            "learn",
+            path(&learn),
+            "--pool",
+            path(&learning_pool),
+            "--db",
+            path(&setup.db),
+            "--plans",
+            plans,
+            "--concurrency",
+            "1",
+        ])
+        .await;
+        assert_eq!(out.code, Some(0), "{}", out.stderr);
+        let by = setup.eval(&held_out, &copying_pool, "held-out", strategies).await;
+        accuracies.push(accuracy(&by, "conductor"));
+        if plans == "0" {
+            continue;
+        }
+        assert!(out.stderr.contains("and 2 conductor plans per item"), "{}", out.stderr);
+        // The conductor was shown learned plans: for a multiple-choice question, b's.
+        let (item, _, _) = &test_c[0];
+        let needle = item["id"].as_str().expect("id");
+        let shown = s
+            .requests()
+            .iter()
+            .rev()
+            .find(|r| r.model.starts_with("cond;plan=copy") && r.body.to_string().contains(needle))
+            .expect("the conductor's request")
+            .body
+            .to_string();
+        assert!(shown.contains("Example [learned]. Question: <lc"), "{shown}");
+        assert!(shown.contains("model_id = [1]"), "{shown}");
+        let against_best = &by["comparisons"][0];
+        assert_eq!(against_best["a"], "conductor");
+        assert!(against_best["mcnemar_p"].as_f64().expect("p") < 0.05, "{against_best}");
+
+        // The learning run's samples are training data, a group of two per item.
+        let id = out.stderr.lines().find_map(|l| l.strip_prefix("learning ")).and_then(|l| l.split(':').next());
+        let grpo = setup.dir.path().join("grpo.jsonl");
+        let export = baton(&[
+            "eval",
+            "export-grpo",
+            id.expect("the learning run's id"),
+            "-o",
+            path(&grpo),
+            "--db",
+            path(&setup.db),
+        ])
+        .await;
+        assert_eq!(export.code, Some(0), "{}", export.stderr);
+        let groups: Vec<Value> = std::fs::read_to_string(&grpo)
+            .expect("grpo")
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("json"))
+            .collect();
+        assert_eq!(groups.len(), 16, "one group per learned item");
+        for g in &groups {
+            let mut rewards: Vec<f64> =
+                g["rewards"].as_array().expect("rewards").iter().filter_map(Value::as_f64).collect();
+            rewards.sort_by(f64::total_cmp);
+            assert_eq!(rewards, [0.5, 1.0], "one sample on the right worker, one on the wrong: {g}");
+        }
+    }
+    assert_eq!(accuracies[0], 1.0, "with learned plans");
+    assert!(accuracies[1] < 0.8, "without them, the pinned lead answers every question: {}", accuracies[1]);
 }

@@ -30,6 +30,8 @@ pub struct ConductorOptions {
     pub no_examples: bool,
     /// Which prompt the conductor is given (`[conductor] prompt`).
     pub prompt_version: PromptVersion,
+    /// Plans that were right when the pool learned: examples for the questions they fit.
+    pub learned: Vec<baton_engine::profile::LearnedPlan>,
     /// Longest a plan may take, from the request to its last token (retries included).
     pub plan_time_limit: Duration,
     /// A remote conductor's time limit per request and its retries: the workers' policy.
@@ -50,6 +52,7 @@ impl Default for ConductorOptions {
             force_self: false,
             no_examples: false,
             prompt_version: PromptVersion::default(),
+            learned: Vec::new(),
             plan_time_limit: DEFAULT_PLAN_TIME_LIMIT,
             call: CallPolicy::default(),
         }
@@ -58,7 +61,7 @@ impl Default for ConductorOptions {
 
 impl ConductorOptions {
     fn prompts(&self, workers: Vec<WorkerInfo>) -> PromptBuilder {
-        let p = PromptBuilder::new(workers).with_version(self.prompt_version);
+        let p = PromptBuilder::new(workers).with_version(self.prompt_version).with_learned(self.learned.clone());
         if self.no_examples { p.without_examples() } else { p }
     }
 }

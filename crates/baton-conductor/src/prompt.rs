@@ -14,6 +14,7 @@
 //! conversation and the question. Every question asked of the same pool shares the prompt up to
 //! its examples (v2: the whole system prompt).
 
+use baton_engine::profile::LearnedPlan;
 use baton_engine::{PlanningContext, ShownExample, WorkerInfo};
 use baton_providers::{Message, Role};
 
@@ -85,11 +86,21 @@ pub struct PromptBuilder {
     workers: Vec<WorkerInfo>,
     examples: bool,
     version: PromptVersion,
+    /// Plans that were right when the pool learned, cheapest first: v3's examples before the
+    /// shipped bank's.
+    learned: Vec<LearnedPlan>,
 }
 
 impl PromptBuilder {
     pub fn new(workers: Vec<WorkerInfo>) -> Self {
-        PromptBuilder { workers, examples: true, version: PromptVersion::default() }
+        PromptBuilder { workers, examples: true, version: PromptVersion::default(), learned: Vec::new() }
+    }
+
+    /// Shows `plans` (what was right when the pool learned) as v3's examples for the questions
+    /// they fit, with their own workers: these examples say which worker did the work.
+    pub fn with_learned(mut self, plans: Vec<LearnedPlan>) -> Self {
+        self.learned = plans;
+        self
     }
 
     pub fn with_version(mut self, version: PromptVersion) -> Self {
@@ -136,12 +147,23 @@ impl PromptBuilder {
             }
             PromptVersion::V3 => {
                 let (intro, bank) = split_bank(V3_EXAMPLES);
+                let learned = self.learned_bank(ctx);
                 // A workflow longer than this round may be would teach a shape it cannot take.
-                let bank: Vec<Example<'_>> = bank.into_iter().filter(|e| steps_in(e.text) <= ctx.max_steps).collect();
+                let fits = |e: &&Example<'_>| steps_in(e.text) <= ctx.max_steps;
+                let bank: Vec<Example<'_>> =
+                    learned.iter().map(Example::from).chain(bank).filter(|e| fits(&e)).collect();
+                let closest = closest_examples(&bank, &ctx.question, V3_EXAMPLES_SHOWN);
+                let intro = if closest.iter().any(|e| e.tag == LEARNED_TAG) { LEARNED_INTRO } else { intro };
                 let mut chosen = Chosen { text: format!("\n{intro}"), examples: Vec::new() };
-                for e in closest_examples(&bank, &ctx.question, V3_EXAMPLES_SHOWN) {
-                    let lead = ctx.lead.min(ctx.pool_size.saturating_sub(1));
-                    chosen.text.push_str(&format!("\n{}\n", with_models(e.text, lead)));
+                for e in closest {
+                    // The shipped bank's workers are illustrations: they are put on the lead. A
+                    // learned plan keeps its own, which did the work.
+                    let text = if e.tag == LEARNED_TAG {
+                        e.text.to_owned()
+                    } else {
+                        with_models(e.text, ctx.lead.min(ctx.pool_size.saturating_sub(1)))
+                    };
+                    chosen.text.push_str(&format!("\n{text}\n"));
                     chosen.examples.extend(shown(e.question, e.text));
                 }
                 chosen
@@ -254,6 +276,45 @@ impl PromptBuilder {
     }
 }
 
+/// How a learned plan is tagged among the examples. Its kind is its question's; of a learned
+/// and a shipped example that fit equally, the learned one is chosen.
+const LEARNED_TAG: &str = "learned";
+
+/// The examples' introduction once the pool has learned plans: their workers are real.
+const LEARNED_INTRO: &str = "Example workflows for other questions. Those marked [learned] answered right in this pool,\n\
+on the models they name; the others are illustrations only (use the models listed above):";
+
+/// A learned plan as an example of the bank's form.
+struct LearnedExample {
+    question: String,
+    text: String,
+}
+
+impl<'a> From<&'a LearnedExample> for Example<'a> {
+    fn from(e: &'a LearnedExample) -> Self {
+        Example { tag: LEARNED_TAG, question: &e.question, text: &e.text }
+    }
+}
+
+impl PromptBuilder {
+    /// The learned plans that fit this round (its workers, no more steps than it may take),
+    /// cheapest first, as examples.
+    fn learned_bank(&self, ctx: &PlanningContext) -> Vec<LearnedExample> {
+        self.learned
+            .iter()
+            .filter(|p| p.plan.steps.iter().all(|s| s.model_id < ctx.pool_size) && p.plan.steps.len() <= ctx.max_steps)
+            .map(|p| LearnedExample {
+                question: truncate(&p.question.replace('\n', " "), 300),
+                text: format!(
+                    "Example [{LEARNED_TAG}]. Question: {}\n```python\n{}\n```",
+                    truncate(&p.question.replace('\n', " "), 300),
+                    p.plan.to_python().trim_end()
+                ),
+            })
+            .collect()
+    }
+}
+
 /// The examples one prompt shows: its text, and the same examples as data.
 #[derive(Debug, Default)]
 struct Chosen {
@@ -355,7 +416,13 @@ fn closest_examples<'a>(bank: &[Example<'a>], question: &str, n: usize) -> Vec<E
         .iter()
         .enumerate()
         .map(|(i, e)| {
-            let kind = if tags.contains(&e.tag) { 10.0 } else { 0.0 };
+            // A learned plan's kind is its question's.
+            let same_kind = if e.tag == LEARNED_TAG {
+                question_tags(e.question).iter().any(|t| tags.contains(t))
+            } else {
+                tags.contains(&e.tag)
+            };
+            let kind = if same_kind { 10.0 } else { 0.0 };
             let theirs = content_words(e.question);
             let shared = words.intersection(&theirs).count() as f64 / (theirs.len().max(1) as f64).sqrt();
             (kind + shared, i, e)
@@ -440,6 +507,53 @@ mod tests {
                 assert!(words < baton_engine::fallback::COPY_WORDS, "{words} words: {}", step.subtask);
             }
         }
+    }
+
+    fn learned(question: &str, workers: &[usize], cost_usd: f64) -> LearnedPlan {
+        let steps = workers
+            .iter()
+            .map(|&w| baton_plan::Step {
+                model_id: w,
+                subtask: "Answer the question.".into(),
+                access: baton_plan::Access::Steps(Vec::new()),
+            })
+            .collect();
+        LearnedPlan {
+            question: question.into(),
+            category: "c".into(),
+            plan: baton_plan::Plan { steps },
+            cost_usd,
+            calls: workers.len() as u64,
+        }
+    }
+
+    #[test]
+    fn learned_plans_are_shown_on_their_own_workers_before_the_shipped_examples_and_the_cheaper_first() {
+        let choice = PlanningContext::question(
+            "Which river is longest?\n\nA. Nile\nB. Amazon\nC. Yangtze\nD. Volga\n\nChoose one option.",
+            3,
+            5,
+        );
+        let plans = vec![
+            // Cheapest first, as the history gives them.
+            learned("Which river flows through Cairo?\n\nA. Nile\nB. Seine\nC. Po\nD. Ebro", &[2], 0.001),
+            learned("Which river flows through Paris?\n\nA. Nile\nB. Seine\nC. Po\nD. Ebro", &[1], 0.01),
+            // A plan on a worker this round does not have is never shown.
+            learned("Which river flows through Rome?\n\nA. Nile\nB. Seine\nC. Tiber\nD. Ebro", &[7], 0.0),
+        ];
+        let mut ctx = choice.clone();
+        ctx.lead = 0;
+        let p = PromptBuilder::new(workers()).with_learned(plans);
+        let shown = p.examples_for(&ctx);
+        assert!(shown.contains("marked [learned] answered right in this pool"), "{shown}");
+        let last = shown.rsplit("\nExample [").next().unwrap_or_default();
+        assert!(last.starts_with("learned]. Question: Which river flows through Cairo?"), "{shown}");
+        assert!(last.contains("model_id = [2]"), "a learned plan keeps its worker: {last}");
+        assert!(shown.contains("Paris") && !shown.contains("Rome"), "{shown}");
+        assert_eq!(p.shown_examples(&ctx).len(), V3_EXAMPLES_SHOWN, "learned examples are checked for copies too");
+        // Nothing learned: the shipped bank, on the lead.
+        let shipped = PromptBuilder::new(workers()).examples_for(&ctx);
+        assert!(!shipped.contains("[learned]") && !shipped.contains("model_id = [2]"), "{shipped}");
     }
 
     #[test]

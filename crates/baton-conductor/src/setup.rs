@@ -310,6 +310,7 @@ pub async fn planner(
         max_reasoning_chars: spec.max_reasoning_chars.unwrap_or(prompt_version.default_reasoning_chars()),
         max_subtask_chars: spec.max_subtask_chars.unwrap_or(defaults.max_subtask_chars),
         temperature: spec.temperature.or(defaults.temperature),
+        learned: pool.options.fallback.measured.plans.clone(),
         plan_time_limit: spec.plan_time_limit_secs.map_or(defaults.plan_time_limit, std::time::Duration::from_secs),
         call: baton_engine::calls::CallPolicy {
             timeout: spec.timeout_secs.map_or(defaults.call.timeout, std::time::Duration::from_secs),

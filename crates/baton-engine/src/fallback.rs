@@ -324,7 +324,7 @@ mod tests {
                 ("Which gas is released when zinc reacts with hydrochloric acid?".into(), "chemistry".into()),
                 ("Who wrote the Federalist Papers with Madison and Jay?".into(), "history".into()),
             ],
-            strengths: Default::default(),
+            ..Default::default()
         };
         let mut options = FallbackOptions { measured, ..Default::default() };
         let acid = "What is the pH of a 0.1 M solution of acetic acid?";
@@ -354,7 +354,7 @@ mod tests {
                 ("What is the pH of a 0.01 M solution of hydrochloric acid?".into(), "chemistry".into()),
                 ("Who wrote the Federalist Papers with Madison and Jay?".into(), "history".into()),
             ],
-            strengths: Default::default(),
+            ..Default::default()
         };
         let mut options = FallbackOptions { measured, ..Default::default() };
         let acid = "What is the pH of a 0.1 M solution of acetic acid?";

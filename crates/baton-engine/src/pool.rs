@@ -80,7 +80,7 @@ pub struct ServeSpec {
 /// example, or keeps the question from the workers), it is asked once more, and then (or when
 /// the run's caps leave no room for a second attempt) the question goes to one worker alone.
 /// See [`crate::fallback`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct FallbackOptions {
     /// Off: the conductor's plan runs as written, and a plan that fails fails the run.
     pub enabled: bool,
@@ -142,7 +142,7 @@ impl Default for FallbackOptions {
 /// What the pool learned of its workers alone (see [`crate::profile::measure`]): the best one
 /// overall and per category, and the category of each question it learned from, so a new
 /// question can be placed by the learned questions nearest to it.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Measured {
     /// The best worker alone over every test item.
     pub best: Option<usize>,
@@ -157,6 +157,10 @@ pub struct Measured {
     /// Worker → what it did alone per category when the pool learned, in words, for the
     /// conductor's prompt (workers with a current profile only).
     pub strengths: BTreeMap<usize, String>,
+    /// Plans the conductor wrote while the pool learned whose answers were right, their
+    /// workers renumbered into this pool (plans naming a worker that changed since are left
+    /// out); the conductor's examples for similar questions.
+    pub plans: Vec<crate::profile::LearnedPlan>,
 }
 
 /// The fewest items a category needs before its own best worker is trusted over the best

@@ -72,8 +72,9 @@ pub enum Purpose {
     /// left out, and said so: a pool is never scored on what it was taught with.
     Evaluate { leave_out: Vec<String> },
     /// A learning run (`baton pool learn`): `identities` are the workers' identities, in the
-    /// pool's order, which the profiles are kept under.
-    Learn { identities: Vec<String> },
+    /// pool's order, which the profiles are kept under; with the conductor among the
+    /// strategies, it writes `plan_samples` plans for each item (sampled), which are run.
+    Learn { identities: Vec<String>, plan_samples: u32 },
 }
 
 /// The settings an evaluation is resumed with must be these; stored as its config.
@@ -105,6 +106,13 @@ pub struct Config {
     pub learn: bool,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub identities: Vec<String>,
+    /// A learning run's plans per item (the conductor's runs); 0: `repeats`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub plan_samples: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 impl Config {
@@ -118,6 +126,15 @@ impl Config {
             && self.workers == other.workers
             && self.learn == other.learn
             && self.identities == other.identities
+            && self.plan_samples == other.plan_samples
+    }
+
+    /// Runs per item of strategy `s` on the test split.
+    pub(crate) fn repeats_of(&self, s: &Strategy) -> u32 {
+        match s {
+            Strategy::Conductor if self.plan_samples > 0 => self.plan_samples,
+            _ => self.repeats,
+        }
     }
 }
 

@@ -1,9 +1,11 @@
 //! Learning runs: every worker of a pool alone on a suite's items, kept as an evaluation under
 //! the workers' identities, from which the history reads their profiles
-//! (`baton_store::Store::learned`). `baton pool learn` and the Workers screen's *Learn this
-//! pool* both start one here, so both refuse the same input and resume the same run.
+//! (`baton_store::Store::learned`); and, where the pool has a conductor, several sampled plans
+//! of the conductor's for each item, run and scored, whose right ones become its examples.
+//! `baton pool learn` and the Workers screen's *Learn this pool* both start one here, so both
+//! refuse the same input and resume the same run.
 
-use baton_engine::Pool;
+use baton_engine::{Pool, Route};
 
 use crate::harness::{EvalError, Purpose, Spec};
 use crate::strategy::Strategy;
@@ -23,12 +25,46 @@ pub struct LearnOptions {
     pub concurrency: usize,
     /// Spend at most this much in total, resumes included.
     pub max_cost_usd: Option<f64>,
+    /// Plans the conductor writes (sampled) and runs for each item; 0, or a pool without a
+    /// conductor: the workers alone only.
+    pub plans: u32,
 }
+
+/// Plans per item by default: enough that a group of samples differs, few enough that
+/// learning costs a few times what the workers alone cost.
+pub const DEFAULT_PLANS: u32 = 3;
+
+/// The conductor's temperature while it samples plans, where the pool's is lower: at 0 every
+/// sample would be the same plan.
+pub const SAMPLE_TEMPERATURE: f64 = 0.8;
 
 impl LearnOptions {
     pub fn new(suite: impl Into<String>) -> LearnOptions {
-        LearnOptions { suite: suite.into(), id: None, limit: None, seed: 1, concurrency: 4, max_cost_usd: None }
+        LearnOptions {
+            suite: suite.into(),
+            id: None,
+            limit: None,
+            seed: 1,
+            concurrency: 4,
+            max_cost_usd: None,
+            plans: DEFAULT_PLANS,
+        }
     }
+}
+
+/// Whether `pool` names a conductor model (local or remote), which learning samples plans of.
+pub fn has_conductor(pool: &Pool) -> bool {
+    pool.options.conductor.model.is_some() || pool.options.conductor.url.is_some()
+}
+
+/// The pool a learning run runs on: its conductor samples (at [`SAMPLE_TEMPERATURE`] at least)
+/// and always plans, since a plan routed by what was learned before teaches nothing new.
+pub fn sampling_pool(pool: &Pool) -> Pool {
+    let mut pool = pool.clone();
+    let conductor = &mut pool.options.conductor;
+    conductor.temperature = Some(conductor.temperature.unwrap_or(0.0).max(SAMPLE_TEMPERATURE));
+    pool.options.fallback.route = Route::Never;
+    pool
 }
 
 /// The evaluation that teaches `pool`: each worker alone on the suite's items. Refused, before
@@ -50,10 +86,12 @@ pub fn spec(pool: &Pool, options: &LearnOptions) -> Result<Spec, EvalError> {
     }
     let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
     let identities: Vec<String> = pool.workers.iter().map(|w| w.identity()).collect();
-    let strategies = Strategy::parse_list("all-singles", &workers).map_err(EvalError::Settings)?;
+    let plan_samples = if has_conductor(pool) { options.plans } else { 0 };
+    let list = if plan_samples > 0 { "conductor,all-singles" } else { "all-singles" };
+    let strategies = Strategy::parse_list(list, &workers).map_err(EvalError::Settings)?;
     let id = match options.id.as_deref().map(str::trim) {
         Some(id) if !id.is_empty() => id.to_owned(),
-        _ => default_id(&suite, &identities, options.limit, options.seed),
+        _ => default_id(&suite, &identities, options.limit, options.seed, plan_samples),
     };
     Ok(Spec {
         id,
@@ -66,7 +104,7 @@ pub fn spec(pool: &Pool, options: &LearnOptions) -> Result<Spec, EvalError> {
         calibration: None,
         limit: options.limit,
         seed: options.seed,
-        purpose: Purpose::Learn { identities },
+        purpose: Purpose::Learn { identities, plan_samples },
     })
 }
 
@@ -75,13 +113,24 @@ pub fn items(spec: &Spec) -> usize {
     spec.limit.map_or(spec.suite.items.len(), |l| l.min(spec.suite.items.len()))
 }
 
+/// How many plans a learning run of `spec` samples for each item (0: none).
+pub fn plan_samples(spec: &Spec) -> u32 {
+    match spec.purpose {
+        Purpose::Learn { plan_samples, .. } => plan_samples,
+        Purpose::Evaluate { .. } => 0,
+    }
+}
+
 /// `learn-SUITE-HASH`, the hash over what a learning run is: the suite's items, which of them
-/// (`limit`, `seed`) and the workers' identities. The same request on the same pool gives the
-/// same id, so it goes on where a stopped one ended; a changed worker or suite a new one.
-pub fn default_id(suite: &Suite, identities: &[String], limit: Option<usize>, seed: u64) -> String {
+/// (`limit`, `seed`), the plans per item and the workers' identities. The same request on the
+/// same pool gives the same id, so it goes on where a stopped one ended; a changed worker or
+/// suite a new one.
+pub fn default_id(suite: &Suite, identities: &[String], limit: Option<usize>, seed: u64, plans: u32) -> String {
     // FNV-1a: stable across builds and platforms, unlike the standard library's hasher.
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    let parts = [suite.sha256.clone(), format!("{limit:?} {seed}")];
+    // A run without plans hashes as it did before plans were learned, so it still resumes.
+    let samples = if plans > 0 { format!(" {plans} plans") } else { String::new() };
+    let parts = [suite.sha256.clone(), format!("{limit:?} {seed}{samples}")];
     for part in parts.iter().chain(identities) {
         for byte in part.bytes().chain([0]) {
             hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
@@ -114,9 +163,34 @@ mod tests {
         let named = LearnOptions { id: Some(" mine ".into()), ..options.clone() };
         assert_eq!(spec(&pool("m-2"), &named).expect("spec").id, "mine");
         assert_eq!(items(&first), 6);
-        let Purpose::Learn { identities } = &first.purpose else { panic!("a learning run") };
+        let Purpose::Learn { identities, plan_samples } = &first.purpose else { panic!("a learning run") };
+        assert_eq!(*plan_samples, 0, "a pool without a conductor learns no plans");
         assert_eq!(identities.len(), 2);
         assert_eq!(first.strategies.len(), 2, "each worker alone");
+    }
+
+    #[test]
+    fn a_pool_with_a_conductor_also_samples_its_plans_and_runs_them_unrouted() {
+        let text = "[conductor]\nmodel = \"c.gguf\"\nroute = \"always\"\n\n\
+                    [[worker]]\nname = \"a\"\nprovider = \"openai\"\nmodel = \"m-1\"\n\n\
+                    [[worker]]\nname = \"b\"\nprovider = \"openai\"\nmodel = \"m-2\"\n";
+        let pool = Pool::parse(text, "pool.toml").expect("pool");
+        let options = LearnOptions { limit: Some(6), ..LearnOptions::new("mmlu") };
+        let with_plans = spec(&pool, &options).expect("spec");
+        assert_eq!(plan_samples(&with_plans), DEFAULT_PLANS);
+        assert_eq!(with_plans.strategies.len(), 3, "the conductor and each worker alone");
+        let without = spec(&pool, &LearnOptions { plans: 0, ..options.clone() }).expect("spec");
+        assert_eq!((plan_samples(&without), without.strategies.len()), (0, 2));
+        assert_ne!(with_plans.id, without.id, "plans or none are two runs");
+        // The workers-only run keeps the id it had before plans were learned.
+        assert_eq!(
+            without.id,
+            spec(&super::tests::pool("m-2"), &LearnOptions { plans: 0, ..options }).expect("spec").id
+        );
+
+        let sampling = sampling_pool(&pool);
+        assert_eq!(sampling.options.conductor.temperature, Some(SAMPLE_TEMPERATURE));
+        assert_eq!(sampling.options.fallback.route, Route::Never);
     }
 
     #[test]

@@ -125,14 +125,15 @@ pub async fn learned_questions(pool: &Pool, store: &Store) -> Vec<String> {
 
 /// Gives `pool` what its workers' current profiles say (see
 /// [`baton_engine::profile::measure`]): the fallback worker and the plan's lead for the
-/// question's kind, where a question may skip the plan, and what the conductor is told of each
-/// worker. A worker the pool names (`fallback_worker`) is kept, and then nothing is routed by
+/// question's kind, where a question may skip the plan, what the conductor is told of each
+/// worker, and the plans that were right, as its examples. A worker the pool names (`fallback_worker`) is kept, and then nothing is routed by
 /// measurement (the conductor is still told what was measured). A history that cannot be read
 /// leaves the pool as it is: what was learned helps a run, and is no reason to fail one.
 pub async fn learned_into(pool: &mut Pool, store: &Store) {
     match store.learned(&identities(pool)).await {
         Ok(learned) => {
-            let measured = baton_engine::profile::measure(&learned.profiles, learned.questions);
+            let mut measured = baton_engine::profile::measure(&learned.profiles, learned.questions);
+            measured.plans = learned.plans;
             if !pool.options.fallback.chosen {
                 pool.options.fallback.worker = measured.best;
             }

@@ -8,17 +8,19 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use baton_engine::profile::{CategoryFigures, Freshness, Profile};
+use baton_engine::profile::{CategoryFigures, Freshness, LearnedPlan, Profile};
 use sqlx::Row;
 
 use crate::{Store, StoreError};
 
-/// What the pool learned: a profile per worker (in the pool's order) and every learned
-/// question with its category, by which a new question is placed.
+/// What the pool learned: a profile per worker (in the pool's order), every learned question
+/// with its category, by which a new question is placed, and the conductor's plans that were
+/// right, the cheapest one per question.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Learned {
     pub profiles: Vec<Profile>,
     pub questions: Vec<(String, String)>,
+    pub plans: Vec<LearnedPlan>,
 }
 
 /// Tallies of one worker on one category, before they become [`CategoryFigures`].
@@ -60,6 +62,7 @@ impl Store {
         let mut learned_in: Vec<Vec<String>> = vec![Vec::new(); workers.len()];
         let mut stale: Vec<Option<(String, String, String)>> = vec![None; workers.len()];
         let mut questions: BTreeMap<String, String> = BTreeMap::new();
+        let mut plans: BTreeMap<String, LearnedPlan> = BTreeMap::new();
         for evaluation in self.evaluations().await? {
             let config = &evaluation.config;
             if config["learn"] != serde_json::json!(true) {
@@ -82,6 +85,15 @@ impl Store {
                 {
                     let then = identities.get(j).map(|i| (*i).to_owned()).unwrap_or_default();
                     stale[w] = Some((evaluation.id.clone(), (*names.get(j).unwrap_or(&"")).to_owned(), then));
+                }
+            }
+            // The run's worker numbers in this pool: the worker of the same identity, if any.
+            let renumber: Vec<Option<usize>> =
+                identities.iter().map(|i| workers.iter().position(|(_, now)| now == i)).collect();
+            for plan in self.right_plans(&evaluation.id, &renumber).await? {
+                let cheaper = |kept: &LearnedPlan| (plan.cost_usd, plan.calls) < (kept.cost_usd, kept.calls);
+                if plans.get(&plan.question).is_none_or(cheaper) {
+                    plans.insert(plan.question.clone(), plan);
                 }
             }
         }
@@ -110,7 +122,49 @@ impl Store {
             }
             profiles.push(profile);
         }
-        Ok(Learned { profiles, questions: questions.into_iter().collect() })
+        let mut plans: Vec<LearnedPlan> = plans.into_values().collect();
+        plans.sort_by(|a, b| a.cost_usd.total_cmp(&b.cost_usd).then(a.calls.cmp(&b.calls)));
+        Ok(Learned { profiles, questions: questions.into_iter().collect(), plans })
+    }
+
+    /// The plans of learning run `evaluation`'s conductor samples whose answers were right:
+    /// one round, usable as written (no fallback), every step on a worker that `renumber`
+    /// (the run's worker number → this pool's) still has.
+    async fn right_plans(&self, evaluation: &str, renumber: &[Option<usize>]) -> Result<Vec<LearnedPlan>, StoreError> {
+        if renumber.iter().all(Option::is_none) {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query(
+            "SELECT r.question, e.category, e.cost_usd, e.calls, p.plan
+             FROM eval_results e JOIN runs r ON r.uid = e.run_uid JOIN plans p ON p.run_id = r.id AND p.round = 0
+             WHERE e.evaluation_id = ?1 AND e.strategy = 'conductor' AND e.correct = 1 AND e.plan_valid = 1
+               AND NOT EXISTS (SELECT 1 FROM plans q WHERE q.run_id = r.id AND q.round > 0)",
+        )
+        .bind(evaluation)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut plans = Vec::new();
+        for r in &rows {
+            // Kept as `Plan::to_json` wrote it.
+            let Ok(mut plan) = serde_json::from_str::<baton_plan::Plan>(&r.try_get::<String, _>("plan")?) else {
+                continue;
+            };
+            let on_this_pool = plan.steps.iter_mut().all(|step| {
+                let now = renumber.get(step.model_id).copied().flatten();
+                step.model_id = now.unwrap_or(usize::MAX);
+                now.is_some()
+            });
+            if on_this_pool {
+                plans.push(LearnedPlan {
+                    question: r.try_get("question")?,
+                    category: r.try_get("category")?,
+                    plan,
+                    cost_usd: r.try_get("cost_usd")?,
+                    calls: r.try_get::<i64, _>("calls")?.max(0) as u64,
+                });
+            }
+        }
+        Ok(plans)
     }
 
     /// The question texts the pool's current profiles were learned from: an evaluation leaves

@@ -20,6 +20,8 @@ use std::time::Duration;
 /// | `lines=N` | answer N lines of varied markdown (paragraphs, lists, tables, fenced code with and without a language; each line but blank and fence lines carries `(line I)`, I from 0), one piece per line, so with `latency=MS` one line every MS/N ms |
 /// | `usage=max` | report the most tokens an honest provider could: the prompt's bytes plus 3 per turn in, the request's output cap out |
 /// | `cache_min=N` | prompt-cache prefixes from N tokens (default 1024, the providers' documented minimum) |
+/// | `plan=each` | a conductor that tries every worker: call N answers a one-step plan on worker N mod k, k the workers its prompt lists (`- Model I:`) |
+/// | `plan=copy` | a conductor that copies what it is shown: it answers the last example workflow of its prompt as it stands (worker 0 alone when there is none) |
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Script {
     pub name: String,
@@ -37,6 +39,14 @@ pub struct Script {
     pub lines: Option<usize>,
     pub usage_max: bool,
     pub cache_min: Option<u64>,
+    pub plan: Option<PlanMode>,
+}
+
+/// How a scripted conductor writes its plan (`plan=`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlanMode {
+    Each,
+    Copy,
 }
 
 impl Script {
@@ -71,6 +81,13 @@ impl Script {
                 "lines" => script.lines = value.parse().ok().filter(|n| *n > 0),
                 "usage" => script.usage_max = value == "max",
                 "cache_min" => script.cache_min = value.parse().ok(),
+                "plan" => {
+                    script.plan = match value {
+                        "each" => Some(PlanMode::Each),
+                        "copy" => Some(PlanMode::Copy),
+                        _ => None,
+                    }
+                }
                 _ => {}
             }
         }
@@ -89,6 +106,35 @@ impl Script {
             (None, None) => {
                 let gist: String = last_user.chars().take(80).collect();
                 format!("{} (saw {seen} earlier answers) answers: {gist}", self.name)
+            }
+        }
+    }
+
+    /// A scripted conductor's plan (`plan=`) for a request whose prompt (system text and user
+    /// turns) is `system`, on this model's call number `call`; `None` for a worker.
+    pub fn plan(&self, system: &str, call: u32) -> Option<String> {
+        let one_step = |worker: usize| {
+            format!("```python\nmodel_id = [{worker}]\nsubtasks = [\"Answer the question.\"]\naccess_list = [[]]\n```")
+        };
+        match self.plan? {
+            PlanMode::Each => {
+                // The conductor itself, listed last where it may take a step, is not tried.
+                let workers = (0..)
+                    .take_while(|i| {
+                        system.contains(&format!("- Model {i}:")) && !system.contains(&format!("- Model {i}: yourself"))
+                    })
+                    .count()
+                    .max(1);
+                Some(one_step(call as usize % workers))
+            }
+            PlanMode::Copy => {
+                // Every workflow shown but the format's template (`model_id = [...]`).
+                let shown = system
+                    .split("```python\n")
+                    .skip(1)
+                    .filter_map(|rest| rest.split_once("\n```").map(|(lists, _)| lists))
+                    .filter(|lists| !lists.contains("[...]"));
+                Some(shown.last().map_or_else(|| one_step(0), |lists| format!("```python\n{lists}\n```")))
             }
         }
     }
@@ -231,6 +277,14 @@ mod tests {
         assert_eq!(Script::parse("long;lines=4000").pieces(&long_markdown(4000)).len(), 4000);
         // A scripted reply wins; without `lines` nothing changes.
         assert_eq!(Script::parse("m;lines=5;reply=hi").answer("q", 0), "hi");
+        // Scripted conductors: every worker in turn, or the last example shown.
+        let system = "Workers:\n- Model 0: a\n- Model 1: b\n```python\nmodel_id = [...]\n```\nExample [x]. Question: q\n```python\nmodel_id = [0]\nsubtasks = [\"s\"]\naccess_list = [[]]\n```\n\nExample [learned]. Question: r\n```python\nmodel_id = [1]\nsubtasks = [\"t\"]\naccess_list = [[]]\n```\n";
+        let each = Script::parse("c;plan=each");
+        assert!(each.plan(system, 3).expect("a plan").contains("model_id = [1]"));
+        assert!(each.plan(system, 4).expect("a plan").contains("model_id = [0]"));
+        let copied = Script::parse("c;plan=copy").plan(system, 0).expect("a plan");
+        assert_eq!(copied, "```python\nmodel_id = [1]\nsubtasks = [\"t\"]\naccess_list = [[]]\n```");
+        assert_eq!(Script::parse("w").plan(system, 0), None, "a worker writes no plan");
         assert_eq!(Script::parse("m;lines=0").lines, None);
     }
 }

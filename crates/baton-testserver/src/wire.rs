@@ -317,7 +317,14 @@ pub(crate) async fn respond(
     }
 
     let conv = conversation(wire, body);
-    let text = script.answer(&conv.last_user, conv.answers_seen);
+    let text = match script.plan {
+        Some(_) => {
+            let asked: Vec<&str> =
+                conv.turns.iter().filter(|(role, ..)| role == "user").map(|(_, t, _)| t.as_str()).collect();
+            script.plan(&format!("{}\n{}", conv.system, asked.join("\n")), call).unwrap_or_default()
+        }
+        None => script.answer(&conv.last_user, conv.answers_seen),
+    };
     let thinking_tokens = if conv.thinking { 7 } else { 0 };
     let mut pieces = script.pieces(&text);
     // A provider stops at the request's output cap.

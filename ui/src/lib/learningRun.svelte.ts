@@ -28,8 +28,11 @@ export async function refreshLearning() {
   }
 }
 
-/** Learns from `suite` (a built-in name or a file), `limit` items (null: all). */
-export async function learn(suite: string, limit: number | null) {
+/**
+ * Learns from `suite` (a built-in name or a file), `limit` items (null: all), with `plans`
+ * sampled conductor plans per item (0: the workers alone only).
+ */
+export async function learn(suite: string, limit: number | null, plans: number) {
   if (learningRun.running) return;
   learningRun.error = null;
   learningRun.notice = null;
@@ -39,7 +42,7 @@ export async function learn(suite: string, limit: number | null) {
   learningRun.stopId = id;
   let failed: string | null = null;
   try {
-    const result = await api.learnPool({ suite, limit }, id, (p) => (learningRun.tally = addProgress(learningRun.tally, p)));
+    const result = await api.learnPool({ suite, limit, plans }, id, (p) => (learningRun.tally = addProgress(learningRun.tally, p)));
     learningRun.learning = result.learning;
     if (result.ended === "stopped") learningRun.notice = "Stopped. What was measured is kept: learn the same suite and items again to go on.";
     if (result.ended === "over_budget") learningRun.notice = "The spending cap was reached; what was measured is kept.";

@@ -110,9 +110,14 @@ impl<'a> Evaluation<'a> {
     /// much of it was done before.
     pub(super) fn announce_plan(&self, calibration_jobs: &[Job]) {
         let items = &self.ctx.items;
-        let per_test_runs =
-            self.runnable.iter().filter(|s| !matches!(s, Strategy::Single(_))).count() + self.singles.len();
-        let total = calibration_jobs.len() + per_test_runs * self.test_items.len() * self.config.repeats as usize;
+        let per_item: usize = self
+            .runnable
+            .iter()
+            .filter(|s| !matches!(s, Strategy::Single(_)))
+            .map(|s| self.config.repeats_of(s) as usize)
+            .sum::<usize>()
+            + self.singles.len() * self.config.repeats as usize;
+        let total = calibration_jobs.len() + per_item * self.test_items.len();
         let calibrated = calibration_jobs
             .iter()
             .filter(|j| self.done.contains(&(j.strategy.clone(), items[j.item].id.clone(), j.repeat)))
@@ -169,15 +174,17 @@ impl<'a> Evaluation<'a> {
         let aggregator = self.aggregator();
         let mut jobs = Vec::new();
         for &i in &self.test_items {
-            for r in 0..self.config.repeats {
-                for s in &self.runnable {
-                    let what = match s {
-                        Strategy::Conductor => Run::Conductor,
-                        Strategy::Moa => Run::Moa { aggregator },
-                        _ => continue,
-                    };
-                    jobs.push(Job { strategy: s.key(), what, item: i, repeat: r, calibration: false });
+            for s in &self.runnable {
+                let what = match s {
+                    Strategy::Conductor => Run::Conductor,
+                    Strategy::Moa => Run::Moa { aggregator },
+                    _ => continue,
+                };
+                for r in 0..self.config.repeats_of(s) {
+                    jobs.push(Job { strategy: s.key(), what: what.clone(), item: i, repeat: r, calibration: false });
                 }
+            }
+            for r in 0..self.config.repeats {
                 for &w in &self.singles {
                     jobs.push(Job {
                         strategy: self.single_key(w),

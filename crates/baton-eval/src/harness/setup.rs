@@ -89,8 +89,12 @@ impl Harness {
             max_cost_usd: spec.max_cost_usd,
             learn: matches!(spec.purpose, Purpose::Learn { .. }),
             identities: match &spec.purpose {
-                Purpose::Learn { identities } => identities.clone(),
+                Purpose::Learn { identities, .. } => identities.clone(),
                 _ => Vec::new(),
+            },
+            plan_samples: match &spec.purpose {
+                Purpose::Learn { plan_samples, .. } => *plan_samples,
+                _ => 0,
             },
         };
         let spent_before = match self.store.evaluation(&spec.id).await? {
