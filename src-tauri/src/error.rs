@@ -66,6 +66,16 @@ impl From<baton_store::StoreError> for AppError {
     }
 }
 
+impl From<baton_eval::EvalError> for AppError {
+    fn from(e: baton_eval::EvalError) -> Self {
+        match e {
+            baton_eval::EvalError::Settings(m) => AppError::bad_input(m),
+            baton_eval::EvalError::Store(e) => e.into(),
+            other => AppError::new(ErrorKind::Io, other.to_string()),
+        }
+    }
+}
+
 impl From<baton_secrets::SecretsError> for AppError {
     fn from(e: baton_secrets::SecretsError) -> Self {
         AppError::new(ErrorKind::Keychain, e.to_string())

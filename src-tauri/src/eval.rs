@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use tauri::ipc::Channel;
 use tauri::{AppHandle, Runtime, State};
 
-use crate::error::{AppError, AppResult, ErrorKind};
+use crate::error::{AppError, AppResult};
 use crate::state::AppState;
 
 /// A built-in suite.
@@ -140,11 +140,7 @@ pub async fn run_evaluation<R: Runtime>(
         let _ = on_progress.send(EvalProgress::from(p));
     };
     tracing::info!(evaluation = %id, "evaluation started");
-    let ended = harness.run(&spec, &progress, &registration.token).await.map_err(|e| match e {
-        baton_eval::EvalError::Settings(m) => AppError::bad_input(m),
-        baton_eval::EvalError::Store(e) => e.into(),
-        other => AppError::new(ErrorKind::Io, other.to_string()),
-    })?;
+    let ended = harness.run(&spec, &progress, &registration.token).await?;
     tracing::info!(evaluation = %id, ended = ended.as_str(), "evaluation ended");
     view(&store, &id).await
 }

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use tauri::ipc::Channel;
 use tauri::{AppHandle, Runtime, State};
 
-use crate::error::{AppError, AppResult, ErrorKind};
+use crate::error::{AppError, AppResult};
 use crate::eval::EvalProgress;
 use crate::state::AppState;
 
@@ -62,7 +62,7 @@ pub async fn learn_pool<R: Runtime>(
         plans: request.plans.unwrap_or(defaults.plans),
         ..defaults
     };
-    let spec = learn::spec(&pool, &options).map_err(|e| AppError::bad_input(e.to_string()))?;
+    let spec = learn::spec(&pool, &options)?;
     // One run per learning id: a second would ask every worker the same items again.
     let _one = state.register(&format!("learning {}", spec.id)).map_err(|_| {
         AppError::bad_input(format!("the pool is already learning from these items ({}); stop it or wait", spec.id))
@@ -79,11 +79,7 @@ pub async fn learn_pool<R: Runtime>(
         let _ = on_progress.send(EvalProgress::from(p));
     };
     tracing::info!(learning = %spec.id, items = learn::items(&spec), "learning started");
-    let ended = harness.run(&spec, &progress, &registration.token).await.map_err(|e| match e {
-        baton_eval::EvalError::Settings(m) => AppError::bad_input(m),
-        baton_eval::EvalError::Store(e) => e.into(),
-        other => AppError::new(ErrorKind::Io, other.to_string()),
-    })?;
+    let ended = harness.run(&spec, &progress, &registration.token).await?;
     tracing::info!(learning = %spec.id, ended = ended.as_str(), "learning ended");
     let learning = baton_runner::build::pool_learning(&pool, &store).await?;
     Ok(Learned { id: spec.id, ended: ended.as_str().to_owned(), learning })

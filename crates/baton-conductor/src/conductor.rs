@@ -31,7 +31,7 @@ pub struct ConductorOptions {
     /// Which prompt the conductor is given (`[conductor] prompt`).
     pub prompt_version: PromptVersion,
     /// Plans that were right when the pool learned: examples for the questions they fit.
-    pub learned: Vec<baton_engine::profile::LearnedPlan>,
+    pub learned: Vec<baton_engine::pool::LearnedPlan>,
     /// Longest a plan may take, from the request to its last token (retries included).
     pub plan_time_limit: Duration,
     /// A remote conductor's time limit per request and its retries: the workers' policy.

@@ -14,7 +14,7 @@
 //! conversation and the question. Every question asked of the same pool shares the prompt up to
 //! its examples (v2: the whole system prompt).
 
-use baton_engine::profile::LearnedPlan;
+use baton_engine::pool::LearnedPlan;
 use baton_engine::{PlanningContext, ShownExample, WorkerInfo};
 use baton_providers::{Message, Role};
 

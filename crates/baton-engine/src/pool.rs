@@ -160,7 +160,22 @@ pub struct Measured {
     /// Plans the conductor wrote while the pool learned whose answers were right, their
     /// workers renumbered into this pool (plans naming a worker that changed since are left
     /// out); the conductor's examples for similar questions.
-    pub plans: Vec<crate::profile::LearnedPlan>,
+    pub plans: Vec<LearnedPlan>,
+}
+
+/// A plan the conductor wrote while the pool learned, whose answer was right: an example it
+/// is shown for similar questions, so it plans from what worked in this pool.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LearnedPlan {
+    pub question: String,
+    /// The learning item's category.
+    pub category: String,
+    /// Its steps, on this pool's workers.
+    pub plan: baton_plan::Plan,
+    /// What the run cost (and how many calls it made): of two plans that were right for
+    /// similar questions, the cheaper one is shown.
+    pub cost_usd: f64,
+    pub calls: u64,
 }
 
 /// The fewest items a category needs before its own best worker is trusted over the best

@@ -61,21 +61,6 @@ pub struct Profile {
     pub learned_in: Vec<String>,
 }
 
-/// A plan the conductor wrote while the pool learned, whose answer was right: an example it
-/// is shown for similar questions, so it plans from what worked in this pool.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LearnedPlan {
-    pub question: String,
-    /// The learning item's category.
-    pub category: String,
-    /// Its steps, on this pool's workers.
-    pub plan: baton_plan::Plan,
-    /// What the run cost (and how many calls it made): of two plans that were right for
-    /// similar questions, the cheaper one is shown.
-    pub cost_usd: f64,
-    pub calls: u64,
-}
-
 /// How close to the best a worker's accuracy must be to count as "as good": within this share.
 pub const AS_GOOD_WITHIN: f64 = 0.05;
 

@@ -8,7 +8,8 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use baton_engine::profile::{CategoryFigures, Freshness, LearnedPlan, Profile};
+use baton_engine::pool::LearnedPlan;
+use baton_engine::profile::{CategoryFigures, Freshness, Profile};
 use sqlx::Row;
 
 use crate::{Store, StoreError};
