@@ -580,7 +580,7 @@ api_key_env = "BATON_E2E_CONDUCTOR_KEY"
     await plans.sendKeys("1");
     // Three workers on two items: six runs, each one call; and one conductor plan per item.
     await driver.wait(async () => (await textOf(await find("learning"))).includes("About 6 calls"), 10000);
-    assert.match(await textOf(await find("learning")), /and 2 conductor plans \(1 per item\)/);
+    await driver.wait(async () => /and 2 conductor\s+plans \(1 per item\)/.test(await textOf(await find("learning"))), 10000);
     await click(await find("learn-run"));
     await find("learn-progress");
     // The profiles are read again when the run ends: every worker's is current then.
