@@ -189,9 +189,9 @@ pub async fn rerun_step<R: Runtime>(
 ) -> AppResult<AskResult> {
     let registration = state.register(&stop_id)?;
     let store = state.store().await?;
-    let rerun =
-        baton_runner::rerun::prepare(store, &state.pool()?, request.run_id, request.step as usize, &request.worker)
-            .await?;
+    // The run first: one that is gone is the answer, whatever the pool file says.
+    let earlier = baton_runner::rerun::Earlier::load(store, request.run_id).await?;
+    let rerun = earlier.rerun(store, &state.pool()?, request.step as usize, &request.worker).await?;
     let executor = executor(&app, &state, &rerun.pool, rerun.needs_conductor).await?;
     run_recorded(&app, &registration, &executor, store.recorder(Some(rerun.conversation)), rerun.request, on_event)
         .await

@@ -20,17 +20,10 @@ pub const DOWNLOAD_EVENT: &str = "model-download";
 /// A curated conductor model, as this computer would run it.
 #[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
 pub struct ModelChoice {
-    pub id: String,
-    pub name: String,
-    /// `owner/name:file`.
-    pub reference: String,
-    pub quantization: String,
-    pub size_gb: f64,
-    /// What running it as the conductor takes.
-    pub memory_gb: f64,
-    pub licence: String,
-    pub licence_url: String,
-    pub summary: String,
+    /// The catalog's entry, as `catalog.toml` has it.
+    #[serde(flatten)]
+    #[ts(flatten)]
+    pub model: baton_models::catalog::CatalogModel,
     /// `gpu`, `cpu`, `slow` (fits, but slow on a CPU) or `too_big`.
     pub fit: String,
     pub recommended: bool,
@@ -123,15 +116,7 @@ pub async fn model_catalog(state: State<'_, AppState>) -> AppResult<ModelCatalog
         let choices = models
             .iter()
             .map(|m| ModelChoice {
-                id: m.id.clone(),
-                name: m.name.clone(),
-                reference: m.reference.clone(),
-                quantization: m.quantization.clone(),
-                size_gb: m.size_gb,
-                memory_gb: m.memory_gb,
-                licence: m.licence.clone(),
-                licence_url: m.licence_url.clone(),
-                summary: m.summary.clone(),
+                model: m.clone(),
                 fit: match machine.fit(m) {
                     Fit::Gpu => "gpu",
                     Fit::Cpu => "cpu",

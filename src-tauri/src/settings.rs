@@ -31,6 +31,9 @@ pub struct Settings {
     pub workers: Vec<baton_engine::WorkerInfo>,
     /// Whether a conductor (local model or server) is set.
     pub conductor_configured: bool,
+    /// False when the pool routes every question by what it learned (`route = "always"`), so
+    /// it runs without a conductor.
+    pub conductor_needed: bool,
     /// Whether this build runs local models (mistral.rs).
     pub local_models: bool,
     /// Workers with no known price (neither the pool nor the price data has one): a cost cap
@@ -52,6 +55,7 @@ pub fn settings(paths: &crate::state::Paths) -> Settings {
     };
     let form = text.clone().and_then(|t| read_form(&t).map_err(|e| format!("{}: {e}", path.display())));
     let pool = text.and_then(|t| Pool::parse(&t, &path.display().to_string()).map_err(|e| e.to_string()));
+    let conductor_needed = pool.as_ref().map_or(true, |p| p.options.fallback.route != baton_engine::Route::Always);
     let conductor_configured = form.as_ref().is_ok_and(|f| f.conductor.model.is_some() || f.conductor.url.is_some());
     Settings {
         pool_path: path.display().to_string(),
@@ -72,6 +76,7 @@ pub fn settings(paths: &crate::state::Paths) -> Settings {
             .unwrap_or_default(),
         form: form.ok(),
         conductor_configured,
+        conductor_needed,
         local_models: cfg!(feature = "local"),
     }
 }

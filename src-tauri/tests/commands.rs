@@ -18,6 +18,17 @@ fn a_new_user_has_no_pool_and_no_conductor() {
     assert_eq!(s["workers"], json!([]));
     // No pool yet is how everyone starts, not a problem to show in red.
     assert_eq!(s["pool_error"], Value::Null, "{s}");
+    assert_eq!(s["conductor_needed"], true);
+
+    // A pool that routes every question by what it learned runs without a conductor.
+    let pool = "[conductor]\nroute = \"always\"\n\n[[worker]]\nname = \"a\"\nprovider = \"openai-compatible\"\nmodel = \"m\"\nbase_url = \"http://127.0.0.1:9/v1\"\n";
+    std::fs::write(dir.path().join("pool.toml"), pool).unwrap();
+    let s = invoke(&h, "get_settings", json!({})).unwrap();
+    assert_eq!(
+        (&s["pool_error"], &s["conductor_configured"], &s["conductor_needed"]),
+        (&Value::Null, &json!(false), &json!(false)),
+        "{s}"
+    );
 }
 
 #[test]
@@ -210,6 +221,10 @@ fn one_step_of_a_finished_run_is_rerun_with_another_worker() {
     let err = rerun(&first["run_id"], 0, "zed");
     assert_eq!(err, json!({ "kind": "not_found", "message": "there is no worker named \"zed\" in the pool" }));
     assert_eq!(rerun(&json!(999), 0, "a")["kind"], "not_found");
+    // A run that is gone is the answer before a broken pool file; a run that is there needs it.
+    std::fs::write(dir.path().join("pool.toml"), "[[worker]\n").unwrap();
+    assert_eq!(rerun(&json!(999), 0, "a")["kind"], "not_found");
+    assert_eq!(rerun(&first["run_id"], 1, "c")["kind"], "pool");
 }
 
 /// An app whose conductor is a loopback server that takes ten seconds to answer at all.

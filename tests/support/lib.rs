@@ -64,6 +64,31 @@ pub async fn run_with(bin: &Path, args: &[&str], stdin: Option<&str>, env: &[(&s
     run_within(Duration::from_secs(60), bin, args, stdin, env).await
 }
 
+/// Runs the binary `bin` with `args` and the test key, for up to two minutes: a command that
+/// runs a whole evaluation or learning run over loopback workers.
+pub async fn run_suite(bin: &Path, args: &[&str]) -> Output {
+    run_within(Duration::from_secs(120), bin, args, None, &[("BATON_E2E_KEY", Some(TEST_KEY))]).await
+}
+
+/// Starts the binary `bin` with `args` and the test key, its output thrown away, for a test
+/// that kills it part way; dropping the child kills it too.
+pub fn spawn_quiet(bin: &Path, args: &[&str]) -> tokio::process::Child {
+    tokio::process::Command::new(bin)
+        .args(args)
+        .env("BATON_E2E_KEY", TEST_KEY)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn")
+}
+
+/// `p` as a command-line argument.
+pub fn arg(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
 /// [`run_with`], for a command that may take up to `limit` (one that runs a real model).
 pub async fn run_within(
     limit: Duration,

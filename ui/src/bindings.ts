@@ -357,6 +357,11 @@ workers: Array<WorkerInfo>,
  */
 conductor_configured: boolean, 
 /**
+ * False when the pool routes every question by what it learned (`route = "always"`), so
+ * it runs without a conductor.
+ */
+conductor_needed: boolean, 
+/**
  * Whether this build runs local models (mistral.rs).
  */
 local_models: boolean, 
@@ -470,15 +475,7 @@ build_device: string,
  */
 gpu_advice: string | null, };
 
-export type ModelChoice = { id: string, name: string, 
-/**
- * `owner/name:file`.
- */
-reference: string, quantization: string, size_gb: number, 
-/**
- * What running it as the conductor takes.
- */
-memory_gb: number, licence: string, licence_url: string, summary: string, 
+export type ModelChoice = { 
 /**
  * `gpu`, `cpu`, `slow` (fits, but slow on a CPU) or `too_big`.
  */
@@ -486,7 +483,23 @@ fit: string, recommended: boolean,
 /**
  * The downloaded file, when it is here.
  */
-path: string | null, };
+path: string | null, id: string, name: string, 
+/**
+ * `owner/name:file`, as `baton models pull` takes it.
+ */
+reference: string, quantization: string, 
+/**
+ * The file's size as the hub lists it (the download reads the exact figure from the hub).
+ */
+size_gb: number, 
+/**
+ * What running it as the conductor takes: weights, a 4k-token context, the runtime.
+ */
+memory_gb: number, licence: string, licence_url: string, 
+/**
+ * Fast enough to conduct on a CPU alone.
+ */
+cpu: boolean, summary: string, };
 
 export type DownloadedModel = { reference: string, path: string, bytes: number, size: number, complete: boolean, };
 
@@ -567,7 +580,17 @@ split: string, category: string, run_uid: string | null,
  * The run's number in the history (`baton history show N`), while it is there; read, never
  * written.
  */
-run_id: number | null, answer: string | null, extracted: string | null, correct: boolean, error: string | null, plan_valid: boolean | null, steps: number | null, calls: number, input_tokens: number, cached_input_tokens: number, output_tokens: number, conductor_input_tokens: number, conductor_cached_input_tokens: number, conductor_output_tokens: number, cost_usd: number, cost_complete: boolean, latency_ms: number, };
+run_id: number | null, answer: string | null, extracted: string | null, correct: boolean, error: string | null, plan_valid: boolean | null, steps: number | null, 
+/**
+ * The run's calls, tokens and dollars, conductor and workers together. What the history
+ * keeps of a result: not the tokens written to a prompt cache, nor whether a count was
+ * estimated.
+ */
+figures: Figures, 
+/**
+ * The conductor's tokens, a share of `figures.usage` (the same limits).
+ */
+conductor_usage: Usage, latency_ms: number, };
 
 export type WorkerFigures = { 
 /**
@@ -673,15 +696,16 @@ n: number,
 /**
  * Runs scored (items × repeats).
  */
-runs: number, calls: number, input_tokens: number, cached_input_tokens: number, output_tokens: number, 
+runs: number, 
 /**
- * The conductor's share of the tokens above.
+ * Every run's calls, tokens and dollars, summed. `cost_complete` is false when some call
+ * had no known price: `cost_usd` is then a lower bound.
  */
-conductor_input_tokens: number, conductor_cached_input_tokens: number, conductor_output_tokens: number, cost_usd: number, cost_per_item_usd: number, 
+figures: Figures, 
 /**
- * False when some call had no known price: `cost_usd` is then a lower bound.
+ * The conductor's share of the tokens.
  */
-cost_complete: boolean, latency_p50_ms: number, latency_p95_ms: number, 
+conductor_usage: Usage, cost_per_item_usd: number, latency_p50_ms: number, latency_p95_ms: number, 
 /**
  * Conductor runs: the share whose plan could be run.
  */

@@ -78,9 +78,9 @@ export async function refreshConversations(): Promise<void> {
   }
 }
 
-/** Whether the welcome screen should show: nothing set up yet. */
+/** Whether the welcome screen should show: no workers yet, or no conductor for a pool that needs one. */
 export function needsSetup(s: Settings | null): boolean {
-  return s !== null && (!s.conductor_configured || (s.form?.workers.length ?? 0) === 0);
+  return s !== null && ((!s.conductor_configured && s.conductor_needed) || (s.form?.workers.length ?? 0) === 0);
 }
 
 /**

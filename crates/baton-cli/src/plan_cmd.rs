@@ -20,6 +20,10 @@ pub struct Args {
     pool: crate::PoolArg,
     #[command(flatten)]
     conductor: crate::conductor_setup::ConductorArgs,
+    /// The history whose learned profiles and plans the conductor plans with, as `baton ask`
+    /// does (read only; a missing file is a history with nothing learned).
+    #[command(flatten)]
+    db: crate::history_cmd::DbArg,
     /// Print the normalized plan as JSON (as `plan parse` does) instead of the conductor's text.
     #[arg(long)]
     json: bool,
@@ -43,7 +47,7 @@ pub enum Command {
 pub async fn run(args: Args) -> Outcome {
     match (args.command, args.question) {
         (Some(cmd), _) => parse_command(cmd),
-        (None, Some(question)) => write(&question, &args.pool, &args.conductor, args.json).await,
+        (None, Some(question)) => write(&question, &args.pool, &args.conductor, &args.db, args.json).await,
         (None, None) => Err(Failure::BadInput("give a question, or `baton plan parse FILE`".into())),
     }
 }
@@ -54,9 +58,12 @@ async fn write(
     question: &str,
     pool: &crate::PoolArg,
     conductor: &crate::conductor_setup::ConductorArgs,
+    db: &crate::history_cmd::DbArg,
     json: bool,
 ) -> Outcome {
     let pool = pool.load()?;
+    // Opening a history creates it: a plan, which records nothing, only reads one that exists.
+    let store = if db.path().exists() { Some(db.open().await?) } else { None };
     let models = baton_runner::LocalModels::default();
     let stream_text = !json;
     let deltas = Box::new(move |t: &str| {
@@ -70,7 +77,7 @@ async fn write(
     let build = crate::conductor_setup::Build {
         args: conductor,
         conductor: baton_runner::Conductor::Required,
-        store: None,
+        store: store.as_ref(),
         quiet: json,
     };
     let planned = build.draft(pool, &models, question, deltas).await?;

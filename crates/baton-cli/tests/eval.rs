@@ -7,23 +7,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use baton_tests::{Output, TEST_KEY};
+use baton_tests::{Output, TEST_KEY, arg as path};
 use baton_testserver::{Options, TestServer, Wire};
 use serde_json::Value;
 
 async fn baton(args: &[&str]) -> Output {
-    baton_tests::run_within(
-        Duration::from_secs(120),
-        Path::new(env!("CARGO_BIN_EXE_baton")),
-        args,
-        None,
-        &[("BATON_E2E_KEY", Some(TEST_KEY))],
-    )
-    .await
-}
-
-fn path(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
+    baton_tests::run_suite(Path::new(env!("CARGO_BIN_EXE_baton")), args).await
 }
 
 /// $1 per million input tokens, $2 per million output tokens.
@@ -37,6 +26,15 @@ struct Setup {
     db: PathBuf,
     /// Items by id: (category, hard).
     items: BTreeMap<String, (String, bool)>,
+}
+
+impl Setup {
+    /// `baton eval run` on this setup's suite, pool and history, with `more` arguments.
+    async fn eval_run(&self, more: &[&str]) -> Output {
+        let mut args = vec!["eval", "run", path(&self.suite), "--pool", path(&self.pool), "--db", path(&self.db)];
+        args.extend_from_slice(more);
+        baton(&args).await
+    }
 }
 
 /// 8 number items and 8 choice items (3 of them "hard"), the workers' and the conductor's
@@ -134,23 +132,7 @@ async fn every_strategy_scores_exactly_what_the_scripted_workers_know() {
     let s = server().await;
     let setup = setup(&s, "", "");
     let strategies = "conductor,all-singles,moa,router:lookup,router:random,best-of-n:b:3,oracle";
-    let out = baton(&[
-        "eval",
-        "run",
-        path(&setup.suite),
-        "--pool",
-        path(&setup.pool),
-        "--db",
-        path(&setup.db),
-        "--strategies",
-        strategies,
-        "--calibration",
-        "0.5",
-        "--id",
-        "truth",
-        "--json",
-    ])
-    .await;
+    let out = setup.eval_run(&["--strategies", strategies, "--calibration", "0.5", "--id", "truth", "--json"]).await;
     assert_eq!(out.code, Some(0), "{}", out.stderr);
     let report: Value = serde_json::from_str(out.stdout.lines().last().expect("a JSON line")).expect("json");
     assert_eq!(report["id"], "truth");
@@ -191,8 +173,8 @@ async fn every_strategy_scores_exactly_what_the_scripted_workers_know() {
     assert_eq!(config["moa_aggregator"], "a");
     assert_eq!(config["best_of_n"]["b"], 3);
     assert_eq!(by["conductor"]["plan_validity"], 1.0);
-    assert_eq!(by["best-of-n:b"]["calls"], 8 * 3);
-    assert_eq!(by["moa"]["calls"], 8 * 4);
+    assert_eq!(by["best-of-n:b"]["figures"]["calls"], 8 * 3);
+    assert_eq!(by["moa"]["figures"]["calls"], 8 * 4);
 
     // Derived strategies take exactly one worker's result per item (the oracle pays for all).
     let single: HashMap<(String, String), &Value> = rows
@@ -213,23 +195,23 @@ async fn every_strategy_scores_exactly_what_the_scripted_workers_know() {
         let item = r["item_id"].as_str().unwrap();
         let sum: f64 = ["a", "b", "c"]
             .iter()
-            .map(|w| single[&(format!("single:{w}"), item.to_owned())]["cost_usd"].as_f64().unwrap())
+            .map(|w| single[&(format!("single:{w}"), item.to_owned())]["figures"]["cost_usd"].as_f64().unwrap())
             .sum();
-        assert!((r["cost_usd"].as_f64().unwrap() - sum).abs() < 1e-12);
+        assert!((r["figures"]["cost_usd"].as_f64().unwrap() - sum).abs() < 1e-12);
     }
 
     // Costs: what the results say the workers cost is what the server's log bills.
     let recorded: f64 = rows
         .iter()
         .filter(|r| !matches!(r["strategy"].as_str().unwrap(), "oracle" | "router:lookup" | "router:random"))
-        .map(|r| r["cost_usd"].as_f64().unwrap())
+        .map(|r| r["figures"]["cost_usd"].as_f64().unwrap())
         .sum();
     let log = billed(&s);
     assert!(log > 0.0);
     assert!((recorded - log).abs() < 1e-9, "results {recorded} vs server log {log}");
     assert!((report["spent_usd"].as_f64().unwrap() - log).abs() < 1e-9);
     // The remote conductor has no price: its cost is marked incomplete, not guessed.
-    assert_eq!(by["conductor"]["cost_complete"], false);
+    assert_eq!(by["conductor"]["figures"]["cost_complete"], false);
 
     // Paired comparisons: the conductor against the best single worker and the lookup router.
     let comparisons = report["comparisons"].as_array().unwrap();
@@ -264,40 +246,11 @@ async fn every_strategy_scores_exactly_what_the_scripted_workers_know() {
 
     // Running it again resumes a finished evaluation: no call is made.
     let before = s.requests().len();
-    let again = baton(&[
-        "eval",
-        "run",
-        path(&setup.suite),
-        "--pool",
-        path(&setup.pool),
-        "--db",
-        path(&setup.db),
-        "--strategies",
-        strategies,
-        "--calibration",
-        "0.5",
-        "--id",
-        "truth",
-        "--json",
-    ])
-    .await;
+    let again = setup.eval_run(&["--strategies", strategies, "--calibration", "0.5", "--id", "truth", "--json"]).await;
     assert_eq!(again.code, Some(0), "{}", again.stderr);
     assert_eq!(s.requests().len(), before);
     // Other settings under the same id are refused, before any call.
-    let other = baton(&[
-        "eval",
-        "run",
-        path(&setup.suite),
-        "--pool",
-        path(&setup.pool),
-        "--db",
-        path(&setup.db),
-        "--strategies",
-        "single:a",
-        "--id",
-        "truth",
-    ])
-    .await;
+    let other = setup.eval_run(&["--strategies", "single:a", "--id", "truth"]).await;
     assert_eq!(other.code, Some(2));
     assert!(other.stderr.contains("was started with other settings"), "{}", other.stderr);
     assert_eq!(s.requests().len(), before);
@@ -325,15 +278,7 @@ async fn a_killed_evaluation_resumes_without_paying_twice() {
         "1",
         "--json",
     ];
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(args)
-        .env("BATON_E2E_KEY", TEST_KEY)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn");
+    let mut child = baton_tests::spawn_quiet(Path::new(env!("CARGO_BIN_EXE_baton")), &args);
     let started = std::time::Instant::now();
     while s.requests().len() < 8 {
         assert!(started.elapsed() < Duration::from_secs(60), "too slow");
@@ -523,22 +468,7 @@ async fn bad_suites_and_strategies_are_refused_before_any_call() {
 async fn conductor_samples_export_as_grpo_groups_with_the_papers_reward() {
     let s = server().await;
     let setup = setup(&s, "", "");
-    let out = baton(&[
-        "eval",
-        "run",
-        path(&setup.suite),
-        "--pool",
-        path(&setup.pool),
-        "--db",
-        path(&setup.db),
-        "--strategies",
-        "conductor",
-        "--repeats",
-        "2",
-        "--id",
-        "grpo",
-    ])
-    .await;
+    let out = setup.eval_run(&["--strategies", "conductor", "--repeats", "2", "--id", "grpo"]).await;
     assert_eq!(out.code, Some(0), "{}", out.stderr);
     // The prompts come from the history, as the conductor was asked them: the pool file may
     // have changed or be gone since.

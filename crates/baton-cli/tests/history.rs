@@ -126,15 +126,10 @@ async fn a_killed_ask_leaves_an_interrupted_run_with_its_finished_step() {
     let pool = write_pool(dir.path(), &s, "", &[W("quick", "openai", "quick"), W("slow", "openai", "slow;ttfb=30000")]);
     let plan = dir.path().join("plan.txt");
     std::fs::write(&plan, "model_id = [0, 1]\nsubtasks = [\"First.\", \"Second.\"]\naccess_list = [[], [0]]").unwrap();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["ask", "--pool", path(&pool), "--plan", path(&plan), "--db", path(&db), "Crash me"])
-        .env("BATON_E2E_KEY", TEST_KEY)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn");
+    let mut child = baton_tests::spawn_quiet(
+        std::path::Path::new(env!("CARGO_BIN_EXE_baton")),
+        &["ask", "--pool", path(&pool), "--plan", path(&plan), "--db", path(&db), "Crash me"],
+    );
     // Wait until the history shows the first step finished (reading it while the run goes on
     // must leave the live run alone).
     let started = std::time::Instant::now();

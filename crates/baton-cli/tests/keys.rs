@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use baton_tests::{Output, TEST_KEY, fixture, private_keychain};
+use baton_tests::{Output, TEST_KEY, arg as path, fixture, private_keychain};
 use baton_testserver::{Options, TestServer, Wire};
 use serde_json::Value;
 
@@ -11,10 +11,6 @@ use serde_json::Value;
 /// (which carries the test session's D-Bus address); `None` removes a variable.
 async fn baton(args: &[&str], stdin: Option<&str>, env: &[(&str, Option<&str>)]) -> Output {
     baton_tests::run_with(Path::new(env!("CARGO_BIN_EXE_baton")), args, stdin, env).await
-}
-
-fn path(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
 }
 
 fn json_lines(stdout: &str) -> Vec<Value> {

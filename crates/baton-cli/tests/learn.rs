@@ -8,23 +8,12 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use baton_tests::{Output, TEST_KEY};
+use baton_tests::{Output, TEST_KEY, arg as path};
 use baton_testserver::{Options, TestServer, Wire};
 use serde_json::{Value, json};
 
 async fn baton(args: &[&str]) -> Output {
-    baton_tests::run_within(
-        Duration::from_secs(120),
-        Path::new(env!("CARGO_BIN_EXE_baton")),
-        args,
-        None,
-        &[("BATON_E2E_KEY", Some(TEST_KEY))],
-    )
-    .await
-}
-
-fn path(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
+    baton_tests::run_suite(Path::new(env!("CARGO_BIN_EXE_baton")), args).await
 }
 
 /// An arithmetic item (answered by whoever knows its needle) and a multiple-choice one. Their
@@ -197,7 +186,7 @@ async fn a_complementary_pool_learns_which_worker_is_right_on_which_kind() {
     assert_eq!(accuracy(&after, "single:b"), 0.5);
     let plans_after = s.requests().iter().filter(|r| r.model.starts_with("cond")).count();
     assert_eq!(plans_after, plans_before, "a clear margin writes no plan");
-    assert_eq!(after["conductor"]["calls"], 40, "one call per item");
+    assert_eq!(after["conductor"]["figures"]["calls"], 40, "one call per item");
     let against_best = &after["comparisons"][0];
     assert_eq!(against_best["a"], "conductor");
     assert_eq!((against_best["only_a"].as_u64(), against_best["only_b"].as_u64()), (Some(20), Some(0)));
@@ -308,7 +297,7 @@ async fn an_economy_pool_sends_each_kind_to_the_cheapest_worker_that_is_as_good(
     assert_eq!(out.code, Some(0), "{}", out.stderr);
     let by = setup.eval(&held_out, &pool, "economy", "conductor,single:dear").await;
     assert!(accuracy(&by, "conductor") >= accuracy(&by, "single:dear") - 2.0 / 20.0, "{by:?}");
-    let cost = |s: &str| by[s]["cost_usd"].as_f64().expect("cost");
+    let cost = |s: &str| by[s]["figures"]["cost_usd"].as_f64().expect("cost");
     assert!(cost("conductor") <= cost("single:dear") / 2.0, "{} against {}", cost("conductor"), cost("single:dear"));
 }
 
@@ -396,6 +385,19 @@ async fn the_conductor_plans_from_the_plans_that_were_right_when_the_pool_learne
         let against_best = &by["comparisons"][0];
         assert_eq!(against_best["a"], "conductor");
         assert!(against_best["mcnemar_p"].as_f64().expect("p") < 0.05, "{against_best}");
+
+        // `baton plan` is shown what a run is shown: with the history, the learned plan on b;
+        // with a history that learned nothing, the shipped examples on the lead worker a.
+        let question = item["question"].as_str().expect("question");
+        let nothing = setup.dir.path().join("nothing-learned.sqlite");
+        for (db, worker) in [(setup.db.as_path(), 1), (nothing.as_path(), 0)] {
+            let out = baton(&["plan", "--json", "--pool", path(&copying_pool), "--db", path(db), question]).await;
+            assert_eq!(out.code, Some(0), "{}", out.stderr);
+            let plan: Value = serde_json::from_str(out.stdout.trim()).expect("a plan as JSON");
+            let workers = plan["model_id"].as_array().expect("model ids");
+            assert!(!workers.is_empty() && workers.iter().all(|w| w == worker), "{db:?}: {plan}");
+        }
+        assert!(!nothing.exists(), "a plan opens no history that is not there");
 
         // The learning run's samples are training data, a group of two per item.
         let id = out.stderr.lines().find_map(|l| l.strip_prefix("learning ")).and_then(|l| l.split(':').next());

@@ -208,13 +208,13 @@ async fn a_five_item_evaluation_runs_with_the_real_model_as_conductor_and_worker
         assert_eq!(s["n"], 5, "{s}");
         let accuracy = s["accuracy"].as_f64().expect("accuracy");
         assert!((0.0..=1.0).contains(&accuracy));
-        assert!(s["output_tokens"].as_u64().unwrap_or(0) > 0, "{s}");
-        assert_eq!(s["cost_usd"], 0.0, "local models cost nothing");
+        assert!(s["figures"]["usage"]["output_tokens"].as_u64().unwrap_or(0) > 0, "{s}");
+        assert_eq!(s["figures"]["cost_usd"], 0.0, "local models cost nothing");
     }
     let conductor = &strategies[0];
     assert_eq!(conductor["strategy"], "conductor");
     assert!(conductor["plan_validity"].as_f64().is_some());
-    assert!(conductor["conductor_input_tokens"].as_u64().unwrap_or(0) > 0, "{conductor}");
+    assert!(conductor["conductor_usage"]["input_tokens"].as_u64().unwrap_or(0) > 0, "{conductor}");
     assert_eq!(report["cost_axis"], "tokens");
     // Every run is in the history (each result names its run), opened like any other.
     let out_dir = dir.path().join("export");

@@ -20,7 +20,10 @@
 use std::collections::BTreeSet;
 use std::sync::Mutex;
 
-use baton_providers::{Message, Usage};
+use baton_providers::Message;
+/// `Figures` counts tokens in the providers' own shape; re-exported so a reader of figures
+/// needs no provider crate.
+pub use baton_providers::Usage;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;

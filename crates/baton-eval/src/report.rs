@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 
+use baton_engine::accounting::{Figures, Usage};
 use baton_store::evaluations::{EvalResult, Evaluation};
 use serde::Serialize;
 
@@ -22,18 +23,12 @@ pub struct StrategySummary {
     pub n: usize,
     /// Runs scored (items × repeats).
     pub runs: usize,
-    pub calls: u64,
-    pub input_tokens: u64,
-    pub cached_input_tokens: u64,
-    pub output_tokens: u64,
-    /// The conductor's share of the tokens above.
-    pub conductor_input_tokens: u64,
-    pub conductor_cached_input_tokens: u64,
-    pub conductor_output_tokens: u64,
-    pub cost_usd: f64,
+    /// Every run's calls, tokens and dollars, summed. `cost_complete` is false when some call
+    /// had no known price: `cost_usd` is then a lower bound.
+    pub figures: Figures,
+    /// The conductor's share of the tokens.
+    pub conductor_usage: Usage,
     pub cost_per_item_usd: f64,
-    /// False when some call had no known price: `cost_usd` is then a lower bound.
-    pub cost_complete: bool,
     pub latency_p50_ms: u64,
     pub latency_p95_ms: u64,
     /// Conductor runs: the share whose plan could be run.
@@ -44,6 +39,13 @@ pub struct StrategySummary {
     pub failures: usize,
     /// On the cost–accuracy Pareto front.
     pub pareto: bool,
+}
+
+impl StrategySummary {
+    /// Input and output tokens per run: the cost axis where dollars say nothing.
+    pub fn tokens_per_run(&self) -> f64 {
+        self.figures.usage.total() as f64 / self.runs.max(1) as f64
+    }
 }
 
 /// `a` against `b` on the items both were scored on.
@@ -110,10 +112,9 @@ pub fn summarize(evaluation: &Evaluation, results: &[EvalResult]) -> Report {
     }
     let mut strategies: Vec<StrategySummary> = names.iter().map(|name| summary(name, &by[name.as_str()])).collect();
 
-    let priced = strategies.iter().all(|s| s.cost_complete) && strategies.iter().any(|s| s.cost_usd > 0.0);
-    let x = |s: &StrategySummary| {
-        if priced { s.cost_per_item_usd } else { (s.input_tokens + s.output_tokens) as f64 / s.runs.max(1) as f64 }
-    };
+    let priced =
+        strategies.iter().all(|s| s.figures.cost_complete) && strategies.iter().any(|s| s.figures.cost_usd > 0.0);
+    let x = |s: &StrategySummary| if priced { s.cost_per_item_usd } else { s.tokens_per_run() };
     let points: Vec<(f64, f64)> = strategies.iter().map(|s| (x(s), s.accuracy)).collect();
     // The oracle is a ceiling, not something one can run: it is drawn but kept off the front.
     let real: Vec<usize> = (0..strategies.len()).filter(|&i| strategies[i].strategy != "oracle").collect();
@@ -159,7 +160,11 @@ fn summary(name: &str, rows: &[&EvalResult]) -> StrategySummary {
     }
     let scores: Vec<f64> = per_item.values().map(|(c, n)| c / f64::from(*n)).collect();
     let latencies: Vec<u64> = rows.iter().map(|r| r.latency_ms).collect();
-    let cost: f64 = rows.iter().map(|r| r.cost_usd).sum();
+    let figures = rows.iter().fold(Figures::default(), |sum, r| sum.plus(&r.figures));
+    let mut conductor_usage = Usage::default();
+    for r in rows {
+        conductor_usage += r.conductor_usage;
+    }
     let conductor = name == "conductor";
     let steps: Vec<f64> = rows.iter().filter_map(|r| r.steps).map(f64::from).collect();
     StrategySummary {
@@ -168,16 +173,9 @@ fn summary(name: &str, rows: &[&EvalResult]) -> StrategySummary {
         stderr: stats::standard_error(&scores),
         n: per_item.len(),
         runs: rows.len(),
-        calls: rows.iter().map(|r| u64::from(r.calls)).sum(),
-        input_tokens: rows.iter().map(|r| r.input_tokens).sum(),
-        cached_input_tokens: rows.iter().map(|r| r.cached_input_tokens).sum(),
-        output_tokens: rows.iter().map(|r| r.output_tokens).sum(),
-        conductor_input_tokens: rows.iter().map(|r| r.conductor_input_tokens).sum(),
-        conductor_cached_input_tokens: rows.iter().map(|r| r.conductor_cached_input_tokens).sum(),
-        conductor_output_tokens: rows.iter().map(|r| r.conductor_output_tokens).sum(),
-        cost_usd: cost,
-        cost_per_item_usd: cost / rows.len().max(1) as f64,
-        cost_complete: rows.iter().all(|r| r.cost_complete),
+        cost_per_item_usd: figures.cost_usd / rows.len().max(1) as f64,
+        figures,
+        conductor_usage,
         latency_p50_ms: stats::percentile(&latencies, 50.0),
         latency_p95_ms: stats::percentile(&latencies, 95.0),
         plan_validity: conductor
@@ -260,11 +258,11 @@ pub fn table(report: &Report) -> String {
             format!("{:.1}%", 100.0 * s.accuracy),
             format!("{:.1}", 100.0 * s.stderr),
             s.n.to_string(),
-            s.calls.to_string(),
-            s.input_tokens.to_string(),
-            s.cached_input_tokens.to_string(),
-            s.output_tokens.to_string(),
-            format!("{}{}", usd(s.cost_per_item_usd), if s.cost_complete { "" } else { "+" }),
+            s.figures.calls.to_string(),
+            s.figures.usage.input_tokens.to_string(),
+            s.figures.usage.cached_input_tokens.to_string(),
+            s.figures.usage.output_tokens.to_string(),
+            format!("{}{}", usd(s.cost_per_item_usd), if s.figures.cost_complete { "" } else { "+" }),
             s.latency_p50_ms.to_string(),
             s.latency_p95_ms.to_string(),
             s.plan_validity.map_or_else(String::new, |v| format!("{:.0}%", 100.0 * v)),
@@ -319,13 +317,7 @@ pub fn svg(report: &Report) -> String {
     let xs: Vec<f64> = report
         .strategies
         .iter()
-        .map(|s| {
-            if report.cost_axis == "usd" {
-                s.cost_per_item_usd
-            } else {
-                (s.input_tokens + s.output_tokens) as f64 / s.runs.max(1) as f64
-            }
-        })
+        .map(|s| if report.cost_axis == "usd" { s.cost_per_item_usd } else { s.tokens_per_run() })
         .collect();
     let max_x = xs.iter().copied().fold(0.0, f64::max).max(1e-9) * 1.05;
     let px = |x: f64| left + (x / max_x) * (w - left - right);
@@ -415,12 +407,12 @@ pub fn markdown(report: &Report, chart: &str) -> String {
             100.0 * s.accuracy,
             100.0 * s.stderr,
             s.n,
-            s.calls,
-            s.input_tokens,
-            s.cached_input_tokens,
-            s.output_tokens,
+            s.figures.calls,
+            s.figures.usage.input_tokens,
+            s.figures.usage.cached_input_tokens,
+            s.figures.usage.output_tokens,
             usd(s.cost_per_item_usd),
-            if s.cost_complete { "" } else { "+" },
+            if s.figures.cost_complete { "" } else { "+" },
             s.latency_p50_ms,
             s.latency_p95_ms,
             s.plan_validity.map_or_else(String::new, |v| format!("{:.0}%", 100.0 * v)),

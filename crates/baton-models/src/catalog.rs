@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use crate::ModelRef;
 
 /// One model Baton offers to download.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ts_rs::TS)]
 #[serde(deny_unknown_fields)]
 pub struct CatalogModel {
     pub id: String,

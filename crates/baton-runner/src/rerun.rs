@@ -21,43 +21,62 @@ pub struct Rerun {
     pub needs_conductor: bool,
 }
 
-/// Prepares re-running `step` of the question's plan of history run `run_id` with the pool
-/// worker named `worker`; every step that sees it runs again, the rest keep their output.
-pub async fn prepare(store: &Store, pool: &Pool, run_id: i64, step: usize, worker: &str) -> Result<Rerun, RunnerError> {
-    let tree = store
-        .run(run_id)
-        .await?
-        .ok_or_else(|| RunnerError::NotFound(format!("there is no run {run_id} in the history")))?;
-    if tree.run.status == baton_store::RunStatus::Running {
-        return Err(RunnerError::BadInput("this run is still going; re-run a step once it has ended".into()));
+/// A finished run of the history whose steps can be re-run. Loaded before the pool is read,
+/// so "there is no run N" is what a user hears about a run that is gone, whatever the pool
+/// file says.
+#[derive(Debug)]
+pub struct Earlier {
+    tree: baton_store::RunTree,
+    /// Which of its plans is the question's own: the one no step opened.
+    top: usize,
+}
+
+impl Earlier {
+    /// History run `run_id`, if it has ended and has a plan of the conductor's to re-run.
+    pub async fn load(store: &Store, run_id: i64) -> Result<Self, RunnerError> {
+        let tree = store
+            .run(run_id)
+            .await?
+            .ok_or_else(|| RunnerError::NotFound(format!("there is no run {run_id} in the history")))?;
+        if tree.run.status == baton_store::RunStatus::Running {
+            return Err(RunnerError::BadInput("this run is still going; re-run a step once it has ended".into()));
+        }
+        let Some(top) = tree.plans.iter().position(|p| p.parent.is_none()) else {
+            return Err(RunnerError::BadInput(
+                "this run has no plan to re-run (the conductor wrote none); ask the question again instead".into(),
+            ));
+        };
+        Ok(Self { tree, top })
     }
-    let Some(top) = tree.plans.iter().find(|p| p.parent.is_none()) else {
-        return Err(RunnerError::BadInput(
-            "this run has no plan to re-run (the conductor wrote none); ask the question again instead".into(),
-        ));
-    };
-    let outputs: BTreeMap<usize, String> = tree
-        .steps
-        .iter()
-        .filter(|s| s.round == top.round && s.status == "finished")
-        .filter_map(|s| Some((s.step as usize, s.output.clone()?)))
-        .collect();
-    let source = Source { run_id: &tree.run.uid, plan: &top.plan, workers: &tree.run.workers, outputs: &outputs };
-    let rerun = rerun::prepare(source, pool, step, worker).map_err(|e| match e {
-        RerunError::NoSuchWorker(_) => RunnerError::NotFound(e.to_string()),
-        e => RunnerError::BadInput(e.to_string()),
-    })?;
-    let needs_conductor = rerun.reuse.runs_worker(&rerun.plan, rerun.pool.workers.len());
-    let conversation = tree.run.conversation_id;
-    // The conductor sees the conversation as it was when the question was first asked.
-    let history = store.messages_before_run(conversation, tree.run.id).await?;
-    let request = RunRequest {
-        run_id: new_run_id(),
-        question: tree.run.question.clone(),
-        history,
-        plan: Some(rerun.plan),
-        reuse: Some(rerun.reuse),
-        ..RunRequest::default()
-    };
-    Ok(Rerun { pool: rerun.pool, request, conversation, needs_conductor })
+
+    /// Prepares re-running `step` of the question's plan with the pool worker named `worker`;
+    /// every step that sees it runs again, the rest keep their output.
+    pub async fn rerun(&self, store: &Store, pool: &Pool, step: usize, worker: &str) -> Result<Rerun, RunnerError> {
+        let tree = &self.tree;
+        let top = &tree.plans[self.top];
+        let outputs: BTreeMap<usize, String> = tree
+            .steps
+            .iter()
+            .filter(|s| s.round == top.round && s.status == "finished")
+            .filter_map(|s| Some((s.step as usize, s.output.clone()?)))
+            .collect();
+        let source = Source { run_id: &tree.run.uid, plan: &top.plan, workers: &tree.run.workers, outputs: &outputs };
+        let rerun = rerun::prepare(source, pool, step, worker).map_err(|e| match e {
+            RerunError::NoSuchWorker(_) => RunnerError::NotFound(e.to_string()),
+            e => RunnerError::BadInput(e.to_string()),
+        })?;
+        let needs_conductor = rerun.reuse.runs_worker(&rerun.plan, rerun.pool.workers.len());
+        let conversation = tree.run.conversation_id;
+        // The conductor sees the conversation as it was when the question was first asked.
+        let history = store.messages_before_run(conversation, tree.run.id).await?;
+        let request = RunRequest {
+            run_id: new_run_id(),
+            question: tree.run.question.clone(),
+            history,
+            plan: Some(rerun.plan),
+            reuse: Some(rerun.reuse),
+            ..RunRequest::default()
+        };
+        Ok(Rerun { pool: rerun.pool, request, conversation, needs_conductor })
+    }
 }

@@ -2,6 +2,7 @@
 //! SQLite history, the real executor.
 
 use baton_engine::{Pool, RunEvent, RunRequest, RunStatus, new_run_id};
+use baton_runner::rerun::Earlier;
 use baton_runner::{Conductor, ConductorChoice, LocalModels, RunnerError, Setup, SetupError};
 use baton_store::Store;
 use baton_testserver::{TestServer, Wire};
@@ -127,7 +128,8 @@ async fn a_rerun_runs_the_step_and_those_that_see_it_again_in_the_same_conversat
     let run = first.run_id.expect("recorded");
 
     // Step 1 again with the first worker: step 0 keeps its output.
-    let rerun = baton_runner::rerun::prepare(&store, &pool, run, 1, "first").await.expect("prepares");
+    let earlier = Earlier::load(&store, run).await.expect("loads");
+    let rerun = earlier.rerun(&store, &pool, 1, "first").await.expect("prepares");
     assert_eq!(Some(rerun.conversation), first.conversation_id);
     assert!(!rerun.needs_conductor);
     let requests_before = server.requests().len();
@@ -144,9 +146,9 @@ async fn a_rerun_runs_the_step_and_those_that_see_it_again_in_the_same_conversat
     assert_eq!(server.requests().len() - requests_before, 1, "only the re-run step calls a worker");
     assert_eq!(again.conversation_id, first.conversation_id);
 
-    let unknown = baton_runner::rerun::prepare(&store, &pool, run, 1, "nobody").await;
+    let unknown = earlier.rerun(&store, &pool, 1, "nobody").await;
     assert!(matches!(unknown, Err(RunnerError::NotFound(_))), "{unknown:?}");
-    let no_run = baton_runner::rerun::prepare(&store, &pool, run + 100, 0, "first").await;
+    let no_run = Earlier::load(&store, run + 100).await;
     assert!(matches!(no_run, Err(RunnerError::NotFound(_))), "{no_run:?}");
 }
 
@@ -155,6 +157,7 @@ async fn a_rerun_runs_the_step_and_those_that_see_it_again_in_the_same_conversat
 /// place a new one. A worker the pool names as its fallback stands, and then nothing routes.
 #[tokio::test]
 async fn what_the_pool_learned_goes_into_the_pool_it_builds_unless_the_user_chose_the_worker() {
+    use baton_engine::accounting::{Figures, Usage};
     use baton_store::evaluations::EvalResult;
 
     let server = TestServer::start().await.expect("server");
@@ -170,27 +173,16 @@ async fn what_the_pool_learned_goes_into_the_pool_it_builds_unless_the_user_chos
             let result = EvalResult {
                 strategy: format!("single:{worker}"),
                 item_id: format!("item-{i}"),
-                repeat: 0,
                 split: "test".into(),
                 category: "geography".into(),
-                run_uid: None,
-                run_id: None,
-                answer: None,
-                extracted: None,
                 correct: right,
-                error: None,
-                plan_valid: None,
-                steps: None,
-                calls: 1,
-                input_tokens: 10,
-                cached_input_tokens: 0,
-                output_tokens: 5,
-                conductor_input_tokens: 0,
-                conductor_cached_input_tokens: 0,
-                conductor_output_tokens: 0,
-                cost_usd: 0.0,
-                cost_complete: true,
+                figures: Figures {
+                    calls: 1,
+                    usage: Usage { input_tokens: 10, output_tokens: 5, ..Usage::default() },
+                    ..Figures::default()
+                },
                 latency_ms: 20,
+                ..EvalResult::default()
             };
             store.put_eval_result("learned", &result).await.expect("put");
         }

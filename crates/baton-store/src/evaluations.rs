@@ -2,6 +2,8 @@
 //! The harness (`baton-eval`) decides what to run; this module only keeps it, so a killed
 //! evaluation resumes from what is here and nothing finished is paid for twice.
 
+use baton_engine::accounting::Figures;
+use baton_providers::Usage;
 use serde::{Deserialize, Serialize};
 use sqlx::Row;
 
@@ -33,7 +35,7 @@ pub struct Evaluation {
 }
 
 /// One strategy's result on one item (one repeat).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ts_rs::TS)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ts_rs::TS)]
 pub struct EvalResult {
     pub strategy: String,
     pub item_id: String,
@@ -52,15 +54,12 @@ pub struct EvalResult {
     pub error: Option<String>,
     pub plan_valid: Option<bool>,
     pub steps: Option<u32>,
-    pub calls: u32,
-    pub input_tokens: u64,
-    pub cached_input_tokens: u64,
-    pub output_tokens: u64,
-    pub conductor_input_tokens: u64,
-    pub conductor_cached_input_tokens: u64,
-    pub conductor_output_tokens: u64,
-    pub cost_usd: f64,
-    pub cost_complete: bool,
+    /// The run's calls, tokens and dollars, conductor and workers together. What the history
+    /// keeps of a result: not the tokens written to a prompt cache, nor whether a count was
+    /// estimated.
+    pub figures: Figures,
+    /// The conductor's tokens, a share of `figures.usage` (the same limits).
+    pub conductor_usage: Usage,
     pub latency_ms: u64,
 }
 
@@ -168,15 +167,15 @@ impl Store {
         .bind(&r.error)
         .bind(r.plan_valid)
         .bind(r.steps)
-        .bind(r.calls)
-        .bind(r.input_tokens as i64)
-        .bind(r.cached_input_tokens as i64)
-        .bind(r.output_tokens as i64)
-        .bind(r.conductor_input_tokens as i64)
-        .bind(r.conductor_cached_input_tokens as i64)
-        .bind(r.conductor_output_tokens as i64)
-        .bind(r.cost_usd)
-        .bind(r.cost_complete)
+        .bind(r.figures.calls)
+        .bind(r.figures.usage.input_tokens as i64)
+        .bind(r.figures.usage.cached_input_tokens as i64)
+        .bind(r.figures.usage.output_tokens as i64)
+        .bind(r.conductor_usage.input_tokens as i64)
+        .bind(r.conductor_usage.cached_input_tokens as i64)
+        .bind(r.conductor_usage.output_tokens as i64)
+        .bind(r.figures.cost_usd)
+        .bind(r.figures.cost_complete)
         .bind(r.latency_ms as i64)
         .bind(now_ms())
         .execute(&self.pool)
@@ -213,15 +212,13 @@ impl Store {
                     error: r.try_get("error")?,
                     plan_valid: r.try_get("plan_valid")?,
                     steps: r.try_get::<Option<i64>, _>("steps")?.map(|s| s as u32),
-                    calls: r.try_get::<i64, _>("calls")? as u32,
-                    input_tokens: r.try_get::<i64, _>("input_tokens")? as u64,
-                    cached_input_tokens: r.try_get::<i64, _>("cached_input_tokens")? as u64,
-                    output_tokens: r.try_get::<i64, _>("output_tokens")? as u64,
-                    conductor_input_tokens: r.try_get::<i64, _>("conductor_input_tokens")? as u64,
-                    conductor_cached_input_tokens: r.try_get::<i64, _>("conductor_cached_input_tokens")? as u64,
-                    conductor_output_tokens: r.try_get::<i64, _>("conductor_output_tokens")? as u64,
-                    cost_usd: r.try_get("cost_usd")?,
-                    cost_complete: r.try_get("cost_complete")?,
+                    figures: Figures {
+                        calls: r.try_get::<i64, _>("calls")? as u32,
+                        usage: usage(r, "")?,
+                        cost_usd: r.try_get("cost_usd")?,
+                        cost_complete: r.try_get("cost_complete")?,
+                    },
+                    conductor_usage: usage(r, "conductor_")?,
                     latency_ms: r.try_get::<i64, _>("latency_ms")? as u64,
                 })
             })
@@ -238,6 +235,17 @@ impl Store {
         tx.commit().await?;
         Ok(done.rows_affected() == 1)
     }
+}
+
+/// The `{prefix}input_tokens`, `…cached_input_tokens` and `…output_tokens` columns.
+fn usage(r: &sqlx::sqlite::SqliteRow, prefix: &str) -> Result<Usage, sqlx::Error> {
+    let tokens = |column: &str| r.try_get::<i64, _>(format!("{prefix}{column}").as_str()).map(|n| n as u64);
+    Ok(Usage {
+        input_tokens: tokens("input_tokens")?,
+        cached_input_tokens: tokens("cached_input_tokens")?,
+        output_tokens: tokens("output_tokens")?,
+        ..Usage::default()
+    })
 }
 
 fn evaluation_row(r: &sqlx::sqlite::SqliteRow) -> Result<Evaluation, StoreError> {

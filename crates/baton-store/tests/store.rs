@@ -1080,6 +1080,7 @@ async fn record_with(mut recorder: baton_store::Recorder, executor: &Executor, r
 /// question's category (told by the learned questions nearest to it), else the best overall.
 #[tokio::test]
 async fn profiles_come_from_learning_runs_by_identity_and_choose_the_fallback_worker() {
+    use baton_engine::accounting::Figures;
     use baton_engine::fallback::fallback_worker;
     use baton_engine::profile::{Freshness, measure};
     use baton_store::evaluations::EvalResult;
@@ -1121,27 +1122,12 @@ async fn profiles_come_from_learning_runs_by_identity_and_choose_the_fallback_wo
                 let result = EvalResult {
                     strategy: format!("single:{worker}"),
                     item_id: format!("item-{item}"),
-                    repeat: 0,
                     split: "test".into(),
                     category: category.into(),
                     run_uid: Some(uid.clone()),
-                    run_id: None,
-                    answer: None,
-                    extracted: None,
                     correct: right,
-                    error: None,
-                    plan_valid: None,
-                    steps: None,
-                    calls: 1,
-                    input_tokens: 0,
-                    cached_input_tokens: 0,
-                    output_tokens: 0,
-                    conductor_input_tokens: 0,
-                    conductor_cached_input_tokens: 0,
-                    conductor_output_tokens: 0,
-                    cost_usd: 0.0,
-                    cost_complete: true,
-                    latency_ms: 0,
+                    figures: Figures { calls: 1, ..Figures::default() },
+                    ..EvalResult::default()
                 };
                 store.put_eval_result("ours", &result).await.expect("put");
                 store.put_eval_result("again", &result).await.expect("put");

@@ -2,11 +2,16 @@ import { describe, expect, it } from "vitest";
 import type { Report, StrategySummary } from "../bindings";
 import { addProgress, chartData, defaultStrategy, emptyTally, strategyChoices } from "./evaluate";
 
+function usage(input_tokens: number, output_tokens: number) {
+  return { input_tokens, output_tokens, cached_input_tokens: 0, cache_write_input_tokens: 0 };
+}
+
 function summary(strategy: string, accuracy: number, cost: number, pareto: boolean): StrategySummary {
   return {
-    strategy, accuracy, stderr: 0, n: 4, runs: 4, calls: 4, input_tokens: 100, cached_input_tokens: 0,
-    output_tokens: 20, conductor_input_tokens: 0, conductor_cached_input_tokens: 0, conductor_output_tokens: 0,
-    cost_usd: cost * 4, cost_per_item_usd: cost, cost_complete: true, latency_p50_ms: 1, latency_p95_ms: 2,
+    strategy, accuracy, stderr: 0, n: 4, runs: 4,
+    figures: { calls: 4, usage: usage(100, 20), cost_usd: cost * 4, cost_complete: true },
+    conductor_usage: usage(0, 0),
+    cost_per_item_usd: cost, latency_p50_ms: 1, latency_p95_ms: 2,
     plan_validity: null, mean_steps: null, failures: 0, pareto,
   };
 }

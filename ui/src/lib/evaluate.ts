@@ -56,7 +56,7 @@ export function addProgress(t: Tally, p: EvalProgress): Tally {
 /** A strategy's x on the chart: dollars per item, or tokens per item when costs are unknown. */
 export function costOf(report: Report, s: StrategySummary): number {
   if (report.cost_axis === "usd") return s.cost_per_item_usd;
-  return (s.input_tokens + s.output_tokens) / Math.max(1, s.runs);
+  return (s.figures.usage.input_tokens + s.figures.usage.output_tokens) / Math.max(1, s.runs);
 }
 
 export type ChartPoint = { x: number; y: number; strategy: string; front: boolean };

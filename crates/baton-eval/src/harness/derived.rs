@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+use baton_engine::accounting::Figures;
 use baton_store::evaluations::EvalResult;
 
 use crate::strategy::Strategy;
@@ -58,11 +59,9 @@ pub(super) fn matched_n(results: &[EvalResult], single: &str) -> u32 {
     if conductor.is_empty() || worker.is_empty() {
         return 3;
     }
-    let dollars = |rs: &[&EvalResult]| rs.iter().map(|r| r.cost_usd).sum::<f64>() / rs.len() as f64;
-    let tokens = |rs: &[&EvalResult]| {
-        rs.iter().map(|r| (r.input_tokens + r.output_tokens) as f64).sum::<f64>() / rs.len() as f64
-    };
-    let priced = conductor.iter().chain(&worker).all(|r| r.cost_complete) && dollars(&worker) > 0.0;
+    let dollars = |rs: &[&EvalResult]| rs.iter().map(|r| r.figures.cost_usd).sum::<f64>() / rs.len() as f64;
+    let tokens = |rs: &[&EvalResult]| rs.iter().map(|r| r.figures.usage.total() as f64).sum::<f64>() / rs.len() as f64;
+    let priced = conductor.iter().chain(&worker).all(|r| r.figures.cost_complete) && dollars(&worker) > 0.0;
     let ratio =
         if priced { dollars(&conductor) / dollars(&worker) } else { tokens(&conductor) / tokens(&worker).max(1.0) };
     ratio.round().max(1.0) as u32
@@ -107,12 +106,7 @@ pub(super) fn derive(
                     let all: Vec<&EvalResult> = (0..workers.len()).filter_map(of).collect();
                     let Some(first) = all.iter().find(|x| x.correct).or(all.first()).copied() else { continue };
                     let mut row = first.clone();
-                    row.calls = all.iter().map(|x| x.calls).sum();
-                    row.input_tokens = all.iter().map(|x| x.input_tokens).sum();
-                    row.cached_input_tokens = all.iter().map(|x| x.cached_input_tokens).sum();
-                    row.output_tokens = all.iter().map(|x| x.output_tokens).sum();
-                    row.cost_usd = all.iter().map(|x| x.cost_usd).sum();
-                    row.cost_complete = all.iter().all(|x| x.cost_complete);
+                    row.figures = all.iter().fold(Figures::default(), |sum, x| sum.plus(&x.figures));
                     row.latency_ms = all.iter().map(|x| x.latency_ms).max().unwrap_or(0);
                     row.strategy = strategy.key();
                     out.push(row);

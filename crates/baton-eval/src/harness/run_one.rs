@@ -143,15 +143,8 @@ pub(super) async fn run_one(
         error,
         plan_valid: matches!(job.what, Run::Conductor).then_some(planned),
         steps: Some(steps),
-        calls: totals.calls,
-        input_tokens: totals.usage.input_tokens,
-        cached_input_tokens: totals.usage.cached_input_tokens,
-        output_tokens: totals.usage.output_tokens,
-        conductor_input_tokens: totals.conductor.usage.input_tokens,
-        conductor_cached_input_tokens: totals.conductor.usage.cached_input_tokens,
-        conductor_output_tokens: totals.conductor.usage.output_tokens,
-        cost_usd: totals.cost_usd,
-        cost_complete: totals.cost_complete,
+        figures: totals.all(),
+        conductor_usage: totals.conductor.usage,
         latency_ms: totals.wall_ms,
     };
     h.store.put_eval_result(&ctx.id, &row).await?;
@@ -160,7 +153,7 @@ pub(super) async fn run_one(
         strategy: job.strategy.clone(),
         item: item.id.clone(),
         correct: row.correct,
-        cost_usd: row.cost_usd,
+        cost_usd: row.figures.cost_usd,
         spent_usd: spent,
     });
     Ok(Some(false))
