@@ -77,6 +77,7 @@ pub fn typescript() -> String {
         baton_engine::profile::Freshness::decl(&cfg),
         baton_engine::profile::CategoryRow::decl(&cfg),
         baton_engine::profile::WorkerLearning::decl(&cfg),
+        baton_engine::profile::ChatMarks::decl(&cfg),
         baton_engine::Route::decl(&cfg),
         baton_engine::profile::RouteHow::decl(&cfg),
         baton_engine::profile::KindRoute::decl(&cfg),

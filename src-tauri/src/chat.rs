@@ -244,6 +244,7 @@ pub async fn ask_compared<R: Runtime>(
             request.worker
         )));
     };
+    let identity = full.workers[alone].identity();
     let pool = subset(full.clone(), request.workers.as_deref())?;
     let single_pool = subset(full, Some(&[alone as u32]))?;
     let store = state.store().await?;
@@ -289,7 +290,7 @@ pub async fn ask_compared<R: Runtime>(
     // Both answers are paid for and recorded: a comparison that cannot be kept loses only the
     // pairing (and the mark), never the answers.
     let comparison_id = if a.run_id.is_some() || b.run_id.is_some() {
-        match store.add_comparison(conversation, a.run_id, b.run_id, &request.worker).await {
+        match store.add_comparison(conversation, a.run_id, b.run_id, (&request.worker, &identity)).await {
             Ok(id) => Some(id),
             Err(e) => {
                 let _ = app.emit(

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use baton_engine::profile::PoolLearning;
 use baton_eval::learn::{self, LearnOptions};
-use baton_eval::{Harness, Progress};
+use baton_eval::{Ended, Harness, Progress};
 use serde::{Deserialize, Serialize};
 use tauri::ipc::Channel;
 use tauri::{AppHandle, Runtime, State};
@@ -62,19 +62,31 @@ pub async fn learn_pool<R: Runtime>(
         plans: request.plans.unwrap_or(defaults.plans),
         ..defaults
     };
-    let spec = learn::spec(&pool, &options)?;
+    let mut spec = learn::spec(&pool, &options)?;
     // One run per learning id: a second would ask every worker the same items again.
     let _one = state.register(&format!("learning {}", spec.id)).map_err(|_| {
         AppError::bad_input(format!("the pool is already learning from these items ({}); stop it or wait", spec.id))
     })?;
     // The history opens first, so a damaged database costs no provider calls.
     let store = state.store().await?.clone();
+    let left_out = learn::leave_out_learned(&mut spec, &pool, &store).await?;
+    let started = || {
+        let _ = on_progress.send(EvalProgress::Started { id: spec.id.clone() });
+        for w in &left_out {
+            let _ = on_progress.send(EvalProgress::from(Progress::Note(learn::left_out_note(w))));
+        }
+    };
+    if spec.strategies.is_empty() {
+        started();
+        let learning = baton_runner::build::pool_learning(&pool, &store).await?;
+        return Ok(Learned { id: spec.id, ended: Ended::Finished.as_str().to_owned(), learning });
+    }
     // As `baton pool learn`: the conductor samples, and what was learned before stays out.
     let plans = learn::plan_samples(&spec) > 0;
     let executor = crate::chat::executor_for(&app, &state, &learn::sampling_pool(&pool), plans, None).await?;
     let workers = pool.workers.iter().map(|w| w.name.clone()).collect();
     let harness = Harness::new(Arc::new(executor), workers, store.clone(), plans);
-    let _ = on_progress.send(EvalProgress::Started { id: spec.id.clone() });
+    started();
     let progress = |p: Progress| {
         let _ = on_progress.send(EvalProgress::from(p));
     };

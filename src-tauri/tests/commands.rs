@@ -541,6 +541,11 @@ fn a_question_is_compared_with_one_worker_alone_and_the_mark_is_kept() {
     invoke(&h, "mark_comparison", json!({ "id": second["comparison_id"], "preferred": "tie" })).unwrap();
     let kept = invoke(&h, "conversation_comparisons", json!({ "id": conversation })).unwrap();
     assert_eq!((&kept[0]["preferred"], &kept[1]["preferred"]), (&json!("single"), &json!("tie")));
+    // The marks add to c's profile (the Workers screen shows them; the conductor is told).
+    let learning = invoke(&h, "pool_learning", json!({})).unwrap();
+    let marks: Vec<&Value> = learning["workers"].as_array().unwrap().iter().map(|w| &w["marks"]).collect();
+    assert_eq!(marks[2], &json!({ "better": 1, "tie": 1, "worse": 0 }), "{learning}");
+    assert_eq!(marks[0], &json!({ "better": 0, "tie": 0, "worse": 0 }));
     assert_eq!(
         invoke(&h, "mark_comparison", json!({ "id": 999, "preferred": "single" })).unwrap_err()["kind"],
         "not_found"

@@ -808,7 +808,21 @@ identity_learned: string | null, identity_now: string,
 /**
  * Whether its calls have a price (else its cost shows as unknown, not as $0).
  */
-priced: boolean, learned_in: Array<string>, categories: Array<CategoryRow>, };
+priced: boolean, learned_in: Array<string>, categories: Array<CategoryRow>, marks: ChatMarks, };
+
+export type ChatMarks = { 
+/**
+ * Marked better than the conductor's answer.
+ */
+better: number, 
+/**
+ * Marked as good.
+ */
+tie: number, 
+/**
+ * The conductor's answer marked better.
+ */
+worse: number, };
 
 export type Route = "auto" | "always" | "never";
 

@@ -56,7 +56,7 @@ pub async fn learn(args: LearnArgs) -> Outcome {
         max_cost_usd: args.max_cost_usd,
         plans: args.plans,
     };
-    let spec = learn::spec(&pool, &options).map_err(|e| Failure::BadInput(e.to_string()))?;
+    let mut spec = learn::spec(&pool, &options).map_err(|e| Failure::BadInput(e.to_string()))?;
     let plans = learn::plan_samples(&spec);
     if args.plans > 0 && plans == 0 {
         eprintln!("note: the pool has no conductor, so only the workers alone are learned (no plans)");
@@ -65,6 +65,19 @@ pub async fn learn(args: LearnArgs) -> Outcome {
         crate::warn_unpriced(&pool, "--max-cost-usd");
     }
     let store = args.db.open().await?;
+    let left_out =
+        learn::leave_out_learned(&mut spec, &pool, &store).await.map_err(|e| Failure::Failed(e.to_string()))?;
+    for w in &left_out {
+        eprintln!("note: {}", learn::left_out_note(w));
+    }
+    if spec.strategies.is_empty() {
+        eprintln!("every worker is already learned on these items; nothing to ask");
+        let learning =
+            baton_runner::build::pool_learning(&pool, &store).await.map_err(|e| Failure::Failed(e.to_string()))?;
+        store.close().await;
+        print!("{}", profiles_table(&learning));
+        return Ok(());
+    }
     let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
     // What was learned before stays out: the samples show what the conductor does on its own.
     let conductor_args = crate::conductor_setup::ConductorArgs::default();
@@ -77,7 +90,7 @@ pub async fn learn(args: LearnArgs) -> Outcome {
     eprintln!(
         "learning {}: each of {} workers alone on {} items of {}{sampled}",
         spec.id,
-        workers.len(),
+        workers.len() - left_out.len(),
         learn::items(&spec),
         spec.suite.name
     );
@@ -103,9 +116,17 @@ pub async fn learn(args: LearnArgs) -> Outcome {
 pub fn profiles_table(learning: &PoolLearning) -> String {
     let mut out = String::new();
     for w in &learning.workers {
+        let marks = &w.marks;
+        let marked = (marks.total() > 0).then(|| {
+            format!(
+                "  marked in chat against the conductor: better {}, as good {}, worse {}\n",
+                marks.better, marks.tie, marks.worse
+            )
+        });
         match w.freshness {
             Freshness::None => {
                 out.push_str(&format!("{}: not learned (`baton pool learn SUITE`)\n", w.worker));
+                out.push_str(marked.as_deref().unwrap_or_default());
                 continue;
             }
             Freshness::Stale => out.push_str(&format!(
@@ -130,6 +151,7 @@ pub fn profiles_table(learning: &PoolLearning) -> String {
                 f.tokens_per_item
             ));
         }
+        out.push_str(marked.as_deref().unwrap_or_default());
     }
     if let Some(name) = &learning.named_fallback {
         out.push_str(&match learning.route {

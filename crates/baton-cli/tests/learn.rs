@@ -301,6 +301,43 @@ async fn an_economy_pool_sends_each_kind_to_the_cheapest_worker_that_is_as_good(
     assert!(cost("conductor") <= cost("single:dear") / 2.0, "{} against {}", cost("conductor"), cost("single:dear"));
 }
 
+/// Learning again after one worker changed asks only that worker: the other's profile is read
+/// from the run that measured it, which is still current. Asking again with nothing changed
+/// resumes the finished run and asks no one.
+#[tokio::test(flavor = "multi_thread")]
+async fn learning_again_after_one_worker_changed_asks_only_that_worker() {
+    let s = server().await;
+    let setup = Setup::new();
+    let items: Vec<_> = (0..4).map(|i| number(&format!("ln{i}"))).collect();
+    let items: Vec<_> = items.iter().collect();
+    let knows = setup.knows("k", &items);
+    let learn = setup.suite("learn.jsonl", &items);
+    let pool = setup.pool(&s, &[("a", &knows, 1.0), ("b", &knows, 1.0)]);
+    let learn_plain = |pool: PathBuf| {
+        let (learn, db) = (learn.clone(), setup.db.clone());
+        async move { baton(&["pool", "learn", path(&learn), "--pool", path(&pool), "--db", path(&db), "--plans", "0"]).await }
+    };
+    let asked = |model: &str| s.requests().iter().filter(|r| r.model.starts_with(model)).count();
+    let out = learn_plain(pool.clone()).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert_eq!((asked("a;"), asked("b;")), (4, 4));
+
+    let text = std::fs::read_to_string(&pool).expect("pool");
+    let changed = setup.write("changed.toml", &text.replacen("name = \"b\"\n", "name = \"b\"\ntemperature = 0.5\n", 1));
+    let out = learn_plain(changed.clone()).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(out.stderr.contains("a is not asked again"), "{}", out.stderr);
+    assert_eq!((asked("a;"), asked("b;")), (4, 8), "only the changed worker is asked");
+    for worker in ["a: learned in learn-learn-", "b: learned in learn-learn-", "4 of 4"] {
+        assert!(out.stdout.contains(worker), "both profiles are current:\n{}", out.stdout);
+    }
+    assert!(!out.stdout.contains("STALE"), "{}", out.stdout);
+
+    let out = learn_plain(changed).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert_eq!((asked("a;"), asked("b;")), (4, 8), "nothing changed, nobody is asked: {}", out.stderr);
+}
+
 /// What cannot be learned is said before anything runs.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pool_of_one_worker_and_a_suite_without_answers_are_refused() {

@@ -59,6 +59,43 @@ pub struct Profile {
     pub by_category: BTreeMap<String, CategoryFigures>,
     /// The learning runs these figures come from.
     pub learned_in: Vec<String>,
+    /// The user's marks in compare in chat, for the worker as it is now (whatever
+    /// [`Self::freshness`] says of the learned figures).
+    pub marks: ChatMarks,
+}
+
+/// How the user marked this worker's answer alone against the conductor's answer to the same
+/// question (compare in chat). A mark weighs the worker against the pool, not against the other
+/// workers, and a chat question has no category: so marks are told to the conductor and shown,
+/// but choose no worker by themselves.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, ts_rs::TS)]
+pub struct ChatMarks {
+    /// Marked better than the conductor's answer.
+    pub better: u32,
+    /// Marked as good.
+    pub tie: u32,
+    /// The conductor's answer marked better.
+    pub worse: u32,
+}
+
+impl ChatMarks {
+    pub fn total(&self) -> u32 {
+        self.better + self.tie + self.worse
+    }
+
+    /// In words the conductor reads: "In chat, the user marked its answer alone better than the
+    /// pool's 2 times, as good 1 time and worse 3 times." `None` with no marks.
+    fn sentence(&self) -> Option<String> {
+        let times = |n: u32| if n == 1 { "1 time".to_owned() } else { format!("{n} times") };
+        (self.total() > 0).then(|| {
+            format!(
+                "In chat, the user marked its answer alone better than the pool's {}, as good {} and worse {}.",
+                times(self.better),
+                times(self.tie),
+                times(self.worse)
+            )
+        })
+    }
 }
 
 /// How close to the best a worker's accuracy must be to count as "as good": within this share.
@@ -74,15 +111,25 @@ pub const ALONE_AT_LEAST: f64 = 0.5;
 /// [`MIN_CATEGORY_ITEMS`] runs. A worker with no current profile (never learned, or changed
 /// since) is in no choice; while one is, no choice is clear: it might be the better one.
 pub fn measure(profiles: &[Profile], questions: Vec<(String, String)>) -> Measured {
+    // Marks are the worker's as it is now, so a stale or unlearned profile's count too.
+    let strengths: BTreeMap<usize, String> = profiles
+        .iter()
+        .enumerate()
+        .filter_map(|(w, p)| {
+            let learned = if p.freshness == Freshness::Current { learned_line(p) } else { None };
+            let said: Vec<String> = learned.into_iter().chain(p.marks.sentence()).collect();
+            (!said.is_empty()).then(|| (w, said.join(" ")))
+        })
+        .collect();
     let current: Vec<(usize, &Profile)> =
         profiles.iter().enumerate().filter(|(_, p)| p.freshness == Freshness::Current).collect();
     if current.is_empty() {
-        return Measured::default();
+        return Measured { strengths, ..Measured::default() };
     }
     let mut categories: Vec<&String> = current.iter().flat_map(|(_, p)| p.by_category.keys()).collect();
     categories.sort();
     categories.dedup();
-    let mut measured = Measured { questions, ..Measured::default() };
+    let mut measured = Measured { questions, strengths, ..Measured::default() };
     for category in categories {
         let figures: Vec<(usize, &CategoryFigures)> =
             current.iter().filter_map(|(w, p)| p.by_category.get(category).map(|f| (*w, f))).collect();
@@ -94,11 +141,6 @@ pub fn measure(profiles: &[Profile], questions: Vec<(String, String)>) -> Measur
             if let Some(why) = why.filter(|_| current.len() == profiles.len()) {
                 measured.clear.insert(category.clone(), why);
             }
-        }
-    }
-    for (w, p) in &current {
-        if let Some(line) = strengths(p) {
-            measured.strengths.insert(*w, line);
         }
     }
     let overall: Vec<(usize, CategoryFigures)> = current.iter().map(|(w, p)| (*w, total(p))).collect();
@@ -114,7 +156,7 @@ fn profiles_names(profiles: &[Profile]) -> Vec<&str> {
 /// What a worker did alone per category, in words the conductor reads: "When this pool
 /// learned, it was right on 8 of 8 arithmetic questions and 0 of 8 trivia questions." `None`
 /// for a profile with no figures.
-fn strengths(profile: &Profile) -> Option<String> {
+fn learned_line(profile: &Profile) -> Option<String> {
     let parts: Vec<String> = profile
         .by_category
         .iter()
@@ -215,6 +257,7 @@ pub struct WorkerLearning {
     pub priced: bool,
     pub learned_in: Vec<String>,
     pub categories: Vec<CategoryRow>,
+    pub marks: ChatMarks,
 }
 
 /// A worker's figures on one kind of question, with the 95% interval of its accuracy.
@@ -267,6 +310,7 @@ pub fn learning(pool: &crate::Pool, profiles: &[Profile]) -> PoolLearning {
                     CategoryRow { category: category.clone(), figures: f.clone(), low, high }
                 })
                 .collect(),
+            marks: p.marks,
         })
         .collect();
     let fallback = &pool.options.fallback;
@@ -324,6 +368,7 @@ mod tests {
             identity: Some(worker.into()),
             by_category: categories.iter().map(|(c, f)| ((*c).to_owned(), f.clone())).collect(),
             learned_in: vec!["learn-1".into()],
+            marks: ChatMarks::default(),
         }
     }
 
@@ -409,6 +454,35 @@ mod tests {
         assert_eq!(m.strengths.keys().collect::<Vec<_>>(), [&1], "the conductor is not told a stale profile");
         let none = [profile("a", Freshness::None, &[])];
         assert_eq!(measure(&none, Vec::new()), Measured::default());
+    }
+
+    #[test]
+    fn chat_marks_are_told_to_the_conductor_but_choose_no_worker() {
+        let mut marked = profile("a", Freshness::None, &[]);
+        marked.marks = ChatMarks { better: 2, tie: 1, worse: 0 };
+        let mut stale = profile("b", Freshness::Stale, &[("sums", figures(8, 8, 0.0))]);
+        stale.marks = ChatMarks { better: 0, tie: 0, worse: 3 };
+        let m = measure(&[marked.clone(), stale], Vec::new());
+        assert_eq!(
+            m.strengths[&0],
+            "In chat, the user marked its answer alone better than the pool's 2 times, as good 1 time and worse 0 times."
+        );
+        assert_eq!(
+            m.strengths[&1],
+            "In chat, the user marked its answer alone better than the pool's 0 times, as good 0 times and worse 3 times.",
+            "marks are the worker's as it is now; the stale figures stay untold"
+        );
+        assert!(m.best_by_category.is_empty() && m.best.is_none() && m.clear.is_empty(), "{m:?}");
+
+        let mut learned = profile("a", Freshness::Current, &[("sums", figures(8, 8, 0.0))]);
+        learned.marks = marked.marks;
+        let m = measure(&[learned, profile("b", Freshness::Current, &[("sums", figures(0, 8, 0.0))])], Vec::new());
+        assert!(
+            m.strengths[&0].starts_with("When this pool learned, it was right on 8 of 8 sums questions. In chat,"),
+            "{}",
+            m.strengths[&0]
+        );
+        assert_eq!(m.best_by_category["sums"], 0);
     }
 
     #[test]

@@ -7,7 +7,9 @@
 
 use baton_engine::{Pool, Route};
 
-use crate::harness::{EvalError, Purpose, Spec};
+use baton_store::Store;
+
+use crate::harness::{Ended, EvalError, Purpose, Spec};
 use crate::strategy::Strategy;
 use crate::suite::{self, Suite};
 
@@ -106,6 +108,59 @@ pub fn spec(pool: &Pool, options: &LearnOptions) -> Result<Spec, EvalError> {
         seed: options.seed,
         purpose: Purpose::Learn { identities, plan_samples },
     })
+}
+
+/// Leaves out of learning run `spec` each worker that a finished learning run already measured
+/// alone on the same items (same suite, `limit` and `seed`) as it is defined now: after one
+/// worker of a pool changed, learning again asks only that one (and the conductor, whose plans
+/// use it). Returns each worker left out with the run it was measured in; profiles read those
+/// runs too. The run `spec` names is not looked at, so a stopped run resumes as it started.
+pub async fn leave_out_learned(
+    spec: &mut Spec,
+    pool: &Pool,
+    store: &Store,
+) -> Result<Vec<(String, String)>, EvalError> {
+    if !matches!(spec.purpose, Purpose::Learn { .. }) {
+        return Ok(Vec::new());
+    }
+    let mut measured: Vec<(String, String)> = Vec::new();
+    for evaluation in store.evaluations().await? {
+        let config = &evaluation.config;
+        if evaluation.id == spec.id
+            || evaluation.status != Ended::Finished.as_str()
+            || evaluation.suite_sha256 != spec.suite.sha256
+            || config["learn"] != serde_json::json!(true)
+            || config["limit"] != serde_json::json!(spec.limit)
+            || config["seed"] != serde_json::json!(spec.seed)
+        {
+            continue;
+        }
+        let strings = |key: &str| -> Vec<String> {
+            config[key].as_array().into_iter().flatten().filter_map(|v| v.as_str().map(str::to_owned)).collect()
+        };
+        let (names, then, ran) = (strings("workers"), strings("identities"), strings("strategies"));
+        for (name, identity) in names.iter().zip(&then) {
+            if ran.contains(&format!("single:{name}")) && !measured.iter().any(|(i, _)| i == identity) {
+                measured.push((identity.clone(), evaluation.id.clone()));
+            }
+        }
+    }
+    let mut left_out = Vec::new();
+    spec.strategies.retain(|strategy| {
+        let Strategy::Single(name) = strategy else { return true };
+        let identity = pool.workers.iter().find(|w| &w.name == name).map(|w| w.identity());
+        let Some((_, run)) = identity.and_then(|i| measured.iter().find(|(m, _)| *m == i)) else {
+            return true;
+        };
+        left_out.push((name.clone(), run.clone()));
+        false
+    });
+    Ok(left_out)
+}
+
+/// What to tell the user of a worker [`leave_out_learned`] left out.
+pub fn left_out_note((worker, run): &(String, String)) -> String {
+    format!("{worker} is not asked again: {run} measured it on these items as it is defined now")
 }
 
 /// How many items a learning run of `spec` asks each worker.

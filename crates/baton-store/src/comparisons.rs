@@ -111,22 +111,25 @@ impl Store {
     }
 
     /// Keeps a comparison of `conductor_run` and `single_run` (ids in the history) in
-    /// `conversation`; returns its id.
+    /// `conversation`; returns its id. `worker` is the one that answered alone, by name and by
+    /// [identity](baton_engine::WorkerSpec::identity): its marks add to the profile of that
+    /// identity (see [`Store::learned`]).
     pub async fn add_comparison(
         &self,
         conversation: i64,
         conductor_run: Option<i64>,
         single_run: Option<i64>,
-        worker: &str,
+        worker: (&str, &str),
     ) -> Result<i64, StoreError> {
         Ok(sqlx::query_scalar(
-            "INSERT INTO comparisons (conversation_id, conductor_run, single_run, worker, created_at)
-             VALUES (?1, ?2, ?3, ?4, ?5) RETURNING id",
+            "INSERT INTO comparisons (conversation_id, conductor_run, single_run, worker, worker_identity, created_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6) RETURNING id",
         )
         .bind(conversation)
         .bind(conductor_run)
         .bind(single_run)
-        .bind(worker)
+        .bind(worker.0)
+        .bind(worker.1)
         .bind(now_ms())
         .fetch_one(&self.pool)
         .await?)

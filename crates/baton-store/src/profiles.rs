@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, HashSet};
 
 use baton_engine::pool::LearnedPlan;
-use baton_engine::profile::{CategoryFigures, Freshness, Profile};
+use baton_engine::profile::{CategoryFigures, ChatMarks, Freshness, Profile};
 use sqlx::Row;
 
 use crate::{Store, StoreError};
@@ -110,6 +110,7 @@ impl Store {
                 }
             }
         }
+        let marks = self.chat_marks().await?;
         let mut profiles = Vec::with_capacity(workers.len());
         for (w, (name, identity)) in workers.iter().enumerate() {
             let mut profile = Profile {
@@ -118,6 +119,7 @@ impl Store {
                 identity: None,
                 by_category: BTreeMap::new(),
                 learned_in: Vec::new(),
+                marks: marks.get(identity).copied().unwrap_or_default(),
             };
             if !learned_in[w].is_empty() {
                 profile.freshness = Freshness::Current;
@@ -178,6 +180,29 @@ impl Store {
             }
         }
         Ok(plans)
+    }
+
+    /// The user's marks in compare in chat, by the identity of the worker that answered alone.
+    /// Comparisons kept before identities were (schema 11) have none, and count for no one.
+    async fn chat_marks(&self) -> Result<BTreeMap<String, ChatMarks>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT worker_identity, preferred, COUNT(*) AS n FROM comparisons
+             WHERE worker_identity IS NOT NULL AND preferred IS NOT NULL
+             GROUP BY worker_identity, preferred",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        let mut marks: BTreeMap<String, ChatMarks> = BTreeMap::new();
+        for r in &rows {
+            let m = marks.entry(r.try_get("worker_identity")?).or_default();
+            let n = r.try_get::<i64, _>("n")?.clamp(0, i64::from(u32::MAX)) as u32;
+            match r.try_get::<&str, _>("preferred")? {
+                "single" => m.better += n,
+                "tie" => m.tie += n,
+                _ => m.worse += n,
+            }
+        }
+        Ok(marks)
     }
 
     /// The question texts the pool's current profiles were learned from: an evaluation leaves

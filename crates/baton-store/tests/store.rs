@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use std::collections::BTreeMap;
 
+use baton_engine::profile::{ChatMarks, Freshness};
 use baton_engine::rerun::{self, Source};
 use baton_engine::{Executor, Pool, RerunOf, RunEvent, RunRequest};
 use baton_plan::Limits;
@@ -1023,7 +1024,8 @@ async fn compared_runs_record_side_by_side_and_marks_become_preference_pairs() {
     assert_eq!(turns, [question.to_owned(), conductor_answer.clone()], "only the conductor's answer is a turn");
     assert_eq!(store.conversation_runs(conversation).await.unwrap().len(), 2, "both runs are the conversation's");
 
-    let id = store.add_comparison(conversation, Some(conductor_run), Some(single_run), "b").await.unwrap();
+    let b = ("b", pool.workers[1].identity());
+    let id = store.add_comparison(conversation, Some(conductor_run), Some(single_run), (b.0, &b.1)).await.unwrap();
     let kept = store.comparisons(conversation).await.unwrap();
     assert_eq!((kept.len(), kept[0].preferred, kept[0].single_run), (1, None, Some(single_run)));
     assert!(store.preference_pairs().await.unwrap().is_empty(), "not marked yet");
@@ -1045,13 +1047,25 @@ async fn compared_runs_record_side_by_side_and_marks_become_preference_pairs() {
     let mut follow_up = request(alone);
     follow_up.question = "And at sunset?".into();
     let next_single = record_with(store.recorder(Some(conversation)).without_messages(), &executor, follow_up).await;
-    let second = store.add_comparison(conversation, Some(next), Some(next_single), "b").await.unwrap();
+    let second = store.add_comparison(conversation, Some(next), Some(next_single), (b.0, &b.1)).await.unwrap();
     store.mark_comparison(second, Some(Preferred::Conductor)).await.unwrap();
     let pairs = store.preference_pairs().await.unwrap();
     assert_eq!(pairs.len(), 2);
     let prompt: Vec<&str> = pairs[1].prompt.iter().map(|m| m["content"].as_str().unwrap()).collect();
     assert_eq!(prompt, [question, conductor_answer.as_str(), "And at sunset?"]);
     assert_eq!(pairs[1].chosen_by, "conductor");
+
+    // The marks add to the profile of b as it is now, by identity: renamed, it keeps them;
+    // defined otherwise, it has none; and a worker never compared has none.
+    let identities = |b_identity: &str| {
+        vec![("a".to_owned(), pool.workers[0].identity()), ("renamed".to_owned(), b_identity.to_owned())]
+    };
+    let learned = store.learned(&identities(&b.1)).await.unwrap();
+    let marks: Vec<ChatMarks> = learned.profiles.iter().map(|p| p.marks).collect();
+    assert_eq!(marks, [ChatMarks::default(), ChatMarks { better: 1, tie: 0, worse: 1 }]);
+    assert_eq!(learned.profiles[1].freshness, Freshness::None, "marks are no learning run");
+    let changed = store.learned(&identities(&format!("{} temperature=0.9", b.1))).await.unwrap();
+    assert_eq!(changed.profiles[1].marks, ChatMarks::default());
 
     // A deleted run leaves its comparison without that side, and without a pair.
     store.delete_run(next_single).await.unwrap();
@@ -1082,7 +1096,7 @@ async fn record_with(mut recorder: baton_store::Recorder, executor: &Executor, r
 async fn profiles_come_from_learning_runs_by_identity_and_choose_the_fallback_worker() {
     use baton_engine::accounting::Figures;
     use baton_engine::fallback::fallback_worker;
-    use baton_engine::profile::{Freshness, measure};
+    use baton_engine::profile::measure;
     use baton_store::evaluations::EvalResult;
 
     let server = TestServer::start().await.expect("server");

@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
 import type { CategoryRow, WorkerLearning } from "../bindings";
-import { callsFor, costPerItem, freshness, rightOf, routeText } from "./learning";
+import { callsFor, costPerItem, freshness, marksText, rightOf, routeText } from "./learning";
 
 const row = (right: number, n: number, cost = 0.0012): CategoryRow => ({
   category: "arithmetic",
@@ -17,6 +17,7 @@ const worker = (over: Partial<WorkerLearning>): WorkerLearning => ({
   priced: true,
   learned_in: ["learn-mmlu-1"],
   categories: [row(2, 3)],
+  marks: { better: 0, tie: 0, worse: 0 },
   ...over,
 });
 
@@ -43,6 +44,13 @@ describe("a learned profile, as the Workers screen shows it", () => {
     expect(routeText({ category: "math", worker: "alpha", how: "clear" })).toContain("without a plan");
     expect(routeText({ category: "math", worker: "alpha", how: "lead" })).toContain("conductor plans");
     expect(routeText({ category: "math", worker: "alpha", how: "always" })).toContain("routes every question");
+  });
+
+  it("shows the chat marks only where the user marked something", () => {
+    expect(marksText(worker({}))).toBeNull();
+    expect(marksText(worker({ marks: { better: 2, tie: 0, worse: 1 } }))).toBe(
+      "Marked in chat against the conductor: better 2, as good 0, worse 1 (told to the conductor)",
+    );
   });
 
   it("counts one call per worker per item", () => {

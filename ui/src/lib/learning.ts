@@ -31,6 +31,14 @@ export function freshness(w: WorkerLearning): { used: boolean; text: string } {
   }
 }
 
+/** The user's compare-in-chat marks of the worker alone against the conductor, or null with none:
+ * "Marked in chat against the conductor: better 2, as good 1, worse 0 (told to the conductor)". */
+export function marksText(w: WorkerLearning): string | null {
+  const m = w.marks;
+  if (m.better + m.tie + m.worse === 0) return null;
+  return `Marked in chat against the conductor: better ${m.better}, as good ${m.tie}, worse ${m.worse} (told to the conductor)`;
+}
+
 /** Where a kind of question goes, in words. */
 export function routeText(r: KindRoute): string {
   switch (r.how) {
