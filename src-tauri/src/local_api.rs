@@ -42,6 +42,8 @@ pub struct LocalApiStatus {
     pub requests: u64,
     pub failed_requests: u64,
     pub runs_in_flight: u32,
+    /// Requests waiting for a run slot.
+    pub runs_queued: u32,
     pub spent_today_usd: f64,
     /// The pool file changed since the server started; a restart applies it.
     pub stale: bool,
@@ -119,6 +121,7 @@ async fn start<R: Runtime>(app: &AppHandle<R>, state: &AppState) -> AppResult<Ru
         token: Some(token),
         allow_origins: form.allow_origins.clone(),
         max_concurrent_runs: form.max_concurrent_runs as usize,
+        max_queued_runs: pool.options.serve.max_queued_runs.unwrap_or(baton_serve::DEFAULT_QUEUE),
         daily_max_cost_usd: form.daily_max_cost_usd,
         ..ServeOptions::default()
     };
@@ -197,6 +200,7 @@ async fn status(state: &AppState) -> AppResult<LocalApiStatus> {
         requests: stats.map_or(0, |s| s.requests),
         failed_requests: stats.map_or(0, |s| s.failed),
         runs_in_flight: stats.map_or(0, |s| s.runs_in_flight as u32),
+        runs_queued: stats.map_or(0, |s| s.runs_queued as u32),
         spent_today_usd: stats.map_or(0.0, |s| s.spent_today_usd),
         stale: running.is_some_and(|r| now_text != Some(r.pool_text.as_str())),
         error: error.or_else(|| pool.as_ref().err().map(|e| e.message.clone())),

@@ -913,7 +913,11 @@ models: Array<string>,
 /**
  * Where the token comes from: the keychain, or the environment variable `[serve]` names.
  */
-token_source: string, requests: number, failed_requests: number, runs_in_flight: number, spent_today_usd: number, 
+token_source: string, requests: number, failed_requests: number, runs_in_flight: number, 
+/**
+ * Requests waiting for a run slot.
+ */
+runs_queued: number, spent_today_usd: number, 
 /**
  * The pool file changed since the server started; a restart applies it.
  */

@@ -67,6 +67,11 @@ pub enum Command {
         /// Serve without a history, to see what recording adds.
         #[arg(long)]
         no_history: bool,
+        /// Run slots of the server (default: twice `--requests`, so that no request waits and
+        /// the figures are serving alone). `--max-concurrent-runs 8`, `baton serve`'s default,
+        /// shows what a burst waits in the queue beyond the slots.
+        #[arg(long, value_name = "N")]
+        max_concurrent_runs: Option<usize>,
         /// Pin the runtime's worker threads one per core, as `baton serve --pin-threads` does.
         #[arg(long)]
         pin_threads: bool,
@@ -118,8 +123,9 @@ pub async fn run(cmd: Command) -> Outcome {
     match cmd {
         Command::Executor { latency_ms, runs, json } => executor::run(latency_ms, runs, json).await,
         Command::History { db, runs, steps, repeat, json } => history::run(&db, runs, steps, repeat, json).await,
-        Command::Serve { requests, bursts, latency_ms, no_history, pin_threads, json } => {
-            serve::run(requests, bursts, latency_ms, !no_history, pin_threads, json).await
+        Command::Serve { requests, bursts, latency_ms, no_history, max_concurrent_runs, pin_threads, json } => {
+            let slots = max_concurrent_runs.unwrap_or(2 * requests);
+            serve::run(requests, bursts, latency_ms, !no_history, slots, pin_threads, json).await
         }
         #[cfg(feature = "local")]
         Command::Conductor(args) => conductor::run(args).await,

@@ -39,10 +39,14 @@ pub struct Args {
     /// browser; repeat for more. Without it, requests from web pages are refused.
     #[arg(long = "allow-origin", value_name = "ORIGIN")]
     allow_origin: Vec<String>,
-    /// Runs at once; more requests get 429 with Retry-After (default: the pool's [serve]
+    /// Runs at once; more requests wait their turn (default: the pool's [serve]
     /// max_concurrent_runs, else 8).
     #[arg(long, value_name = "N")]
     max_concurrent_runs: Option<usize>,
+    /// Requests that may wait for a run slot; one more gets 429 with Retry-After (default: the
+    /// pool's [serve] max_queued_runs, else 256).
+    #[arg(long, value_name = "N")]
+    max_queued_runs: Option<usize>,
     /// The most the server spends in a day (UTC), all requests together (default: the pool's
     /// [serve] daily_max_cost_usd, else no cap).
     #[arg(long, value_name = "USD")]
@@ -123,6 +127,7 @@ pub async fn run(args: Args) -> Outcome {
             .max_concurrent_runs
             .or(spec.max_concurrent_runs)
             .unwrap_or(defaults.max_concurrent_runs),
+        max_queued_runs: args.max_queued_runs.or(spec.max_queued_runs).unwrap_or(defaults.max_queued_runs),
         daily_max_cost_usd: args.daily_max_cost_usd.or(spec.daily_max_cost_usd),
         ..defaults
     };

@@ -315,7 +315,9 @@ async fn learning_again_after_one_worker_changed_asks_only_that_worker() {
     let pool = setup.pool(&s, &[("a", &knows, 1.0), ("b", &knows, 1.0)]);
     let learn_plain = |pool: PathBuf| {
         let (learn, db) = (learn.clone(), setup.db.clone());
-        async move { baton(&["pool", "learn", path(&learn), "--pool", path(&pool), "--db", path(&db), "--plans", "0"]).await }
+        async move {
+            baton(&["pool", "learn", path(&learn), "--pool", path(&pool), "--db", path(&db), "--plans", "0"]).await
+        }
     };
     let asked = |model: &str| s.requests().iter().filter(|r| r.model.starts_with(model)).count();
     let out = learn_plain(pool.clone()).await;

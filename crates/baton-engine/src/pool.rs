@@ -72,6 +72,8 @@ pub struct ServeSpec {
     /// Web origins allowed to call the server from a browser.
     pub allow_origins: Vec<String>,
     pub max_concurrent_runs: Option<usize>,
+    /// Requests that may wait for a run slot.
+    pub max_queued_runs: Option<usize>,
     /// The most the server spends in a day (UTC), all requests together.
     pub daily_max_cost_usd: Option<f64>,
 }

@@ -86,7 +86,38 @@ impl Item {
             return Some(p);
         }
         let entry = self.entry_point.as_deref()?;
-        self.question.contains(&format!("def {entry}(")).then_some(self.question.as_str())
+        // Python, not prose that names the signature: its first line is a definition, an
+        // import, a decorator, a comment or an assignment (HumanEval/64 opens with `FIX = """`).
+        let python = self.question.lines().map(str::trim).find(|l| !l.is_empty()).is_some_and(|first| {
+            let assigns = first.split_once('=').is_some_and(|(name, _)| {
+                let name = name.trim();
+                !name.is_empty() && name.chars().all(|c| c.is_alphanumeric() || c == '_')
+            });
+            assigns
+                || ["def ", "async def ", "from ", "import ", "class ", "@", "#"].iter().any(|s| first.starts_with(s))
+        });
+        (python && self.question.contains(&format!("def {entry}("))).then_some(self.question.as_str())
+    }
+
+    /// What goes before an answer that defines the entry point itself: the stub up to the entry
+    /// point's own `def` (its imports and helpers), since the answer brings the rest. Before a
+    /// body alone, the whole stub.
+    pub fn code_prefix(&self, answer: &str) -> &str {
+        let Some(stub) = self.code_stub() else { return "" };
+        let Some(entry) = self.entry_point.as_deref() else { return stub };
+        let def = format!("def {entry}(");
+        let defines = |code: &str| code.lines().any(|l| l.trim_start_matches("async ").starts_with(&def));
+        if !defines(answer) {
+            return stub;
+        }
+        let mut at = 0;
+        for line in stub.split_inclusive('\n') {
+            if line.trim_start_matches("async ").starts_with(&def) {
+                return &stub[..at];
+            }
+            at += line.len();
+        }
+        stub
     }
 
     /// How many options a choice item has (letters A.. up to that many).
@@ -298,7 +329,9 @@ mod tests {
         let mmlu = load("mmlu").unwrap();
         let subjects: HashSet<_> = mmlu.items.iter().map(|i| i.stratum().to_owned()).collect();
         assert_eq!(subjects.len(), 57);
-        assert!(load("humaneval").unwrap().items.iter().all(|i| i.kind == Kind::Code));
+        let humaneval = load("humaneval").unwrap();
+        assert!(humaneval.items.iter().all(|i| i.kind == Kind::Code));
+        assert!(humaneval.items.iter().all(|i| i.code_stub().is_some()), "every HumanEval question is its stub");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! `AuthenticationError`, 404 `NotFoundError`, 429 `RateLimitError`, …). Messages never carry
 //! a key or a path on this machine.
 
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
 /// One refusal or failure, as a client sees it.
@@ -19,11 +19,15 @@ pub struct ApiError {
     pub code: Option<&'static str>,
     /// Seconds a client should wait before trying again (429).
     pub retry_after: Option<u64>,
+    /// Whether the same request may succeed later without spending twice: only when no run
+    /// started (a full server). Otherwise the response says `x-should-retry: false`, which the
+    /// official SDKs obey; by default they retry 408, 409, 429 and 5xx twice.
+    pub retry: bool,
 }
 
 impl ApiError {
     fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
-        ApiError { status, message: message.into(), kind, param: None, code: None, retry_after: None }
+        ApiError { status, message: message.into(), kind, param: None, code: None, retry_after: None, retry: false }
     }
 
     /// 400: the request asks for something Baton does not do, or is malformed.
@@ -58,13 +62,24 @@ impl ApiError {
         }
     }
 
+    /// 422: an `Idempotency-Key` sent again with another request.
+    pub fn unprocessable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request_error", message)
+    }
+
     /// 413: the body is over the server's limit.
     pub fn too_large(message: impl Into<String>) -> Self {
         Self::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", message)
     }
 
-    /// 429: every run slot is taken, or a cap is reached.
+    /// 429: the server is full; the same request may go through after `retry_after` seconds.
     pub fn busy(message: impl Into<String>, retry_after: Option<u64>) -> Self {
+        ApiError { retry_after, retry: true, ..Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message) }
+    }
+
+    /// 429: a spending cap is reached; the same request would be refused again (or, run
+    /// again, spend again), so clients are told not to retry.
+    pub fn capped(message: impl Into<String>, retry_after: Option<u64>) -> Self {
         ApiError { retry_after, ..Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message) }
     }
 
@@ -96,19 +111,19 @@ impl ApiError {
     /// caller adds) and its headers.
     pub fn into_response_with(self, body: serde_json::Value) -> Response {
         let mut response = (self.status, axum::Json(body)).into_response();
+        let headers = response.headers_mut();
         if let Some(seconds) = self.retry_after {
-            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
+        let retry = if self.retry { "true" } else { "false" };
+        headers.insert(HeaderName::from_static("x-should-retry"), HeaderValue::from_static(retry));
         response
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut response = (self.status, axum::Json(self.body())).into_response();
-        if let Some(seconds) = self.retry_after {
-            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-        }
-        response
+        let body = self.body();
+        self.into_response_with(body)
     }
 }

@@ -66,9 +66,25 @@ pub fn check_bind(host: &str, token: bool) -> Result<(), String> {
     Ok(())
 }
 
-/// Tokens compared in time that does not depend on where they differ.
+/// Tokens compared in time that depends neither on where they differ nor on their lengths:
+/// their digests are compared, every byte.
 fn same(a: &str, b: &str) -> bool {
-    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    use sha2::{Digest, Sha256};
+    let (a, b) = (Sha256::digest(a.as_bytes()), Sha256::digest(b.as_bytes()));
+    a.iter().zip(b.iter()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The token of an `Authorization: Bearer TOKEN` header; the scheme's case does not matter
+/// (RFC 9110 §11.1), so `bearer` and `BEARER` are the same.
+fn bearer(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+/// An origin as a browser sends it: no trailing slash, scheme and host in lower case. What the
+/// user wrote (`--allow-origin`, `[serve] allow_origins`) is compared in this form.
+pub fn normalize_origin(origin: &str) -> String {
+    origin.trim().trim_end_matches('/').to_ascii_lowercase()
 }
 
 fn header(headers: &HeaderMap, name: header::HeaderName) -> Option<&str> {
@@ -90,18 +106,25 @@ pub async fn check(State(service): State<Arc<Service>>, request: Request, next: 
     }
     let origin = header(headers, header::ORIGIN).map(str::to_owned);
     if let Some(origin) = &origin {
-        if !guard.origins.iter().any(|o| o == origin) {
+        if !guard.origins.iter().any(|o| *o == normalize_origin(origin)) {
             return ApiError::forbidden(format!(
                 "requests from web pages are refused (Origin {origin}); start the server with --allow-origin {origin} to let that client in"
             ))
             .into_response();
         }
         if request.method() == Method::OPTIONS {
-            return cors(StatusCode::NO_CONTENT.into_response(), origin);
+            let mut preflight = cors(StatusCode::NO_CONTENT.into_response(), origin);
+            // A client's own headers (the official SDKs send `x-stainless-…` ones) are its
+            // business: an origin the user allowed may send whichever it asks for.
+            if let Some(asked) = headers.get(header::ACCESS_CONTROL_REQUEST_HEADERS) {
+                preflight.headers_mut().insert(header::ACCESS_CONTROL_ALLOW_HEADERS, asked.clone());
+            }
+            preflight.headers_mut().insert(header::ACCESS_CONTROL_MAX_AGE, HeaderValue::from_static("600"));
+            return preflight;
         }
     }
     if let Some(token) = &guard.token {
-        let given = header(headers, header::AUTHORIZATION).and_then(|v| v.strip_prefix("Bearer "));
+        let given = header(headers, header::AUTHORIZATION).and_then(bearer);
         match given {
             None => {
                 return ApiError::unauthorized(
@@ -109,7 +132,7 @@ pub async fn check(State(service): State<Arc<Service>>, request: Request, next: 
                 )
                 .into_response();
             }
-            Some(given) if !same(given.trim(), token) => {
+            Some(given) if !same(given, token) => {
                 return ApiError::unauthorized("the token is not this server's (`baton serve token` prints it)")
                     .into_response();
             }
@@ -137,7 +160,10 @@ fn cors(mut response: Response, origin: &str) -> Response {
             "authorization, content-type, x-baton-conversation, x-baton-max-cost-usd, x-baton-max-tokens",
         ),
     );
-    h.insert(header::ACCESS_CONTROL_EXPOSE_HEADERS, HeaderValue::from_static("x-baton-run-id, x-baton-cost-usd"));
+    h.insert(
+        header::ACCESS_CONTROL_EXPOSE_HEADERS,
+        HeaderValue::from_static("x-baton-run-id, x-baton-cost-usd, x-should-retry, retry-after"),
+    );
     response
 }
 
@@ -166,6 +192,21 @@ mod tests {
     #[test]
     fn tokens_compare_whole() {
         assert!(same("abc", "abc"));
-        assert!(!same("abc", "abd") && !same("abc", "ab") && !same("", "a"));
+        assert!(!same("abc", "abd") && !same("abc", "ab") && !same("", "a") && !same("abc", "abcd"));
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_matched_in_any_case() {
+        assert_eq!(bearer("Bearer tok"), Some("tok"));
+        assert_eq!(bearer("bearer tok"), Some("tok"));
+        assert_eq!(bearer("BEARER  tok "), Some("tok"));
+        assert_eq!(bearer("Basic dG9r"), None);
+        assert_eq!(bearer("Bearertok"), None);
+    }
+
+    #[test]
+    fn origins_are_compared_as_browsers_send_them() {
+        assert_eq!(normalize_origin("https://x.example/"), "https://x.example");
+        assert_eq!(normalize_origin(" HTTP://LocalHost:3000 "), "http://localhost:3000");
     }
 }

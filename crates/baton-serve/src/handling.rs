@@ -5,6 +5,7 @@
 //! stops the run when the client goes away. Each format only puts these in its own shapes.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use axum::body::Body;
 use axum::http::{HeaderValue, header};
@@ -30,9 +31,10 @@ pub(crate) async fn read_body(service: &Service, body: Body) -> Result<axum::bod
     })
 }
 
-/// A run slot for `call` (429 when all are busy, or when the history has fallen a whole set of
-/// runs behind), with its cost capped at what is left of the day's cap.
-pub(crate) fn admit(service: &Service, call: &mut Call) -> Result<OwnedSemaphorePermit, ApiError> {
+/// A run slot for `call`, with its cost capped at what is left of the day's cap. A request
+/// waits its turn while every slot is taken; 429 when the queue is full too, when the history
+/// has fallen a whole set of runs behind, or when the day's cap is spent.
+pub(crate) async fn admit(service: &Service, call: &mut Call) -> Result<OwnedSemaphorePermit, ApiError> {
     let most = service.options.max_concurrent_runs.max(1);
     // Runs going, and runs that ended but wait for the history. The wait is usually a few
     // milliseconds, but one commit can take tens on a busy disk, and a client asking one
@@ -44,17 +46,44 @@ pub(crate) fn admit(service: &Service, call: &mut Call) -> Result<OwnedSemaphore
             Some(1),
         ));
     }
-    let Ok(permit) = service.runs.clone().try_acquire_owned() else {
-        return Err(ApiError::busy(
-            format!(
-                "all {} of this server's run slots are busy; try again shortly",
-                service.options.max_concurrent_runs
-            ),
-            Some(1),
-        ));
+    // Refused before it waits: a spent cap will not be less spent after the wait.
+    service.limit_to_today(call)?;
+    let permit = match service.runs.clone().try_acquire_owned() {
+        Ok(permit) => permit,
+        Err(_) => {
+            let Some(_place) = Queued::join(&service.queued, service.options.max_queued_runs) else {
+                return Err(ApiError::busy(
+                    format!(
+                        "all {} of this server's run slots are busy and {} requests wait already; try again shortly",
+                        service.options.max_concurrent_runs, service.options.max_queued_runs
+                    ),
+                    Some(1),
+                ));
+            };
+            // Dropped with the request when its client hangs up: it leaves the queue.
+            service.runs.clone().acquire_owned().await.map_err(|_| ApiError::internal("the server is stopping"))?
+        }
     };
+    // What is left of the day may have shrunk while it waited.
     service.limit_to_today(call)?;
     Ok(permit)
+}
+
+/// A place in the queue for a run slot, given up when dropped.
+struct Queued(Arc<AtomicUsize>);
+
+impl Queued {
+    /// A place, unless `most` requests wait already.
+    fn join(queued: &Arc<AtomicUsize>, most: usize) -> Option<Queued> {
+        queued.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < most).then_some(n + 1)).ok()?;
+        Some(Queued(queued.clone()))
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// The history's conversation a request continues: the one `x-baton-conversation` names, else
@@ -91,13 +120,18 @@ pub(crate) fn unreadable(e: baton_store::StoreError) -> ApiError {
     ApiError::internal(format!("the history cannot be read: {e}"))
 }
 
+/// The most events a run may be ahead of its client; a run whose client falls further behind
+/// (it stopped reading) is cancelled. A stream sends every waiting event in one write, so a
+/// client that reads keeps this near empty.
+pub(crate) const EVENTS_AHEAD: usize = 16_384;
+
 /// A run in flight: its events, and the token that stops it.
 pub(crate) struct Running {
     pub(crate) run_id: String,
     pub(crate) model: String,
     pub(crate) stream: bool,
     pub(crate) include_usage: bool,
-    pub(crate) events: mpsc::UnboundedReceiver<RunEvent>,
+    pub(crate) events: mpsc::Receiver<RunEvent>,
     pub(crate) cancel: CancellationToken,
     pub(crate) created: u64,
     pub(crate) workers: Vec<String>,
@@ -118,8 +152,9 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
         budget: call.budget,
         ..RunRequest::default()
     };
-    let (to_client, events) = mpsc::unbounded_channel();
+    let (to_client, events) = mpsc::channel(EVENTS_AHEAD);
     let cancel = CancellationToken::new();
+    let behind = cancel.clone();
     let executor = service.executor.clone();
     let (created, workers) = (service.created, service.workers.clone());
     let recording = service.recording.enter();
@@ -134,7 +169,10 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
             if let Some(totals) = event.final_totals() {
                 service.spend(totals.cost_usd);
             }
-            let _ = to_client.send(event);
+            // A client this far behind has stopped reading: its run stops, as if it had gone.
+            if let Err(mpsc::error::TrySendError::Full(_)) = to_client.try_send(event) {
+                behind.cancel();
+            }
         };
         // The writer never fails a run's event: its errors are its own (see `history`).
         let (_, log) = baton_store::relay::run_kept(&executor, request, &stop, log, forward, |_| {}).await;
@@ -275,7 +313,7 @@ pub(crate) fn failure(kind: Option<RunErrorKind>, message: &str, progress: &Prog
     match kind {
         Some(RunErrorKind::BudgetExceeded) => ApiError {
             code: Some("budget_exceeded"),
-            ..ApiError::busy(format!("the run stopped at a budget cap: {message}"), None)
+            ..ApiError::capped(format!("the run stopped at a budget cap: {message}"), None)
         },
         _ if progress.run.answer_error() == Some(StepErrorKind::Timeout) => {
             ApiError::timeout(format!("the answer's step (worker {worker}) timed out: {message}"))

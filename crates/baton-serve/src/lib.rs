@@ -14,9 +14,11 @@ mod error;
 pub mod guard;
 mod handling;
 mod history;
+mod idempotency;
 mod models;
 mod request;
 mod responses;
+mod stall;
 mod token;
 
 use std::sync::Arc;
@@ -45,8 +47,14 @@ pub struct ServeOptions {
     pub max_body_bytes: usize,
     /// The most messages in one request (400 above).
     pub max_messages: usize,
-    /// Runs at once; a request beyond them gets 429 with `Retry-After`.
+    /// Runs at once; requests beyond them wait their turn in a queue.
     pub max_concurrent_runs: usize,
+    /// Requests that may wait for a run slot, first in first out; one beyond them gets 429
+    /// with `Retry-After`. A client that hangs up leaves the queue.
+    pub max_queued_runs: usize,
+    /// How long a write to a client may wait (a client that stopped reading) before the
+    /// connection is closed and its run cancelled, as a disconnect would.
+    pub write_stall: std::time::Duration,
     /// The most the server spends in a day (UTC), all requests together; each run gets at
     /// most what is left as its cost cap, and once it is spent requests get 429 until
     /// midnight. Runs already in flight may together pass it by what they spend. The day's
@@ -64,6 +72,8 @@ impl Default for ServeOptions {
             max_body_bytes: 4 << 20,
             max_messages: 500,
             max_concurrent_runs: 8,
+            max_queued_runs: DEFAULT_QUEUE,
+            write_stall: std::time::Duration::from_secs(30),
             daily_max_cost_usd: None,
         }
     }
@@ -81,7 +91,12 @@ pub struct Service {
     store: Option<Store>,
     options: ServeOptions,
     guard: Guard,
+    /// The run slots; tokio's semaphore hands them out first come, first served.
     runs: Arc<Semaphore>,
+    /// Requests waiting for a run slot.
+    queued: Arc<std::sync::atomic::AtomicUsize>,
+    /// The responses of requests sent with an `Idempotency-Key`.
+    idempotent: idempotency::Responses,
     /// Runs whose events the history is still recording (it records beside the answer).
     recording: Arc<InFlight>,
     /// The history's writer, started with the first run (on the runtime that serves).
@@ -104,6 +119,8 @@ pub struct Stats {
     pub failed: u64,
     /// Runs going now (each holds a place under `max_concurrent_runs` until it ends).
     pub runs_in_flight: usize,
+    /// Requests waiting for a run slot.
+    pub runs_queued: usize,
     /// What the runs finished today (UTC) cost, in dollars.
     pub spent_today_usd: f64,
 }
@@ -122,7 +139,7 @@ impl Service {
         let guard = Guard {
             token: options.token.clone(),
             hosts: guard::allowed_hosts(&options.host, options.port),
-            origins: options.allow_origins.clone(),
+            origins: options.allow_origins.iter().map(|o| guard::normalize_origin(o)).collect(),
         };
         let workers = executor.workers().iter().map(|w| w.info.name.clone()).collect();
         Ok(Service {
@@ -131,6 +148,8 @@ impl Service {
             conductor,
             store,
             runs: Arc::new(Semaphore::new(options.max_concurrent_runs.max(1))),
+            queued: Arc::default(),
+            idempotent: idempotency::Responses::default(),
             recording: Arc::default(),
             writer: std::sync::OnceLock::new(),
             spent_today: std::sync::Mutex::new((0, 0.0)),
@@ -150,6 +169,7 @@ impl Service {
             requests: self.requests.load(Relaxed),
             failed: self.failed.load(Relaxed),
             runs_in_flight: self.options.max_concurrent_runs.max(1) - self.runs.available_permits(),
+            runs_queued: self.queued.load(Relaxed),
             spent_today_usd,
         }
     }
@@ -250,7 +270,7 @@ impl Service {
             let until_midnight = 86_400 - now_secs() % 86_400;
             return Err(ApiError {
                 code: Some("daily_cap_reached"),
-                ..ApiError::busy(
+                ..ApiError::capped(
                     format!(
                         "this server's daily spending cap of ${cap:.2} is reached (spent ${:.4} today, UTC); it resets at midnight UTC",
                         spent.1
@@ -308,6 +328,11 @@ impl Service {
     }
 }
 
+/// Requests that may wait for a run slot by default: enough that a burst of 64 streamed
+/// requests from one client all finish on the default 8 slots, as a local model server's
+/// queue lets them (Ollama queues 512).
+pub const DEFAULT_QUEUE: usize = 256;
+
 /// The fewest runs that may wait for the history (ended, not yet recorded) before new runs are
 /// refused with 429; more with a larger `max_concurrent_runs` (twice it).
 pub const HISTORY_BACKLOG: usize = 64;
@@ -325,6 +350,8 @@ pub fn router(service: Arc<Service>) -> Router {
                 "no such route; this server serves /v1/models, /v1/chat/completions and /v1/responses",
             )
         })
+        // Inside the guard: only a caller with the token has its responses kept.
+        .layer(axum::middleware::from_fn_with_state(service.clone(), idempotency::replay))
         .layer(axum::middleware::from_fn_with_state(service.clone(), guard::check))
         .layer(axum::middleware::from_fn_with_state(service.clone(), count))
         .with_state(service)
@@ -360,6 +387,7 @@ pub async fn serve(
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
         let _ = tcp.set_nodelay(true);
     });
+    let listener = stall::Stalling { inner: listener, stall: service.options.write_stall };
     let served =
         axum::serve(listener, router(service.clone())).with_graceful_shutdown(shutdown.cancelled_owned()).await;
     service.settle().await;

@@ -38,13 +38,15 @@ async fn serve_with(workers: &[(&str, &str)], tweak: impl FnOnce(&mut ServeOptio
     serve_retrying(0, workers, tweak).await
 }
 
-/// A server whose workers' calls are retried `retries` times, at once.
+/// A server whose workers' calls are retried `retries` times, at once. A worker's model may be
+/// followed by lines of its pool table (`"m\nmax_tokens = 9"`).
 async fn serve_retrying(retries: u32, workers: &[(&str, &str)], tweak: impl FnOnce(&mut ServeOptions)) -> Served {
     let providers = TestServer::start().await.expect("providers");
     let mut text = format!("[retry]\nmax_retries = {retries}\ninitial_delay_ms = 1\n");
     for (name, model) in workers {
+        let (model, table) = model.split_once('\n').unwrap_or((model, ""));
         text.push_str(&format!(
-            "\n[[worker]]\nname = \"{name}\"\nprovider = \"openai\"\nmodel = \"{model}\"\nbase_url = \"{}\"\n",
+            "\n[[worker]]\nname = \"{name}\"\nprovider = \"openai\"\nmodel = \"{model}\"\nbase_url = \"{}\"\n{table}\n",
             providers.base_url(Wire::OpenAi)
         ));
     }
@@ -295,6 +297,107 @@ async fn a_client_that_disconnects_mid_stream_cancels_the_run_and_the_history_ke
     assert!(kept.contains("line 0"), "what streamed so far is kept: {kept:?}");
 }
 
+/// A client that stops reading a streamed answer (its socket's buffers full, every write
+/// waiting) is treated as gone once a write has waited `write_stall`: the connection closes and
+/// the run is cancelled, and the history keeps it so. A client that reads gets it all.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_stops_reading_is_let_go_and_its_run_cancelled() {
+    use tokio::io::AsyncWriteExt;
+    // About 10 MB of answer: more than the socket buffers between the two hold.
+    let long = "long;lines=200000\nmax_tokens = 10000000";
+    let s = serve_with(&[("long", long), ("short", "short;lines=2000")], |o| {
+        o.write_stall = Duration::from_millis(500);
+    })
+    .await;
+    let body =
+        json!({ "model": "baton/long", "messages": question("Write a long essay."), "stream": true }).to_string();
+    let host = s.url.trim_start_matches("http://");
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {TOKEN}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("a small receive buffer");
+    let mut silent = socket.connect(host.parse().expect("an address")).await.expect("connect");
+    silent.write_all(request.as_bytes()).await.expect("sent");
+    // It never reads a byte.
+    let mut status = None;
+    for _ in 0..400 {
+        status = s.store.list_runs(1, None).await.unwrap().first().map(|r| r.status);
+        if status.is_some_and(|st| st != RunStatus::Running) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(status, Some(RunStatus::Cancelled), "the run stops when its client stops reading");
+    assert_eq!(s.service.stats().runs_in_flight, 0, "its slot is free");
+    drop(silent);
+
+    let body = json!({ "model": "baton/short", "messages": question("A shorter one."), "stream": true });
+    let r = client().post(format!("{}/v1/chat/completions", s.url)).bearer_auth(TOKEN).json(&body).send().await;
+    let text = r.expect("sent").text().await.expect("read whole");
+    let end = &text[text.len().saturating_sub(2000)..];
+    assert!(
+        end.contains("\"status\":\"finished\"") && end.ends_with("data: [DONE]\n\n"),
+        "a reading client gets it all: {end}"
+    );
+}
+
+/// A request sent again with the same `Idempotency-Key` (a client's retry) gets the first
+/// response, with `idempotent-replayed: true`, and nothing runs twice: also when the repeat
+/// comes while the first still runs, for a streamed answer, and for a run that failed. The
+/// same key with another request is refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_repeated_idempotency_key_gets_the_first_response_and_runs_nothing_twice() {
+    let s = serve_with(&[("slow", "slow;latency=400"), ("broken", "broken;fail=500")], |_| {}).await;
+    let send = |key: &str, body: Value| {
+        let (url, key) = (s.url.clone(), key.to_owned());
+        async move {
+            let r = client()
+                .post(format!("{url}/v1/chat/completions"))
+                .bearer_auth(TOKEN)
+                .header("idempotency-key", key)
+                .json(&body)
+                .send()
+                .await
+                .expect("sent");
+            let replayed = r.headers().get("idempotent-replayed").is_some();
+            (r.status().as_u16(), replayed, r.text().await.expect("body"))
+        }
+    };
+    let ask = json!({ "model": "baton/slow", "messages": question("Once?") });
+    let (first, again) = tokio::join!(send("k-1", ask.clone()), async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        send("k-1", ask.clone()).await
+    });
+    assert_eq!((first.0, first.1), (200, false), "{}", first.2);
+    assert_eq!((again.0, again.1), (200, true), "the repeat waited for the first: {}", again.2);
+    assert_eq!(first.2, again.2, "the same response");
+    let later = send("k-1", ask.clone()).await;
+    assert_eq!((later.0, later.1, &later.2), (200, true, &first.2));
+    assert_eq!(worker_calls(&s).len(), 1, "one run");
+
+    let other = send("k-1", json!({ "model": "baton/slow", "messages": question("Twice?") })).await;
+    assert_eq!(other.0, 422, "{}", other.2);
+    assert!(other.2.contains("another request"), "{}", other.2);
+
+    let streamed = json!({ "model": "baton/slow", "messages": question("Streamed?"), "stream": true });
+    let first = send("k-2", streamed.clone()).await;
+    let again = send("k-2", streamed).await;
+    assert!(first.2.ends_with("data: [DONE]\n\n") && again.1 && again.2 == first.2, "{}", again.2);
+    assert_eq!(worker_calls(&s).len(), 2);
+
+    let failing = json!({ "model": "baton/broken", "messages": question("Fails?") });
+    let first = send("k-3", failing.clone()).await;
+    let again = send("k-3", failing).await;
+    assert_eq!((first.0, again.0, again.1), (502, 502, true));
+    assert_eq!(worker_calls(&s).len(), 3, "the failed run is not run again");
+    // Without a key, every request runs.
+    let (status, _, _) = post(&s, ask.clone()).await;
+    assert_eq!((status, worker_calls(&s).len()), (200, 4));
+}
+
 #[tokio::test]
 async fn what_baton_cannot_honour_is_refused_by_name_in_openais_error_shape() {
     let s = serve().await;
@@ -345,6 +448,12 @@ async fn the_token_the_host_and_the_origin_guard_every_request() {
     assert_eq!(body["error"]["type"], "authentication_error");
     assert!(body["error"]["message"].as_str().unwrap().contains("baton serve token"));
     assert_eq!(client().get(&url).bearer_auth("wrong").send().await.unwrap().status(), 401);
+    let longer = format!("{TOKEN}x");
+    assert_eq!(client().get(&url).bearer_auth(&longer).send().await.unwrap().status(), 401, "a longer token");
+    assert_eq!(client().get(&url).bearer_auth(&TOKEN[..4]).send().await.unwrap().status(), 401, "a prefix");
+    // The scheme's case does not matter (RFC 9110 §11.1).
+    let lower = client().get(&url).header("authorization", format!("bearer {TOKEN}")).send().await.unwrap();
+    assert_eq!(lower.status(), 200);
     // DNS rebinding: a page whose name resolves to loopback still sends its own Host.
     let foreign = client().get(&url).bearer_auth(TOKEN).header("host", "evil.example:8765").send().await.unwrap();
     assert_eq!(foreign.status(), 403);
@@ -356,8 +465,9 @@ async fn the_token_the_host_and_the_origin_guard_every_request() {
     // Nothing ran for any refused request.
     assert!(s.providers.requests().is_empty());
 
-    // A named web client is let in, with CORS headers, preflight included.
-    let s = serve_with(&[("a", "alpha")], |o| o.allow_origins = vec!["http://localhost:3000".into()]).await;
+    // A named web client is let in, with CORS headers, preflight included; the name may be
+    // written with a trailing slash, which a browser's Origin never has.
+    let s = serve_with(&[("a", "alpha")], |o| o.allow_origins = vec!["http://localhost:3000/".into()]).await;
     let url = format!("{}/v1/models", s.url);
     let ok = client().get(&url).bearer_auth(TOKEN).header("origin", "http://localhost:3000").send().await.unwrap();
     assert_eq!(ok.status(), 200);
@@ -372,10 +482,61 @@ async fn the_token_the_host_and_the_origin_guard_every_request() {
     assert_eq!(preflight.status(), 204);
 }
 
+/// A page the user allowed may use the official SDKs, whose requests carry headers of their
+/// own (`x-stainless-…`): its preflight names them, as a browser does, and is answered with
+/// them. The names are the ones the official `openai` package really sends (sdk_headers.py).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_allowed_page_may_send_the_official_sdks_headers() {
+    let Some(python) = std::env::var_os("BATON_OPENAI_PYTHON") else {
+        assert!(std::env::var_os("CI").is_none(), "BATON_OPENAI_PYTHON is unset: run the tests through scripts/test");
+        eprintln!("skipped: BATON_OPENAI_PYTHON is unset (scripts/test sets it)");
+        return;
+    };
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/sdk_headers.py");
+    let out = tokio::process::Command::new(python).arg(script).output().await.expect("python runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let sent: Vec<String> = serde_json::from_slice(&out.stdout).expect("a JSON list");
+    // What a browser leaves out of a preflight: headers it sets itself, and safelisted ones.
+    let own = ["accept", "accept-encoding", "connection", "content-length", "host", "user-agent"];
+    let asked: Vec<&str> = sent.iter().map(String::as_str).filter(|h| !own.contains(h)).collect();
+    assert!(asked.iter().any(|h| h.starts_with("x-stainless-")), "{asked:?}");
+
+    let origin = "https://chat.example";
+    let s = serve_with(&[("a", "alpha")], |o| o.allow_origins = vec![origin.into()]).await;
+    let preflight = client()
+        .request(reqwest::Method::OPTIONS, format!("{}/v1/chat/completions", s.url))
+        .header("origin", origin)
+        .header("access-control-request-method", "POST")
+        .header("access-control-request-headers", asked.join(","))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(preflight.status(), 204);
+    let allowed = preflight.headers()["access-control-allow-headers"].to_str().unwrap().to_ascii_lowercase();
+    let allowed: Vec<&str> = allowed.split(',').map(str::trim).collect();
+    for h in &asked {
+        assert!(allowed.contains(h), "{h} is not allowed: {allowed:?}");
+    }
+    assert_eq!(preflight.headers()["access-control-allow-origin"], origin);
+
+    // A page nobody allowed gets no preflight answer at all.
+    let refused = client()
+        .request(reqwest::Method::OPTIONS, format!("{}/v1/chat/completions", s.url))
+        .header("origin", "https://evil.example")
+        .header("access-control-request-method", "POST")
+        .header("access-control-request-headers", asked.join(","))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 403);
+    assert!(!refused.headers().contains_key("access-control-allow-headers"));
+}
+
 #[tokio::test]
 async fn limits_give_clear_errors_a_full_server_429_and_request_caps_only_lower_the_pools() {
     let s = serve_with(&[("slow", "slow;latency=1500"), ("b", "beta")], |o| {
         o.max_concurrent_runs = 1;
+        o.max_queued_runs = 0;
         o.max_body_bytes = 4096;
         o.max_messages = 3;
     })
@@ -409,6 +570,7 @@ async fn limits_give_clear_errors_a_full_server_429_and_request_caps_only_lower_
         .unwrap();
     assert_eq!(r.status(), 429);
     assert_eq!(r.headers()["retry-after"], "1");
+    assert_eq!(r.headers()["x-should-retry"], "true", "nothing ran: trying again is fine");
     assert_eq!(first.await.unwrap(), 200);
 
     // A request's own token cap: too small for any call, so nothing is sent.
@@ -422,6 +584,7 @@ async fn limits_give_clear_errors_a_full_server_429_and_request_caps_only_lower_
         .await
         .unwrap();
     assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["x-should-retry"], "false", "the same cap refuses it again");
     let body: Value = r.json().await.unwrap();
     assert_eq!(body["error"]["code"], "budget_exceeded", "{body}");
     assert_eq!(s.providers.requests().len(), before);
@@ -434,6 +597,69 @@ async fn limits_give_clear_errors_a_full_server_429_and_request_caps_only_lower_
         .await
         .unwrap();
     assert_eq!(r.status(), 400);
+    assert_eq!(r.headers()["x-should-retry"], "false");
+}
+
+/// A run that failed after its workers were asked is answered 5xx, which the official SDKs
+/// retry twice by default: the response tells them not to, so nothing is spent again.
+#[tokio::test]
+async fn a_failed_run_tells_clients_not_to_retry_and_is_not_run_again() {
+    let s = serve_with(&[("broken", "broken;fail=500")], |_| {}).await;
+    let (status, headers, r) = post(&s, json!({ "model": "baton/broken", "messages": question("Hi?") })).await;
+    assert_eq!(status, 502, "{r}");
+    assert_eq!(headers["x-should-retry"], "false");
+    assert_eq!(s.providers.requests().len(), 1, "the worker was asked once");
+}
+
+/// Requests beyond the run slots wait their turn, first in first out, and are all answered;
+/// one beyond the queue is refused with 429 (and may try again: nothing ran). A client that
+/// hangs up while it waits leaves the queue, and its run never starts.
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_beyond_the_slots_wait_their_turn_and_only_a_full_queue_refuses() {
+    let s = serve_with(&[("slow", "slow;latency=600")], |o| {
+        o.max_concurrent_runs = 1;
+        o.max_queued_runs = 2;
+    })
+    .await;
+    let ask = |q: &str, patience: Duration| {
+        let (url, body) = (s.url.clone(), json!({ "model": "baton/slow", "messages": question(q) }));
+        async move {
+            let client = reqwest::Client::builder().timeout(patience).build().expect("client");
+            let sent = client.post(format!("{url}/v1/chat/completions")).bearer_auth(TOKEN).json(&body).send().await;
+            sent.map(|r| r.status().as_u16())
+        }
+    };
+    let until = async |what: &str, done: &dyn Fn(baton_serve::Stats) -> bool| {
+        for _ in 0..200 {
+            if done(s.service.stats()) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("{what}: {:?}", s.service.stats());
+    };
+    let patient = Duration::from_secs(30);
+    let first = tokio::spawn(ask("first", patient));
+    until("the first runs", &|st| st.runs_in_flight == 1).await;
+    // A client that gives up while it waits.
+    assert!(ask("quitter", Duration::from_millis(150)).await.is_err(), "it timed out waiting");
+    until("the quitter left the queue", &|st| st.runs_queued == 0).await;
+    let second = tokio::spawn(ask("second", patient));
+    until("the second waits", &|st| st.runs_queued == 1).await;
+    let third = tokio::spawn(ask("third", patient));
+    until("the third waits", &|st| st.runs_queued == 2).await;
+    let (status, headers, r) = post(&s, json!({ "model": "baton/slow", "messages": question("fourth") })).await;
+    assert_eq!(status, 429, "{r}");
+    assert_eq!(headers["retry-after"], "1");
+    assert_eq!(headers["x-should-retry"], "true");
+    assert!(r["error"]["message"].as_str().is_some_and(|m| m.contains("2 requests wait already")), "{r}");
+    for run in [first, second, third] {
+        assert_eq!(run.await.expect("joined").expect("answered"), 200);
+    }
+    let asked: Vec<String> = s.providers.requests().iter().map(|r| r.body.to_string()).collect();
+    let at = |q: &str| asked.iter().position(|b| b.contains(q));
+    assert_eq!((at("first"), at("second"), at("third")), (Some(0), Some(1), Some(2)), "in the order they came");
+    assert_eq!((at("quitter"), at("fourth"), asked.len()), (None, None, 3), "{asked:?}");
 }
 
 /// A run frees its slot when it ends, though the history records it a moment later: a client
@@ -669,6 +895,7 @@ async fn the_daily_cap_goes_on_counting_the_day_after_a_restart() {
     let (url, shutdown, task) = start(cost).await;
     let refused = ask(url).await;
     assert_eq!(refused.status(), 429);
+    assert_eq!(refused.headers()["x-should-retry"], "false", "a retry is refused again until midnight");
     let body: Value = refused.json().await.expect("json");
     assert_eq!(body["error"]["code"], "daily_cap_reached", "{body}");
     assert_eq!(providers.requests().len(), 1, "no call after the cap");

@@ -18,11 +18,12 @@ pub(super) async fn run(
     bursts: usize,
     latency_ms: u64,
     history: bool,
+    slots: usize,
     pinned: bool,
     json: bool,
 ) -> Outcome {
-    if requests == 0 || bursts == 0 {
-        return Err(Failure::BadInput("--requests and --bursts must be at least 1".into()));
+    if requests == 0 || bursts == 0 || slots == 0 {
+        return Err(Failure::BadInput("--requests, --bursts and --max-concurrent-runs must be at least 1".into()));
     }
     let failed = |e: &dyn std::fmt::Display| Failure::Failed(e.to_string());
     let latency = Duration::from_millis(latency_ms);
@@ -59,10 +60,10 @@ pub(super) async fn run(
     let serve_options = baton_serve::ServeOptions {
         port,
         token: Some(token.into()),
-        // Room for both bursts, and for the first one's runs still waiting for the history.
-        max_concurrent_runs: 2 * requests,
+        max_concurrent_runs: slots,
         ..baton_serve::ServeOptions::default()
     };
+    let queue = serve_options.max_queued_runs;
     let service = Arc::new(
         baton_serve::Service::new(executor, false, history.then(|| store.clone()), serve_options)
             .map_err(|e| failed(&e))?,
@@ -188,7 +189,7 @@ pub(super) async fn run(
             "{}",
             serde_json::json!({
                 "requests": requests, "bursts": bursts, "latency_ms": latency_ms, "ok": overhead.len(), "errors": errors,
-                "history": history, "pinned_threads": pinned, "recorded_finished": finished, "runs": runs, "overhead_ms_p50": p50,
+                "history": history, "slots": slots, "queue_depth": queue, "pinned_threads": pinned, "recorded_finished": finished, "runs": runs, "overhead_ms_p50": p50,
                 "overhead_ms_p99": p99, "overhead_ms_max": max, "head_ms_p50": head_p50, "head_ms_p99": head_p99,
                 "total_s": total_s, "in_process": { "overhead_ms_p50": alone_p50, "overhead_ms_p99": alone_p99 },
                 "new_connections": {
@@ -202,6 +203,7 @@ pub(super) async fn run(
              fake worker at {latency_ms} ms{}",
             if pinned { "; worker threads pinned one per core" } else { "" }
         );
+        println!("  {slots} run slots; up to {queue} more requests wait their turn (the server's default queue)");
         let answered = cold.len() + overhead.len();
         if history {
             println!("  answered: {answered} of {runs}; runs finished in the history: {finished}");

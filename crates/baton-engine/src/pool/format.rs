@@ -65,6 +65,7 @@ pub(super) struct ServeFile {
     pub token_env: Option<Text>,
     pub allow_origins: Option<Texts>,
     pub max_concurrent_runs: Option<Whole<1, 10_000>>,
+    pub max_queued_runs: Option<Whole<0, 100_000>>,
     pub daily_max_cost_usd: Option<NonNegative>,
 }
 

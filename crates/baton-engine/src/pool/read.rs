@@ -92,6 +92,7 @@ impl Pool {
             options.serve.token_env = s.token_env.map(|t| t.0);
             options.serve.allow_origins = s.allow_origins.map(|t| t.0).unwrap_or_default();
             options.serve.max_concurrent_runs = s.max_concurrent_runs.map(|n| n.0 as usize);
+            options.serve.max_queued_runs = s.max_queued_runs.map(|n| n.0 as usize);
             options.serve.daily_max_cost_usd = s.daily_max_cost_usd.map(|x| x.0);
         }
 
@@ -374,7 +375,7 @@ mod tests {
     #[test]
     fn the_serve_table_is_read_and_checked() {
         let pool = Pool::parse(
-            "[serve]\napp = true\nhost = \"0.0.0.0\"\nport = 9000\ntoken_env = \"T\"\nallow_origins = [\"http://localhost:3000\"]\nmax_concurrent_runs = 2\ndaily_max_cost_usd = 5\n\n[[worker]]\nname = \"a\"\nprovider = \"openai\"\nmodel = \"m\"\n",
+            "[serve]\napp = true\nhost = \"0.0.0.0\"\nport = 9000\ntoken_env = \"T\"\nallow_origins = [\"http://localhost:3000\"]\nmax_concurrent_runs = 2\nmax_queued_runs = 0\ndaily_max_cost_usd = 5\n\n[[worker]]\nname = \"a\"\nprovider = \"openai\"\nmodel = \"m\"\n",
             "pool.toml",
         )
         .expect("parses");
@@ -382,6 +383,7 @@ mod tests {
         assert_eq!((s.host.as_deref(), s.port, s.token_env.as_deref()), (Some("0.0.0.0"), Some(9000), Some("T")));
         assert_eq!(s.allow_origins, ["http://localhost:3000"]);
         assert_eq!((s.max_concurrent_runs, s.daily_max_cost_usd, s.app), (Some(2), Some(5.0), true));
+        assert_eq!(s.max_queued_runs, Some(0), "a server that refuses rather than queues");
         let e = Pool::parse(
             &format!(
                 "[serve]\napp = \"yes\"{worker}",

@@ -48,9 +48,9 @@ pub async fn score(sandbox: Option<&Sandbox>, item: &Item, answer: Option<&str>)
         Kind::Code => {
             let code = extract::extract_code(answer);
             let sandbox = sandbox.ok_or_else(|| EvalError::Settings("code items need the sandbox".into()))?;
-            // Only a stub goes before the answer: prose there would be a syntax error.
+            // Only Python goes before the answer: prose there would be a syntax error.
             let program = Sandbox::program(
-                item.code_stub().unwrap_or_default(),
+                item.code_prefix(&code),
                 &code,
                 item.tests.as_deref().unwrap_or_default(),
                 item.entry_point.as_deref().unwrap_or_default(),
@@ -155,5 +155,18 @@ mod tests {
         // A body alone completes a stub (HumanEval's canonical form).
         let body = "```python\n    return a + b\n```";
         assert!(score(Some(&sandbox), &stub, Some(body)).await.expect("scored").correct);
+
+        // Prose that names the signature is still prose: it is not put before the answer.
+        let named = code_item("Write a Python function `def add(a, b)` that returns a + b.", None);
+        assert_eq!(named.code_stub(), None);
+        assert!(score(Some(&sandbox), &named, Some(right)).await.expect("scored").correct);
+        assert!(!score(Some(&sandbox), &named, Some(wrong)).await.expect("scored").correct);
+        // A whole function runs as it is, after what the stub has before the entry point (here
+        // a helper it uses); a stub whose signature line alone would not parse before it is
+        // no obstacle.
+        let helper = code_item("Add.", Some("import math\n\ndef twice(x):\n    return 2 * x\n\ndef add(a, b):\n"));
+        let uses = "```python\ndef add(a, b):\n    return twice(a + b) // 2\n```";
+        assert_eq!(helper.code_prefix(uses), "import math\n\ndef twice(x):\n    return 2 * x\n\n");
+        assert!(score(Some(&sandbox), &helper, Some(uses)).await.expect("scored").correct);
     }
 }
