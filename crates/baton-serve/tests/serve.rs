@@ -503,31 +503,26 @@ async fn an_allowed_page_may_send_the_official_sdks_headers() {
 
     let origin = "https://chat.example";
     let s = serve_with(&[("a", "alpha")], |o| o.allow_origins = vec![origin.into()]).await;
-    let preflight = client()
-        .request(reqwest::Method::OPTIONS, format!("{}/v1/chat/completions", s.url))
-        .header("origin", origin)
-        .header("access-control-request-method", "POST")
-        .header("access-control-request-headers", asked.join(","))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(preflight.status(), 204);
-    let allowed = preflight.headers()["access-control-allow-headers"].to_str().unwrap().to_ascii_lowercase();
+    // As a browser asks before a page's POST with the SDK's headers.
+    let preflight = |from: &str| {
+        client()
+            .request(reqwest::Method::OPTIONS, format!("{}/v1/chat/completions", s.url))
+            .header("origin", from)
+            .header("access-control-request-method", "POST")
+            .header("access-control-request-headers", asked.join(","))
+            .send()
+    };
+    let answered = preflight(origin).await.unwrap();
+    assert_eq!(answered.status(), 204);
+    let allowed = answered.headers()["access-control-allow-headers"].to_str().unwrap().to_ascii_lowercase();
     let allowed: Vec<&str> = allowed.split(',').map(str::trim).collect();
     for h in &asked {
         assert!(allowed.contains(h), "{h} is not allowed: {allowed:?}");
     }
-    assert_eq!(preflight.headers()["access-control-allow-origin"], origin);
+    assert_eq!(answered.headers()["access-control-allow-origin"], origin);
 
     // A page nobody allowed gets no preflight answer at all.
-    let refused = client()
-        .request(reqwest::Method::OPTIONS, format!("{}/v1/chat/completions", s.url))
-        .header("origin", "https://evil.example")
-        .header("access-control-request-method", "POST")
-        .header("access-control-request-headers", asked.join(","))
-        .send()
-        .await
-        .unwrap();
+    let refused = preflight("https://evil.example").await.unwrap();
     assert_eq!(refused.status(), 403);
     assert!(!refused.headers().contains_key("access-control-allow-headers"));
 }
