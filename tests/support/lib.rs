@@ -73,11 +73,17 @@ pub async fn run_suite(bin: &Path, args: &[&str]) -> Output {
 /// Starts the binary `bin` with `args` and the test key, its output thrown away, for a test
 /// that kills it part way; dropping the child kills it too.
 pub fn spawn_quiet(bin: &Path, args: &[&str]) -> tokio::process::Child {
+    spawn_with_stdout(bin, args, std::process::Stdio::null())
+}
+
+/// As [`spawn_quiet`], with its standard output going to `stdout` (`Stdio::piped()` to read
+/// it as it comes); its errors are still thrown away.
+pub fn spawn_with_stdout(bin: &Path, args: &[&str], stdout: std::process::Stdio) -> tokio::process::Child {
     tokio::process::Command::new(bin)
         .args(args)
         .env("BATON_E2E_KEY", TEST_KEY)
         .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
+        .stdout(stdout)
         .stderr(std::process::Stdio::null())
         .kill_on_drop(true)
         .spawn()

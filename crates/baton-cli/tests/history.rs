@@ -227,15 +227,12 @@ async fn a_run_in_progress_cannot_be_deleted_and_a_stopped_one_keeps_its_partial
     let pool = write_pool(dir.path(), &s, "", &[W("slow", "openai", "slow;latency=8000")]);
     let plan = dir.path().join("plan.txt");
     std::fs::write(&plan, "model_id = [0]\nsubtasks = [\"Explain.\"]\naccess_list = [[]]").unwrap();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["ask", "--json", "--pool", path(&pool), "--plan", path(&plan), "--db", path(&db), "Why blue?"])
-        .env("BATON_E2E_KEY", TEST_KEY)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn");
+    let args = ["ask", "--json", "--pool", path(&pool), "--plan", path(&plan), "--db", path(&db), "Why blue?"];
+    let mut child = baton_tests::spawn_with_stdout(
+        std::path::Path::new(env!("CARGO_BIN_EXE_baton")),
+        &args,
+        std::process::Stdio::piped(),
+    );
     let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
     let mut streamed = String::new();
     let mut deltas = 0;

@@ -25,7 +25,8 @@ impl<L: axum::serve::Listener> axum::serve::Listener for Stalling<L> {
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
         let (io, addr) = self.inner.accept().await;
-        (StallingIo { inner: io, stall: self.stall, waiting: None }, addr)
+        let timer = Box::pin(tokio::time::sleep(self.stall));
+        (StallingIo { inner: io, stall: self.stall, timer, armed: false }, addr)
     }
 
     fn local_addr(&self) -> io::Result<Self::Addr> {
@@ -38,23 +39,27 @@ impl<L: axum::serve::Listener> axum::serve::Listener for Stalling<L> {
 pub(crate) struct StallingIo<T> {
     inner: T,
     stall: Duration,
-    /// Armed while a write waits for the client.
-    waiting: Option<Pin<Box<Sleep>>>,
+    /// One per connection, reset when a write starts to wait: armed while one waits.
+    timer: Pin<Box<Sleep>>,
+    armed: bool,
 }
 
 impl<T> StallingIo<T> {
     /// Passes on a write's progress; a write still waiting after the stall fails.
     fn watch<R>(&mut self, cx: &mut Context<'_>, polled: Poll<io::Result<R>>) -> Poll<io::Result<R>> {
         if polled.is_ready() {
-            self.waiting = None;
+            self.armed = false;
             return polled;
         }
-        let stall = self.stall;
-        let timer = self.waiting.get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
-        ready!(timer.as_mut().poll(cx));
+        if !self.armed {
+            let deadline = tokio::time::Instant::now() + self.stall;
+            self.timer.as_mut().reset(deadline);
+            self.armed = true;
+        }
+        ready!(self.timer.as_mut().poll(cx));
         Poll::Ready(Err(io::Error::new(
             io::ErrorKind::TimedOut,
-            format!("the client read nothing for {} s", stall.as_secs_f64()),
+            format!("the client read nothing for {} s", self.stall.as_secs_f64()),
         )))
     }
 }

@@ -24,16 +24,16 @@ pub struct Learned {
     pub plans: Vec<LearnedPlan>,
 }
 
-/// Whether a plan that answered right says what each step is for, and so is worth showing as
-/// an example: every subtask has at least two words of letters, and no two steps have the same
+/// Whether a plan that answered right says what each step is for (its `subtasks`), and so is
+/// worth showing as an example: every subtask has at least two words of letters, and no two steps have the same
 /// one. A small conductor's plan can be right only because each worker was given the question
 /// anyway, with subtasks such as ".1", a date, or one phrase five times; shown as an example,
 /// such a plan is copied, and teaches nothing but its cost.
-fn instructive(plan: &baton_plan::Plan) -> bool {
+fn instructive(subtasks: &[&str]) -> bool {
     let says_something =
         |subtask: &str| subtask.split(|c: char| !c.is_alphabetic()).filter(|w| w.chars().count() >= 2).nth(1).is_some();
-    let distinct: HashSet<&str> = plan.steps.iter().map(|s| s.subtask.trim()).collect();
-    distinct.len() == plan.steps.len() && plan.steps.iter().all(|s| says_something(&s.subtask))
+    let distinct: HashSet<&str> = subtasks.iter().map(|s| s.trim()).collect();
+    distinct.len() == subtasks.len() && subtasks.iter().all(|s| says_something(s))
 }
 
 /// Tallies of one worker on one category, before they become [`CategoryFigures`].
@@ -169,7 +169,8 @@ impl Store {
                 step.model_id = now.unwrap_or(usize::MAX);
                 now.is_some()
             });
-            if on_this_pool && instructive(&plan) {
+            let subtasks: Vec<&str> = plan.steps.iter().map(|s| s.subtask.as_str()).collect();
+            if on_this_pool && instructive(&subtasks) {
                 plans.push(LearnedPlan {
                     question: r.try_get("question")?,
                     category: r.try_get("category")?,
@@ -266,28 +267,16 @@ impl Store {
 
 #[cfg(test)]
 mod tests {
-    use baton_plan::{Access, Plan, Step};
-
     use super::instructive;
-
-    fn plan(subtasks: &[&str]) -> Plan {
-        Plan {
-            steps: subtasks
-                .iter()
-                .enumerate()
-                .map(|(i, s)| Step { model_id: i % 2, subtask: (*s).into(), access: Access::All })
-                .collect(),
-        }
-    }
 
     #[test]
     fn only_plans_whose_steps_say_what_they_are_for_become_examples() {
-        assert!(instructive(&plan(&["Answer the question."])));
-        assert!(instructive(&plan(&["List the facts it needs.", "Answer it from them."])));
+        assert!(instructive(&["Answer the question."]));
+        assert!(instructive(&["List the facts it needs.", "Answer it from them."]));
         // Seen in a real learning run: right, because every worker was given the question.
-        assert!(!instructive(&plan(&[".1", ".2", ".3", ".4", ".5"])));
-        assert!(!instructive(&plan(&["2017-01-01"])));
-        assert!(!instructive(&plan(&["The balance of power", "The balance of power"])));
-        assert!(!instructive(&plan(&["Solve"])));
+        assert!(!instructive(&[".1", ".2", ".3", ".4", ".5"]));
+        assert!(!instructive(&["2017-01-01"]));
+        assert!(!instructive(&["The balance of power", "The balance of power"]));
+        assert!(!instructive(&["Solve"]));
     }
 }
