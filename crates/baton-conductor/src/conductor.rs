@@ -139,9 +139,9 @@ impl LocalConductor {
         let full = grammar.max_tokens();
         // The prompt's real tokens (its bytes, ~4 times as many, would leave a cap of a few
         // thousand tokens no room to plan in).
-        let input = match self.model.prompt_tokens(Some(&system), &messages).await {
-            Some(tokens) => tokens,
-            None => WorstCase::of(Some(&system), &messages, 0, &Pricing::Free).input_tokens,
+        let (input, exact) = match self.model.prompt_tokens(Some(&system), &messages).await {
+            Some(tokens) => (tokens, true),
+            None => (WorstCase::of(Some(&system), &messages, 0, &Pricing::Free).input_tokens, false),
         };
         let max_tokens = match meter.output_room(input) {
             Some(room) => full.min(usize::try_from(room).unwrap_or(usize::MAX).max(MIN_BUDGETED_PLAN_TOKENS)),
@@ -155,16 +155,25 @@ impl LocalConductor {
         };
         let output_cap = u32::try_from(options.max_tokens).unwrap_or(u32::MAX);
         let worst = WorstCase::of_size(input, u64::from(output_cap), &Pricing::Free);
-        let reservation = meter.reserve("the conductor", worst).await.map_err(PlannerError::refused)?;
+        let reservation = meter.reserve("the conductor", worst, &Pricing::Free).await.map_err(PlannerError::refused)?;
+        // mistral.rs reports no tokens for a generation that fails, times out or is stopped:
+        // the reservation counts its prompt (read in full or in part) and the text it wrote.
+        reservation.sent(exact);
+        let mut counted = |t: &str| {
+            reservation.received(t.len());
+            on_text(t);
+        };
         let generated = within_time_limit(self.options.plan_time_limit, async {
             self.model
-                .generate(Some(&system), &messages, &options, on_text)
+                .generate(Some(&system), &messages, &options, &mut counted)
                 .await
                 .map_err(|e| PlannerError::new(e.message))
         })
         .await;
-        // A failed generation's tokens are not reported by mistral.rs; it counts as a call.
-        reservation.settle(generated.as_ref().map(|g| g.usage).unwrap_or_default(), Some(0.0));
+        match &generated {
+            Ok(g) => reservation.settle(g.usage, Some(0.0)),
+            Err(_) => drop(reservation.settle_cut()),
+        }
         let generated = generated?;
         let plan = baton_plan::parse(&generated.text, &ctx.limits()).map_err(|e| {
             let budget = if max_tokens < full && generated.finish_reason.as_deref() == Some("length") {
@@ -293,20 +302,30 @@ impl RemoteConductor {
         let spent = std::sync::Mutex::new(Figures::default());
         let attempt = || async {
             // A budget refusal is not a provider error: it ends the retries (inner `Err`).
-            let reservation = match meter.reserve("the conductor", worst).await {
+            let reservation = match meter.reserve("the conductor", worst, &self.pricing).await {
                 Ok(r) => r,
                 Err(refused) => return Ok(Err(PlannerError::refused(refused))),
             };
-            let reported = std::sync::Mutex::new(Usage::default());
-            let answer = read_answer(self.model.as_ref(), request.clone(), &mut |t: &str| write(t), &reported).await;
-            let usage = match &answer {
-                Ok(a) => a.usage,
+            // A call cut short (an error here, or a time-out or stop that drops this future)
+            // counts what the server reported and the text that came, as a worker's does.
+            let on_text = &mut |t: &str| {
+                reservation.received(t.len());
+                write(t);
+            };
+            let answer = read_answer(self.model.as_ref(), request.clone(), on_text, reservation.reported()).await;
+            let (usage, cost_usd) = match &answer {
+                Ok(a) => {
+                    let cost = self.pricing.cost(&a.usage);
+                    reservation.settle(a.usage, cost);
+                    (a.usage, cost)
+                }
                 Err(e) => {
-                    e.usage.unwrap_or_else(|| *reported.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+                    if let Some(usage) = e.usage {
+                        *reservation.reported().lock().unwrap_or_else(std::sync::PoisonError::into_inner) = usage;
+                    }
+                    reservation.settle_cut()
                 }
             };
-            let cost_usd = self.pricing.cost(&usage);
-            reservation.settle(usage, cost_usd);
             spent.lock().unwrap_or_else(std::sync::PoisonError::into_inner).add(usage, cost_usd);
             answer.map(Ok)
         };

@@ -53,33 +53,37 @@ async fn cancelling_a_plan_stops_generation() {
         ..ConductorOptions::default()
     };
     let conductor = LocalConductor::new(model.clone(), workers(3), options);
-    let (tx, mut rx) = mpsc::unbounded_channel::<()>();
+    // Bytes of plan text streamed.
+    let (tx, mut rx) = mpsc::unbounded_channel::<usize>();
+    let mut streamed = 0;
+    let ledger = baton_engine::accounting::Ledger::new(baton_engine::accounting::Budget::default());
+    let stop = tokio_util::sync::CancellationToken::new();
     // A BoxFuture, so `drop` below really drops it (tokio::pin! would only drop a reference).
     let mut plan = conductor.plan(
         context("Think at length.", 3, 5),
-        Box::new(move |_t: &str| {
-            let _ = tx.send(());
+        Box::new(move |t: &str| {
+            let _ = tx.send(t.len());
         }),
-        baton_engine::accounting::unmetered(),
+        baton_engine::accounting::Meter { ledger: &ledger, stop: &stop },
     );
     tokio::select! {
         _ = &mut plan => panic!("the plan finished before any text arrived"),
-        _ = rx.recv() => {}
+        first = rx.recv() => streamed += first.unwrap_or(0),
     }
     tokio::select! {
         _ = &mut plan => panic!("the plan finished within 300 ms of streaming; it should take seconds"),
         () = tokio::time::sleep(Duration::from_millis(300)) => {}
     }
-    let streamed_before = {
-        let mut n = 0;
-        while rx.try_recv().is_ok() {
-            n += 1;
-        }
-        n
-    };
-    assert!(streamed_before > 0, "text was streaming");
     // Dropping the future drops the stream, which must end the sequence.
     drop(plan);
+    while let Ok(bytes) = rx.try_recv() {
+        streamed += bytes;
+    }
+    assert!(streamed > 0, "text was streaming");
+    // The stopped plan counts its prompt and the text it wrote (mistral.rs reported nothing).
+    let c = ledger.spent().conductor;
+    assert_eq!((c.calls, c.usage.output_tokens), (1, streamed as u64), "{c:?}");
+    assert!(c.usage.input_tokens > 50, "{c:?}");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before = cpu_ticks();
     let started = Instant::now();

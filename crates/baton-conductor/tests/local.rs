@@ -354,12 +354,25 @@ async fn a_plan_past_its_time_limit_fails_naming_the_limit() {
         ..quick()
     };
     let conductor = LocalConductor::new(model().await, workers(2), options);
+    let ledger = baton_engine::accounting::Ledger::new(baton_engine::accounting::Budget::default());
+    let stop = CancellationToken::new();
+    let meter = baton_engine::accounting::Meter { ledger: &ledger, stop: &stop };
     let started = std::time::Instant::now();
-    let e =
-        conductor.plan(context("A question", 2, 3), Box::new(|_: &str| {}), unmetered()).await.expect_err("times out");
+    let mut streamed = String::new();
+    let e = conductor
+        .plan(context("A question", 2, 3), Box::new(|t: &str| streamed.push_str(t)), meter)
+        .await
+        .expect_err("times out");
     assert!(started.elapsed() < std::time::Duration::from_secs(5), "{:?}", started.elapsed());
     assert!(e.message.contains("did not finish its plan within the 0.3 s time limit"), "{e}");
     assert!(e.message.contains("plan_time_limit_secs"), "names the setting: {e}");
+    // mistral.rs reports nothing for a generation cut off; the plan still counts its prompt,
+    // exactly, and the text it wrote, one token per byte at most.
+    assert!(!streamed.is_empty(), "the plan had begun");
+    let c = ledger.spent().conductor;
+    assert_eq!(c.calls, 1);
+    assert_eq!(c.usage.output_tokens, streamed.len() as u64, "{c:?}");
+    assert!(c.usage.input_tokens > 50 && c.usage.estimated, "{c:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

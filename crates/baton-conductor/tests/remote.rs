@@ -170,3 +170,53 @@ async fn each_request_has_the_workers_time_limit() {
     assert_eq!(server.requests().len(), 2, "the first attempt and one retry");
     assert!(started.elapsed() < std::time::Duration::from_secs(5), "{:?}", started.elapsed());
 }
+
+/// What a remote conductor's calls settled in `ledger`: calls, input, output, estimated.
+fn conductor_figures(ledger: &baton_engine::accounting::Ledger) -> (u32, u64, u64, bool) {
+    let c = ledger.spent().conductor;
+    (c.calls, c.usage.input_tokens, c.usage.output_tokens, c.usage.estimated)
+}
+
+/// A conductor's answer cut off mid-stream, or past the plan's time limit, is billed as a
+/// worker's is: the request's input bound and one token per byte of text that came, marked as
+/// an estimate (the server reports usage only at the end, so it reported nothing).
+#[tokio::test]
+async fn a_cut_or_timed_out_answer_counts_what_was_sent_and_received() {
+    let ledger = baton_engine::accounting::Ledger::new(baton_engine::accounting::Budget::default());
+    let stop = tokio_util::sync::CancellationToken::new();
+    let meter = baton_engine::accounting::Meter { ledger: &ledger, stop: &stop };
+    let once = ConductorOptions {
+        call: baton_engine::calls::CallPolicy {
+            retry: baton_providers::RetryPolicy { max_retries: 0, ..Default::default() },
+            ..Default::default()
+        },
+        ..ConductorOptions::default()
+    };
+
+    let server = TestServer::start().await.expect("server");
+    server.queue_replies("cut", [GOOD]);
+    let mut streamed = String::new();
+    conductor_with(&server, "cut;cut=1;chunks=8", &once)
+        .plan(context(), Box::new(|t: &str| streamed.push_str(t)), meter)
+        .await
+        .expect_err("the stream was cut");
+    assert!(!streamed.is_empty(), "text came before the cut");
+    let (calls, input, output, estimated) = conductor_figures(&ledger);
+    assert_eq!((calls, output, estimated), (1, streamed.len() as u64, true));
+    assert!(input > 100, "the prompt's bound: {input}");
+
+    let ledger = baton_engine::accounting::Ledger::new(baton_engine::accounting::Budget::default());
+    let meter = baton_engine::accounting::Meter { ledger: &ledger, stop: &stop };
+    let slow = ConductorOptions { plan_time_limit: std::time::Duration::from_millis(700), ..once };
+    server.queue_replies("slow", [GOOD]);
+    let mut streamed = String::new();
+    let e = conductor_with(&server, "slow;latency=4000;chunks=40", &slow)
+        .plan(context(), Box::new(|t: &str| streamed.push_str(t)), meter)
+        .await
+        .expect_err("past its time limit");
+    assert!(e.timed_out, "{e}");
+    assert!(!streamed.is_empty() && streamed.len() < GOOD.len(), "part of the plan came: {streamed:?}");
+    let (calls, input, output, estimated) = conductor_figures(&ledger);
+    assert_eq!((calls, output, estimated), (1, streamed.len() as u64, true));
+    assert!(input > 100, "the prompt's bound: {input}");
+}

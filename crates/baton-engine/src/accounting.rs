@@ -14,11 +14,18 @@
 //! A call that fits only once calls in flight settle waits for them instead of failing; one that
 //! would not fit even then fails its step with `budget`.
 //!
+//! A call may also be *held* for ([`Ledger::hold`]) before it is made: the room a fallback
+//! answer needs is held while the conductor plans, so planning can never spend it.
+//!
+//! A call that ends without a usage report (an error, a time-out, a stop) is settled to an
+//! upper estimate of what it sent and received: see [`Reservation`].
+//!
 //! The figures are kept per caller ([`Caller`]): the conductor's apart from the workers', so
 //! every surface can show what orchestration cost next to what the work cost.
 
 use std::collections::BTreeSet;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use baton_providers::Message;
 /// `Figures` counts tokens in the providers' own shape; re-exported so a reader of figures
@@ -207,6 +214,10 @@ struct Inner {
     reserved_tokens: u64,
     reserved_cost: f64,
     in_flight: u32,
+    /// Held by [`Hold`]s: calls not yet made, whose room no other call may take.
+    held_tokens: u64,
+    held_cost: f64,
+    held_calls: u32,
 }
 
 impl Inner {
@@ -249,46 +260,81 @@ impl Ledger {
     pub fn output_room(&self, input_tokens: u64) -> Option<u64> {
         let max = self.budget.max_tokens?;
         let l = self.lock();
-        Some(max.saturating_sub(l.tokens() + l.reserved_tokens + input_tokens))
+        Some(max.saturating_sub(l.tokens() + l.held_tokens + l.reserved_tokens + input_tokens))
+    }
+
+    /// Whether the run has any cap (without one, nothing needs holding).
+    pub fn capped(&self) -> bool {
+        self.budget != Budget::default()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Held room never frees while a call waits (its holder waits on that call), so a call
+    /// that fits only without it never fits.
     fn fit(&self, l: &Inner, who: &str, worst: &WorstCase) -> Fit {
+        let held = |what: String| {
+            if l.held_calls == 0 {
+                String::new()
+            } else {
+                format!(", and {what} held back for the answer of one worker alone if no plan can be used")
+            }
+        };
         if let Some(max) = self.budget.max_calls
-            && l.calls() >= max
+            && l.calls() + l.held_calls >= max
         {
-            let message = format!("budget cap reached: {} of at most {max} calls made", l.calls());
+            let message = format!(
+                "budget cap reached: {} of at most {max} calls made{}",
+                l.calls(),
+                held(format!("{} call", l.held_calls))
+            );
             return Fit::Never(BudgetExceeded { cap: Cap::Calls, message });
         }
         let mut later = false;
         if let Some(max) = self.budget.max_tokens {
             let spent = l.tokens();
-            if spent.saturating_add(worst.tokens()) > max {
+            if spent.saturating_add(l.held_tokens).saturating_add(worst.tokens()) > max {
                 let message = format!(
-                    "budget cap reached: a call to {who} could use up to {} tokens ({} in, {} out), and {spent} of at most {max} tokens are used",
+                    "budget cap reached: a call to {who} could use up to {} tokens ({} in, {} out), and {spent} of at most {max} tokens are used{}",
                     worst.tokens(),
                     worst.input_tokens,
-                    worst.output_tokens
+                    worst.output_tokens,
+                    held(format!("{} are", l.held_tokens))
                 );
                 return Fit::Never(BudgetExceeded { cap: Cap::Tokens, message });
             }
-            later |= spent + l.reserved_tokens + worst.tokens() > max;
+            later |= spent + l.held_tokens + l.reserved_tokens + worst.tokens() > max;
         }
         if let Some(max) = self.budget.max_cost_usd {
             let call = worst.cost_usd.unwrap_or(0.0);
             let spent = l.cost();
-            if spent + call > max {
+            if spent + l.held_cost + call > max {
                 let message = format!(
-                    "budget cap reached: a call to {who} could cost up to ${call:.4}, and ${spent:.4} of at most ${max:.4} is spent"
+                    "budget cap reached: a call to {who} could cost up to ${call:.4}, and ${spent:.4} of at most ${max:.4} is spent{}",
+                    held(format!("${:.4} is", l.held_cost))
                 );
                 return Fit::Never(BudgetExceeded { cap: Cap::Cost, message });
             }
-            later |= spent + l.reserved_cost + call > max;
+            later |= spent + l.held_cost + l.reserved_cost + call > max;
         }
         if later { Fit::Later } else { Fit::Now }
+    }
+
+    /// Holds the room of a call to be made later, if it could be made now: until the hold is
+    /// dropped, other calls fit only beside it. Dropping it makes nothing and counts nothing;
+    /// the held call, when it is made, reserves as any other.
+    pub fn hold(&self, who: &str, worst: WorstCase) -> Result<Hold<'_>, BudgetExceeded> {
+        let mut l = self.lock();
+        if let Fit::Never(exceeded) = self.fit(&l, who, &worst) {
+            return Err(exceeded);
+        }
+        let cost = worst.cost_usd.unwrap_or(0.0);
+        l.held_calls += 1;
+        l.held_tokens += worst.tokens();
+        l.held_cost += cost;
+        Ok(Hold { ledger: self, tokens: worst.tokens(), cost })
     }
 
     /// Reserves a call's worst case, waiting while it fits only once calls in flight settle.
@@ -298,6 +344,7 @@ impl Ledger {
         caller: Caller,
         who: &str,
         worst: WorstCase,
+        pricing: &Pricing,
         stop: &CancellationToken,
     ) -> Result<Reservation<'_>, Refused> {
         loop {
@@ -306,7 +353,7 @@ impl Ledger {
             let settled = self.settled.notified();
             tokio::pin!(settled);
             settled.as_mut().enable();
-            match self.try_reserve(caller, who, worst) {
+            match self.try_reserve(caller, who, worst, pricing) {
                 Ok(reservation) => return Ok(reservation),
                 Err(Some(exceeded)) => return Err(Refused::Exceeded(exceeded)),
                 Err(None) => {}
@@ -326,6 +373,7 @@ impl Ledger {
         caller: Caller,
         who: &str,
         worst: WorstCase,
+        pricing: &Pricing,
     ) -> Result<Reservation<'_>, Option<BudgetExceeded>> {
         let mut l = self.lock();
         match self.fit(&l, who, &worst) {
@@ -339,14 +387,23 @@ impl Ledger {
         l.reserved_tokens += worst.tokens();
         let cost = worst.cost_usd.unwrap_or(0.0);
         l.reserved_cost += cost;
-        Ok(Reservation { ledger: self, caller, who: who.to_owned(), tokens: worst.tokens(), cost, settled: false })
+        Ok(Reservation {
+            ledger: self,
+            caller,
+            who: who.to_owned(),
+            worst,
+            pricing: pricing.clone(),
+            cost,
+            settled: false,
+            progress: Progress::default(),
+        })
     }
 
     fn settle(&self, r: &Reservation<'_>, usage: Usage, cost: Option<f64>) {
         {
             let mut l = self.lock();
             l.in_flight -= 1;
-            l.reserved_tokens -= r.tokens;
+            l.reserved_tokens -= r.worst.tokens();
             l.reserved_cost = (l.reserved_cost - r.cost).max(0.0);
             if cost.is_none() {
                 l.unknown.insert(r.who.clone());
@@ -367,17 +424,55 @@ impl Ledger {
     }
 }
 
-/// A call's reserved worst case. Settle it with what the call used; dropped unsettled (the
-/// call's future was dropped: a cancelled run, a timeout), the call counts with the usage
-/// nobody reported, zero.
+/// Room held for a call not yet made ([`Ledger::hold`]); dropping it frees the room.
+#[derive(Debug)]
+pub struct Hold<'a> {
+    ledger: &'a Ledger,
+    tokens: u64,
+    cost: f64,
+}
+
+impl Drop for Hold<'_> {
+    fn drop(&mut self) {
+        {
+            let mut l = self.ledger.lock();
+            l.held_calls -= 1;
+            l.held_tokens -= self.tokens;
+            l.held_cost = (l.held_cost - self.cost).max(0.0);
+        }
+        self.ledger.settled.notify_waiters();
+    }
+}
+
+/// What a call in flight is known to have used, for a call that ends without its usage.
+#[derive(Debug, Default)]
+struct Progress {
+    /// The usage the provider reported so far.
+    reported: Mutex<Usage>,
+    /// Bytes of answer text received.
+    received: AtomicU64,
+    /// The request went out: its input counts, whatever comes back.
+    sent: AtomicBool,
+    /// ... and the worst case's input is its exact count, not a bound.
+    sent_exact: AtomicBool,
+}
+
+/// A call's reserved worst case. Settle it with what the call used; a call that ends without
+/// a usage report ([`Reservation::settle_cut`]), or whose future is dropped unsettled (a stopped
+/// run, a time-out), counts an upper estimate from what its caller told the reservation along
+/// the way: the usage reported so far ([`Reservation::reported`]), the text received
+/// ([`Reservation::received`]) and whether the request went out ([`Reservation::sent`]), the
+/// same estimate a worker's cut stream gets (`Usage::estimate_cut_call`).
 #[derive(Debug)]
 pub struct Reservation<'a> {
     ledger: &'a Ledger,
     caller: Caller,
     who: String,
-    tokens: u64,
+    worst: WorstCase,
+    pricing: Pricing,
     cost: f64,
     settled: bool,
+    progress: Progress,
 }
 
 impl Reservation<'_> {
@@ -386,13 +481,58 @@ impl Reservation<'_> {
         self.settled = true;
         self.ledger.settle(&self, usage, cost);
     }
+
+    /// Settles a call that ended without its usage (an error, a time-out) to the estimate;
+    /// returns what it settled: the usage and its price.
+    pub fn settle_cut(mut self) -> (Usage, Option<f64>) {
+        self.settle_estimate()
+    }
+
+    /// Where the call keeps the usage its provider reports as it goes (for
+    /// `baton_providers::read_answer`).
+    pub fn reported(&self) -> &Mutex<Usage> {
+        &self.progress.reported
+    }
+
+    /// Counts `bytes` more of answer text received.
+    pub fn received(&self, bytes: usize) {
+        self.progress.received.fetch_add(bytes as u64, Ordering::SeqCst);
+    }
+
+    /// The request has gone out: from here its input counts even if nothing comes back (a
+    /// local model has begun reading its prompt; a server may bill a prompt it read). `exact`
+    /// when the worst case's input is the prompt's real token count.
+    pub fn sent(&self, exact: bool) {
+        self.progress.sent_exact.store(exact, Ordering::SeqCst);
+        self.progress.sent.store(true, Ordering::SeqCst);
+    }
+
+    /// The upper estimate of what a call that ended without its usage used.
+    fn estimate(&self) -> Usage {
+        let p = &self.progress;
+        let reported = *p.reported.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let received = p.received.load(Ordering::SeqCst);
+        let mut usage = reported.estimate_cut_call(received, self.worst.input_tokens, self.worst.output_tokens);
+        if p.sent.load(Ordering::SeqCst) && usage.input_tokens == 0 {
+            usage.input_tokens = self.worst.input_tokens;
+            usage.estimated |= !p.sent_exact.load(Ordering::SeqCst);
+        }
+        usage
+    }
+
+    fn settle_estimate(&mut self) -> (Usage, Option<f64>) {
+        self.settled = true;
+        let usage = self.estimate();
+        let cost = self.pricing.cost(&usage);
+        self.ledger.settle(self, usage, cost);
+        (usage, cost)
+    }
 }
 
 impl Drop for Reservation<'_> {
     fn drop(&mut self) {
         if !self.settled {
-            self.settled = true;
-            self.ledger.settle(self, Usage::default(), Some(0.0));
+            self.settle_estimate();
         }
     }
 }
@@ -411,8 +551,8 @@ impl<'a> Meter<'a> {
         self.ledger.output_room(input_tokens)
     }
 
-    pub async fn reserve(&self, who: &str, worst: WorstCase) -> Result<Reservation<'a>, Refused> {
-        self.ledger.reserve(Caller::Conductor, who, worst, self.stop).await
+    pub async fn reserve(&self, who: &str, worst: WorstCase, pricing: &Pricing) -> Result<Reservation<'a>, Refused> {
+        self.ledger.reserve(Caller::Conductor, who, worst, pricing, self.stop).await
     }
 }
 
@@ -439,9 +579,10 @@ mod tests {
     #[test]
     fn a_call_that_cannot_fit_is_refused_and_names_the_cap() {
         let ledger = Ledger::new(Budget { max_tokens: Some(100), ..Budget::default() });
-        let r = ledger.try_reserve(Caller::Worker, "a", worst(60, Some(0.0))).expect("fits");
+        let r = ledger.try_reserve(Caller::Worker, "a", worst(60, Some(0.0)), &Pricing::Free).expect("fits");
         r.settle(usage(30, 20), Some(0.0));
-        let refused = ledger.try_reserve(Caller::Worker, "b", worst(60, Some(0.0))).expect_err("50 + 60 > 100");
+        let refused =
+            ledger.try_reserve(Caller::Worker, "b", worst(60, Some(0.0)), &Pricing::Free).expect_err("50 + 60 > 100");
         let refused = refused.expect("never fits");
         assert_eq!(refused.cap, Cap::Tokens);
         assert!(
@@ -453,13 +594,13 @@ mod tests {
     #[test]
     fn calls_in_flight_hold_their_worst_case() {
         let ledger = Ledger::new(Budget { max_tokens: Some(100), ..Budget::default() });
-        let first = ledger.try_reserve(Caller::Worker, "a", worst(60, Some(0.0))).expect("fits");
+        let first = ledger.try_reserve(Caller::Worker, "a", worst(60, Some(0.0)), &Pricing::Free).expect("fits");
         assert!(
-            matches!(ledger.try_reserve(Caller::Worker, "b", worst(60, Some(0.0))), Err(None)),
+            matches!(ledger.try_reserve(Caller::Worker, "b", worst(60, Some(0.0)), &Pricing::Free), Err(None)),
             "fits only once the first settles"
         );
         first.settle(usage(10, 10), Some(0.0));
-        let second = ledger.try_reserve(Caller::Worker, "b", worst(60, Some(0.0))).expect("fits now");
+        let second = ledger.try_reserve(Caller::Worker, "b", worst(60, Some(0.0)), &Pricing::Free).expect("fits now");
         drop(second);
         let spent = ledger.spent();
         assert_eq!(spent.workers.calls, 2, "a dropped reservation still counts its call");
@@ -470,10 +611,10 @@ mod tests {
     fn callers_are_counted_apart_and_unknown_prices_named() {
         let ledger = Ledger::new(Budget::default());
         ledger
-            .try_reserve(Caller::Conductor, "the conductor", worst(10, Some(0.0)))
+            .try_reserve(Caller::Conductor, "the conductor", worst(10, Some(0.0)), &Pricing::Free)
             .unwrap()
             .settle(usage(7, 3), Some(0.0));
-        ledger.try_reserve(Caller::Worker, "w", worst(10, None)).unwrap().settle(usage(4, 2), None);
+        ledger.try_reserve(Caller::Worker, "w", worst(10, None), &Pricing::Unknown).unwrap().settle(usage(4, 2), None);
         let spent = ledger.spent();
         assert_eq!((spent.conductor.calls, spent.conductor.usage.total()), (1, 10));
         assert_eq!((spent.workers.calls, spent.workers.usage.total()), (1, 6));
@@ -485,8 +626,9 @@ mod tests {
     #[test]
     fn the_calls_cap_counts_calls_in_flight() {
         let ledger = Ledger::new(Budget { max_calls: Some(1), ..Budget::default() });
-        let _held = ledger.try_reserve(Caller::Worker, "a", worst(1, Some(0.0))).unwrap();
-        let refused = ledger.try_reserve(Caller::Conductor, "c", worst(1, Some(0.0))).expect_err("one call only");
+        let _held = ledger.try_reserve(Caller::Worker, "a", worst(1, Some(0.0)), &Pricing::Free).unwrap();
+        let refused =
+            ledger.try_reserve(Caller::Conductor, "c", worst(1, Some(0.0)), &Pricing::Free).expect_err("one call only");
         assert_eq!(refused.map(|e| e.cap), Some(Cap::Calls));
     }
 
@@ -503,23 +645,93 @@ mod tests {
     fn output_room_is_what_is_left_after_spent_held_and_input() {
         let ledger = Ledger::new(Budget { max_tokens: Some(100), ..Budget::default() });
         assert_eq!(Ledger::new(Budget::default()).output_room(10), None);
-        let held = ledger.try_reserve(Caller::Worker, "a", worst(30, Some(0.0))).unwrap();
+        let held = ledger.try_reserve(Caller::Worker, "a", worst(30, Some(0.0)), &Pricing::Free).unwrap();
         assert_eq!(ledger.output_room(20), Some(50));
         held.settle(usage(5, 5), Some(0.0));
         assert_eq!(ledger.output_room(20), Some(70));
         assert_eq!(ledger.output_room(500), Some(0));
     }
 
+    #[test]
+    fn a_hold_keeps_its_room_from_other_calls_until_dropped() {
+        let ledger = Ledger::new(Budget { max_tokens: Some(100), ..Budget::default() });
+        let hold = ledger.hold("w", worst(60, Some(0.0))).expect("fits");
+        assert_eq!(ledger.output_room(0), Some(40), "the held room is not offered");
+        let refused = ledger
+            .try_reserve(Caller::Conductor, "c", worst(50, Some(0.0)), &Pricing::Free)
+            .expect_err("50 beside 60 held passes 100")
+            .expect("and never fits while the hold lasts: waiting would not end");
+        assert!(refused.message.contains("60 are held back"), "{refused}");
+        ledger
+            .try_reserve(Caller::Conductor, "c", worst(40, Some(0.0)), &Pricing::Free)
+            .expect("fits beside it")
+            .settle(usage(20, 20), Some(0.0));
+        drop(hold);
+        ledger
+            .try_reserve(Caller::Worker, "w", worst(60, Some(0.0)), &Pricing::Free)
+            .expect("the held call fits")
+            .settle(usage(30, 30), Some(0.0));
+        assert_eq!(ledger.spent().total().calls, 2, "a hold is no call");
+
+        let ledger = Ledger::new(Budget { max_calls: Some(1), ..Budget::default() });
+        let hold = ledger.hold("w", worst(1, Some(0.0))).expect("fits");
+        let refused = ledger
+            .try_reserve(Caller::Conductor, "c", worst(1, Some(0.0)), &Pricing::Free)
+            .expect_err("the one call is held");
+        assert_eq!(refused.map(|e| e.cap), Some(Cap::Calls));
+        drop(hold);
+        assert!(ledger.try_reserve(Caller::Worker, "w", worst(1, Some(0.0)), &Pricing::Free).is_ok());
+        assert!(Ledger::new(Budget { max_tokens: Some(10), ..Budget::default() }).hold("w", worst(11, None)).is_err());
+    }
+
+    #[test]
+    fn a_call_that_ends_without_its_usage_counts_what_it_sent_and_received() {
+        // $1 a token in, $2 out.
+        let price = Pricing::Pool(crate::prices::Price { input: 1e6, output: 2e6, cached_input: None });
+        let conductor = |ledger: &Ledger| ledger.spent().conductor;
+
+        // A local prompt (its count exact) stopped after 12 bytes of plan: dropped unsettled.
+        let ledger = Ledger::new(Budget::default());
+        let r = ledger.try_reserve(Caller::Conductor, "c", WorstCase::of_size(300, 1000, &price), &price).unwrap();
+        r.sent(true);
+        r.received(12);
+        drop(r);
+        let c = conductor(&ledger);
+        assert_eq!((c.calls, c.usage.input_tokens, c.usage.output_tokens, c.usage.estimated), (1, 300, 12, true));
+        assert_eq!(c.cost_usd, 300.0 + 24.0);
+
+        // The same prompt failing before any text: its input, exactly, and nothing estimated.
+        let ledger = Ledger::new(Budget::default());
+        let r = ledger.try_reserve(Caller::Conductor, "c", WorstCase::of_size(300, 1000, &price), &price).unwrap();
+        r.sent(true);
+        assert_eq!(r.settle_cut().0, Usage { input_tokens: 300, ..Usage::default() });
+
+        // A stream that reported its input as it opened (Anthropic) and was cut after 40 bytes:
+        // the input as reported, not the request's bound; the output from the bytes.
+        let ledger = Ledger::new(Budget::default());
+        let r = ledger.try_reserve(Caller::Conductor, "c", WorstCase::of_size(300, 1000, &price), &price).unwrap();
+        *r.reported().lock().unwrap() = usage(120, 0);
+        r.received(40);
+        let (u, cost) = r.settle_cut();
+        assert_eq!((u.input_tokens, u.output_tokens, u.estimated), (120, 40, true));
+        assert_eq!(cost, Some(120.0 + 80.0));
+
+        // A request that never went out and got nothing back counts nothing but the call.
+        let ledger = Ledger::new(Budget::default());
+        drop(ledger.try_reserve(Caller::Conductor, "c", WorstCase::of_size(300, 1000, &price), &price).unwrap());
+        assert_eq!((conductor(&ledger).calls, conductor(&ledger).usage.total()), (1, 0));
+    }
+
     #[tokio::test]
     async fn a_waiting_call_proceeds_when_room_is_freed() {
         let ledger = std::sync::Arc::new(Ledger::new(Budget { max_tokens: Some(100), ..Budget::default() }));
         let stop = CancellationToken::new();
-        let first = ledger.try_reserve(Caller::Worker, "a", worst(80, Some(0.0))).unwrap();
+        let first = ledger.try_reserve(Caller::Worker, "a", worst(80, Some(0.0)), &Pricing::Free).unwrap();
         let waiter = {
             let ledger = ledger.clone();
             let stop = stop.clone();
             tokio::spawn(async move {
-                let r = ledger.reserve(Caller::Worker, "b", worst(50, Some(0.0)), &stop).await;
+                let r = ledger.reserve(Caller::Worker, "b", worst(50, Some(0.0)), &Pricing::Free, &stop).await;
                 r.map(|r| r.settle(usage(1, 1), Some(0.0))).is_ok()
             })
         };

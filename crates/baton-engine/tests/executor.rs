@@ -625,6 +625,23 @@ async fn a_stream_cut_before_its_usage_counts_an_estimate_and_says_so() {
     assert!(outcome.totals.all().summary().contains("estimated"), "{}", outcome.totals.all().summary());
     // The provider reported nothing for it.
     assert_eq!(server.requests()[0].reported().output_tokens, 0);
+
+    // Anthropic reports the input as its stream opens, with a placeholder of one output token:
+    // the input counts as reported, and the output from the bytes that came, not as 1.
+    let mut p = pool(&server, "", &[("cut", "anthropic", "cut-anthropic;cut=1;chunks=4")]);
+    p.options.retry.max_retries = 0;
+    let keyed = Executor::from_pool_with_keys(&p, |_| Arc::new(|| Ok(Some(ApiKey::new("test-key")))));
+    let (outcome, events) = run(&keyed, "model_id = [0]\nsubtasks = ['Answer.']\naccess_list = [[]]", None).await;
+    assert_eq!(outcome.status, RunStatus::Failed);
+    let sent: usize = events
+        .iter()
+        .filter_map(|e| if let RunEvent::StepDelta { text, .. } = e { Some(text.len()) } else { None })
+        .sum();
+    assert!(sent > 1, "text came before the cut: {events:?}");
+    let u = outcome.totals.usage;
+    let reported = server.requests().last().expect("the call").reported();
+    assert!(reported.input_tokens > 0);
+    assert_eq!((u.input_tokens, u.output_tokens, u.estimated), (reported.input_tokens, sent as u64, true));
 }
 
 /// A conductor whose first plan loops and whose second attempt the run's token cap has no
@@ -647,8 +664,10 @@ impl baton_engine::Planner for LoopsThenOverCap {
         Box::pin(async move {
             self.attempts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             let worst = baton_engine::accounting::WorstCase::of_size(1000, 100, &baton_engine::prices::Pricing::Free);
-            let reservation =
-                meter.reserve("the conductor", worst).await.map_err(baton_engine::PlannerError::refused)?;
+            let reservation = meter
+                .reserve("the conductor", worst, &baton_engine::prices::Pricing::Free)
+                .await
+                .map_err(baton_engine::PlannerError::refused)?;
             let usage = baton_providers::Usage { input_tokens: 1000, output_tokens: 100, ..Default::default() };
             reservation.settle(usage, Some(0.0));
             let raw = "model_id = [0]\nsubtasks = [\"The answer is 4. The answer is 4. The answer is 4. The answer is 4.\"]\naccess_list = [[]]";
@@ -692,4 +711,61 @@ async fn a_second_plan_the_cap_has_no_room_for_falls_back_to_one_worker() {
     let asked: Vec<_> = server.requests().into_iter().filter(|r| r.model.starts_with('w')).collect();
     assert_eq!(asked.len(), 1);
     assert!(asked[0].body.to_string().contains("What is 2+2?"), "{}", asked[0].body);
+}
+
+/// A pool with one worker `w` (64 tokens out at most) and the looping conductor, under `cap`.
+fn looping_pool(server: &TestServer, cap: &str) -> (Arc<LoopsThenOverCap>, Executor) {
+    let text = format!(
+        "[budget]\n{cap}\n\n[[worker]]\nname = \"w\"\nprovider = \"openai-compatible\"\nmodel = \"w;reply=four\"\nbase_url = \"{}\"\nmax_tokens = 64\n",
+        server.base_url(Wire::OpenAi)
+    );
+    let pool = Pool::parse(&text, "test-pool.toml").expect("valid pool");
+    let planner = Arc::new(LoopsThenOverCap { attempts: Default::default() });
+    let executor = executor(&pool).with_planner(planner.clone());
+    (planner, executor)
+}
+
+/// While the conductor writes, the room of the fallback's answer (the question to one worker
+/// alone) is held: an attempt that could only fit by taking it is not made, and the worker
+/// answers instead of the run ending over its cap. Under 1,200 tokens, the conductor's 1,100
+/// fit alone but not beside the fallback's; under one call, the call is the fallback's.
+#[tokio::test]
+async fn the_fallback_answers_whatever_the_conductor_would_have_spent() {
+    let server = TestServer::start().await.expect("server");
+    for cap in ["max_tokens = 1200", "max_calls = 1"] {
+        let (planner, executor) = looping_pool(&server, cap);
+        let before = server.requests().len();
+        let request = RunRequest { run_id: "held".into(), question: "What is 2+2?".into(), ..RunRequest::default() };
+        let (outcome, events) = run_request(&executor, request, None).await;
+        assert_eq!(outcome.status, RunStatus::Finished, "{cap}: {events:#?}");
+        assert_eq!(planner.attempts.load(std::sync::atomic::Ordering::SeqCst), 1, "{cap}");
+        let fallback = events.iter().find_map(|e| match e {
+            RunEvent::PlanReady { fallback: Some(f), .. } => Some(f.clone()),
+            _ => None,
+        });
+        let fallback = fallback.unwrap_or_else(|| panic!("{cap}: the plan that ran is the fallback"));
+        assert!(fallback.starts_with("a plan did not fit under the run's caps"), "{fallback}");
+        assert!(fallback.contains("held back for the answer of one worker alone"), "{fallback}");
+        let totals = events.iter().find_map(RunEvent::final_totals).expect("totals");
+        assert_eq!((totals.conductor.calls, totals.workers.calls), (0, 1), "{cap}: {totals:?}");
+        assert_eq!(server.requests().len(), before + 1);
+    }
+}
+
+/// A run whose caps cannot afford even the fallback's answer is refused before the conductor
+/// is asked: nothing is spent on a plan that could never be answered.
+#[tokio::test]
+async fn a_run_that_cannot_afford_the_fallback_is_refused_before_the_conductor_spends() {
+    let server = TestServer::start().await.expect("server");
+    let (planner, executor) = looping_pool(&server, "max_tokens = 100");
+    let request = RunRequest { run_id: "poor".into(), question: "What is 2+2?".into(), ..RunRequest::default() };
+    let (outcome, events) = run_request(&executor, request, None).await;
+    assert_eq!(outcome.status, RunStatus::Failed);
+    let error = outcome.error.expect("error");
+    assert_eq!(error.kind, RunErrorKind::BudgetExceeded);
+    assert!(error.message.contains("not even the question to one worker alone (w) fits"), "{}", error.message);
+    assert_eq!(planner.attempts.load(std::sync::atomic::Ordering::SeqCst), 0, "the conductor was not asked");
+    assert_eq!(outcome.totals.calls, 0);
+    assert!(server.requests().is_empty());
+    assert!(!events.iter().any(|e| matches!(e, RunEvent::PlanStarted { .. })), "{events:#?}");
 }

@@ -293,8 +293,10 @@ impl StreamParser for Parser {
         let parsed: StreamEvent = http::decode("stream event", &event.data)?;
         match parsed {
             StreamEvent::MessageStart { message } => {
+                // Its output count is a placeholder (1), not output: a stream cut after it
+                // must be estimated from the text that came, not billed for one token.
                 if let Some(u) = message.usage {
-                    add_usage(&mut self.usage, u);
+                    add_usage(&mut self.usage, WireUsage { output_tokens: None, ..u });
                 }
             }
             StreamEvent::ContentBlockDelta { delta: ContentDelta::TextDelta { text } } => {

@@ -136,14 +136,15 @@ impl Usage {
     /// sending `received_bytes` of text, for a request of at most `input_bound` input tokens
     /// and `output_bound` output tokens: the provider bills what it read and sent, so count
     /// an upper estimate of both, marked as such. Output: one token per byte received (a
-    /// token is at least a byte), at most the request's cap. What the provider did report is
-    /// kept where it is larger.
+    /// token is at least a byte), at most the request's cap. Input: what the provider reported
+    /// (Anthropic reports it as the stream opens), else the request's bound. An output count
+    /// the provider did report (Gemini's, with every chunk) is kept as it is.
     pub fn estimate_cut_call(self, received_bytes: u64, input_bound: u64, output_bound: u64) -> Usage {
         if self.output_tokens > 0 || received_bytes == 0 {
             return self;
         }
         Usage {
-            input_tokens: self.input_tokens.max(input_bound),
+            input_tokens: if self.input_tokens > 0 { self.input_tokens } else { input_bound },
             output_tokens: received_bytes.min(output_bound),
             estimated: true,
             ..self

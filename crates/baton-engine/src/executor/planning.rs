@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::step::StepFailure;
 use super::{Executor, RunCtx};
-use crate::accounting::{Budget, Figures, Ledger, Meter};
+use crate::accounting::{Budget, Figures, Hold, Ledger, Meter};
 use crate::event::{RunError, RunErrorKind, RunEvent, StepRef};
 use crate::planner::{PlanDeltas, Planned, PlannerError, PlanningContext, ShownExample};
 use crate::rerun::Reuse;
@@ -152,9 +152,13 @@ impl Executor {
     /// For the question's plan (depth 0), with the fallback on: a plan that fails, loops,
     /// copies an example or keeps the question from the workers is asked for once more (the
     /// conductor writes the second attempt differently), and if that one is no better, or the
-    /// run's caps leave no room for it, the question goes to one worker alone (see
+    /// run's caps leave no room for an attempt, the question goes to one worker alone (see
     /// [`crate::fallback`]). Each rejected attempt is reported with
     /// `PlanRejected`; the plan that runs instead says why in `PlanReady::fallback`.
+    ///
+    /// Under caps, the room of that one worker's answer is held while the conductor writes,
+    /// so the fallback can always answer; a run whose caps cannot afford even that answer is
+    /// refused before the conductor spends anything.
     pub(super) async fn write_plan(
         &self,
         ctx: &RunCtx<'_>,
@@ -180,6 +184,9 @@ impl Executor {
         let Some(planner) = &self.planner else {
             return Err(StepFailure::Conductor("no conductor is configured to write a plan".into()));
         };
+        let checked = depth == 0 && self.options.fallback.enabled;
+        // Dropped when this round's plan is chosen: the fallback's call then reserves as any.
+        let _fallback_room = if checked && ctx.ledger.capped() { Some(self.hold_fallback(ctx).await?) } else { None };
         let round = ctx.rounds.fetch_add(1, Ordering::SeqCst);
         ctx.emit(RunEvent::PlanStarted { round, depth, parent });
         let recursive_round = parent.is_some();
@@ -194,7 +201,6 @@ impl Executor {
             ..self.question_context(&ctx.question, ctx.history.clone(), ctx.instructions.clone())
         };
         let limits = context.limits();
-        let checked = depth == 0 && self.options.fallback.enabled;
         let mut spent = Figures::default();
         let mut reasons: Vec<String> = Vec::new();
         // Every example shown in this round's attempts: a second attempt that names what only
@@ -211,12 +217,13 @@ impl Executor {
                 () = ctx.stop.cancelled() => return Err(StepFailure::Stopped),
                 planned = planner.plan(context.clone(), deltas, meter) => planned,
             };
-            // Why this attempt cannot run. A budget refusal of the first attempt is final; of a
-            // second one, it leaves the fallback, which costs one worker's call, to answer.
+            // Why this attempt cannot run. An attempt the caps refuse leaves the fallback, whose
+            // room is held, to answer; without the fallback, the run ends there.
             let timed_out = matches!(&planned, Err(e) if e.timed_out);
             let (problem, raw, prompt) = match planned {
-                Err(e) if e.budget && context.attempt > 0 => {
-                    reasons.push(format!("a second plan did not fit under the run's caps: {}", e.message));
+                Err(e) if e.budget && checked => {
+                    let which = if context.attempt > 0 { "a second plan" } else { "a plan" };
+                    reasons.push(format!("{which} did not fit under the run's caps: {}", e.message));
                     break;
                 }
                 Err(e) if e.budget => return Err(StepFailure::Budget(e.message)),
@@ -270,7 +277,7 @@ impl Executor {
             }
             break;
         }
-        let (worker, why) = crate::fallback::fallback_worker(&self.options.fallback, self.workers.len(), &ctx.question);
+        let (worker, why) = self.fallback_for(ctx);
         let plan = crate::fallback::alone_plan(worker, &ctx.history, &ctx.question);
         let reason = format!(
             "{}; the question went to {} alone{}",
@@ -291,5 +298,26 @@ impl Executor {
             fallback: Some(reason),
         });
         Ok(Written { round, plan, spent })
+    }
+
+    /// The worker that answers alone when no plan can be used, and why that one.
+    fn fallback_for(&self, ctx: &RunCtx<'_>) -> (usize, Option<String>) {
+        crate::fallback::fallback_worker(&self.options.fallback, self.workers.len(), &ctx.question)
+    }
+
+    /// Holds the room of the fallback's call (the question to one worker alone, its request
+    /// built as the step would build it), or refuses the run when even that cannot fit.
+    async fn hold_fallback<'c>(&self, ctx: &'c RunCtx<'_>) -> Result<Hold<'c>, StepFailure> {
+        let (worker, _) = self.fallback_for(ctx);
+        let plan = crate::fallback::alone_plan(worker, &ctx.history, &ctx.question);
+        let (system, messages) = self.step_conversation(ctx, &plan, 0, 0, &[], &[]);
+        let (_, worst) = self.step_request(ctx, worker, system, messages, true).await;
+        let name = &self.workers[worker].info.name;
+        ctx.ledger.hold(name, worst).map_err(|e| {
+            StepFailure::Budget(format!(
+                "{}; not even the question to one worker alone ({name}) fits, so the conductor was not asked. Raise the cap, or give {name} a lower max_tokens",
+                e.message
+            ))
+        })
     }
 }

@@ -77,6 +77,35 @@ impl Executor {
         (system, messages)
     }
 
+    /// The request a step sends its worker, and the most it can use: the same for every
+    /// attempt, since the messages do not change between retries. The step that answers takes
+    /// the run's answer settings.
+    pub(super) async fn step_request(
+        &self,
+        ctx: &RunCtx<'_>,
+        worker_index: usize,
+        system: Option<String>,
+        messages: Vec<Message>,
+        answers: bool,
+    ) -> (ChatRequest, WorstCase) {
+        let worker = &self.workers[worker_index];
+        let mut request = ChatRequest { system, messages, ..ChatRequest::default() };
+        let mut output_cap = worker.output_cap;
+        if answers {
+            let a = ctx.answer;
+            request.max_tokens = a.max_tokens.map(|m| m.min(worker.output_cap));
+            output_cap = request.max_tokens.unwrap_or(output_cap);
+            (request.temperature, request.top_p) = (a.temperature, a.top_p);
+        }
+        // A model that counts its input exactly (a local one) is reserved for that, not for
+        // its bytes.
+        let worst = match worker.model.input_tokens(&request).await {
+            Some(input) => WorstCase::of_size(input, u64::from(output_cap), &worker.pricing),
+            None => WorstCase::of(request.system.as_deref(), &request.messages, output_cap, &worker.pricing),
+        };
+        (request, worst)
+    }
+
     /// A step given to a worker: wait for a slot at its endpoint, then call with retries.
     pub(super) async fn run_step(
         &self,
@@ -106,30 +135,18 @@ impl Executor {
             messages: messages.clone(),
         });
         let started = Instant::now();
-        let mut request = ChatRequest { system, messages, ..ChatRequest::default() };
-        let mut output_cap = worker.output_cap;
-        if answers {
-            let a = ctx.answer;
-            request.max_tokens = a.max_tokens.map(|m| m.min(worker.output_cap));
-            output_cap = request.max_tokens.unwrap_or(output_cap);
-            (request.temperature, request.top_p) = (a.temperature, a.top_p);
-        }
-        // The same for every attempt: the messages do not change between retries. A model that
-        // counts its input exactly (a local one) is reserved for that, not for its bytes.
-        let worst = match worker.model.input_tokens(&request).await {
-            Some(input) => WorstCase::of_size(input, u64::from(output_cap), &worker.pricing),
-            None => WorstCase::of(request.system.as_deref(), &request.messages, output_cap, &worker.pricing),
-        };
+        let (request, worst) = self.step_request(ctx, worker_index, system, messages, answers).await;
         // Every attempt's usage, failed ones included: the step's figures are what it cost.
         let mut spent = Usage::default();
         let mut cost = Some(0.0);
         let mut retries = 0;
         loop {
-            let reservation = match ctx.ledger.reserve(Caller::Worker, &worker.info.name, worst, &ctx.stop).await {
-                Ok(reservation) => reservation,
-                Err(Refused::Stopped) => return (step, Err(StepFailure::Stopped)),
-                Err(Refused::Exceeded(e)) => return (step, Err(StepFailure::Budget(e.message))),
-            };
+            let reservation =
+                match ctx.ledger.reserve(Caller::Worker, &worker.info.name, worst, &worker.pricing, &ctx.stop).await {
+                    Ok(reservation) => reservation,
+                    Err(Refused::Stopped) => return (step, Err(StepFailure::Stopped)),
+                    Err(Refused::Exceeded(e)) => return (step, Err(StepFailure::Budget(e.message))),
+                };
             // What the provider reported before the call ended; a call cut short by the
             // timeout below or by a stop still counts it.
             let reported = Mutex::new(Usage::default());
