@@ -420,7 +420,8 @@ async fn a_remote_conductor_gets_the_plan_grammar_its_server_reads() {
 /// A recursive plan from a remote conductor, with a rate-limited worker and a broken stream:
 /// `--json` reports the conductor's and the workers' shares apart, and the totals are exactly
 /// the sum of what the server reported for every request it received, failed attempts
-/// included (from its own request log).
+/// included (from its own request log), but for the broken stream's output, which counts the
+/// text that came.
 #[tokio::test(flavor = "multi_thread")]
 async fn ask_json_totals_are_every_request_the_servers_answered() {
     let s = server().await;
@@ -459,14 +460,28 @@ async fn ask_json_totals_are_every_request_the_servers_answered() {
             v["usage"]["output_tokens"].as_u64().unwrap(),
         )
     };
-    let (conductor, workers) = (sum(true), sum(false));
+    let (conductor, mut workers) = (sum(true), sum(false));
     assert_eq!(conductor.0, 2, "two plans");
     assert_eq!(workers.0, 4, "gpt twice (a 429 first), claude twice (a broken stream first)");
+    let broken = requests.iter().find(|r| r.model.starts_with("claude")).expect("claude's first call").reported();
+    assert!(broken.input_tokens > 0, "the broken stream's usage counts: {broken:?}");
+    // Anthropic opens a stream with a placeholder of one output token; the broken stream's
+    // output counts the text that came before it broke (claude's step is round 1's first),
+    // as an estimate, not that 1.
+    let events: Vec<Value> = out.stdout.lines().map(|l| serde_json::from_str(l).expect("json")).collect();
+    let at = |e: &Value| e["round"] == 1 && e["step"] == 0;
+    let broke = events.iter().position(|e| e["type"] == "step_retrying" && at(e)).expect("claude's retry");
+    let cut: usize = events[..broke]
+        .iter()
+        .filter(|e| e["type"] == "step_delta" && at(e))
+        .map(|e| e["text"].as_str().map_or(0, str::len))
+        .sum();
+    assert!(cut > 1 && broken.output_tokens == 1, "{cut} bytes, {broken:?}");
+    workers.2 = workers.2 - broken.output_tokens + cut as u64;
+    assert_eq!(totals["workers"]["usage"]["estimated"], true, "{totals}");
     assert_eq!(figures(&totals["conductor"]), conductor, "{totals}");
     assert_eq!(figures(&totals["workers"]), workers, "{totals}");
     assert_eq!(figures(totals), (conductor.0 + workers.0, conductor.1 + workers.1, conductor.2 + workers.2));
-    let broken = requests.iter().find(|r| r.model.starts_with("claude")).expect("claude's first call").reported();
-    assert!(broken.input_tokens > 0, "the broken stream's usage counts: {broken:?}");
     // An unpriced conductor and workers named "gpt"/"claude" (test-server names, not in the price data):
     assert_eq!(totals["cost_complete"], false);
     let unknown: Vec<&str> = totals["cost_unknown_for"].as_array().unwrap().iter().filter_map(Value::as_str).collect();

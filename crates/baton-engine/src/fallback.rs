@@ -117,7 +117,9 @@ pub fn copied_example(plan: &Plan, examples: &[ShownExample]) -> Option<Unusable
     None
 }
 
-/// Words too common to tell one question from another.
+/// Words too common to tell one question from another: English's own, and the words any
+/// instruction uses whatever its subject (what a function returns, units of time, signs,
+/// logarithms), which a plan for the user's question says without having read an example.
 const COMMON: &[&str] = &[
     "the", "and", "for", "are", "but", "not", "you", "all", "any", "can", "has", "have", "had", "was", "its", "our",
     "with", "that", "this", "these", "those", "from", "into", "than", "then", "when", "what", "which", "who", "whom",
@@ -125,6 +127,9 @@ const COMMON: &[&str] = &[
     "two", "three", "four", "five", "first", "second", "last", "more", "most", "less", "least", "larger", "smaller",
     "write", "python", "function", "code", "program", "number", "numbers", "answer", "question", "give", "explain",
     "find", "value", "time", "about", "there", "their", "them", "they", "such", "some", "only", "also", "over",
+    "return", "returns", "returned", "log", "logs", "positive", "negative", "minute", "minutes", "hour", "hours",
+    "seconds", "day", "days", "make", "makes", "made", "up", "per", "total", "sum", "result", "results", "step",
+    "steps", "list", "count", "check", "compare", "final", "correct", "option", "options", "letter", "choose",
 ];
 
 /// The first step whose subtask names a term that only a shown example's question has: a word
@@ -448,6 +453,19 @@ mod tests {
         assert_eq!(check(&p, &train, hiking, true), Some(Unusable::AboutAnExample { step: 0, term: "train".into() }));
         // Common words and the question's own words are not an example's.
         assert_eq!(check(&plan(&["Write a Python function for the hike's time in km."]), &train, hiking, true), None);
+        // Nor are the words of any instruction: what a function returns, in minutes, signs, logs.
+        let examples = [
+            shown("Write a Python function that returns the n-th Fibonacci number in O(log n) time.", &["Write it."]),
+            shown("How many positive divisors does 360 have?", &["Factor it."]),
+            shown("A train stops for 12 minutes. When does it arrive?", &["Solve it."]),
+        ]
+        .concat();
+        let question = "Jan hikes 12 km at 4 km/h. How long does the hike take?";
+        let p =
+            plan(&["Work out the hike's length in minutes; check the result is positive.", "State what it returns."]);
+        assert_eq!(check(&p, &examples, question, true), None);
+        let p = plan(&["Take the log of each side."]);
+        assert_eq!(check(&p, &examples, question, true), None);
     }
 
     #[test]
