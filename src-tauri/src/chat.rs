@@ -62,8 +62,11 @@ pub struct RerunRequest {
 #[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
 pub struct Draft {
     pub plan: Plan,
-    /// The conductor's whole text.
+    /// The conductor's whole text (empty when routed).
     pub raw: String,
+    /// Set when no conductor wrote the plan: what the pool learned sends the question to one
+    /// worker, and why.
+    pub routed: Option<String>,
     pub workers: Vec<baton_engine::WorkerInfo>,
     pub max_steps: u32,
 }
@@ -418,7 +421,13 @@ pub async fn draft_plan<R: Runtime>(
     };
     let (planned, pool) =
         baton_runner::draft::draft(pool, setup, &question, history, deltas, &registration.token).await?;
-    Ok(Draft { plan: planned.plan, raw: planned.raw, workers: pool.infos(), max_steps: pool.options.max_steps as u32 })
+    Ok(Draft {
+        plan: planned.plan,
+        raw: planned.raw,
+        routed: planned.routed,
+        workers: pool.infos(),
+        max_steps: pool.options.max_steps as u32,
+    })
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]

@@ -435,9 +435,14 @@ worker: string, };
 
 export type Draft = { plan: Plan, 
 /**
- * The conductor's whole text.
+ * The conductor's whole text (empty when routed).
  */
-raw: string, workers: Array<WorkerInfo>, max_steps: number, };
+raw: string, 
+/**
+ * Set when no conductor wrote the plan: what the pool learned sends the question to one
+ * worker, and why.
+ */
+routed: string | null, workers: Array<WorkerInfo>, max_steps: number, };
 
 export type ConnectionCheck = { 
 /**

@@ -81,6 +81,16 @@ async fn write(
         quiet: json,
     };
     let planned = build.draft(pool, &models, question, deltas).await?;
+    if let Some(why) = &planned.routed {
+        // Nothing was written: say where the question goes instead, as `ask` would send it.
+        if json {
+            println!("{}", planned.plan.to_json());
+        } else {
+            println!("No plan: {why}.\n{}", planned.plan.to_json());
+        }
+        eprintln!("plan: none written (the conductor was not asked)");
+        return Ok(());
+    }
     if json {
         println!("{}", planned.plan.to_json());
     } else {

@@ -251,6 +251,16 @@ async fn a_complementary_pool_learns_which_worker_is_right_on_which_kind() {
     assert_eq!(asked.len(), 1, "one call: {asked:?}");
     assert!(asked[0].starts_with("b;"), "the choice went to b: {asked:?}");
 
+    // A draft for review is what a run would be given: b alone, and no conductor asked.
+    let calls = s.requests().len();
+    let draft = baton(&["plan", question, "--pool", path(&routed), "--db", path(&setup.db)]).await;
+    assert_eq!(draft.code, Some(0), "{}", draft.stderr);
+    assert!(draft.stdout.starts_with("No plan: routed by what the pool learned"), "{}", draft.stdout);
+    let lists: Value = serde_json::from_str(draft.stdout.lines().last().expect("the plan")).expect("json");
+    assert_eq!(lists["model_id"], json!([1]), "{lists}");
+    assert!(draft.stderr.contains("none written"), "{}", draft.stderr);
+    assert_eq!(s.requests().len(), calls, "nothing was asked");
+
     // The same routing behind `baton serve`: `baton` is offered with no conductor, and answers.
     let args = ["--port", "0", "--no-token", "--pool", path(&routed), "--db", path(&setup.db)];
     let bin = Path::new(env!("CARGO_BIN_EXE_baton"));

@@ -194,6 +194,7 @@ impl LocalConductor {
             stop_reason: generated.finish_reason.clone(),
             prompt: Some(self.prompts.record(&system, &messages)),
             examples: self.prompts.shown_examples(ctx),
+            routed: None,
         };
         Ok((planned, generated))
     }
@@ -384,6 +385,7 @@ impl Planner for RemoteConductor {
                         stop_reason,
                         prompt: Some(record),
                         examples,
+                        routed: None,
                     });
                 }
                 Err(e) => e,
@@ -409,6 +411,7 @@ impl Planner for RemoteConductor {
                     stop_reason: second.stop_reason,
                     prompt: Some(record),
                     examples,
+                    routed: None,
                 }),
                 Err(e) => Err(PlannerError::new(format!(
                     "the conductor's plan could not be used twice: first {error}; then {e}"

@@ -86,6 +86,9 @@ pub struct Planned {
     /// The example workflows that prompt showed: a plan that repeats one, or names what only
     /// an example's question has, is a copy, not a plan for the question.
     pub examples: Vec<ShownExample>,
+    /// Set when no conductor wrote the plan: what the pool learned sends the question to one
+    /// worker, and this says why (as a run's `PlanReady::fallback` would).
+    pub routed: Option<String>,
 }
 
 impl Planned {
@@ -99,6 +102,7 @@ impl Planned {
             stop_reason: None,
             prompt: None,
             examples: Vec::new(),
+            routed: None,
         }
     }
 }

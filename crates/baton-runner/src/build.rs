@@ -96,9 +96,18 @@ pub async fn build(pool: Pool, setup: Setup<'_>) -> Result<Built, SetupError> {
 /// `setup.conductor` says, the `local` workers are not, since nothing runs.
 pub async fn build_planning(pool: Pool, setup: Setup<'_>) -> Result<Built, SetupError> {
     let pool = with_what_was_learned(pool, setup.store).await;
-    let planner = setup::planner(&pool, setup.choice, setup.models, setup.notify).await?;
-    let executor = Executor::from_pool(&pool).with_planner(planner);
-    Ok(Built { executor, pool, conductor: true })
+    let planner = match setup::planner(&pool, setup.choice, setup.models, setup.notify).await {
+        Ok(planner) => Some(planner),
+        // A pool that routes every question drafts without one: its draft is the routed worker.
+        Err(SetupError::NotConfigured) if routes_every_question(&pool) => None,
+        Err(e) => return Err(e),
+    };
+    let mut executor = Executor::from_pool(&pool);
+    let conductor = planner.is_some();
+    if let Some(planner) = planner {
+        executor = executor.with_planner(planner);
+    }
+    Ok(Built { executor, pool, conductor })
 }
 
 /// The pool with what it learned ([`learned_into`]), when there is a history.

@@ -41,7 +41,9 @@ impl Executor {
     ///
     /// Unlike a run, a draft sends no events, asks no second time and never falls back to one
     /// worker: the reviewer sees the conductor's own plan, or why there is none. It has no
-    /// client instructions (a run without them is asked the same).
+    /// client instructions (a run without them is asked the same). Where what the pool learned
+    /// routes the question to one worker, as a run would, the draft is that worker alone, with
+    /// no conductor call, and `Planned::routed` says why.
     ///
     /// A draft is not a run: no budget caps it (the run that follows has its own). Cancelling
     /// `cancel` stops generation at once; the error then says the plan was stopped, and
@@ -53,6 +55,10 @@ impl Executor {
         deltas: PlanDeltas<'_>,
         cancel: &CancellationToken,
     ) -> Result<Planned, PlannerError> {
+        if let Some((worker, why)) = crate::fallback::route(&self.options.fallback, self.workers.len(), question) {
+            let plan = crate::fallback::alone_plan(worker, &history, question);
+            return Ok(Planned { routed: Some(why), ..Planned::bare(String::new(), plan) });
+        }
         let Some(planner) = &self.planner else {
             return Err(PlannerError::new("no conductor is configured to write a plan"));
         };
