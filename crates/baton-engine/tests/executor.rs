@@ -598,6 +598,11 @@ async fn a_rerun_keeps_a_conductor_step_without_a_conductor() {
     assert_eq!(calls, ["b;reply=again"]);
 }
 
+/// Bytes of answer text the workers streamed.
+fn streamed(events: &[RunEvent]) -> usize {
+    events.iter().filter_map(|e| if let RunEvent::StepDelta { text, .. } = e { Some(text.len()) } else { None }).sum()
+}
+
 /// A stream cut off before the provider's usage came (OpenAI sends it only at the end) is still
 /// billed: the run counts an upper estimate of what was read and sent, marked as estimated, and
 /// its cost with it.
@@ -610,12 +615,10 @@ async fn a_stream_cut_before_its_usage_counts_an_estimate_and_says_so() {
     p.workers[0].price_in = Some(1.0);
     p.workers[0].price_out = Some(2.0);
     let executor = Executor::from_pool(&p);
-    let (outcome, events) = run(&executor, "model_id = [0]\nsubtasks = ['Answer.']\naccess_list = [[]]", None).await;
+    let answer = "model_id = [0]\nsubtasks = ['Answer.']\naccess_list = [[]]";
+    let (outcome, events) = run(&executor, answer, None).await;
     assert_eq!(outcome.status, RunStatus::Failed);
-    let sent: usize = events
-        .iter()
-        .filter_map(|e| if let RunEvent::StepDelta { text, .. } = e { Some(text.len()) } else { None })
-        .sum();
+    let sent = streamed(&events);
     assert!(sent > 0, "some text came before the cut: {events:?}");
     let u = outcome.totals.usage;
     assert!(u.estimated, "{u:?}");
@@ -631,12 +634,9 @@ async fn a_stream_cut_before_its_usage_counts_an_estimate_and_says_so() {
     let mut p = pool(&server, "", &[("cut", "anthropic", "cut-anthropic;cut=1;chunks=4")]);
     p.options.retry.max_retries = 0;
     let keyed = Executor::from_pool_with_keys(&p, |_| Arc::new(|| Ok(Some(ApiKey::new("test-key")))));
-    let (outcome, events) = run(&keyed, "model_id = [0]\nsubtasks = ['Answer.']\naccess_list = [[]]", None).await;
+    let (outcome, events) = run(&keyed, answer, None).await;
     assert_eq!(outcome.status, RunStatus::Failed);
-    let sent: usize = events
-        .iter()
-        .filter_map(|e| if let RunEvent::StepDelta { text, .. } = e { Some(text.len()) } else { None })
-        .sum();
+    let sent = streamed(&events);
     assert!(sent > 1, "text came before the cut: {events:?}");
     let u = outcome.totals.usage;
     let reported = server.requests().last().expect("the call").reported();
@@ -682,13 +682,7 @@ impl baton_engine::Planner for LoopsThenOverCap {
 #[tokio::test]
 async fn a_second_plan_the_cap_has_no_room_for_falls_back_to_one_worker() {
     let server = TestServer::start().await.expect("server");
-    let text = format!(
-        "[budget]\nmax_tokens = 2000\n\n[[worker]]\nname = \"w\"\nprovider = \"openai-compatible\"\nmodel = \"w;reply=four\"\nbase_url = \"{}\"\nmax_tokens = 64\n",
-        server.base_url(Wire::OpenAi)
-    );
-    let pool = Pool::parse(&text, "test-pool.toml").expect("valid pool");
-    let planner = Arc::new(LoopsThenOverCap { attempts: Default::default() });
-    let executor = executor(&pool).with_planner(planner.clone());
+    let (planner, executor) = looping_pool(&server, "max_tokens = 2000");
     let request = RunRequest { run_id: "capped".into(), question: "What is 2+2?".into(), ..RunRequest::default() };
     let (outcome, events) = run_request(&executor, request, None).await;
     assert_eq!(outcome.status, RunStatus::Finished, "{events:#?}");
@@ -698,10 +692,7 @@ async fn a_second_plan_the_cap_has_no_room_for_falls_back_to_one_worker() {
         matches!(rejected.as_slice(), [RunEvent::PlanRejected { reason, retry: true, .. }] if reason.contains("repeats itself")),
         "{rejected:#?}"
     );
-    let fallback = events.iter().find_map(|e| match e {
-        RunEvent::PlanReady { fallback: Some(f), .. } => Some(f.clone()),
-        _ => None,
-    });
+    let fallback = fallback_reason(&events);
     let fallback = fallback.expect("the plan that ran is the fallback");
     assert!(fallback.contains("a second plan did not fit under the run's caps"), "{fallback}");
     assert!(fallback.contains("the question went to w alone"), "{fallback}");
@@ -711,6 +702,14 @@ async fn a_second_plan_the_cap_has_no_room_for_falls_back_to_one_worker() {
     let asked: Vec<_> = server.requests().into_iter().filter(|r| r.model.starts_with('w')).collect();
     assert_eq!(asked.len(), 1);
     assert!(asked[0].body.to_string().contains("What is 2+2?"), "{}", asked[0].body);
+}
+
+/// Why the plan that ran is the fallback, if it is.
+fn fallback_reason(events: &[RunEvent]) -> Option<String> {
+    events.iter().find_map(|e| match e {
+        RunEvent::PlanReady { fallback: Some(f), .. } => Some(f.clone()),
+        _ => None,
+    })
 }
 
 /// A pool with one worker `w` (64 tokens out at most) and the looping conductor, under `cap`.
@@ -739,10 +738,7 @@ async fn the_fallback_answers_whatever_the_conductor_would_have_spent() {
         let (outcome, events) = run_request(&executor, request, None).await;
         assert_eq!(outcome.status, RunStatus::Finished, "{cap}: {events:#?}");
         assert_eq!(planner.attempts.load(std::sync::atomic::Ordering::SeqCst), 1, "{cap}");
-        let fallback = events.iter().find_map(|e| match e {
-            RunEvent::PlanReady { fallback: Some(f), .. } => Some(f.clone()),
-            _ => None,
-        });
+        let fallback = fallback_reason(&events);
         let fallback = fallback.unwrap_or_else(|| panic!("{cap}: the plan that ran is the fallback"));
         assert!(fallback.starts_with("a plan did not fit under the run's caps"), "{fallback}");
         assert!(fallback.contains("held back for the answer of one worker alone"), "{fallback}");
