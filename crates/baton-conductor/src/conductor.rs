@@ -172,7 +172,7 @@ impl LocalConductor {
         .await;
         match &generated {
             Ok(g) => reservation.settle(g.usage, Some(0.0)),
-            Err(_) => drop(reservation.settle_cut()),
+            Err(_) => drop(reservation.settle_cut(None)),
         }
         let generated = generated?;
         let plan = baton_plan::parse(&generated.text, &ctx.limits()).map_err(|e| {
@@ -320,12 +320,7 @@ impl RemoteConductor {
                     reservation.settle(a.usage, cost);
                     (a.usage, cost)
                 }
-                Err(e) => {
-                    if let Some(usage) = e.usage {
-                        *reservation.reported().lock().unwrap_or_else(std::sync::PoisonError::into_inner) = usage;
-                    }
-                    reservation.settle_cut()
-                }
+                Err(e) => reservation.settle_cut(e.usage),
             };
             spent.lock().unwrap_or_else(std::sync::PoisonError::into_inner).add(usage, cost_usd);
             answer.map(Ok)

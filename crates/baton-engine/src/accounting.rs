@@ -482,9 +482,13 @@ impl Reservation<'_> {
         self.ledger.settle(&self, usage, cost);
     }
 
-    /// Settles a call that ended without its usage (an error, a time-out) to the estimate;
-    /// returns what it settled: the usage and its price.
-    pub fn settle_cut(mut self) -> (Usage, Option<f64>) {
+    /// Settles a call that ended without its usage (an error, a time-out, a stop) to the
+    /// estimate, from `reported` when its error carried the usage so far, else from what the
+    /// reservation was told; returns what it settled: the usage and its price.
+    pub fn settle_cut(mut self, reported: Option<Usage>) -> (Usage, Option<f64>) {
+        if let Some(usage) = reported {
+            *self.progress.reported.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = usage;
+        }
         self.settle_estimate()
     }
 

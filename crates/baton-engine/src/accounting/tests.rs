@@ -135,7 +135,7 @@ fn a_call_that_ends_without_its_usage_counts_what_it_sent_and_received() {
     let ledger = Ledger::new(Budget::default());
     let r = ledger.try_reserve(Caller::Conductor, "c", WorstCase::of_size(300, 1000, &price), &price).unwrap();
     r.sent(true);
-    assert_eq!(r.settle_cut().0, Usage { input_tokens: 300, ..Usage::default() });
+    assert_eq!(r.settle_cut(None).0, Usage { input_tokens: 300, ..Usage::default() });
 
     // A stream that reported its input as it opened (Anthropic) and was cut after 40 bytes:
     // the input as reported, not the request's bound; the output from the bytes.
@@ -143,7 +143,7 @@ fn a_call_that_ends_without_its_usage_counts_what_it_sent_and_received() {
     let r = ledger.try_reserve(Caller::Conductor, "c", WorstCase::of_size(300, 1000, &price), &price).unwrap();
     *r.reported().lock().unwrap() = usage(120, 0);
     r.received(40);
-    let (u, cost) = r.settle_cut();
+    let (u, cost) = r.settle_cut(None);
     assert_eq!((u.input_tokens, u.output_tokens, u.estimated), (120, 40, true));
     assert_eq!(cost, Some(120.0 + 80.0));
 

@@ -2,15 +2,13 @@
 //! endpoint, the budget reserved before each attempt and settled after, retries with the pool's
 //! backoff, its time limit, and its text streamed as `StepDelta`s.
 
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use baton_plan::Plan;
 use baton_providers::{ChatModel, ChatRequest, ErrorKind, Message, ProviderError, Usage};
 
 use super::{EventSink, Executor, RunCtx};
-use crate::accounting::{Caller, Refused, WorstCase};
+use crate::accounting::{Caller, Refused, Reservation, WorstCase};
 use crate::event::{RunEvent, StepError, StepRef};
 
 pub(super) struct StepDone {
@@ -147,39 +145,34 @@ impl Executor {
                     Err(Refused::Stopped) => return (step, Err(StepFailure::Stopped)),
                     Err(Refused::Exceeded(e)) => return (step, Err(StepFailure::Budget(e.message))),
                 };
-            // What the provider reported before the call ended; a call cut short by the
-            // timeout below or by a stop still counts it.
-            let reported = Mutex::new(Usage::default());
-            let received = AtomicUsize::new(0);
+            // The reservation keeps what the provider reported and the text that came: a call
+            // cut short (an error, the timeout below, a stop) is billed for what it read and sent.
             let attempt = tokio::time::timeout(
                 worker.timeout,
-                attempt(worker.model.as_ref(), request.clone(), round, step, ctx.events, &reported, &received),
+                attempt(worker.model.as_ref(), request.clone(), round, step, ctx.events, &reservation),
             );
-            // A call that ends without its usage is billed for what it read and sent.
-            let cut = |usage: Usage| {
-                usage.estimate_cut_call(received.load(Ordering::SeqCst) as u64, worst.input_tokens, worst.output_tokens)
-            };
             let result = tokio::select! {
                 biased;
-                () = ctx.stop.cancelled() => {
-                    let usage = cut(*reported.lock().unwrap_or_else(|p| p.into_inner()));
-                    reservation.settle(usage, worker.pricing.cost(&usage));
-                    return (step, Err(StepFailure::Stopped));
-                }
-                result = attempt => result.unwrap_or_else(|_| {
+                () = ctx.stop.cancelled() => None,
+                result = attempt => Some(result.unwrap_or_else(|_| {
                     Err(ProviderError::new(
                         ErrorKind::Timeout,
                         format!("no complete answer within {} s", worker.timeout.as_secs_f64()),
                     ))
-                }),
+                })),
             };
-            let usage = match &result {
-                Ok((_, usage)) => *usage,
-                // Our own timeout dropped the call: what had been reported by then.
-                Err(error) => cut(error.usage.unwrap_or_else(|| *reported.lock().unwrap_or_else(|p| p.into_inner()))),
+            let Some(result) = result else {
+                reservation.settle_cut(None);
+                return (step, Err(StepFailure::Stopped));
             };
-            let call_cost = worker.pricing.cost(&usage);
-            reservation.settle(usage, call_cost);
+            let (usage, call_cost) = match &result {
+                Ok((_, usage)) => {
+                    let call_cost = worker.pricing.cost(usage);
+                    reservation.settle(*usage, call_cost);
+                    (*usage, call_cost)
+                }
+                Err(error) => reservation.settle_cut(error.usage),
+            };
             spent += usage;
             cost = cost.zip(call_cost).map(|(a, b)| a + b);
             match result {
@@ -234,14 +227,13 @@ async fn attempt(
     round: u32,
     step: usize,
     events: &EventSink,
-    reported: &Mutex<Usage>,
-    received: &AtomicUsize,
+    reservation: &Reservation<'_>,
 ) -> Result<(String, Usage), ProviderError> {
     let mut forward = |text: &str| {
-        received.fetch_add(text.len(), Ordering::SeqCst);
+        reservation.received(text.len());
         let _ = events.send(RunEvent::StepDelta { round, step, text: text.to_owned() });
     };
-    let answer = baton_providers::read_answer(model, request, &mut forward, reported).await?;
+    let answer = baton_providers::read_answer(model, request, &mut forward, reservation.reported()).await?;
     // An empty answer would reach dependent steps as an empty assistant turn, which providers
     // reject; say why here instead.
     if answer.text.trim().is_empty() {
