@@ -26,6 +26,9 @@ pub struct LearnRequest {
     /// Plans the conductor samples and runs per item; `null`: the default
     /// (`baton_eval::learn::DEFAULT_PLANS`), 0: the workers alone only.
     pub plans: Option<u32>,
+    /// Dollars the run may spend at most (priced calls); `null`: no cap. Learning the same
+    /// items again with a higher cap goes on where it stopped.
+    pub max_cost_usd: Option<f64>,
 }
 
 /// How a learning run ended, and what the pool knows now.
@@ -60,6 +63,7 @@ pub async fn learn_pool<R: Runtime>(
     let options = LearnOptions {
         limit: request.limit.map(|l| l as usize),
         plans: request.plans.unwrap_or(defaults.plans),
+        max_cost_usd: request.max_cost_usd,
         ..defaults
     };
     let mut spec = learn::spec(&pool, &options)?;

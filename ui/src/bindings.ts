@@ -580,7 +580,12 @@ export type EvalResult = { strategy: string, item_id: string, repeat: number,
 /**
  * `calibration` or `test`.
  */
-split: string, category: string, run_uid: string | null, 
+split: string, category: string, 
+/**
+ * The item's kind (`number`, `choice`, `code`, `exact`); none in results kept before
+ * kinds were (schema 12).
+ */
+kind: string | null, run_uid: string | null, 
 /**
  * The run's number in the history (`baton history show N`), while it is there; read, never
  * written.
@@ -803,7 +808,11 @@ tokens_per_item: number, };
 
 export type Freshness = "current" | "stale" | "none";
 
-export type CategoryRow = { category: string, figures: CategoryFigures, low: number, high: number, };
+export type CategoryRow = { category: string, 
+/**
+ * How it is shown: the category, or for a kind over categories "any multiple-choice".
+ */
+label: string, figures: CategoryFigures, low: number, high: number, };
 
 export type WorkerLearning = { worker: string, freshness: Freshness, 
 /**
@@ -813,7 +822,12 @@ identity_learned: string | null, identity_now: string,
 /**
  * Whether its calls have a price (else its cost shows as unknown, not as $0).
  */
-priced: boolean, learned_in: Array<string>, categories: Array<CategoryRow>, marks: ChatMarks, };
+priced: boolean, learned_in: Array<string>, categories: Array<CategoryRow>, 
+/**
+ * Per kind, over every category; only kinds that are not a category of their own (those
+ * are in [`Self::categories`] already).
+ */
+kinds: Array<CategoryRow>, marks: ChatMarks, };
 
 export type ChatMarks = { 
 /**
@@ -831,15 +845,32 @@ worse: number, };
 
 export type Route = "auto" | "always" | "never";
 
-export type RouteHow = "always" | "clear" | "lead";
+export type RouteHow = "always" | "clear" | "no_gain" | "lead";
 
-export type KindRoute = { category: string, worker: string, how: RouteHow, };
+export type KindRoute = { 
+/**
+ * The category, or with [`Self::by_kind`] the kind.
+ */
+category: string, 
+/**
+ * A route by the question's kind, for a question not placed in a category of its own.
+ */
+by_kind: boolean, 
+/**
+ * How it is shown: the category, or for a kind "other multiple-choice".
+ */
+label: string, worker: string, how: RouteHow, };
 
 export type PoolLearning = { 
 /**
  * In the pool's order.
  */
 workers: Array<WorkerLearning>, 
+/**
+ * The conductor's sampled plans, scored as a worker's answers are, where they were
+ * measured with this conductor over these workers.
+ */
+plans: WorkerLearning | null, 
 /**
  * Each learned kind of question and the worker it goes to.
  */
@@ -867,7 +898,12 @@ limit: number | null,
  * Plans the conductor samples and runs per item; `null`: the default
  * (`baton_eval::learn::DEFAULT_PLANS`), 0: the workers alone only.
  */
-plans: number | null, };
+plans: number | null, 
+/**
+ * Dollars the run may spend at most (priced calls); `null`: no cap. Learning the same
+ * items again with a higher cap goes on where it stopped.
+ */
+max_cost_usd: number | null, };
 
 export type Learned = { 
 /**

@@ -111,11 +111,12 @@ pub async fn learn(args: LearnArgs) -> Outcome {
     }
 }
 
-/// One block per worker: whether its profile is current, then a line per category with right
-/// of n, the 95% interval, cost and time per item; and what runs do with it.
+/// One block per worker: whether its profile is current, then a line per category (and per
+/// kind over categories, "any multiple-choice") with right of n, the 95% interval, cost and
+/// time per item; and what runs do with it.
 pub fn profiles_table(learning: &PoolLearning) -> String {
     let mut out = String::new();
-    for w in &learning.workers {
+    for w in learning.workers.iter().chain(&learning.plans) {
         let marks = &w.marks;
         let marked = (marks.total() > 0).then(|| {
             format!(
@@ -137,12 +138,12 @@ pub fn profiles_table(learning: &PoolLearning) -> String {
             )),
             Freshness::Current => out.push_str(&format!("{}: learned in {}\n", w.worker, w.learned_in.join(", "))),
         }
-        for row in &w.categories {
+        for row in w.categories.iter().chain(&w.kinds) {
             let f = &row.figures;
             let cost = if w.priced { format!("${:.6}/item", f.cost_per_item_usd) } else { "price unknown".to_owned() };
             out.push_str(&format!(
                 "  {:<20} {:>3} of {:<3} right  (95%: {:>3.0}-{:>3.0}%)  {cost}  {} ms p50  {} tokens/item\n",
-                row.category,
+                row.label,
                 f.right,
                 f.n,
                 row.low * 100.0,
@@ -168,9 +169,10 @@ pub fn profiles_table(learning: &PoolLearning) -> String {
             let how = match route.how {
                 RouteHow::Always => "alone, without a plan (route = \"always\")",
                 RouteHow::Clear => "alone, without a plan (a clear margin)",
+                RouteHow::NoGain => "alone, without a plan (the conductor's plans did no better)",
                 RouteHow::Lead => "as the plan's lead (the conductor plans)",
             };
-            out.push_str(&format!("  {:<20} {}, {how}\n", route.category, route.worker));
+            out.push_str(&format!("  {:<20} {}, {how}\n", route.label, route.worker));
         }
     }
     out

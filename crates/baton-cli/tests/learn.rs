@@ -286,6 +286,94 @@ async fn a_complementary_pool_learns_which_worker_is_right_on_which_kind() {
     assert!(served.interrupt().await.success());
 }
 
+/// A multiple-choice item whose subject is its own, as MMLU's 57 subjects are to a learning run
+/// of a few items each: no word of it is in any other item.
+fn subject_choice(id: &str) -> (Value, String, String) {
+    let (item, needle, reply) = choice(id);
+    let question = format!("{needle} Quux{id} zorp{id} frob{id}?\n\nA. w\nB. x\nC. y\nD. z");
+    let item = json!({"id": id, "kind": "choice", "category": format!("subject {id}"),
+        "question": question, "answer": item["answer"]});
+    (item, needle, reply)
+}
+
+/// Multiple-choice questions of many subjects, one item each: no subject has the runs to choose
+/// a worker by, and a new subject is like nothing learned. Their kind still tells: learned, a
+/// new subject's multiple-choice question goes to the worker right on multiple choice, with no
+/// plan written.
+#[tokio::test(flavor = "multi_thread")]
+async fn questions_of_categories_too_thin_to_choose_by_go_by_their_kind() {
+    let s = server().await;
+    let setup = Setup::new();
+    let learn_n: Vec<_> = (0..8).map(|i| number(&format!("ln{i}"))).collect();
+    let learn_c: Vec<_> = (0..8).map(|i| subject_choice(&format!("lc{i}"))).collect();
+    let test_n: Vec<_> = (0..10).map(|i| number(&format!("tn{i}"))).collect();
+    let test_c: Vec<_> = (0..10).map(|i| subject_choice(&format!("tc{i}"))).collect();
+    let a = setup.knows("a", &learn_n.iter().chain(&test_n).collect::<Vec<_>>());
+    let b = setup.knows("b", &learn_c.iter().chain(&test_c).collect::<Vec<_>>());
+    let pool = setup.pool(&s, &[("a", &a, 1.0), ("b", &b, 1.0)]);
+    let learn = setup.suite("learn.jsonl", &learn_n.iter().chain(&learn_c).collect::<Vec<_>>());
+    let held_out = setup.suite("held-out.jsonl", &test_n.iter().chain(&test_c).collect::<Vec<_>>());
+
+    let out = setup.learn(&learn, &pool).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let show = baton(&["pool", "show", "--pool", path(&pool), "--db", path(&setup.db)]).await;
+    assert_eq!(show.code, Some(0), "{}", show.stderr);
+    assert!(show.stdout.contains("subject lc3") && show.stdout.contains("  1 of 1"), "{}", show.stdout);
+    assert!(show.stdout.contains("any multiple-choice    8 of 8"), "{}", show.stdout);
+    assert!(show.stdout.contains("other multiple-choice b, alone, without a plan"), "{}", show.stdout);
+
+    let plans_before = s.requests().iter().filter(|r| r.model.starts_with("cond")).count();
+    let after = setup.eval(&held_out, &pool, "after", "conductor,single:a,single:b").await;
+    assert_eq!(accuracy(&after, "conductor"), 1.0, "the numbers by their category, the choices by their kind");
+    assert_eq!(accuracy(&after, "single:a"), 0.5);
+    let plans_after = s.requests().iter().filter(|r| r.model.starts_with("cond")).count();
+    assert_eq!(plans_after, plans_before, "both kinds are clear: no plan is written");
+    assert_eq!(after["conductor"]["figures"]["calls"], 20, "one call per item");
+}
+
+/// A leader not clearly better (6 of 8 against 2 of 8), and a conductor whose plans, sampled
+/// and scored while the pool learned, were right no more often than the leader alone: a plan is
+/// not known to help, so each question goes to the leader alone, with no plan written. Learned
+/// without plans, the same pool still plans every question.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_plan_is_written_only_where_the_measured_plans_did_better_than_the_worker_alone() {
+    let s = server().await;
+    let setup = Setup::new();
+    let learn_n: Vec<_> = (0..8).map(|i| number(&format!("ln{i}"))).collect();
+    let test_n: Vec<_> = (0..12).map(|i| number(&format!("tn{i}"))).collect();
+    let all: Vec<_> = learn_n.iter().chain(&test_n).collect();
+    // a knows three items in four, b the fourth.
+    let a = setup.knows("a", &all.iter().enumerate().filter(|(i, _)| i % 4 != 3).map(|(_, x)| *x).collect::<Vec<_>>());
+    let b = setup.knows("b", &all.iter().enumerate().filter(|(i, _)| i % 4 == 3).map(|(_, x)| *x).collect::<Vec<_>>());
+    let pool = setup.pool(&s, &[("a", &a, 1.0), ("b", &b, 1.0)]);
+    let learn = setup.suite("learn.jsonl", &learn_n.iter().collect::<Vec<_>>());
+    let held_out = setup.suite("held-out.jsonl", &test_n.iter().collect::<Vec<_>>());
+    let plans = |s: &TestServer| s.requests().iter().filter(|r| r.model.starts_with("cond")).count();
+
+    // Learned without plans: nothing says a plan does not help, so the conductor plans.
+    let other = Setup::new();
+    let out =
+        baton(&["pool", "learn", path(&learn), "--pool", path(&pool), "--db", path(&other.db), "--plans", "0"]).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(out.stdout.contains("a, as the plan's lead (the conductor plans)"), "{}", out.stdout);
+    let before = plans(&s);
+    let planned = other.eval(&held_out, &pool, "planned", "conductor").await;
+    assert_eq!(plans(&s) - before, 12, "a plan for each item");
+    assert_eq!(planned["conductor"]["figures"]["calls"], 24, "the plan and its step");
+
+    let out = setup.learn(&learn, &pool).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(out.stdout.contains("  6 of 8") && out.stdout.contains("  2 of 8"), "{}", out.stdout);
+    assert!(out.stdout.contains("the conductor's plans: learned in learn-learn-"), "{}", out.stdout);
+    assert!(out.stdout.contains(" 18 of 24"), "3 sampled plans an item, each right where a is: {}", out.stdout);
+    assert!(out.stdout.contains("a, alone, without a plan (the conductor's plans did no better)"), "{}", out.stdout);
+    let before = plans(&s);
+    let after = setup.eval(&held_out, &pool, "after", "conductor,single:a").await;
+    assert_eq!(plans(&s), before, "no plan is written");
+    assert_eq!(accuracy(&after, "conductor"), accuracy(&after, "single:a"));
+    assert_eq!(after["conductor"]["figures"]["calls"], 12, "one call per item");
+}
+
 /// An expensive worker right on everything and a cheap one right on arithmetic: learned, the
 /// arithmetic goes to the cheap one, as right and at a fraction of the cost.
 #[tokio::test(flavor = "multi_thread")]

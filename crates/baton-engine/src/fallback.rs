@@ -173,10 +173,44 @@ fn words(text: &str) -> Vec<String> {
 const NEIGHBOURS: usize = 3;
 const MIN_LIKENESS: f64 = 0.12;
 
+/// Where what the pool learned places a question: the worker for its category, and why that
+/// choice is clear, if it is.
+struct Placed<'a> {
+    worker: usize,
+    clear: Option<&'a String>,
+    /// Why it answers alone though not clear: the conductor's plans did no better.
+    no_gain: Option<&'a String>,
+    /// The category ("chemistry") or kind ("multiple-choice questions") it was placed by.
+    at: String,
+    /// How it was placed, in words: "the question is like its chemistry items".
+    how: String,
+}
+
+/// The worker the profiles name for `question`: its category's, where the learned questions
+/// nearest to it place it in a category with a choice of its own; else its kind's, where its
+/// form tells the kind ([`kind_of`]); `None` when neither does.
+fn placed<'a>(m: &'a Measured, workers: usize, question: &str) -> Option<Placed<'a>> {
+    let valid = |w: Option<usize>| w.filter(|w| *w < workers);
+    if let Some(category) = category_of(question, &m.questions)
+        && let Some(worker) = valid(m.best_by_category.get(category).copied())
+    {
+        let how = format!("the question is like its {category} items");
+        let (clear, no_gain) = (m.clear.get(category), m.no_gain.get(category));
+        return Some(Placed { worker, clear, no_gain, at: category.to_owned(), how });
+    }
+    let kind = kind_of(question, m.best_by_kind.keys())?;
+    let worker = valid(m.best_by_kind.get(kind).copied())?;
+    let words = crate::profile::kind_words(kind);
+    let how = format!("the question is a {words} one, and no learned category is like it");
+    let (clear, no_gain) = (m.clear_by_kind.get(kind), m.no_gain_by_kind.get(kind));
+    Some(Placed { worker, clear, no_gain, at: format!("{words} questions"), how })
+}
+
 /// Which worker answers alone when the plans cannot be used, and why that one (`None`: no
 /// measurement chose it). The user's `fallback_worker` first; then what the pool learned: the
 /// cheapest worker as good at the question's category, when the learned questions nearest to
-/// it say which category that is; then the best overall; else the first worker.
+/// it say which category that is, or else at its kind; then the best overall; else the first
+/// worker.
 pub fn fallback_worker(options: &FallbackOptions, workers: usize, question: &str) -> (usize, Option<String>) {
     let valid = |w: Option<usize>| w.filter(|w| *w < workers);
     if options.chosen
@@ -185,10 +219,8 @@ pub fn fallback_worker(options: &FallbackOptions, workers: usize, question: &str
         return (w, None);
     }
     let m = &options.measured;
-    if let Some(category) = category_of(question, &m.questions)
-        && let Some(w) = valid(m.best_by_category.get(category).copied())
-    {
-        return (w, Some(format!("the cheapest as good at {category} when this pool learned")));
+    if let Some(p) = placed(m, workers, question) {
+        return (p.worker, Some(format!("the cheapest as good at {} when this pool learned", p.at)));
     }
     if let Some(w) = valid(m.best) {
         return (w, Some("the best alone when this pool learned".into()));
@@ -197,19 +229,19 @@ pub fn fallback_worker(options: &FallbackOptions, workers: usize, question: &str
 }
 
 /// Whether the question goes straight to one worker, with no plan, and why: with
-/// [`Route::Auto`], when the learned profile names the worker for the question's category by a
-/// clear margin; with [`Route::Always`], to the profile's worker for the category, else the
-/// best overall, else the fallback worker. A worker the user chose (`fallback_worker`) turns
-/// [`Route::Auto`]'s routing off, since it is the user's choice, not a measurement; with
-/// [`Route::Always`] every question goes to it.
+/// [`Route::Auto`], when the learned profile names the worker for the question's category (or,
+/// where no category places it, its kind) by a clear margin, or the conductor's plans were
+/// measured there and did no better than that worker alone; with [`Route::Always`], to the
+/// profile's worker for the category or kind, else the best overall, else the fallback worker.
+/// A worker the user chose (`fallback_worker`) turns [`Route::Auto`]'s routing off, since it
+/// is the user's choice, not a measurement; with [`Route::Always`] every question goes to it.
 ///
 /// The reason starts with [`ROUTED`]: a routed run is told apart from one whose plans failed by
 /// its `PlanReady::fallback` reason ([`is_routed`]).
 pub fn route(options: &FallbackOptions, workers: usize, question: &str) -> Option<(usize, String)> {
-    let m = &options.measured;
-    let valid = |w: Option<usize>| w.filter(|w| *w < workers);
     if options.chosen {
-        return match (options.route, valid(options.worker)) {
+        let valid = options.worker.filter(|w| *w < workers);
+        return match (options.route, valid) {
             (Route::Always, Some(w)) => Some((w, "routed to the pool's fallback_worker (route = always)".to_owned())),
             _ => None,
         };
@@ -217,16 +249,43 @@ pub fn route(options: &FallbackOptions, workers: usize, question: &str) -> Optio
     match options.route {
         Route::Never => None,
         Route::Auto => {
-            let category = category_of(question, &m.questions)?;
-            let w = valid(m.best_by_category.get(category).copied())?;
-            let why = m.clear.get(category)?;
-            Some((w, format!("routed by what the pool learned: the question is like its {category} items, and {why}")))
+            let p = placed(&options.measured, workers, question)?;
+            let why = p.clear.or(p.no_gain)?;
+            Some((p.worker, format!("routed by what the pool learned: {}, and {why}", p.how)))
         }
         // The fallback's own choice: the category's worker, else the best overall.
         Route::Always => Some(match fallback_worker(options, workers, question) {
             (w, Some(why)) => (w, format!("routed by what the pool learned: {why}")),
             (w, None) => (w, "routed: nothing learned places this question".to_owned()),
         }),
+    }
+}
+
+/// The kind of `question` among the `learned` kinds, as far as its form tells: options
+/// lettered A, B, … on lines of their own make it `choice`; a Python function's signature or
+/// a fenced block of code, `code`; any other question is the one other kind learned (`number`
+/// or `exact`), if just one was. `None` when the form names a kind not learned, or leaves two
+/// open.
+pub fn kind_of<'a>(question: &str, learned: impl Iterator<Item = &'a String>) -> Option<&'a str> {
+    let learned: Vec<&'a String> = learned.collect();
+    let find = |kind: &str| learned.iter().find(|k| k.as_str() == kind).map(|k| k.as_str());
+    let option = |line: &str, letter: char| {
+        let line = line.trim_start();
+        let line = line.strip_prefix('(').unwrap_or(line);
+        let mut chars = line.chars();
+        chars.next() == Some(letter) && matches!(chars.next(), Some('.' | ')' | ':'))
+    };
+    let lettered = |letter: char| question.lines().any(|line| option(line, letter));
+    if lettered('A') && lettered('B') {
+        return find("choice");
+    }
+    if question.contains("```") || (question.contains("def ") && question.contains("):")) {
+        return find("code");
+    }
+    let mut open = learned.iter().filter(|k| !matches!(k.as_str(), "choice" | "code"));
+    match (open.next(), open.next()) {
+        (Some(one), None) => Some(one.as_str()),
+        _ => None,
     }
 }
 
@@ -381,6 +440,51 @@ mod tests {
         assert_eq!(route(&options, 3, acid), None);
         options.route = Route::Always;
         assert_eq!(route(&options, 3, acid).map(|r| r.0), Some(1));
+
+        // Where the conductor's plans did no better than history's worker alone, it answers alone.
+        let mut options = FallbackOptions { measured: options.measured.clone(), ..Default::default() };
+        let why = "the conductor's plans were right on 3 of 8 when the pool learned, b alone on 4 of 8: a plan is not known to help";
+        options.measured.no_gain.insert("history".into(), why.into());
+        let (w, said) = route(&options, 3, papers).expect("no gain: alone");
+        assert_eq!(w, 1);
+        assert!(said.ends_with(why), "{said}");
+    }
+
+    #[test]
+    fn a_question_no_category_places_goes_to_the_worker_of_its_kind() {
+        let measured = Measured {
+            best: Some(0),
+            best_by_category: [("chemistry".to_owned(), 0)].into(),
+            clear: [("chemistry".to_owned(), "a was right on 8 of 8".to_owned())].into(),
+            best_by_kind: [("choice".to_owned(), 1), ("number".to_owned(), 2)].into(),
+            clear_by_kind: [("choice".to_owned(), "b was right on 18 of 20".to_owned())].into(),
+            questions: vec![("What is the pH of a 0.01 M solution of hydrochloric acid?".into(), "chemistry".into())],
+            ..Default::default()
+        };
+        let options = FallbackOptions { measured, ..Default::default() };
+        let anatomy = "Which bone is the longest?\n\nA. femur\nB. tibia\nC. ulna\nD. radius";
+        let (w, why) = route(&options, 3, anatomy).expect("multiple choice is clear");
+        assert_eq!(w, 1);
+        assert!(why.contains("a multiple-choice one") && why.contains("18 of 20"), "{why}");
+        // A question its category places goes by the category, whatever its form.
+        let acid = "What is the pH of a 0.1 M solution of acetic acid?\n(A) 1\n(B) 2.9";
+        assert_eq!(route(&options, 3, acid).map(|r| r.0), Some(0));
+        // An open question is the one open kind learned; its choice is not clear, so the
+        // conductor plans, with that worker as the fallback.
+        let sum = "Compute 17 times 23.";
+        assert_eq!(route(&options, 3, sum), None);
+        let (w, why) = fallback_worker(&options, 3, sum);
+        assert_eq!(w, 2);
+        assert_eq!(why.as_deref(), Some("the cheapest as good at numeric questions when this pool learned"));
+
+        let kinds = |names: &[&str]| names.iter().map(|k| (*k).to_owned()).collect::<Vec<String>>();
+        let learned = kinds(&["choice", "code", "exact", "number"]);
+        assert_eq!(kind_of(anatomy, learned.iter()), Some("choice"));
+        assert_eq!(kind_of("def add(a, b):\n    \"\"\"Add two numbers.\"\"\"", learned.iter()), Some("code"));
+        assert_eq!(kind_of(sum, learned.iter()), None, "number or exact: the form does not tell");
+        assert_eq!(kind_of(sum, kinds(&["choice", "exact"]).iter()), Some("exact"));
+        assert_eq!(kind_of(anatomy, kinds(&["number"]).iter()), None, "no choice questions learned");
+        assert_eq!(kind_of("Is A. Lincoln on the penny?", learned.iter()), None, "one lettered line is no options");
     }
 
     #[test]

@@ -154,6 +154,17 @@ pub struct Measured {
     /// Category → why its worker may answer without a plan: the categories whose choice is
     /// clear (its interval above every worker that is not as good).
     pub clear: BTreeMap<String, String>,
+    /// Kind (`number`, `choice`, `code`, `exact`) → the cheapest worker alone as good as the
+    /// best on its items over every category, for a question no category places.
+    pub best_by_kind: BTreeMap<String, usize>,
+    /// Kind → why its worker may answer without a plan (as [`Self::clear`]).
+    pub clear_by_kind: BTreeMap<String, String>,
+    /// Category → why its worker answers without a plan though its choice is not clear: the
+    /// conductor's plans were measured, and did no better than that worker alone
+    /// ([`crate::profile::weigh_plans`]).
+    pub no_gain: BTreeMap<String, String>,
+    /// Kind → the same, for kinds.
+    pub no_gain_by_kind: BTreeMap<String, String>,
     /// Each learned question with its category.
     pub questions: Vec<(String, String)>,
     /// Worker → what it did alone per category when the pool learned, in words, for the
@@ -210,6 +221,32 @@ pub struct ConductorSpec {
     pub timeout_secs: Option<u64>,
     /// The conductor prompt's version (`v2`, `v3`); the conductor checks the name.
     pub prompt: Option<String>,
+}
+
+impl ConductorSpec {
+    /// What defines the plans this conductor writes, as one line: the model (local path, or
+    /// endpoint and model), the prompt's version and the settings that shape a plan. The
+    /// measured figures of its plans (`baton pool learn`) are kept under this; a conductor whose
+    /// identity changes has to be learned again. Temperature is not part of it (learning
+    /// samples at its own), nor are device, time limits and key.
+    pub fn identity(&self) -> String {
+        let model = match (&self.url, &self.model) {
+            (Some(url), model) => format!("remote {url} {}", model.as_deref().unwrap_or_default()),
+            (None, model) => format!("local {}", model.as_deref().unwrap_or_default()),
+        };
+        let optional = [
+            ("prompt", self.prompt.clone()),
+            ("lora", self.lora.clone()),
+            ("chat_template", self.chat_template.clone()),
+            ("isq", self.isq.clone()),
+            ("dtype", self.dtype.clone()),
+            ("max_reasoning_chars", self.max_reasoning_chars.map(|n| n.to_string())),
+            ("max_subtask_chars", self.max_subtask_chars.map(|n| n.to_string())),
+        ];
+        let mut parts = vec![model];
+        parts.extend(optional.into_iter().filter_map(|(key, value)| Some(format!("{key}={}", value?))));
+        parts.join(" ")
+    }
 }
 
 /// Where local models run (`[conductor] device`): the conductor, when it is a local model, and

@@ -49,14 +49,19 @@ pub enum Freshness {
     None,
 }
 
-/// One worker's profile, per category.
+/// One worker's profile, per category and per kind.
 #[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
 pub struct Profile {
     pub worker: String,
     pub freshness: Freshness,
     /// The identity the figures were learned with (for a stale profile, not the worker's now).
     pub identity: Option<String>,
+    /// Per category: the item's own, else its kind (the suite's `category`, else `kind`).
     pub by_category: BTreeMap<String, CategoryFigures>,
+    /// Per kind (the form of the answer: `number`, `choice`, `code` or `exact`), over every
+    /// category. A suite whose categories are many and thin (MMLU's 57 subjects) still tells
+    /// which worker is good at its kind of question.
+    pub by_kind: BTreeMap<String, CategoryFigures>,
     /// The learning runs these figures come from.
     pub learned_in: Vec<String>,
     /// The user's marks in compare in chat, for the worker as it is now (whatever
@@ -106,10 +111,11 @@ pub const AS_GOOD_WITHIN: f64 = 0.05;
 pub const ALONE_AT_LEAST: f64 = 0.5;
 
 /// The choices the profiles support, for the executor (see [`Measured`]). `questions` are the
-/// learned items with their categories: a new question is placed by the nearest of them.
-/// Only current profiles count, and only categories where every current worker has at least
-/// [`MIN_CATEGORY_ITEMS`] runs. A worker with no current profile (never learned, or changed
-/// since) is in no choice; while one is, no choice is clear: it might be the better one.
+/// learned items with their categories: a new question is placed by the nearest of them, and
+/// where none is near (or its category was too thin to choose by), by its kind.
+/// Only current profiles count, and only categories (and kinds) where every current worker has
+/// at least [`MIN_CATEGORY_ITEMS`] runs. A worker with no current profile (never learned, or
+/// changed since) is in no choice; while one is, no choice is clear: it might be the better one.
 pub fn measure(profiles: &[Profile], questions: Vec<(String, String)>) -> Measured {
     // Marks are the worker's as it is now, so a stale or unlearned profile's count too.
     let strengths: BTreeMap<usize, String> = profiles
@@ -126,42 +132,129 @@ pub fn measure(profiles: &[Profile], questions: Vec<(String, String)>) -> Measur
     if current.is_empty() {
         return Measured { strengths, ..Measured::default() };
     }
-    let mut categories: Vec<&String> = current.iter().flat_map(|(_, p)| p.by_category.keys()).collect();
-    categories.sort();
-    categories.dedup();
-    let mut measured = Measured { questions, strengths, ..Measured::default() };
-    for category in categories {
+    let everyone = current.len() == profiles.len();
+    let names = profiles_names(profiles);
+    let (best_by_category, clear) = choices(&current, |p| &p.by_category, everyone, &names);
+    let (best_by_kind, clear_by_kind) = choices(&current, |p| &p.by_kind, everyone, &names);
+    let overall: Vec<(usize, CategoryFigures)> = current.iter().map(|(w, p)| (*w, total(p))).collect();
+    let overall: Vec<(usize, &CategoryFigures)> = overall.iter().map(|(w, f)| (*w, f)).collect();
+    Measured {
+        best: choose(&overall, &names).map(|(w, _)| w),
+        best_by_category,
+        clear,
+        best_by_kind,
+        clear_by_kind,
+        no_gain: BTreeMap::new(),
+        no_gain_by_kind: BTreeMap::new(),
+        questions,
+        strengths,
+        plans: Vec::new(),
+    }
+}
+
+/// Per key of `figures_of` (categories or kinds): the cheapest worker as good as the best, and
+/// where that choice is clear, why. Only keys where every current worker has at least
+/// [`MIN_CATEGORY_ITEMS`] runs; a choice is clear only when `everyone` has a current profile.
+fn choices<'p>(
+    current: &[(usize, &'p Profile)],
+    figures_of: impl Fn(&'p Profile) -> &'p BTreeMap<String, CategoryFigures>,
+    everyone: bool,
+    names: &[&str],
+) -> (BTreeMap<String, usize>, BTreeMap<String, String>) {
+    let mut keys: Vec<&String> = current.iter().flat_map(|(_, p)| figures_of(p).keys()).collect();
+    keys.sort();
+    keys.dedup();
+    let (mut best, mut clear) = (BTreeMap::new(), BTreeMap::new());
+    for key in keys {
         let figures: Vec<(usize, &CategoryFigures)> =
-            current.iter().filter_map(|(w, p)| p.by_category.get(category).map(|f| (*w, f))).collect();
+            current.iter().filter_map(|(w, p)| figures_of(p).get(key).map(|f| (*w, f))).collect();
         if figures.len() < current.len() || figures.iter().any(|(_, f)| (f.n as usize) < MIN_CATEGORY_ITEMS) {
             continue;
         }
-        if let Some((worker, why)) = choose(&figures, &profiles_names(profiles)) {
-            measured.best_by_category.insert(category.clone(), worker);
-            if let Some(why) = why.filter(|_| current.len() == profiles.len()) {
-                measured.clear.insert(category.clone(), why);
+        if let Some((worker, why)) = choose(&figures, names) {
+            best.insert(key.clone(), worker);
+            if let Some(why) = why.filter(|_| everyone) {
+                clear.insert(key.clone(), why);
             }
         }
     }
-    let overall: Vec<(usize, CategoryFigures)> = current.iter().map(|(w, p)| (*w, total(p))).collect();
-    let overall: Vec<(usize, &CategoryFigures)> = overall.iter().map(|(w, f)| (*w, f)).collect();
-    measured.best = choose(&overall, &profiles_names(profiles)).map(|(w, _)| w);
-    measured
+    (best, clear)
+}
+
+/// Where a plan is not known to help: for each category and kind whose choice (see [`measure`])
+/// is not clear already, the conductor's sampled plans (`planned`, scored while the pool
+/// learned) were right no more often than that worker alone, give or take
+/// [`AS_GOOD_WITHIN`]; such a question goes to the worker alone, as a clear choice does. A step
+/// is added only where the measurements say it helps. Only where the plans have at least
+/// [`MIN_CATEGORY_ITEMS`] runs, and every worker a current profile (a worker not measured
+/// might be what a plan needs).
+pub fn weigh_plans(measured: &mut Measured, profiles: &[Profile], planned: &Profile) {
+    if profiles.iter().any(|p| p.freshness != Freshness::Current) {
+        return;
+    }
+    let name = |w: usize| profiles.get(w).map_or("?", |p| p.worker.as_str());
+    let weigh = |best: &BTreeMap<String, usize>,
+                 clear: &BTreeMap<String, String>,
+                 figures_of: &dyn Fn(&Profile) -> &BTreeMap<String, CategoryFigures>| {
+        let mut no_gain = BTreeMap::new();
+        for (key, &w) in best.iter().filter(|(key, _)| !clear.contains_key(*key)) {
+            let (Some(alone), Some(plans)) =
+                (profiles.get(w).and_then(|p| figures_of(p).get(key)), figures_of(planned).get(key))
+            else {
+                continue;
+            };
+            if (plans.n as usize) < MIN_CATEGORY_ITEMS || plans.accuracy() >= alone.accuracy() + AS_GOOD_WITHIN - 1e-9 {
+                continue;
+            }
+            let why = format!(
+                "the conductor's plans were right on {} of {} when the pool learned, {} alone on {} of {}: a plan is not known to help",
+                plans.right,
+                plans.n,
+                name(w),
+                alone.right,
+                alone.n
+            );
+            no_gain.insert(key.clone(), why);
+        }
+        no_gain
+    };
+    measured.no_gain = weigh(&measured.best_by_category, &measured.clear, &|p| &p.by_category);
+    measured.no_gain_by_kind = weigh(&measured.best_by_kind, &measured.clear_by_kind, &|p| &p.by_kind);
+}
+
+/// A kind of question in words: "multiple-choice" for `choice`. Any other text is its own.
+pub fn kind_words(kind: &str) -> &str {
+    match kind {
+        "number" => "numeric",
+        "choice" => "multiple-choice",
+        "code" => "coding",
+        "exact" => "exact-answer",
+        other => other,
+    }
 }
 
 fn profiles_names(profiles: &[Profile]) -> Vec<&str> {
     profiles.iter().map(|p| p.worker.as_str()).collect()
 }
 
-/// What a worker did alone per category, in words the conductor reads: "When this pool
-/// learned, it was right on 8 of 8 arithmetic questions and 0 of 8 trivia questions." `None`
-/// for a profile with no figures.
+/// What a worker did alone, in words the conductor reads: "When this pool learned, it was
+/// right on 8 of 8 arithmetic questions and 0 of 8 trivia questions." Categories with fewer than
+/// [`MIN_CATEGORY_ITEMS`] runs are left out (1 of 1 says nothing); where some were, the kinds
+/// their runs add up to are said instead ("10 of 20 multiple-choice questions"), unless a kind
+/// is itself a category already said. `None` for a profile with nothing worth saying.
 fn learned_line(profile: &Profile) -> Option<String> {
-    let parts: Vec<String> = profile
-        .by_category
-        .iter()
-        .filter(|(_, f)| f.n > 0)
-        .map(|(category, f)| format!("{} of {} {category} questions", f.right, f.n))
+    let enough = |f: &&CategoryFigures| f.n as usize >= MIN_CATEGORY_ITEMS;
+    let said: Vec<(&String, &CategoryFigures)> = profile.by_category.iter().filter(|(_, f)| enough(f)).collect();
+    let thin = profile.by_category.values().any(|f| f.n > 0 && !enough(&f));
+    let kinds: Vec<(&String, &CategoryFigures)> = if thin {
+        profile.by_kind.iter().filter(|(k, f)| enough(f) && !said.iter().any(|(c, _)| c == k)).collect()
+    } else {
+        Vec::new()
+    };
+    let parts: Vec<String> = said
+        .into_iter()
+        .chain(kinds)
+        .map(|(key, f)| format!("{} of {} {} questions", f.right, f.n, kind_words(key)))
         .collect();
     let listed = match parts.as_slice() {
         [] => return None,
@@ -236,6 +329,9 @@ fn choose(figures: &[(usize, &CategoryFigures)], names: &[&str]) -> Option<(usiz
 pub struct PoolLearning {
     /// In the pool's order.
     pub workers: Vec<WorkerLearning>,
+    /// The conductor's sampled plans, scored as a worker's answers are, where they were
+    /// measured with this conductor over these workers.
+    pub plans: Option<WorkerLearning>,
     /// Each learned kind of question and the worker it goes to.
     pub routes: Vec<KindRoute>,
     /// The worker the pool names as its fallback (`fallback_worker`): then what was learned
@@ -257,6 +353,9 @@ pub struct WorkerLearning {
     pub priced: bool,
     pub learned_in: Vec<String>,
     pub categories: Vec<CategoryRow>,
+    /// Per kind, over every category; only kinds that are not a category of their own (those
+    /// are in [`Self::categories`] already).
+    pub kinds: Vec<CategoryRow>,
     pub marks: ChatMarks,
 }
 
@@ -264,6 +363,8 @@ pub struct WorkerLearning {
 #[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
 pub struct CategoryRow {
     pub category: String,
+    /// How it is shown: the category, or for a kind over categories "any multiple-choice".
+    pub label: String,
     pub figures: CategoryFigures,
     pub low: f64,
     pub high: f64,
@@ -272,7 +373,12 @@ pub struct CategoryRow {
 /// Where questions of one kind go.
 #[derive(Debug, Clone, PartialEq, Serialize, ts_rs::TS)]
 pub struct KindRoute {
+    /// The category, or with [`Self::by_kind`] the kind.
     pub category: String,
+    /// A route by the question's kind, for a question not placed in a category of its own.
+    pub by_kind: bool,
+    /// How it is shown: the category, or for a kind "other multiple-choice".
+    pub label: String,
     pub worker: String,
     pub how: RouteHow,
 }
@@ -285,54 +391,84 @@ pub enum RouteHow {
     Always,
     /// Alone, without a plan, because the measurements name it by a clear margin.
     Clear,
+    /// Alone, without a plan, because the conductor's plans did no better than it alone.
+    NoGain,
     /// The conductor plans, with this worker as the plan's lead and the fallback.
     Lead,
 }
 
-/// `profiles` (in `pool`'s order, as [`measure`] takes them) made ready to show.
-pub fn learning(pool: &crate::Pool, profiles: &[Profile]) -> PoolLearning {
+/// `profiles` (in `pool`'s order, as [`measure`] takes them) and the conductor's `planned`
+/// figures made ready to show.
+pub fn learning(pool: &crate::Pool, profiles: &[Profile], planned: Option<&Profile>) -> PoolLearning {
+    let shown = |p: &Profile, identity_now: String, priced: bool| WorkerLearning {
+        worker: p.worker.clone(),
+        freshness: p.freshness,
+        identity_learned: p.identity.clone(),
+        identity_now,
+        priced,
+        learned_in: p.learned_in.clone(),
+        categories: rows(p.by_category.iter(), |category| category.to_owned()),
+        kinds: rows(p.by_kind.iter().filter(|(k, _)| !p.by_category.contains_key(*k)), |kind| {
+            format!("any {}", kind_words(kind))
+        }),
+        marks: p.marks,
+    };
     let workers = pool
         .workers
         .iter()
         .zip(profiles)
-        .map(|(w, p)| WorkerLearning {
-            worker: p.worker.clone(),
-            freshness: p.freshness,
-            identity_learned: p.identity.clone(),
-            identity_now: w.identity(),
-            priced: !matches!(w.pricing(), crate::prices::Pricing::Unknown),
-            learned_in: p.learned_in.clone(),
-            categories: p
-                .by_category
-                .iter()
-                .map(|(category, f)| {
-                    let (low, high) = f.interval();
-                    CategoryRow { category: category.clone(), figures: f.clone(), low, high }
-                })
-                .collect(),
-            marks: p.marks,
-        })
+        .map(|(w, p)| shown(p, w.identity(), !matches!(w.pricing(), crate::prices::Pricing::Unknown)))
         .collect();
+    // The plans' cost is the workers' calls with the conductor's: priced where every worker is.
+    let priced = pool.workers.iter().all(|w| !matches!(w.pricing(), crate::prices::Pricing::Unknown));
+    let plans = planned.map(|p| shown(p, pool.options.conductor.identity(), priced));
     let fallback = &pool.options.fallback;
     let name = |w: usize| pool.workers.get(w).map_or_else(|| "?".to_owned(), |w| w.name.clone());
     if fallback.chosen {
         let named = fallback.worker.map(name);
-        return PoolLearning { workers, routes: Vec::new(), named_fallback: named, route: fallback.route };
+        return PoolLearning { workers, plans, routes: Vec::new(), named_fallback: named, route: fallback.route };
     }
-    let measured = measure(profiles, Vec::new());
-    let routes = measured
-        .best_by_category
-        .iter()
-        .map(|(category, &w)| {
-            let how = match fallback.route {
-                crate::Route::Always => RouteHow::Always,
-                crate::Route::Auto if measured.clear.contains_key(category) => RouteHow::Clear,
-                _ => RouteHow::Lead,
-            };
-            KindRoute { category: category.clone(), worker: name(w), how }
+    let mut measured = measure(profiles, Vec::new());
+    if let Some(planned) = planned {
+        weigh_plans(&mut measured, profiles, planned);
+    }
+    let how = |clear: bool, no_gain: bool| match fallback.route {
+        crate::Route::Always => RouteHow::Always,
+        crate::Route::Auto if clear => RouteHow::Clear,
+        crate::Route::Auto if no_gain => RouteHow::NoGain,
+        _ => RouteHow::Lead,
+    };
+    let by_category = measured.best_by_category.iter().map(|(category, &w)| KindRoute {
+        category: category.clone(),
+        by_kind: false,
+        label: category.clone(),
+        worker: name(w),
+        how: how(measured.clear.contains_key(category), measured.no_gain.contains_key(category)),
+    });
+    let by_kind = measured.best_by_kind.iter().filter(|(kind, _)| !measured.best_by_category.contains_key(*kind)).map(
+        |(kind, &w)| KindRoute {
+            category: kind.clone(),
+            by_kind: true,
+            label: format!("other {}", kind_words(kind)),
+            worker: name(w),
+            how: how(measured.clear_by_kind.contains_key(kind), measured.no_gain_by_kind.contains_key(kind)),
+        },
+    );
+    let routes = by_category.chain(by_kind).collect();
+    PoolLearning { workers, plans, routes, named_fallback: None, route: fallback.route }
+}
+
+/// Figures made ready to show, with their intervals.
+fn rows<'a>(
+    figures: impl Iterator<Item = (&'a String, &'a CategoryFigures)>,
+    label: impl Fn(&str) -> String,
+) -> Vec<CategoryRow> {
+    figures
+        .map(|(category, f)| {
+            let (low, high) = f.interval();
+            CategoryRow { category: category.clone(), label: label(category), figures: f.clone(), low, high }
         })
-        .collect();
-    PoolLearning { workers, routes, named_fallback: None, route: fallback.route }
+        .collect()
 }
 
 /// The 95% Wilson score interval for `right` of `n`.
@@ -367,6 +503,7 @@ mod tests {
             freshness,
             identity: Some(worker.into()),
             by_category: categories.iter().map(|(c, f)| ((*c).to_owned(), f.clone())).collect(),
+            by_kind: BTreeMap::new(),
             learned_in: vec!["learn-1".into()],
             marks: ChatMarks::default(),
         }
@@ -486,6 +623,88 @@ mod tests {
     }
 
     #[test]
+    fn thin_categories_are_chosen_by_their_kind_and_told_as_it() {
+        // MMLU-like: twelve subjects of one item or two, all multiple choice, beside arithmetic.
+        let with_kinds = |worker: &str, right_choice: u32| {
+            let mut p = profile(worker, Freshness::Current, &[("number", figures(6, 6, 0.0))]);
+            for (i, subject) in ["anatomy", "law", "virology", "astronomy", "ethics", "marketing"].iter().enumerate() {
+                let right = u32::from((i as u32) < right_choice);
+                p.by_category.insert((*subject).to_owned(), figures(right * 2, 2, 0.0));
+            }
+            p.by_kind.insert("number".into(), figures(6, 6, 0.0));
+            p.by_kind.insert("choice".into(), figures(right_choice * 2, 12, 0.0));
+            p
+        };
+        let profiles = [with_kinds("a", 6), with_kinds("b", 0)];
+        let m = measure(&profiles, Vec::new());
+        assert!(m.best_by_category.keys().eq(["number"]), "2 runs a subject are too few: {:?}", m.best_by_category);
+        assert_eq!(m.best_by_kind["choice"], 0);
+        assert!(m.clear_by_kind["choice"].contains("a was right on 12 of 12"), "{:?}", m.clear_by_kind);
+        assert_eq!(
+            m.strengths[&0],
+            "When this pool learned, it was right on 6 of 6 numeric questions and 12 of 12 multiple-choice questions."
+        );
+        let shown = learning(&crate::Pool::parse(TWO_WORKERS, "pool.toml").expect("pool"), &profiles, None);
+        let kinds: Vec<&str> = shown.workers[0].kinds.iter().map(|r| r.category.as_str()).collect();
+        assert_eq!(kinds, ["choice"], "number is a category of its own already");
+        let routes: Vec<(&str, bool, &str)> =
+            shown.routes.iter().map(|r| (r.category.as_str(), r.by_kind, r.worker.as_str())).collect();
+        assert_eq!(routes, [("number", false, "a"), ("choice", true, "a")]);
+        // With every category thick enough, the kinds are not told again.
+        let mut whole = profile("c", Freshness::Current, &[("arithmetic", figures(8, 8, 0.0))]);
+        whole.by_kind.insert("number".into(), figures(8, 8, 0.0));
+        assert_eq!(
+            learned_line(&whole).as_deref(),
+            Some("When this pool learned, it was right on 8 of 8 arithmetic questions.")
+        );
+    }
+
+    #[test]
+    fn a_plan_is_skipped_where_the_conductors_plans_did_no_better_than_the_choice_alone() {
+        // 6 of 8 against 2 of 8: a leads, but not by a clear margin.
+        let profiles = [
+            profile("a", Freshness::Current, &[("sums", figures(6, 8, 0.0)), ("proofs", figures(2, 8, 0.0))]),
+            profile("b", Freshness::Current, &[("sums", figures(2, 8, 0.0)), ("proofs", figures(1, 8, 0.0))]),
+        ];
+        let mut planned = profile(
+            "the conductor's plans",
+            Freshness::Current,
+            &[("sums", figures(10, 16, 0.0)), ("proofs", figures(8, 16, 0.0))],
+        );
+        planned.by_kind.insert("number".into(), figures(18, 32, 0.0));
+        let mut m = measure(&profiles, Vec::new());
+        assert!(m.clear.is_empty());
+        weigh_plans(&mut m, &profiles, &planned);
+        // Sums: plans right 62% of the time, a alone 75%: no gain, a answers alone.
+        assert_eq!(
+            m.no_gain.get("sums").map(String::as_str),
+            Some(
+                "the conductor's plans were right on 10 of 16 when the pool learned, a alone on 6 of 8: a plan is not known to help"
+            )
+        );
+        // Proofs: plans 50% against a's 25%: they help, so the conductor plans.
+        assert!(!m.no_gain.contains_key("proofs"), "{:?}", m.no_gain);
+        let shown = learning(&crate::Pool::parse(TWO_WORKERS, "pool.toml").expect("pool"), &profiles, Some(&planned));
+        let routes: Vec<(&str, RouteHow)> = shown.routes.iter().map(|r| (r.category.as_str(), r.how)).collect();
+        assert_eq!(routes, [("proofs", RouteHow::Lead), ("sums", RouteHow::NoGain)]);
+        assert_eq!(shown.plans.as_ref().map(|p| p.categories.len()), Some(2));
+
+        // Too few plans, or a worker not learned: nothing is skipped.
+        let mut few = planned.clone();
+        few.by_category.insert("sums".into(), figures(1, 3, 0.0));
+        let mut m = measure(&profiles, Vec::new());
+        weigh_plans(&mut m, &profiles, &few);
+        assert!(!m.no_gain.contains_key("sums"));
+        let with_new = [profiles[0].clone(), profiles[1].clone(), profile("new", Freshness::None, &[])];
+        let mut m = measure(&with_new, Vec::new());
+        weigh_plans(&mut m, &with_new, &planned);
+        assert!(m.no_gain.is_empty(), "{:?}", m.no_gain);
+    }
+
+    const TWO_WORKERS: &str = "[[worker]]\nname = \"a\"\nprovider = \"openai\"\nmodel = \"m-a\"\n\n\
+                               [[worker]]\nname = \"b\"\nprovider = \"openai\"\nmodel = \"m-b\"\n";
+
+    #[test]
     fn the_wilson_interval_is_wide_at_small_n() {
         let (low, high) = wilson(2, 3);
         assert!(low < 0.21 && high > 0.9, "({low}, {high})");
@@ -507,7 +726,7 @@ mod tests {
             profile("a", Freshness::Current, &[("math", figures(8, 8, 0.01)), ("trivia", figures(4, 8, 0.01))]),
             profile("b", Freshness::Current, &[("math", figures(0, 8, 0.001)), ("trivia", figures(4, 8, 0.001))]),
         ];
-        let shown = learning(&pool(""), &profiles);
+        let shown = learning(&pool(""), &profiles, None);
         assert_eq!(shown.workers[0].identity_now, pool("").workers[0].identity());
         let math = &shown.workers[0].categories[0];
         assert_eq!((math.category.as_str(), math.figures.right, math.figures.n), ("math", 8, 8));
@@ -517,9 +736,9 @@ mod tests {
         // Math: a by a clear margin. Trivia: both as good, b cheaper, but 4 of 8 is not clearly
         // right more often than not, so the conductor plans with b as its lead.
         assert_eq!(routes, [("math", "a", RouteHow::Clear), ("trivia", "b", RouteHow::Lead)]);
-        let always = learning(&pool("[conductor]\nroute = \"always\"\n"), &profiles);
+        let always = learning(&pool("[conductor]\nroute = \"always\"\n"), &profiles, None);
         assert!(always.routes.iter().all(|r| r.how == RouteHow::Always));
-        let named = learning(&pool("[conductor]\nfallback_worker = \"b\"\n"), &profiles);
+        let named = learning(&pool("[conductor]\nfallback_worker = \"b\"\n"), &profiles, None);
         assert_eq!(named.named_fallback.as_deref(), Some("b"));
         assert!(named.routes.is_empty(), "the user's worker is not replaced by a measurement");
 

@@ -73,8 +73,9 @@ pub enum Purpose {
     Evaluate { leave_out: Vec<String> },
     /// A learning run (`baton pool learn`): `identities` are the workers' identities, in the
     /// pool's order, which the profiles are kept under; with the conductor among the
-    /// strategies, it writes `plan_samples` plans for each item (sampled), which are run.
-    Learn { identities: Vec<String>, plan_samples: u32 },
+    /// strategies, it writes `plan_samples` plans for each item (sampled), which are run;
+    /// `conductor` is then its identity, which the plans' figures are kept under.
+    Learn { identities: Vec<String>, plan_samples: u32, conductor: Option<String> },
 }
 
 /// The settings an evaluation is resumed with must be these; stored as its config.
@@ -109,6 +110,11 @@ pub struct Config {
     /// A learning run's plans per item (the conductor's runs); 0: `repeats`.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub plan_samples: u32,
+    /// A learning run's conductor as its plans were sampled
+    /// ([`baton_engine::ConductorSpec::identity`]); none without plans, and in runs kept before
+    /// it was recorded, whose plans' figures are then used for nothing but examples.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conductor: Option<String>,
 }
 
 fn is_zero(n: &u32) -> bool {

@@ -89,11 +89,12 @@ pub fn spec(pool: &Pool, options: &LearnOptions) -> Result<Spec, EvalError> {
     let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
     let identities: Vec<String> = pool.workers.iter().map(|w| w.identity()).collect();
     let plan_samples = if has_conductor(pool) { options.plans } else { 0 };
+    let conductor = (plan_samples > 0).then(|| pool.options.conductor.identity());
     let list = if plan_samples > 0 { "conductor,all-singles" } else { "all-singles" };
     let strategies = Strategy::parse_list(list, &workers).map_err(EvalError::Settings)?;
     let id = match options.id.as_deref().map(str::trim) {
         Some(id) if !id.is_empty() => id.to_owned(),
-        _ => default_id(&suite, &identities, options.limit, options.seed, plan_samples),
+        _ => default_id(&suite, &identities, options.limit, options.seed, plan_samples, conductor.as_deref()),
     };
     Ok(Spec {
         id,
@@ -106,7 +107,7 @@ pub fn spec(pool: &Pool, options: &LearnOptions) -> Result<Spec, EvalError> {
         calibration: None,
         limit: options.limit,
         seed: options.seed,
-        purpose: Purpose::Learn { identities, plan_samples },
+        purpose: Purpose::Learn { identities, plan_samples, conductor },
     })
 }
 
@@ -177,14 +178,24 @@ pub fn plan_samples(spec: &Spec) -> u32 {
 }
 
 /// `learn-SUITE-HASH`, the hash over what a learning run is: the suite's items, which of them
-/// (`limit`, `seed`), the plans per item and the workers' identities. The same request on the
-/// same pool gives the same id, so it goes on where a stopped one ended; a changed worker or
-/// suite a new one.
-pub fn default_id(suite: &Suite, identities: &[String], limit: Option<usize>, seed: u64, plans: u32) -> String {
+/// (`limit`, `seed`), the plans per item, the conductor that writes them and the workers'
+/// identities. The same request on the same pool gives the same id, so it goes on where a
+/// stopped one ended; a changed worker, conductor or suite a new one.
+pub fn default_id(
+    suite: &Suite,
+    identities: &[String],
+    limit: Option<usize>,
+    seed: u64,
+    plans: u32,
+    conductor: Option<&str>,
+) -> String {
     // FNV-1a: stable across builds and platforms, unlike the standard library's hasher.
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     // A run without plans hashes as it did before plans were learned, so it still resumes.
-    let samples = if plans > 0 { format!(" {plans} plans") } else { String::new() };
+    let samples = match conductor {
+        Some(conductor) if plans > 0 => format!(" {plans} plans by {conductor}"),
+        _ => String::new(),
+    };
     let parts = [suite.sha256.clone(), format!("{limit:?} {seed}{samples}")];
     for part in parts.iter().chain(identities) {
         for byte in part.bytes().chain([0]) {
@@ -218,7 +229,7 @@ mod tests {
         let named = LearnOptions { id: Some(" mine ".into()), ..options.clone() };
         assert_eq!(spec(&pool("m-2"), &named).expect("spec").id, "mine");
         assert_eq!(items(&first), 6);
-        let Purpose::Learn { identities, plan_samples } = &first.purpose else { panic!("a learning run") };
+        let Purpose::Learn { identities, plan_samples, .. } = &first.purpose else { panic!("a learning run") };
         assert_eq!(*plan_samples, 0, "a pool without a conductor learns no plans");
         assert_eq!(identities.len(), 2);
         assert_eq!(first.strategies.len(), 2, "each worker alone");

@@ -43,6 +43,10 @@ pub struct EvalResult {
     /// `calibration` or `test`.
     pub split: String,
     pub category: String,
+    /// The item's kind (`number`, `choice`, `code`, `exact`); none in results kept before
+    /// kinds were (schema 12).
+    #[serde(default)]
+    pub kind: Option<String>,
     pub run_uid: Option<String>,
     /// The run's number in the history (`baton history show N`), while it is there; read, never
     /// written.
@@ -151,8 +155,8 @@ impl Store {
             "INSERT OR REPLACE INTO eval_results (evaluation_id, strategy, item_id, repeat, split, category, run_uid,
                  answer, extracted, correct, error, plan_valid, steps, calls, input_tokens, cached_input_tokens,
                  output_tokens, conductor_input_tokens, conductor_cached_input_tokens, conductor_output_tokens,
-                 cost_usd, cost_complete, latency_ms, created_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24)",
+                 cost_usd, cost_complete, latency_ms, created_at, kind)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25)",
         )
         .bind(evaluation)
         .bind(&r.strategy)
@@ -178,6 +182,7 @@ impl Store {
         .bind(r.figures.cost_complete)
         .bind(r.latency_ms as i64)
         .bind(now_ms())
+        .bind(&r.kind)
         .execute(&self.pool)
         .await?;
         Ok(())
@@ -186,7 +191,7 @@ impl Store {
     /// Every result of the evaluation, by strategy, item and repeat.
     pub async fn eval_results(&self, evaluation: &str) -> Result<Vec<EvalResult>, StoreError> {
         let rows = sqlx::query(
-            "SELECT e.strategy, e.item_id, e.repeat, e.split, e.category, e.run_uid, r.id AS run_id, e.answer, e.extracted,
+            "SELECT e.strategy, e.item_id, e.repeat, e.split, e.category, e.kind, e.run_uid, r.id AS run_id, e.answer, e.extracted,
                     e.correct, e.error, e.plan_valid, e.steps, e.calls, e.input_tokens, e.cached_input_tokens,
                     e.output_tokens, e.conductor_input_tokens, e.conductor_cached_input_tokens,
                     e.conductor_output_tokens, e.cost_usd, e.cost_complete, e.latency_ms
@@ -204,6 +209,7 @@ impl Store {
                     repeat: r.try_get::<i64, _>("repeat")? as u32,
                     split: r.try_get("split")?,
                     category: r.try_get("category")?,
+                    kind: r.try_get("kind")?,
                     run_uid: r.try_get("run_uid")?,
                     run_id: r.try_get("run_id")?,
                     answer: r.try_get("answer")?,

@@ -20,6 +20,10 @@ use crate::{Store, StoreError};
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Learned {
     pub profiles: Vec<Profile>,
+    /// The conductor's sampled plans, scored as a worker's answers are (`worker` is
+    /// [`PLANS`]): from the learning runs of this conductor over these very workers; `None`
+    /// when none measured them.
+    pub planned: Option<Profile>,
     pub questions: Vec<(String, String)>,
     pub plans: Vec<LearnedPlan>,
 }
@@ -36,8 +40,28 @@ fn instructive(subtasks: &[&str]) -> bool {
     distinct.len() == subtasks.len() && subtasks.iter().all(|s| says_something(s))
 }
 
-/// Tallies of one worker on one category, before they become [`CategoryFigures`].
+/// One worker's tallies per category and per kind.
 #[derive(Default)]
+struct Tallies {
+    by_category: BTreeMap<String, Tally>,
+    by_kind: BTreeMap<String, Tally>,
+}
+
+impl Tallies {
+    fn into_profile(self, profile: &mut Profile) {
+        profile.by_category = self.by_category.into_iter().map(|(c, t)| (c, t.figures())).collect();
+        profile.by_kind = self.by_kind.into_iter().map(|(k, t)| (k, t.figures())).collect();
+    }
+}
+
+/// The name the conductor's plans' figures go by, as a worker's go by the worker's.
+pub const PLANS: &str = "the conductor's plans";
+
+/// The kinds of item a suite has (`baton_eval`'s `Kind`), which a result's category is when the
+/// item has no category of its own.
+const KINDS: [&str; 4] = ["number", "choice", "code", "exact"];
+
+/// Tallies of one worker on one category, before they become [`CategoryFigures`].
 struct Tally {
     right: u32,
     n: u32,
@@ -45,6 +69,43 @@ struct Tally {
     cost_complete: bool,
     tokens: u64,
     latencies: Vec<u64>,
+}
+
+impl Default for Tally {
+    fn default() -> Self {
+        Tally { right: 0, n: 0, cost_usd: 0.0, cost_complete: true, tokens: 0, latencies: Vec::new() }
+    }
+}
+
+/// One result's figures, as a tally adds them.
+struct ResultFigures {
+    correct: bool,
+    cost_usd: f64,
+    cost_complete: bool,
+    tokens: u64,
+    latency_ms: u64,
+}
+
+impl ResultFigures {
+    fn of(r: &sqlx::sqlite::SqliteRow) -> Result<ResultFigures, StoreError> {
+        Ok(ResultFigures {
+            correct: r.try_get("correct")?,
+            cost_usd: r.try_get("cost_usd")?,
+            cost_complete: r.try_get("cost_complete")?,
+            tokens: r.try_get::<i64, _>("input_tokens")?.max(0) as u64
+                + r.try_get::<i64, _>("output_tokens")?.max(0) as u64,
+            latency_ms: r.try_get::<i64, _>("latency_ms")?.max(0) as u64,
+        })
+    }
+
+    fn add_to(&self, t: &mut Tally) {
+        t.right += u32::from(self.correct);
+        t.n += 1;
+        t.cost_usd += self.cost_usd;
+        t.cost_complete &= self.cost_complete;
+        t.tokens += self.tokens;
+        t.latencies.push(self.latency_ms);
+    }
 }
 
 impl Tally {
@@ -67,8 +128,12 @@ impl Store {
     /// worker of the same identity; a worker measured only under another identity has a
     /// stale profile (with the figures of the newest such run, for showing), one never
     /// measured none.
-    pub async fn learned(&self, workers: &[(String, String)]) -> Result<Learned, StoreError> {
-        let mut tallies: Vec<BTreeMap<String, Tally>> = workers.iter().map(|_| BTreeMap::new()).collect();
+    ///
+    /// With `conductor` (its [identity](baton_engine::ConductorSpec::identity)), also the figures
+    /// of its sampled plans, from the learning runs that sampled them with this conductor over
+    /// the same workers as now (any other pool's plans could not use these workers).
+    pub async fn learned(&self, workers: &[(String, String)], conductor: Option<&str>) -> Result<Learned, StoreError> {
+        let mut tallies: Vec<Tallies> = workers.iter().map(|_| Tallies::default()).collect();
         // Per worker, the questions already counted: learning runs are read newest first, and
         // an item learned again counts once, as it went the last time.
         let mut counted: Vec<HashSet<String>> = vec![HashSet::new(); workers.len()];
@@ -76,6 +141,9 @@ impl Store {
         let mut stale: Vec<Option<(String, String, String)>> = vec![None; workers.len()];
         let mut questions: BTreeMap<String, String> = BTreeMap::new();
         let mut plans: BTreeMap<String, LearnedPlan> = BTreeMap::new();
+        let mut planned = Tallies::default();
+        let (mut planned_counted, mut planned_in) = (HashSet::new(), Vec::new());
+        let now: HashSet<&str> = workers.iter().map(|(_, identity)| identity.as_str()).collect();
         for evaluation in self.evaluations().await? {
             let config = &evaluation.config;
             if config["learn"] != serde_json::json!(true) {
@@ -88,8 +156,15 @@ impl Store {
             for (w, (name, identity)) in workers.iter().enumerate() {
                 if let Some(j) = identities.iter().position(|i| i == identity) {
                     let Some(then) = names.get(j) else { continue };
-                    let rows =
-                        self.tally(&evaluation.id, then, &mut tallies[w], &mut counted[w], &mut questions).await?;
+                    let rows = self
+                        .tally(
+                            &evaluation.id,
+                            &format!("single:{then}"),
+                            &mut tallies[w],
+                            &mut counted[w],
+                            &mut questions,
+                        )
+                        .await?;
                     if rows > 0 {
                         learned_in[w].push(evaluation.id.clone());
                     }
@@ -98,6 +173,13 @@ impl Store {
                 {
                     let then = identities.get(j).map(|i| (*i).to_owned()).unwrap_or_default();
                     stale[w] = Some((evaluation.id.clone(), (*names.get(j).unwrap_or(&"")).to_owned(), then));
+                }
+            }
+            let same_pool = identities.len() == workers.len() && identities.iter().all(|i| now.contains(i));
+            if same_pool && conductor.is_some() && config["conductor"].as_str() == conductor {
+                let (counted, questions) = (&mut planned_counted, &mut questions);
+                if self.tally(&evaluation.id, "conductor", &mut planned, counted, questions).await? > 0 {
+                    planned_in.push(evaluation.id.clone());
                 }
             }
             // The run's worker numbers in this pool: the worker of the same identity, if any.
@@ -118,28 +200,48 @@ impl Store {
                 freshness: Freshness::None,
                 identity: None,
                 by_category: BTreeMap::new(),
+                by_kind: BTreeMap::new(),
                 learned_in: Vec::new(),
                 marks: marks.get(identity).copied().unwrap_or_default(),
             };
             if !learned_in[w].is_empty() {
                 profile.freshness = Freshness::Current;
                 profile.identity = Some(identity.clone());
-                profile.by_category =
-                    std::mem::take(&mut tallies[w]).into_iter().map(|(c, t)| (c, t.figures())).collect();
+                std::mem::take(&mut tallies[w]).into_profile(&mut profile);
                 profile.learned_in = learned_in[w].clone();
             } else if let Some((evaluation, then_name, then_identity)) = stale[w].take() {
-                let mut old = BTreeMap::new();
-                self.tally(&evaluation, &then_name, &mut old, &mut HashSet::new(), &mut BTreeMap::new()).await?;
+                let mut old = Tallies::default();
+                self.tally(
+                    &evaluation,
+                    &format!("single:{then_name}"),
+                    &mut old,
+                    &mut HashSet::new(),
+                    &mut BTreeMap::new(),
+                )
+                .await?;
                 profile.freshness = Freshness::Stale;
                 profile.identity = Some(then_identity);
-                profile.by_category = old.into_iter().map(|(c, t)| (c, t.figures())).collect();
+                old.into_profile(&mut profile);
                 profile.learned_in = vec![evaluation];
             }
             profiles.push(profile);
         }
         let mut plans: Vec<LearnedPlan> = plans.into_values().collect();
         plans.sort_by(|a, b| a.cost_usd.total_cmp(&b.cost_usd).then(a.calls.cmp(&b.calls)));
-        Ok(Learned { profiles, questions: questions.into_iter().collect(), plans })
+        let planned = (!planned_in.is_empty()).then(|| {
+            let mut profile = Profile {
+                worker: PLANS.to_owned(),
+                freshness: Freshness::Current,
+                identity: conductor.map(str::to_owned),
+                by_category: BTreeMap::new(),
+                by_kind: BTreeMap::new(),
+                learned_in: planned_in,
+                marks: ChatMarks::default(),
+            };
+            planned.into_profile(&mut profile);
+            profile
+        });
+        Ok(Learned { profiles, planned, questions: questions.into_iter().collect(), plans })
     }
 
     /// The plans of learning run `evaluation`'s conductor samples whose answers were right:
@@ -209,29 +311,31 @@ impl Store {
     /// The question texts the pool's current profiles were learned from: an evaluation leaves
     /// these out, so that it never scores what the pool was taught with.
     pub async fn learned_questions(&self, workers: &[(String, String)]) -> Result<Vec<String>, StoreError> {
-        Ok(self.learned(workers).await?.questions.into_iter().map(|(q, _)| q).collect())
+        Ok(self.learned(workers, None).await?.questions.into_iter().map(|(q, _)| q).collect())
     }
 
-    /// Adds the results of worker `name` alone in learning run `evaluation` to `tallies`, but
+    /// Adds the results of worker `name` alone in learning run `evaluation` to `tallies` (by
+    /// category, and by kind where the result says its item's kind: results kept before kinds
+    /// were (schema 12) only when their category is a kind), but
     /// for questions in `counted` (which it extends), and its questions (with their categories)
     /// to `questions`. Returns how many results it added.
     async fn tally(
         &self,
         evaluation: &str,
-        name: &str,
-        tallies: &mut BTreeMap<String, Tally>,
+        strategy: &str,
+        tallies: &mut Tallies,
         counted: &mut HashSet<String>,
         questions: &mut BTreeMap<String, String>,
     ) -> Result<usize, StoreError> {
         let rows = sqlx::query(
-            "SELECT e.item_id, e.category, e.correct, e.cost_usd, e.cost_complete, e.input_tokens, e.output_tokens,
+            "SELECT e.item_id, e.category, e.kind, e.correct, e.cost_usd, e.cost_complete, e.input_tokens, e.output_tokens,
                     e.latency_ms, r.question
              FROM eval_results e LEFT JOIN runs r ON r.uid = e.run_uid
              WHERE e.evaluation_id = ?1 AND e.strategy = ?2
              ORDER BY e.item_id, e.repeat",
         )
         .bind(evaluation)
-        .bind(format!("single:{name}"))
+        .bind(strategy)
         .fetch_all(&self.pool)
         .await?;
         let before = counted.clone();
@@ -248,15 +352,15 @@ impl Store {
             counted.insert(key);
             added += 1;
             let category: String = r.try_get("category")?;
-            let t =
-                tallies.entry(category.clone()).or_insert_with(|| Tally { cost_complete: true, ..Tally::default() });
-            t.right += u32::from(r.try_get::<bool, _>("correct")?);
-            t.n += 1;
-            t.cost_usd += r.try_get::<f64, _>("cost_usd")?;
-            t.cost_complete &= r.try_get::<bool, _>("cost_complete")?;
-            t.tokens += r.try_get::<i64, _>("input_tokens")?.max(0) as u64
-                + r.try_get::<i64, _>("output_tokens")?.max(0) as u64;
-            t.latencies.push(r.try_get::<i64, _>("latency_ms")?.max(0) as u64);
+            let kind = r.try_get::<Option<String>, _>("kind")?.or_else(|| {
+                let known = KINDS.contains(&category.as_str());
+                known.then(|| category.clone())
+            });
+            let figures = ResultFigures::of(r)?;
+            figures.add_to(tallies.by_category.entry(category.clone()).or_default());
+            if let Some(kind) = kind {
+                figures.add_to(tallies.by_kind.entry(kind).or_default());
+            }
             if let Some(question) = question {
                 questions.entry(question).or_insert(category);
             }

@@ -1060,11 +1060,11 @@ async fn compared_runs_record_side_by_side_and_marks_become_preference_pairs() {
     let identities = |b_identity: &str| {
         vec![("a".to_owned(), pool.workers[0].identity()), ("renamed".to_owned(), b_identity.to_owned())]
     };
-    let learned = store.learned(&identities(&b.1)).await.unwrap();
+    let learned = store.learned(&identities(&b.1), None).await.unwrap();
     let marks: Vec<ChatMarks> = learned.profiles.iter().map(|p| p.marks).collect();
     assert_eq!(marks, [ChatMarks::default(), ChatMarks { better: 1, tie: 0, worse: 1 }]);
     assert_eq!(learned.profiles[1].freshness, Freshness::None, "marks are no learning run");
-    let changed = store.learned(&identities(&format!("{} temperature=0.9", b.1))).await.unwrap();
+    let changed = store.learned(&identities(&format!("{} temperature=0.9", b.1)), None).await.unwrap();
     assert_eq!(changed.profiles[1].marks, ChatMarks::default());
 
     // A deleted run leaves its comparison without that side, and without a pair.
@@ -1127,6 +1127,9 @@ async fn profiles_come_from_learning_runs_by_identity_and_choose_the_fallback_wo
     ];
     let plan = "model_id = [0]\nsubtasks = [\"Answer it.\"]\naccess_list = [[]]";
     let mut item = 0;
+    // History says its kind; chemistry's results are kept as before kinds were, and its
+    // category is no kind, so it counts for none.
+    let kinds = [("chemistry", None), ("history", Some("choice".to_owned()))];
     for (questions, category, a_right) in [(&chemistry[..], "chemistry", false), (&history[..], "history", true)] {
         for question in questions {
             item += 1;
@@ -1138,6 +1141,7 @@ async fn profiles_come_from_learning_runs_by_identity_and_choose_the_fallback_wo
                     item_id: format!("item-{item}"),
                     split: "test".into(),
                     category: category.into(),
+                    kind: kinds.iter().find(|(c, _)| *c == category).and_then(|(_, k)| k.clone()),
                     run_uid: Some(uid.clone()),
                     correct: right,
                     figures: Figures { calls: 1, ..Figures::default() },
@@ -1150,13 +1154,15 @@ async fn profiles_come_from_learning_runs_by_identity_and_choose_the_fallback_wo
         }
     }
 
-    let learned = store.learned(&ids).await.expect("reads");
+    let learned = store.learned(&ids, None).await.expect("reads");
     assert_eq!(learned.questions.len(), 10);
     // (The user's own `fallback_worker` standing over what was learned is the runner's:
     // crates/baton-runner/tests/runner.rs.)
     let [a, b] = &learned.profiles[..] else { panic!("two profiles") };
     assert_eq!((a.freshness, a.by_category["history"].right, a.by_category["history"].n), (Freshness::Current, 6, 6));
     assert_eq!((b.by_category["chemistry"].right, b.by_category["chemistry"].n), (4, 4));
+    assert_eq!(a.by_kind.keys().collect::<Vec<_>>(), ["choice"], "chemistry's results name no kind");
+    assert_eq!((a.by_kind["choice"].right, a.by_kind["choice"].n), (6, 6));
     assert_eq!(a.learned_in.len(), 1, "one of the two learning runs counts, the plain evaluation not at all");
     let measured = measure(&learned.profiles, learned.questions.clone());
     assert_eq!(measured.best, Some(0), "a is right on 6 of 10, b on 4");
@@ -1170,12 +1176,28 @@ async fn profiles_come_from_learning_runs_by_identity_and_choose_the_fallback_wo
 
     // Renamed, a worker keeps its profile; with another model, its profile is stale.
     let renamed = [("alpha".to_owned(), ids[0].1.clone()), ("b".to_owned(), format!("{} temperature=1", ids[1].1))];
-    let learned = store.learned(&renamed).await.expect("reads");
+    let learned = store.learned(&renamed, None).await.expect("reads");
     assert_eq!(learned.profiles[0].freshness, Freshness::Current);
     assert_eq!(learned.profiles[1].freshness, Freshness::Stale);
     assert_eq!(learned.profiles[1].identity.as_deref(), Some(ids[1].1.as_str()), "as it was learned");
     let measured = measure(&learned.profiles, learned.questions);
     assert_eq!(measured.best_by_category.get("chemistry"), None, "a is right on no chemistry item, b is stale");
-    let unknown = store.learned(&[("c".to_owned(), "openai other".to_owned())]).await.expect("reads");
+    let unknown = store.learned(&[("c".to_owned(), "openai other".to_owned())], None).await.expect("reads");
     assert_eq!(unknown.profiles[0].freshness, Freshness::None);
+
+    // Kept before kinds were, a result whose category is a kind (its item had no category of
+    // its own) counts for that kind.
+    let legacy = serde_json::json!({"workers": ["c"], "learn": true, "identities": ["openai legacy"]});
+    store.create_evaluation("legacy", "s", "0", &legacy).await.expect("created");
+    let result = EvalResult {
+        strategy: "single:c".into(),
+        item_id: "x".into(),
+        split: "test".into(),
+        category: "number".into(),
+        correct: true,
+        ..EvalResult::default()
+    };
+    store.put_eval_result("legacy", &result).await.expect("put");
+    let old = store.learned(&[("c".to_owned(), "openai legacy".to_owned())], None).await.expect("reads");
+    assert_eq!((old.profiles[0].by_kind["number"].right, old.profiles[0].by_kind["number"].n), (1, 1));
 }

@@ -4,6 +4,7 @@ import { callsFor, costPerItem, freshness, marksText, rightOf, routeText } from 
 
 const row = (right: number, n: number, cost = 0.0012): CategoryRow => ({
   category: "arithmetic",
+  label: "arithmetic",
   figures: { right, n, cost_per_item_usd: cost, cost_complete: true, latency_p50_ms: 900, tokens_per_item: 120 },
   low: 0.2077,
   high: 0.9385,
@@ -17,6 +18,7 @@ const worker = (over: Partial<WorkerLearning>): WorkerLearning => ({
   priced: true,
   learned_in: ["learn-mmlu-1"],
   categories: [row(2, 3)],
+  kinds: [],
   marks: { better: 0, tie: 0, worse: 0 },
   ...over,
 });
@@ -41,9 +43,10 @@ describe("a learned profile, as the Workers screen shows it", () => {
   });
 
   it("tells apart a question answered alone from one the conductor plans", () => {
-    expect(routeText({ category: "math", worker: "alpha", how: "clear" })).toContain("without a plan");
-    expect(routeText({ category: "math", worker: "alpha", how: "lead" })).toContain("conductor plans");
-    expect(routeText({ category: "math", worker: "alpha", how: "always" })).toContain("routes every question");
+    expect(routeText({ category: "math", by_kind: false, label: "math", worker: "alpha", how: "clear" })).toContain("without a plan");
+    expect(routeText({ category: "math", by_kind: false, label: "math", worker: "alpha", how: "lead" })).toContain("conductor plans");
+    expect(routeText({ category: "math", by_kind: false, label: "math", worker: "alpha", how: "no_gain" })).toContain("plans did no better");
+    expect(routeText({ category: "math", by_kind: false, label: "math", worker: "alpha", how: "always" })).toContain("routes every question");
   });
 
   it("shows the chat marks only where the user marked something", () => {

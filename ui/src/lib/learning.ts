@@ -46,6 +46,8 @@ export function routeText(r: KindRoute): string {
       return `${r.worker}, alone without a plan (the pool routes every question)`;
     case "clear":
       return `${r.worker}, alone without a plan (a clear margin)`;
+    case "no_gain":
+      return `${r.worker}, alone without a plan (the conductor's plans did no better)`;
     case "lead":
       return `${r.worker}, as the plan's lead (the conductor plans)`;
   }

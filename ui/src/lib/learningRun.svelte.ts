@@ -30,9 +30,10 @@ export async function refreshLearning() {
 
 /**
  * Learns from `suite` (a built-in name or a file), `limit` items (null: all), with `plans`
- * sampled conductor plans per item (0: the workers alone only).
+ * sampled conductor plans per item (0: the workers alone only), spending at most `cap` dollars
+ * (null: no cap).
  */
-export async function learn(suite: string, limit: number | null, plans: number) {
+export async function learn(suite: string, limit: number | null, plans: number, cap: number | null) {
   if (learningRun.running) return;
   learningRun.error = null;
   learningRun.notice = null;
@@ -42,10 +43,11 @@ export async function learn(suite: string, limit: number | null, plans: number) 
   learningRun.stopId = id;
   let failed: string | null = null;
   try {
-    const result = await api.learnPool({ suite, limit, plans }, id, (p) => (learningRun.tally = addProgress(learningRun.tally, p)));
+    const result = await api.learnPool({ suite, limit, plans, max_cost_usd: cap }, id, (p) => (learningRun.tally = addProgress(learningRun.tally, p)));
     learningRun.learning = result.learning;
     if (result.ended === "stopped") learningRun.notice = "Stopped. What was measured is kept: learn the same suite and items again to go on.";
-    if (result.ended === "over_budget") learningRun.notice = "The spending cap was reached; what was measured is kept.";
+    if (result.ended === "over_budget") learningRun.notice =
+        "The spending cap was reached; what was measured is kept: learn the same suite and items again with a higher cap to go on.";
   } catch (e) {
     failed = asAppError(e).message;
   } finally {

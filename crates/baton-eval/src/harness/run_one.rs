@@ -135,6 +135,7 @@ pub(super) async fn run_one(
         repeat: job.repeat,
         split: if job.calibration { "calibration" } else { "test" }.into(),
         category: item.stratum().to_owned(),
+        kind: Some(item.kind.as_str().to_owned()),
         run_uid: Some(run_id),
         run_id: None,
         answer,

@@ -96,6 +96,10 @@ impl Harness {
                 Purpose::Learn { plan_samples, .. } => *plan_samples,
                 _ => 0,
             },
+            conductor: match &spec.purpose {
+                Purpose::Learn { conductor, .. } => conductor.clone(),
+                _ => None,
+            },
         };
         let spent_before = match self.store.evaluation(&spec.id).await? {
             Some(existing) => {
