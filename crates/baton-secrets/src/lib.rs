@@ -130,10 +130,22 @@ impl KeyStore {
 
     /// The key stored for `account`, if any.
     pub fn get(&self, account: &str) -> Result<Option<ApiKey>, SecretsError> {
-        match entry(account)?.get_password() {
-            Ok(key) => Ok(Some(ApiKey::new(key))),
-            Err(KeyringError::NoEntry) => Ok(None),
-            Err(e) => Err(classify(e, account)),
+        let mut looks = 0;
+        loop {
+            looks += 1;
+            match entry(account)?.get_password() {
+                Ok(key) => return Ok(Some(ApiKey::new(key))),
+                Err(KeyringError::NoEntry) => return Ok(None),
+                // Deleted while it was read (by another process, or just before): look again,
+                // and after a few looks it is gone.
+                Err(e) if vanished(&e) => {
+                    if looks == VANISHED_LOOKS {
+                        return Ok(None);
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+                Err(e) => return Err(classify(e, account)),
+            }
         }
     }
 
@@ -141,7 +153,9 @@ impl KeyStore {
     pub fn delete(&self, account: &str) -> Result<bool, SecretsError> {
         match entry(account)?.delete_credential() {
             Ok(()) => Ok(true),
+            // Deleted by another call as this one found it.
             Err(KeyringError::NoEntry) => Ok(false),
+            Err(e) if vanished(&e) => Ok(false),
             Err(e) => Err(classify(e, account)),
         }
     }
@@ -160,6 +174,17 @@ impl KeyStore {
             })
             .collect()
     }
+}
+
+/// How many times [`KeyStore::get`] looks for a key whose item vanished as it was read.
+const VANISHED_LOOKS: u32 = 3;
+
+/// Whether the Secret Service found an item but it was gone when it was read: gnome-keyring
+/// can still list an item for a moment after it was deleted, and reading its path then fails
+/// with `UnknownMethod` ("No such interface org.freedesktop.Secret.Item").
+fn vanished(e: &KeyringError) -> bool {
+    let text = describe(e);
+    text.contains("UnknownMethod") && text.contains("Secret.Item")
 }
 
 fn entry(account: &str) -> Result<Entry, SecretsError> {
