@@ -591,8 +591,11 @@ api_key_env = "BATON_E2E_CONDUCTOR_KEY"
     );
     const refused = await driver.findElements(byTest("learn-error"));
     assert.equal(refused.length, 0, refused.length ? await textOf(refused[0]) : "");
+    // The conductor's sampled plans, scored as the workers' answers are, in a block of their own.
+    const plansProfile = await find("learn-plans-profile");
+    assert.match(await textOf(plansProfile), /the conductor's plans/);
     const rows = await driver.findElements(byTest("learn-row"));
-    assert.ok(rows.length >= 3, `a row per worker and kind of question: ${rows.length}`);
+    assert.ok(rows.length >= 4, `a row per worker and kind of question, and the plans': ${rows.length}`);
     for (const row of rows) assert.match(await textOf(row), /\d+ of \d+ right \(95%: \d+–\d+%\)/);
     await driver.executeScript("arguments[0].scrollIntoView()", await find("learning"));
     await shot("24-learned");
