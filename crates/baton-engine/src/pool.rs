@@ -224,6 +224,12 @@ pub struct ConductorSpec {
 }
 
 impl ConductorSpec {
+    /// Whether it names a model that writes plans (a local path or an endpoint); a pool
+    /// without one routes every question or cannot plan.
+    pub fn is_set(&self) -> bool {
+        self.model.is_some() || self.url.is_some()
+    }
+
     /// What defines the plans this conductor writes, as one line: the model (local path, or
     /// endpoint and model), the prompt's version and the settings that shape a plan. The
     /// measured figures of its plans (`baton pool learn`) are kept under this; a conductor whose

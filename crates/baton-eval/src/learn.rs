@@ -56,7 +56,7 @@ impl LearnOptions {
 
 /// Whether `pool` names a conductor model (local or remote), which learning samples plans of.
 pub fn has_conductor(pool: &Pool) -> bool {
-    pool.options.conductor.model.is_some() || pool.options.conductor.url.is_some()
+    pool.options.conductor.is_set()
 }
 
 /// The pool a learning run runs on: its conductor samples (at [`SAMPLE_TEMPERATURE`] at least)

@@ -127,7 +127,7 @@ pub fn identities(pool: &Pool) -> Vec<(String, String)> {
 /// pool without a conductor model.
 pub fn conductor_identity(pool: &Pool) -> Option<String> {
     let conductor = &pool.options.conductor;
-    (conductor.model.is_some() || conductor.url.is_some()).then(|| conductor.identity())
+    conductor.is_set().then(|| conductor.identity())
 }
 
 /// The questions the pool's current profiles were learned from, which an evaluation leaves
