@@ -138,11 +138,13 @@ pub fn profiles_table(learning: &PoolLearning) -> String {
             )),
             Freshness::Current => out.push_str(&format!("{}: learned in {}\n", w.worker, w.learned_in.join(", "))),
         }
+        // Wide enough for MMLU's longest subjects, so the figures stay in columns.
+        let width = w.categories.iter().chain(&w.kinds).map(|r| r.label.chars().count()).max().unwrap_or(0).max(20);
         for row in w.categories.iter().chain(&w.kinds) {
             let f = &row.figures;
             let cost = if w.priced { format!("${:.6}/item", f.cost_per_item_usd) } else { "price unknown".to_owned() };
             out.push_str(&format!(
-                "  {:<20} {:>3} of {:<3} right  (95%: {:>3.0}-{:>3.0}%)  {cost}  {} ms p50  {} tokens/item\n",
+                "  {:<width$} {:>3} of {:<3} right  (95%: {:>3.0}-{:>3.0}%)  {cost}  {} ms p50  {} tokens/item\n",
                 row.label,
                 f.right,
                 f.n,
@@ -165,14 +167,15 @@ pub fn profiles_table(learning: &PoolLearning) -> String {
     }
     if !learning.routes.is_empty() {
         out.push_str("Runs send each kind of question to:\n");
+        let width = learning.routes.iter().map(|r| r.label.chars().count()).max().unwrap_or(0).max(20);
         for route in &learning.routes {
             let how = match route.how {
                 RouteHow::Always => "alone, without a plan (route = \"always\")",
                 RouteHow::Clear => "alone, without a plan (a clear margin)",
-                RouteHow::NoGain => "alone, without a plan (the conductor's plans did no better)",
+                RouteHow::NoGain => "alone, without a plan (plans not shown to do better)",
                 RouteHow::Lead => "as the plan's lead (the conductor plans)",
             };
-            out.push_str(&format!("  {:<20} {}, {how}\n", route.label, route.worker));
+            out.push_str(&format!("  {:<width$} {}, {how}\n", route.label, route.worker));
         }
     }
     out

@@ -304,7 +304,8 @@ impl PromptBuilder {
             .iter()
             .filter(|p| p.plan.steps.iter().all(|s| s.model_id < ctx.pool_size) && p.plan.steps.len() <= ctx.max_steps)
             .map(|p| LearnedExample {
-                question: truncate(&p.question.replace('\n', " "), 300),
+                // Its lines kept: lettered options on lines of their own tell its kind.
+                question: truncate(&p.question, 300),
                 text: format!(
                     "Example [{LEARNED_TAG}]. Question: {}\n```python\n{}\n```",
                     truncate(&p.question.replace('\n', " "), 300),
@@ -379,14 +380,12 @@ fn split_bank(bank: &str) -> (&str, Vec<Example<'_>>) {
     (intro.trim_end(), examples)
 }
 
-/// What kind of question this looks like, for choosing examples (cheap signs only: options
-/// lettered A–D, code words, digits).
+/// What kind of question this looks like, for choosing examples (cheap signs only: lettered
+/// options, told as routing by kind tells them; code words; digits).
 fn question_tags(question: &str) -> Vec<&'static str> {
     let lower = question.to_lowercase();
     let mut tags = Vec::new();
-    let lettered = ["a.", "b.", "c.", "d."]
-        .iter()
-        .all(|l| lower.lines().any(|line| line.trim_start().starts_with(l)) || lower.contains(&format!(" {l} ")));
+    let lettered = baton_engine::fallback::has_lettered_options(question);
     if lettered {
         tags.push("choice");
     }

@@ -20,7 +20,7 @@ use crate::planner::ShownExample;
 use crate::pool::{FallbackOptions, Route};
 // What the pool learned is a pool option (the pool holds it); it stays reachable here,
 // beside the choice it feeds.
-pub use crate::pool::{MIN_CATEGORY_ITEMS, Measured};
+pub use crate::pool::{Choices, MIN_CATEGORY_ITEMS, Measured};
 
 /// A copy is a run of this many words, in order, shared with an example's subtask.
 pub const COPY_WORDS: usize = 8;
@@ -177,9 +177,8 @@ const MIN_LIKENESS: f64 = 0.12;
 /// choice is clear, if it is.
 struct Placed<'a> {
     worker: usize,
-    clear: Option<&'a String>,
-    /// Why it answers alone though not clear: the conductor's plans did no better.
-    no_gain: Option<&'a String>,
+    /// Why it answers alone, without a plan ([`Choices::alone`]); `None`: the conductor plans.
+    alone: Option<&'a String>,
     /// The category ("chemistry") or kind ("multiple-choice questions") it was placed by.
     at: String,
     /// How it was placed, in words: "the question is like its chemistry items".
@@ -192,18 +191,17 @@ struct Placed<'a> {
 fn placed<'a>(m: &'a Measured, workers: usize, question: &str) -> Option<Placed<'a>> {
     let valid = |w: Option<usize>| w.filter(|w| *w < workers);
     if let Some(category) = category_of(question, &m.questions)
-        && let Some(worker) = valid(m.best_by_category.get(category).copied())
+        && let Some(worker) = valid(m.by_category.best.get(category).copied())
     {
         let how = format!("the question is like its {category} items");
-        let (clear, no_gain) = (m.clear.get(category), m.no_gain.get(category));
-        return Some(Placed { worker, clear, no_gain, at: category.to_owned(), how });
+        let alone = m.by_category.alone(category);
+        return Some(Placed { worker, alone, at: category.to_owned(), how });
     }
-    let kind = kind_of(question, m.best_by_kind.keys())?;
-    let worker = valid(m.best_by_kind.get(kind).copied())?;
+    let kind = kind_of(question, m.by_kind.best.keys())?;
+    let worker = valid(m.by_kind.best.get(kind).copied())?;
     let words = crate::profile::kind_words(kind);
     let how = format!("the question is a {words} one, and no learned category is like it");
-    let (clear, no_gain) = (m.clear_by_kind.get(kind), m.no_gain_by_kind.get(kind));
-    Some(Placed { worker, clear, no_gain, at: format!("{words} questions"), how })
+    Some(Placed { worker, alone: m.by_kind.alone(kind), at: format!("{words} questions"), how })
 }
 
 /// Which worker answers alone when the plans cannot be used, and why that one (`None`: no
@@ -231,7 +229,7 @@ pub fn fallback_worker(options: &FallbackOptions, workers: usize, question: &str
 /// Whether the question goes straight to one worker, with no plan, and why: with
 /// [`Route::Auto`], when the learned profile names the worker for the question's category (or,
 /// where no category places it, its kind) by a clear margin, or the conductor's plans were
-/// measured there and did no better than that worker alone; with [`Route::Always`], to the
+/// measured there and not shown to do better than that worker alone; with [`Route::Always`], to the
 /// profile's worker for the category or kind, else the best overall, else the fallback worker.
 /// A worker the user chose (`fallback_worker`) turns [`Route::Auto`]'s routing off, since it
 /// is the user's choice, not a measurement; with [`Route::Always`] every question goes to it.
@@ -250,7 +248,7 @@ pub fn route(options: &FallbackOptions, workers: usize, question: &str) -> Optio
         Route::Never => None,
         Route::Auto => {
             let p = placed(&options.measured, workers, question)?;
-            let why = p.clear.or(p.no_gain)?;
+            let why = p.alone?;
             Some((p.worker, format!("routed by what the pool learned: {}, and {why}", p.how)))
         }
         // The fallback's own choice: the category's worker, else the best overall.
@@ -269,17 +267,10 @@ pub fn route(options: &FallbackOptions, workers: usize, question: &str) -> Optio
 pub fn kind_of<'a>(question: &str, learned: impl Iterator<Item = &'a String>) -> Option<&'a str> {
     let learned: Vec<&'a String> = learned.collect();
     let find = |kind: &str| learned.iter().find(|k| k.as_str() == kind).map(|k| k.as_str());
-    let option = |line: &str, letter: char| {
-        let line = line.trim_start();
-        let line = line.strip_prefix('(').unwrap_or(line);
-        let mut chars = line.chars();
-        chars.next() == Some(letter) && matches!(chars.next(), Some('.' | ')' | ':'))
-    };
-    let lettered = |letter: char| question.lines().any(|line| option(line, letter));
-    if lettered('A') && lettered('B') {
+    if has_lettered_options(question) {
         return find("choice");
     }
-    if question.contains("```") || (question.contains("def ") && question.contains("):")) {
+    if shows_code(question) {
         return find("code");
     }
     let mut open = learned.iter().filter(|k| !matches!(k.as_str(), "choice" | "code"));
@@ -287,6 +278,26 @@ pub fn kind_of<'a>(question: &str, learned: impl Iterator<Item = &'a String>) ->
         (Some(one), None) => Some(one.as_str()),
         _ => None,
     }
+}
+
+/// Whether `question` offers lettered options: "A" and "B" each opening a line of its own as
+/// "A.", "A)", "(A)" or "A:". One lettered line is no options ("A. Lincoln …"). The one rule
+/// for routing by kind ([`kind_of`]) and for the conductor's choice of examples, so the two
+/// never disagree on what a multiple-choice question is.
+pub fn has_lettered_options(question: &str) -> bool {
+    let option = |line: &str, letter: char| {
+        let line = line.trim_start();
+        let line = line.strip_prefix('(').unwrap_or(line);
+        let mut chars = line.chars();
+        chars.next().map(|c| c.to_ascii_uppercase()) == Some(letter) && matches!(chars.next(), Some('.' | ')' | ':'))
+    };
+    let lettered = |letter: char| question.lines().any(|line| option(line, letter));
+    lettered('A') && lettered('B')
+}
+
+/// Whether `question` shows code: a fenced block, or a Python function's signature.
+pub fn shows_code(question: &str) -> bool {
+    question.contains("```") || (question.contains("def ") && question.contains("):"))
 }
 
 /// The category of the learned questions most like `question`, by a vote of the
@@ -381,8 +392,7 @@ mod tests {
     fn the_fallback_goes_to_the_best_worker_for_the_questions_category() {
         let measured = Measured {
             best: Some(0),
-            best_by_category: [("chemistry".to_owned(), 2)].into(),
-            clear: Default::default(),
+            by_category: Choices { best: [("chemistry".to_owned(), 2)].into(), ..Default::default() },
             questions: vec![
                 ("What is the pH of a 0.01 M solution of hydrochloric acid?".into(), "chemistry".into()),
                 ("Which gas is released when zinc reacts with hydrochloric acid?".into(), "chemistry".into()),
@@ -412,8 +422,11 @@ mod tests {
     fn a_question_routes_only_where_the_profile_is_clear_unless_routing_is_always() {
         let measured = Measured {
             best: Some(0),
-            best_by_category: [("chemistry".to_owned(), 2), ("history".to_owned(), 1)].into(),
-            clear: [("chemistry".to_owned(), "c was right on 8 of 8".to_owned())].into(),
+            by_category: Choices {
+                best: [("chemistry".to_owned(), 2), ("history".to_owned(), 1)].into(),
+                clear: [("chemistry".to_owned(), "c was right on 8 of 8".to_owned())].into(),
+                ..Default::default()
+            },
             questions: vec![
                 ("What is the pH of a 0.01 M solution of hydrochloric acid?".into(), "chemistry".into()),
                 ("Who wrote the Federalist Papers with Madison and Jay?".into(), "history".into()),
@@ -441,10 +454,11 @@ mod tests {
         options.route = Route::Always;
         assert_eq!(route(&options, 3, acid).map(|r| r.0), Some(1));
 
-        // Where the conductor's plans did no better than history's worker alone, it answers alone.
+        // Where the conductor's plans were not shown to do better than history's worker alone, it
+        // answers alone.
         let mut options = FallbackOptions { measured: options.measured.clone(), ..Default::default() };
         let why = "the conductor's plans were right on 3 of 8 when the pool learned, b alone on 4 of 8: a plan is not known to help";
-        options.measured.no_gain.insert("history".into(), why.into());
+        options.measured.by_category.no_gain.insert("history".into(), why.into());
         let (w, said) = route(&options, 3, papers).expect("no gain: alone");
         assert_eq!(w, 1);
         assert!(said.ends_with(why), "{said}");
@@ -454,10 +468,16 @@ mod tests {
     fn a_question_no_category_places_goes_to_the_worker_of_its_kind() {
         let measured = Measured {
             best: Some(0),
-            best_by_category: [("chemistry".to_owned(), 0)].into(),
-            clear: [("chemistry".to_owned(), "a was right on 8 of 8".to_owned())].into(),
-            best_by_kind: [("choice".to_owned(), 1), ("number".to_owned(), 2)].into(),
-            clear_by_kind: [("choice".to_owned(), "b was right on 18 of 20".to_owned())].into(),
+            by_category: Choices {
+                best: [("chemistry".to_owned(), 0)].into(),
+                clear: [("chemistry".to_owned(), "a was right on 8 of 8".to_owned())].into(),
+                ..Default::default()
+            },
+            by_kind: Choices {
+                best: [("choice".to_owned(), 1), ("number".to_owned(), 2)].into(),
+                clear: [("choice".to_owned(), "b was right on 18 of 20".to_owned())].into(),
+                ..Default::default()
+            },
             questions: vec![("What is the pH of a 0.01 M solution of hydrochloric acid?".into(), "chemistry".into())],
             ..Default::default()
         };
@@ -485,6 +505,9 @@ mod tests {
         assert_eq!(kind_of(sum, kinds(&["choice", "exact"]).iter()), Some("exact"));
         assert_eq!(kind_of(anatomy, kinds(&["number"]).iter()), None, "no choice questions learned");
         assert_eq!(kind_of("Is A. Lincoln on the penny?", learned.iter()), None, "one lettered line is no options");
+        assert!(has_lettered_options("Pick one.\n(a) red\n(b) blue"), "lower case and parentheses");
+        assert!(has_lettered_options("Which?\nA: yes\nB: no"));
+        assert!(!has_lettered_options("A. Lincoln and B. Franklin, on one line"));
     }
 
     #[test]

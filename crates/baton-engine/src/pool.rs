@@ -142,29 +142,18 @@ impl Default for FallbackOptions {
 }
 
 /// What the pool learned of its workers alone (see [`crate::profile::measure`]): the best one
-/// overall and per category, and the category of each question it learned from, so a new
-/// question can be placed by the learned questions nearest to it.
+/// overall, the choices per category and per kind, and the category of each question it
+/// learned from, so a new question can be placed by the learned questions nearest to it.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Measured {
     /// The best worker alone over every test item.
     pub best: Option<usize>,
-    /// Category → the cheapest worker alone as good as the best on its items (only categories
-    /// with at least [`MIN_CATEGORY_ITEMS`] runs of every worker).
-    pub best_by_category: BTreeMap<String, usize>,
-    /// Category → why its worker may answer without a plan: the categories whose choice is
-    /// clear (its interval above every worker that is not as good).
-    pub clear: BTreeMap<String, String>,
-    /// Kind (`number`, `choice`, `code`, `exact`) → the cheapest worker alone as good as the
-    /// best on its items over every category, for a question no category places.
-    pub best_by_kind: BTreeMap<String, usize>,
-    /// Kind → why its worker may answer without a plan (as [`Self::clear`]).
-    pub clear_by_kind: BTreeMap<String, String>,
-    /// Category → why its worker answers without a plan though its choice is not clear: the
-    /// conductor's plans were measured, and did no better than that worker alone
-    /// ([`crate::profile::weigh_plans`]).
-    pub no_gain: BTreeMap<String, String>,
-    /// Kind → the same, for kinds.
-    pub no_gain_by_kind: BTreeMap<String, String>,
+    /// Per category (only categories with at least [`MIN_CATEGORY_ITEMS`] runs of every
+    /// worker).
+    pub by_category: Choices,
+    /// Per kind (`number`, `choice`, `code`, `exact`) over every category, for a question no
+    /// category places.
+    pub by_kind: Choices,
     /// Each learned question with its category.
     pub questions: Vec<(String, String)>,
     /// Worker → what it did alone per category when the pool learned, in words, for the
@@ -174,6 +163,28 @@ pub struct Measured {
     /// workers renumbered into this pool (plans naming a worker that changed since are left
     /// out); the conductor's examples for similar questions.
     pub plans: Vec<LearnedPlan>,
+}
+
+/// What the profiles choose for each category (or each kind) of question: its worker, and
+/// whether that worker answers without a plan and why.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Choices {
+    /// Key → the cheapest worker alone as good as the best on its items.
+    pub best: BTreeMap<String, usize>,
+    /// Key → why its worker may answer without a plan: its choice is clear (its interval above
+    /// every worker that is not as good).
+    pub clear: BTreeMap<String, String>,
+    /// Key → why its worker answers without a plan though its choice is not clear: the
+    /// conductor's plans were measured, and not shown to do better than that worker alone
+    /// ([`crate::profile::weigh_plans`]).
+    pub no_gain: BTreeMap<String, String>,
+}
+
+impl Choices {
+    /// Why `key`'s worker answers alone, without a plan; `None` where a plan is written.
+    pub fn alone(&self, key: &str) -> Option<&String> {
+        self.clear.get(key).or_else(|| self.no_gain.get(key))
+    }
 }
 
 /// A plan the conductor wrote while the pool learned, whose answer was right: an example it

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::pool::{MIN_CATEGORY_ITEMS, Measured};
+use crate::pool::{Choices, MIN_CATEGORY_ITEMS, Measured};
 
 /// What a worker did alone on one category's items while the pool learned.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, ts_rs::TS)]
@@ -67,6 +67,16 @@ pub struct Profile {
     /// The user's marks in compare in chat, for the worker as it is now (whatever
     /// [`Self::freshness`] says of the learned figures).
     pub marks: ChatMarks,
+}
+
+impl Profile {
+    /// Whether `kind`'s figures are a category's over again: where one category holds every
+    /// item of the kind (the suite's items of that kind have one category, or none, so go by
+    /// the kind's name), the two are the same runs with the same figures. Shown or told twice,
+    /// it says nothing new; the kind still places questions no category does.
+    pub fn repeats_a_category(&self, kind: &str) -> bool {
+        self.by_kind.get(kind).is_some_and(|k| self.by_category.values().any(|c| c == k))
+    }
 }
 
 /// How the user marked this worker's answer alone against the conductor's answer to the same
@@ -134,18 +144,13 @@ pub fn measure(profiles: &[Profile], questions: Vec<(String, String)>) -> Measur
     }
     let everyone = current.len() == profiles.len();
     let names = profiles_names(profiles);
-    let (best_by_category, clear) = choices(&current, |p| &p.by_category, everyone, &names);
-    let (best_by_kind, clear_by_kind) = choices(&current, |p| &p.by_kind, everyone, &names);
     let overall: Vec<(usize, CategoryFigures)> = current.iter().map(|(w, p)| (*w, total(p))).collect();
     let overall: Vec<(usize, &CategoryFigures)> = overall.iter().map(|(w, f)| (*w, f)).collect();
+    let best = choose(&overall, &names).map(|(w, _)| w);
     Measured {
-        best: choose(&overall, &names).map(|(w, _)| w),
-        best_by_category,
-        clear,
-        best_by_kind,
-        clear_by_kind,
-        no_gain: BTreeMap::new(),
-        no_gain_by_kind: BTreeMap::new(),
+        best,
+        by_category: choices(&current, |p| &p.by_category, everyone, best, &names),
+        by_kind: choices(&current, |p| &p.by_kind, everyone, best, &names),
         questions,
         strengths,
         plans: Vec::new(),
@@ -155,55 +160,73 @@ pub fn measure(profiles: &[Profile], questions: Vec<(String, String)>) -> Measur
 /// Per key of `figures_of` (categories or kinds): the cheapest worker as good as the best, and
 /// where that choice is clear, why. Only keys where every current worker has at least
 /// [`MIN_CATEGORY_ITEMS`] runs; a choice is clear only when `everyone` has a current profile.
+/// Whether plans help is weighed later ([`weigh_plans`]).
+///
+/// A key's few items are a noisy guide, the whole suite a better one: where the worker best
+/// over everything learned (`overall`) is not as good on a key, the key's own best takes its
+/// place only if the margin between the two is clear (their intervals apart). One item more of
+/// ten is noise, not a reason to send a kind of question to a worker that is weaker overall. A
+/// cheaper worker as good on the key still takes it: that choice rests on cost, not on the
+/// margin.
 fn choices<'p>(
     current: &[(usize, &'p Profile)],
     figures_of: impl Fn(&'p Profile) -> &'p BTreeMap<String, CategoryFigures>,
     everyone: bool,
+    overall: Option<usize>,
     names: &[&str],
-) -> (BTreeMap<String, usize>, BTreeMap<String, String>) {
+) -> Choices {
     let mut keys: Vec<&String> = current.iter().flat_map(|(_, p)| figures_of(p).keys()).collect();
     keys.sort();
     keys.dedup();
-    let (mut best, mut clear) = (BTreeMap::new(), BTreeMap::new());
+    let mut chosen = Choices::default();
     for key in keys {
         let figures: Vec<(usize, &CategoryFigures)> =
             current.iter().filter_map(|(w, p)| figures_of(p).get(key).map(|f| (*w, f))).collect();
         if figures.len() < current.len() || figures.iter().any(|(_, f)| (f.n as usize) < MIN_CATEGORY_ITEMS) {
             continue;
         }
-        if let Some((worker, why)) = choose(&figures, names) {
-            best.insert(key.clone(), worker);
+        if let Some((mut worker, mut why)) = choose(&figures, names) {
+            let of = |w: usize| figures.iter().find(|(x, _)| *x == w).map(|(_, f)| *f);
+            let top = figures.iter().map(|(_, f)| f.accuracy()).fold(0.0, f64::max);
+            if let (Some(b), Some(mine)) = (overall.filter(|b| *b != worker), of(worker))
+                && let Some(theirs) = of(b)
+                && theirs.accuracy() < top - AS_GOOD_WITHIN - 1e-9
+                && mine.interval().0 <= theirs.interval().1
+            {
+                (worker, why) = (b, None);
+            }
+            chosen.best.insert(key.clone(), worker);
             if let Some(why) = why.filter(|_| everyone) {
-                clear.insert(key.clone(), why);
+                chosen.clear.insert(key.clone(), why);
             }
         }
     }
-    (best, clear)
+    chosen
 }
 
 /// Where a plan is not known to help: for each category and kind whose choice (see [`measure`])
 /// is not clear already, the conductor's sampled plans (`planned`, scored while the pool
-/// learned) were right no more often than that worker alone, give or take
-/// [`AS_GOOD_WITHIN`]; such a question goes to the worker alone, as a clear choice does. A step
-/// is added only where the measurements say it helps. Only where the plans have at least
-/// [`MIN_CATEGORY_ITEMS`] runs, and every worker a current profile (a worker not measured
-/// might be what a plan needs).
+/// learned) were not shown to be right more often than that worker alone: the lower end of
+/// their 95% interval is not above the worker's accuracy. Such a question goes to the worker
+/// alone, as a clear choice does. A step is added only where the measurements say it helps: a
+/// plan costs the conductor's time and the steps' calls, so one item more of ten is not enough.
+/// Only where the plans have at least [`MIN_CATEGORY_ITEMS`] runs, and every worker a current
+/// profile (a worker not measured might be what a plan needs).
 pub fn weigh_plans(measured: &mut Measured, profiles: &[Profile], planned: &Profile) {
     if profiles.iter().any(|p| p.freshness != Freshness::Current) {
         return;
     }
     let name = |w: usize| profiles.get(w).map_or("?", |p| p.worker.as_str());
-    let weigh = |best: &BTreeMap<String, usize>,
-                 clear: &BTreeMap<String, String>,
-                 figures_of: &dyn Fn(&Profile) -> &BTreeMap<String, CategoryFigures>| {
-        let mut no_gain = BTreeMap::new();
+    let weigh = |choices: &mut Choices, figures_of: &dyn Fn(&Profile) -> &BTreeMap<String, CategoryFigures>| {
+        let Choices { best, clear, no_gain } = choices;
+        no_gain.clear();
         for (key, &w) in best.iter().filter(|(key, _)| !clear.contains_key(*key)) {
             let (Some(alone), Some(plans)) =
                 (profiles.get(w).and_then(|p| figures_of(p).get(key)), figures_of(planned).get(key))
             else {
                 continue;
             };
-            if (plans.n as usize) < MIN_CATEGORY_ITEMS || plans.accuracy() >= alone.accuracy() + AS_GOOD_WITHIN - 1e-9 {
+            if (plans.n as usize) < MIN_CATEGORY_ITEMS || plans.interval().0 > alone.accuracy() {
                 continue;
             }
             let why = format!(
@@ -216,10 +239,9 @@ pub fn weigh_plans(measured: &mut Measured, profiles: &[Profile], planned: &Prof
             );
             no_gain.insert(key.clone(), why);
         }
-        no_gain
     };
-    measured.no_gain = weigh(&measured.best_by_category, &measured.clear, &|p| &p.by_category);
-    measured.no_gain_by_kind = weigh(&measured.best_by_kind, &measured.clear_by_kind, &|p| &p.by_kind);
+    weigh(&mut measured.by_category, &|p| &p.by_category);
+    weigh(&mut measured.by_kind, &|p| &p.by_kind);
 }
 
 /// A kind of question in words: "multiple-choice" for `choice`. Any other text is its own.
@@ -247,7 +269,7 @@ fn learned_line(profile: &Profile) -> Option<String> {
     let said: Vec<(&String, &CategoryFigures)> = profile.by_category.iter().filter(|(_, f)| enough(f)).collect();
     let thin = profile.by_category.values().any(|f| f.n > 0 && !enough(&f));
     let kinds: Vec<(&String, &CategoryFigures)> = if thin {
-        profile.by_kind.iter().filter(|(k, f)| enough(f) && !said.iter().any(|(c, _)| c == k)).collect()
+        profile.by_kind.iter().filter(|(k, f)| enough(f) && !profile.repeats_a_category(k)).collect()
     } else {
         Vec::new()
     };
@@ -391,7 +413,7 @@ pub enum RouteHow {
     Always,
     /// Alone, without a plan, because the measurements name it by a clear margin.
     Clear,
-    /// Alone, without a plan, because the conductor's plans did no better than it alone.
+    /// Alone, without a plan, because the conductor's plans were not shown to do better than it alone.
     NoGain,
     /// The conductor plans, with this worker as the plan's lead and the fallback.
     Lead,
@@ -408,7 +430,7 @@ pub fn learning(pool: &crate::Pool, profiles: &[Profile], planned: Option<&Profi
         priced,
         learned_in: p.learned_in.clone(),
         categories: rows(p.by_category.iter(), |category| category.to_owned()),
-        kinds: rows(p.by_kind.iter().filter(|(k, _)| !p.by_category.contains_key(*k)), |kind| {
+        kinds: rows(p.by_kind.iter().filter(|(k, _)| !p.repeats_a_category(k)), |kind| {
             format!("any {}", kind_words(kind))
         }),
         marks: p.marks,
@@ -432,28 +454,28 @@ pub fn learning(pool: &crate::Pool, profiles: &[Profile], planned: Option<&Profi
     if let Some(planned) = planned {
         weigh_plans(&mut measured, profiles, planned);
     }
-    let how = |clear: bool, no_gain: bool| match fallback.route {
+    let how = |choices: &Choices, key: &str| match fallback.route {
         crate::Route::Always => RouteHow::Always,
-        crate::Route::Auto if clear => RouteHow::Clear,
-        crate::Route::Auto if no_gain => RouteHow::NoGain,
+        crate::Route::Auto if choices.clear.contains_key(key) => RouteHow::Clear,
+        crate::Route::Auto if choices.no_gain.contains_key(key) => RouteHow::NoGain,
         _ => RouteHow::Lead,
     };
-    let by_category = measured.best_by_category.iter().map(|(category, &w)| KindRoute {
+    let (categories, kinds) = (&measured.by_category, &measured.by_kind);
+    let by_category = categories.best.iter().map(|(category, &w)| KindRoute {
         category: category.clone(),
         by_kind: false,
         label: category.clone(),
         worker: name(w),
-        how: how(measured.clear.contains_key(category), measured.no_gain.contains_key(category)),
+        how: how(categories, category),
     });
-    let by_kind = measured.best_by_kind.iter().filter(|(kind, _)| !measured.best_by_category.contains_key(*kind)).map(
-        |(kind, &w)| KindRoute {
+    let by_kind =
+        kinds.best.iter().filter(|(kind, _)| !categories.best.contains_key(*kind)).map(|(kind, &w)| KindRoute {
             category: kind.clone(),
             by_kind: true,
             label: format!("other {}", kind_words(kind)),
             worker: name(w),
-            how: how(measured.clear_by_kind.contains_key(kind), measured.no_gain_by_kind.contains_key(kind)),
-        },
-    );
+            how: how(kinds, kind),
+        });
     let routes = by_category.chain(by_kind).collect();
     PoolLearning { workers, plans, routes, named_fallback: None, route: fallback.route }
 }

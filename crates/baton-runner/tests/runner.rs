@@ -192,8 +192,12 @@ async fn what_the_pool_learned_goes_into_the_pool_it_builds_unless_the_user_chos
     baton_runner::build::learned_into(&mut learned, &store).await;
     let fallback = &learned.options.fallback;
     assert_eq!(fallback.worker, Some(1), "second was right on all 8, first on none");
-    assert_eq!(fallback.measured.best_by_category["geography"], 1);
-    assert!(fallback.measured.clear["geography"].contains("8 of 8"), "{:?}", fallback.measured.clear);
+    assert_eq!(fallback.measured.by_category.best["geography"], 1);
+    assert!(
+        fallback.measured.by_category.clear["geography"].contains("8 of 8"),
+        "{:?}",
+        fallback.measured.by_category.clear
+    );
 
     let mut chosen = self::pool(&server, "[conductor]\nfallback_worker = \"first\"\n");
     baton_runner::build::learned_into(&mut chosen, &store).await;

@@ -1166,7 +1166,7 @@ async fn profiles_come_from_learning_runs_by_identity_and_choose_the_fallback_wo
     assert_eq!(a.learned_in.len(), 1, "one of the two learning runs counts, the plain evaluation not at all");
     let measured = measure(&learned.profiles, learned.questions.clone());
     assert_eq!(measured.best, Some(0), "a is right on 6 of 10, b on 4");
-    assert_eq!(measured.best_by_category, [("chemistry".to_owned(), 1), ("history".to_owned(), 0)].into());
+    assert_eq!(measured.by_category.best, [("chemistry".to_owned(), 1), ("history".to_owned(), 0)].into());
 
     pool.options.fallback.measured = measured;
     let acid = "What is the pH of a 0.5 M solution of nitric acid?";
@@ -1181,7 +1181,7 @@ async fn profiles_come_from_learning_runs_by_identity_and_choose_the_fallback_wo
     assert_eq!(learned.profiles[1].freshness, Freshness::Stale);
     assert_eq!(learned.profiles[1].identity.as_deref(), Some(ids[1].1.as_str()), "as it was learned");
     let measured = measure(&learned.profiles, learned.questions);
-    assert_eq!(measured.best_by_category.get("chemistry"), None, "a is right on no chemistry item, b is stale");
+    assert_eq!(measured.by_category.best.get("chemistry"), None, "a is right on no chemistry item, b is stale");
     let unknown = store.learned(&[("c".to_owned(), "openai other".to_owned())], None).await.expect("reads");
     assert_eq!(unknown.profiles[0].freshness, Freshness::None);
 

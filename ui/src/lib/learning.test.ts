@@ -45,7 +45,7 @@ describe("a learned profile, as the Workers screen shows it", () => {
   it("tells apart a question answered alone from one the conductor plans", () => {
     expect(routeText({ category: "math", by_kind: false, label: "math", worker: "alpha", how: "clear" })).toContain("without a plan");
     expect(routeText({ category: "math", by_kind: false, label: "math", worker: "alpha", how: "lead" })).toContain("conductor plans");
-    expect(routeText({ category: "math", by_kind: false, label: "math", worker: "alpha", how: "no_gain" })).toContain("plans did no better");
+    expect(routeText({ category: "math", by_kind: false, label: "math", worker: "alpha", how: "no_gain" })).toContain("plans not shown to do better");
     expect(routeText({ category: "math", by_kind: false, label: "math", worker: "alpha", how: "always" })).toContain("routes every question");
   });
 

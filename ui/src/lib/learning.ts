@@ -47,7 +47,7 @@ export function routeText(r: KindRoute): string {
     case "clear":
       return `${r.worker}, alone without a plan (a clear margin)`;
     case "no_gain":
-      return `${r.worker}, alone without a plan (the conductor's plans did no better)`;
+      return `${r.worker}, alone without a plan (plans not shown to do better)`;
     case "lead":
       return `${r.worker}, as the plan's lead (the conductor plans)`;
   }

@@ -25,10 +25,10 @@ fn each_kind_goes_to_the_cheapest_worker_that_is_as_good() {
         profile("cheap", Freshness::Current, &[("sums", figures(8, 8, 0.001)), ("trivia", figures(0, 8, 0.001))]),
     ];
     let m = measure(&profiles, Vec::new());
-    assert_eq!(m.best_by_category["sums"], 1, "as good and ten times cheaper");
-    assert_eq!(m.best_by_category["trivia"], 0);
-    assert!(m.clear["sums"].contains("cheap was right on 8 of 8"), "{:?}", m.clear);
-    assert!(m.clear.contains_key("trivia"));
+    assert_eq!(m.by_category.best["sums"], 1, "as good and ten times cheaper");
+    assert_eq!(m.by_category.best["trivia"], 0);
+    assert!(m.by_category.clear["sums"].contains("cheap was right on 8 of 8"), "{:?}", m.by_category.clear);
+    assert!(m.by_category.clear.contains_key("trivia"));
     assert_eq!(m.best, Some(0), "overall only the dear one is right on everything");
     assert_eq!(
         m.strengths[&1],
@@ -44,8 +44,8 @@ fn a_margin_the_measurements_cannot_tell_from_chance_is_not_clear() {
             profile("b", Freshness::Current, &[("sums", figures(b.0, b.1, 0.0))]),
         ];
         let m = measure(&profiles, Vec::new());
-        assert_eq!(m.best_by_category["sums"], 0, "a is the better");
-        m.clear.contains_key("sums")
+        assert_eq!(m.by_category.best["sums"], 0, "a is the better");
+        m.by_category.clear.contains_key("sums")
     };
     assert!(!clear((3, 5), (2, 5)), "3 of 5 against 2 of 5: the conductor plans");
     assert!(!clear((8, 8), (5, 8)), "the intervals overlap");
@@ -64,9 +64,9 @@ fn equally_good_workers_are_routed_only_when_right_more_often_than_not() {
         ];
         measure(&profiles, Vec::new())
     };
-    assert_eq!(both(1).best_by_category["sums"], 1, "the cheaper of two equals leads");
-    assert!(both(1).clear.is_empty(), "1 of 8 each: nobody is known to be good, the conductor plans");
-    assert!(both(8).clear.contains_key("sums"));
+    assert_eq!(both(1).by_category.best["sums"], 1, "the cheaper of two equals leads");
+    assert!(both(1).by_category.clear.is_empty(), "1 of 8 each: nobody is known to be good, the conductor plans");
+    assert!(both(8).by_category.clear.contains_key("sums"));
 }
 
 #[test]
@@ -77,15 +77,15 @@ fn an_unpriced_worker_is_not_taken_for_the_cheapest_and_one_unlearned_worker_kee
         profile("remote", Freshness::Current, &[("sums", unpriced)]),
         profile("priced", Freshness::Current, &[("sums", figures(8, 8, 0.002))]),
     ];
-    assert_eq!(measure(&profiles, Vec::new()).best_by_category["sums"], 1);
+    assert_eq!(measure(&profiles, Vec::new()).by_category.best["sums"], 1);
     let profiles = [
         profile("a", Freshness::Current, &[("sums", figures(8, 8, 0.0))]),
         profile("b", Freshness::Current, &[("sums", figures(0, 8, 0.0))]),
         profile("new", Freshness::None, &[]),
     ];
     let m = measure(&profiles, Vec::new());
-    assert_eq!(m.best_by_category["sums"], 0, "a still leads");
-    assert!(m.clear.is_empty(), "the new worker might be better: no question skips the plan");
+    assert_eq!(m.by_category.best["sums"], 0, "a still leads");
+    assert!(m.by_category.clear.is_empty(), "the new worker might be better: no question skips the plan");
 }
 
 #[test]
@@ -95,8 +95,8 @@ fn stale_and_thin_profiles_are_not_used() {
         profile("b", Freshness::Current, &[("sums", figures(1, 8, 0.0)), ("few", figures(3, 3, 0.0))]),
     ];
     let m = measure(&profiles, Vec::new());
-    assert_eq!(m.best_by_category.get("sums"), Some(&1), "only b's profile is current");
-    assert!(!m.best_by_category.contains_key("few"), "3 runs are too few to choose by");
+    assert_eq!(m.by_category.best.get("sums"), Some(&1), "only b's profile is current");
+    assert!(!m.by_category.best.contains_key("few"), "3 runs are too few to choose by");
     assert_eq!(m.strengths.keys().collect::<Vec<_>>(), [&1], "the conductor is not told a stale profile");
     let none = [profile("a", Freshness::None, &[])];
     assert_eq!(measure(&none, Vec::new()), Measured::default());
@@ -118,7 +118,7 @@ fn chat_marks_are_told_to_the_conductor_but_choose_no_worker() {
         "In chat, the user marked its answer alone better than the pool's 0 times, as good 0 times and worse 3 times.",
         "marks are the worker's as it is now; the stale figures stay untold"
     );
-    assert!(m.best_by_category.is_empty() && m.best.is_none() && m.clear.is_empty(), "{m:?}");
+    assert!(m.by_category.best.is_empty() && m.best.is_none() && m.by_category.clear.is_empty(), "{m:?}");
 
     let mut learned = profile("a", Freshness::Current, &[("sums", figures(8, 8, 0.0))]);
     learned.marks = marked.marks;
@@ -128,7 +128,7 @@ fn chat_marks_are_told_to_the_conductor_but_choose_no_worker() {
         "{}",
         m.strengths[&0]
     );
-    assert_eq!(m.best_by_category["sums"], 0);
+    assert_eq!(m.by_category.best["sums"], 0);
 }
 
 #[test]
@@ -146,9 +146,9 @@ fn thin_categories_are_chosen_by_their_kind_and_told_as_it() {
     };
     let profiles = [with_kinds("a", 6), with_kinds("b", 0)];
     let m = measure(&profiles, Vec::new());
-    assert!(m.best_by_category.keys().eq(["number"]), "2 runs a subject are too few: {:?}", m.best_by_category);
-    assert_eq!(m.best_by_kind["choice"], 0);
-    assert!(m.clear_by_kind["choice"].contains("a was right on 12 of 12"), "{:?}", m.clear_by_kind);
+    assert!(m.by_category.best.keys().eq(["number"]), "2 runs a subject are too few: {:?}", m.by_category.best);
+    assert_eq!(m.by_kind.best["choice"], 0);
+    assert!(m.by_kind.clear["choice"].contains("a was right on 12 of 12"), "{:?}", m.by_kind.clear);
     assert_eq!(
         m.strengths[&0],
         "When this pool learned, it was right on 6 of 6 numeric questions and 12 of 12 multiple-choice questions."
@@ -166,10 +166,21 @@ fn thin_categories_are_chosen_by_their_kind_and_told_as_it() {
         learned_line(&whole).as_deref(),
         Some("When this pool learned, it was right on 8 of 8 arithmetic questions.")
     );
+    // Nor is a kind whose every item is one category's, where others were thin: the same runs.
+    whole.by_category.insert("anatomy".into(), figures(1, 2, 0.0));
+    whole.by_category.insert("law".into(), figures(0, 2, 0.0));
+    whole.by_kind.insert("choice".into(), figures(1, 4, 0.0));
+    assert_eq!(
+        learned_line(&whole).as_deref(),
+        Some(
+            "When this pool learned, it was right on 8 of 8 arithmetic questions and 1 of 4 multiple-choice questions."
+        )
+    );
+    assert!(whole.repeats_a_category("number") && !whole.repeats_a_category("choice"));
 }
 
 #[test]
-fn a_plan_is_skipped_where_the_conductors_plans_did_no_better_than_the_choice_alone() {
+fn a_plan_is_skipped_where_the_conductors_plans_were_not_shown_to_do_better_than_the_choice_alone() {
     // 6 of 8 against 2 of 8: a leads, but not by a clear margin.
     let profiles = [
         profile("a", Freshness::Current, &[("sums", figures(6, 8, 0.0)), ("proofs", figures(2, 8, 0.0))]),
@@ -182,17 +193,18 @@ fn a_plan_is_skipped_where_the_conductors_plans_did_no_better_than_the_choice_al
     );
     planned.by_kind.insert("number".into(), figures(18, 32, 0.0));
     let mut m = measure(&profiles, Vec::new());
-    assert!(m.clear.is_empty());
+    assert!(m.by_category.clear.is_empty());
     weigh_plans(&mut m, &profiles, &planned);
     // Sums: plans right 62% of the time, a alone 75%: no gain, a answers alone.
     assert_eq!(
-        m.no_gain.get("sums").map(String::as_str),
+        m.by_category.no_gain.get("sums").map(String::as_str),
         Some(
             "the conductor's plans were right on 10 of 16 when the pool learned, a alone on 6 of 8: a plan is not known to help"
         )
     );
-    // Proofs: plans 50% against a's 25%: they help, so the conductor plans.
-    assert!(!m.no_gain.contains_key("proofs"), "{:?}", m.no_gain);
+    // Proofs: plans 8 of 16 (interval from 28%) against a's 2 of 8: they help, so the
+    // conductor plans.
+    assert!(!m.by_category.no_gain.contains_key("proofs"), "{:?}", m.by_category.no_gain);
     let shown = learning(&crate::Pool::parse(TWO_WORKERS, "pool.toml").expect("pool"), &profiles, Some(&planned));
     let routes: Vec<(&str, RouteHow)> = shown.routes.iter().map(|r| (r.category.as_str(), r.how)).collect();
     assert_eq!(routes, [("proofs", RouteHow::Lead), ("sums", RouteHow::NoGain)]);
@@ -203,11 +215,51 @@ fn a_plan_is_skipped_where_the_conductors_plans_did_no_better_than_the_choice_al
     few.by_category.insert("sums".into(), figures(1, 3, 0.0));
     let mut m = measure(&profiles, Vec::new());
     weigh_plans(&mut m, &profiles, &few);
-    assert!(!m.no_gain.contains_key("sums"));
+    assert!(!m.by_category.no_gain.contains_key("sums"));
     let with_new = [profiles[0].clone(), profiles[1].clone(), profile("new", Freshness::None, &[])];
     let mut m = measure(&with_new, Vec::new());
     weigh_plans(&mut m, &with_new, &planned);
-    assert!(m.no_gain.is_empty(), "{:?}", m.no_gain);
+    assert!(m.by_category.no_gain.is_empty(), "{:?}", m.by_category.no_gain);
+}
+
+#[test]
+fn a_few_items_of_one_kind_do_not_outweigh_everything_learned() {
+    // As a real pool learned from 10 items of each: the big model right on 6 of 10 algebra
+    // items and 2 of 10 trivia ones, the small one on 1 and 3.
+    let profiles = [
+        profile("big", Freshness::Current, &[("algebra", figures(6, 10, 0.0)), ("trivia", figures(2, 10, 0.0))]),
+        profile("small", Freshness::Current, &[("algebra", figures(1, 10, 0.0)), ("trivia", figures(3, 10, 0.0))]),
+    ];
+    let mut m = measure(&profiles, Vec::new());
+    assert_eq!(m.best, Some(0));
+    assert_eq!(m.by_category.best["trivia"], 0, "3 of 10 against 2 of 10 is noise: the best overall stays");
+    assert!(m.by_category.clear.is_empty(), "{:?}", m.by_category.clear);
+    // Plans right one item more often than the choice alone are not known to help.
+    let planned = profile(
+        "the conductor's plans",
+        Freshness::Current,
+        &[("algebra", figures(7, 10, 0.0)), ("trivia", figures(4, 10, 0.0))],
+    );
+    weigh_plans(&mut m, &profiles, &planned);
+    assert!(m.by_category.no_gain["algebra"].contains("right on 7 of 10 when the pool learned, big alone on 6 of 10"));
+    assert!(m.by_category.no_gain["trivia"].contains("big alone on 2 of 10"), "{:?}", m.by_category.no_gain);
+    // A clear margin still sends a kind to the worker that is weaker overall.
+    let profiles = [
+        profile("big", Freshness::Current, &[("algebra", figures(20, 20, 0.0)), ("trivia", figures(0, 10, 0.0))]),
+        profile("small", Freshness::Current, &[("algebra", figures(1, 20, 0.0)), ("trivia", figures(9, 10, 0.0))]),
+    ];
+    let m = measure(&profiles, Vec::new());
+    assert_eq!((m.best, m.by_category.best["trivia"]), (Some(0), 1));
+    assert!(m.by_category.clear.contains_key("trivia"));
+    // And plans right clearly more often than the worker alone are written.
+    let planned = profile("the conductor's plans", Freshness::Current, &[("algebra", figures(9, 10, 0.0))]);
+    let few = [
+        profile("big", Freshness::Current, &[("algebra", figures(3, 10, 0.0))]),
+        profile("small", Freshness::Current, &[("algebra", figures(1, 10, 0.0))]),
+    ];
+    let mut m = measure(&few, Vec::new());
+    weigh_plans(&mut m, &few, &planned);
+    assert!(m.by_category.no_gain.is_empty(), "9 of 10 against 3 of 10: {:?}", m.by_category.no_gain);
 }
 
 const TWO_WORKERS: &str = "[[worker]]\nname = \"a\"\nprovider = \"openai\"\nmodel = \"m-a\"\n\n\
