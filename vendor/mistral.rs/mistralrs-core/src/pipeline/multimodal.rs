@@ -1281,6 +1281,11 @@ impl Loader for MultimodalLoader {
         let eos = calculate_eos_tokens(&chat_template, gen_conf.as_ref(), &tokenizer);
         let sliding_window = model.config().sliding_window;
         let tracked_modules = tracker.get().clone();
+        // Baton: the weight source is read again only to re-quantise tracked modules (ISQ
+        // calibration). For a GGUF it holds the file's mapping, every page of which the load
+        // read: kept with nothing tracked, it holds the whole file resident beside the
+        // weights' own copies for the model's life.
+        let weight_source = if tracked_modules.is_empty() { None } else { weight_source };
         // rank-sliced layers re-slice at source read; inexpressible slices fall back per layer
         let source_weight_files = match self.prepared_source.as_ref() {
             Some(source) => source.source_weight_files.clone(),

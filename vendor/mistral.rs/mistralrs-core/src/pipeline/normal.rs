@@ -1349,6 +1349,11 @@ impl Loader for NormalLoader {
         super::synchronize_cuda_contexts(&device, pipeline_mapper.as_ref())?;
 
         let tracked_modules = tracker.get().clone();
+        // Baton: the weight source is read again only to re-quantise tracked modules (ISQ
+        // calibration). For a GGUF it holds the file's mapping, every page of which the load
+        // read: kept with nothing tracked, it holds the whole file resident beside the
+        // weights' own copies for the model's life.
+        let weight_source = if tracked_modules.is_empty() { None } else { weight_source };
         let source_weight_files = match self.prepared_source.as_ref() {
             Some(source) => source.source_weight_files.clone(),
             None if self.config.from_uqff.is_some() => Vec::new(),
