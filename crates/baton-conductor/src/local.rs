@@ -52,6 +52,11 @@ pub enum LoadError {
         "{path}: not enough memory to load the model ({message}); try a smaller model, a quantized GGUF, or `isq = \"Q4K\"`"
     )]
     OutOfMemory { path: String, message: String },
+    #[error(
+        "{path}: not enough free memory to load this model: it needs about {} MiB ({} MiB of weights and {} MiB for the engine) and {} MiB is free; close other programs or local models, or pick a smaller model or quantization (a 1.5B Q4_K_M GGUF needs about 1.3 GiB). To load it anyway (swap), set {}=1",
+        .need.total_bytes() >> 20, .need.weights_bytes >> 20, .need.overhead_bytes >> 20, .free_bytes >> 20, IGNORE_FREE_MEMORY
+    )]
+    TooBig { path: String, need: MemoryNeed, free_bytes: u64 },
     #[error("{path}: could not load the model: {message}")]
     Failed { path: String, message: String },
 }
@@ -154,6 +159,80 @@ pub struct Speed {
     pub output_tokens: u64,
 }
 
+/// Set to `1` to load a model that the free memory looks too small for.
+pub const IGNORE_FREE_MEMORY: &str = "BATON_IGNORE_FREE_MEMORY";
+
+/// What loading a model takes in memory at the least, known before loading it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryNeed {
+    /// The weights as they are kept: on the CPU the GGUF's tensors take their file's size
+    /// (the tiled x86 layout is within 3% of it), safetensors weights theirs.
+    pub weights_bytes: u64,
+    /// The engine's working memory beside the weights: buffers, the tokenizer, and the
+    /// attention cache of a short conversation (a long one takes more as it grows).
+    pub overhead_bytes: u64,
+}
+
+impl MemoryNeed {
+    /// Weights plus 3% plus 256 MiB: a floor below which a load cannot succeed, not a promise
+    /// that one above it will (a long conversation's attention cache grows past it).
+    /// `docs/conductor-models.md` has the measured figures it rests on.
+    pub fn of_weights(weights_bytes: u64) -> Self {
+        MemoryNeed { weights_bytes, overhead_bytes: weights_bytes * 3 / 100 + (256 << 20) }
+    }
+
+    pub fn total_bytes(&self) -> u64 {
+        self.weights_bytes + self.overhead_bytes
+    }
+
+    /// Whether `free_bytes` of free memory can hold it.
+    pub fn fits(&self, free_bytes: u64) -> bool {
+        self.total_bytes() <= free_bytes
+    }
+}
+
+/// The weights' bytes at `path`: a GGUF file's size, or a directory's `*.safetensors` files.
+pub fn weights_bytes(path: &Path) -> Option<u64> {
+    if path.is_file() {
+        return path.metadata().ok().map(|m| m.len());
+    }
+    let mut total = 0;
+    for entry in std::fs::read_dir(path).ok()? {
+        let entry = entry.ok()?;
+        if entry.path().extension().is_some_and(|e| e == "safetensors") {
+            total += entry.metadata().ok()?.len();
+        }
+    }
+    Some(total)
+}
+
+/// The memory free for a new program: `MemAvailable` in `/proc/meminfo` (Linux; elsewhere
+/// `None`, and the check is skipped), which counts caches the kernel can drop.
+pub fn free_memory_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Refuses, before loading, a model the free memory cannot hold: a failed load takes
+/// minutes and can push the whole machine into swap first. Models that go to a GPU, and
+/// safetensors models quantized while loading (their peak depends on the engine's order of
+/// work), are not checked.
+fn check_free_memory(path: &Path, config: &LocalModelConfig, on_cpu: bool) -> Result<(), LoadError> {
+    if !on_cpu || config.isq.is_some() || std::env::var(IGNORE_FREE_MEMORY).is_ok_and(|v| v == "1") {
+        return Ok(());
+    }
+    let (Some(weights), Some(free)) = (weights_bytes(path), free_memory_bytes()) else {
+        return Ok(());
+    };
+    let need = MemoryNeed::of_weights(weights);
+    if need.fits(free) {
+        return Ok(());
+    }
+    Err(LoadError::TooBig { path: path.display().to_string(), need, free_bytes: free })
+}
+
 /// The process's resident memory, from `/proc/self/statm` (Linux).
 fn resident_bytes() -> Option<u64> {
     let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
@@ -205,6 +284,8 @@ impl LocalModel {
                 hint: "point to a .gguf file or a directory with config.json, tokenizer.json and *.safetensors".into(),
             });
         }
+        let device = if config.force_cpu { "cpu".to_owned() } else { device_name() };
+        check_free_memory(&path, config, device == "cpu")?;
         let started = Instant::now();
         let resident_before = resident_bytes();
         let template = match &config.chat_template {
@@ -277,7 +358,6 @@ impl LocalModel {
             });
         };
         let model = built.map_err(|e| classify_load_error(&shown, &format!("{e:#}")))?;
-        let device = if config.force_cpu { "cpu".to_owned() } else { device_name() };
         let end_tokens = find_end_tokens(&model).await;
         let memory_bytes = resident_bytes().zip(resident_before).map(|(after, before)| after.saturating_sub(before));
         Ok(LocalModel {

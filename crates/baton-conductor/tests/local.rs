@@ -145,6 +145,33 @@ async fn loading_errors_name_the_file_and_what_to_do() {
     assert!(e.to_string().contains("a newer GGUF conversion"), "{e}");
 }
 
+/// A GGUF larger than the memory that is free is refused before the engine reads it, with the
+/// figures. The file is the tiny model's, made sparse past its end: no disk or memory is used.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_model_bigger_than_the_free_memory_is_refused_before_loading() {
+    let Some(free) = baton_conductor::local::free_memory_bytes() else {
+        eprintln!("skipped: no /proc/meminfo on this system");
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("big.gguf");
+    baton_tinymodel::write_gguf_model(&file, &baton_tinymodel::TinySpec::default()).expect("write gguf");
+    let size = free + (1 << 30);
+    std::fs::OpenOptions::new().write(true).open(&file).and_then(|f| f.set_len(size)).expect("extend the file");
+
+    let e = LocalModel::load(&LocalModelConfig { path: file.clone(), force_cpu: true, ..Default::default() })
+        .await
+        .expect_err("too big");
+    let LoadError::TooBig { need, free_bytes, .. } = &e else { panic!("refused as too big, not {e:?}") };
+    assert_eq!(need.weights_bytes, size);
+    assert!(!need.fits(*free_bytes));
+    let shown = e.to_string();
+    assert!(shown.starts_with(&file.display().to_string()), "names the file: {shown}");
+    assert!(shown.contains(&format!("{} MiB of weights", size >> 20)), "gives the figures: {shown}");
+    assert!(shown.contains("pick a smaller model"), "says what to do: {shown}");
+    assert!(shown.contains(baton_conductor::local::IGNORE_FREE_MEMORY), "says how to load it anyway: {shown}");
+}
+
 fn loopback_pool(server: &TestServer, extra: &str, n: usize) -> Pool {
     let mut text = format!("{extra}\n[retry]\ninitial_delay_ms = 10\n");
     for i in 0..n {

@@ -14,10 +14,15 @@
 //! Two shapes: one that candle's repacked x86 kernels take (64 output columns, a multiple of
 //! their 16-row tiles; Q4_K, Q6_K and, with VNNI, Q8_0) and one that only the row-by-row kernels
 //! take (67 columns).
+//!
+//! A weight the tiled kernels take is kept only as tiles once loaded (`keep_only_cpu_tiles`):
+//! everything read from it must then be what its GGUF blocks give, bit for bit, and the tiles
+//! may take no more memory than the blocks did, within the Q4_K tile's f16 scales (1.03x).
 
 use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8_1};
-use candle_core::quantized::{GgmlDType, GgmlType, QMatMul, QTensor};
-use candle_core::{Device, Module, Tensor};
+use candle_core::quantized::{GgmlDType, GgmlType, QMatMul, QStorage, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+use std::borrow::Cow;
 
 fn check(dtype: GgmlDType, (m, k, n): (usize, usize, usize)) -> candle_core::Result<()> {
     let dev = Device::Cpu;
@@ -86,4 +91,68 @@ fn q4_1_kernels_match_the_scalar_reference() {
         let tolerance = 1e-3 * reference.abs().max(1.0);
         assert!((one - reference).abs() <= tolerance, "row {r}: kernel {one} vs scalar reference {reference}");
     }
+}
+
+fn tiled_kernels_take(dtype: GgmlDType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 =
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+        avx2 && matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = dtype;
+        false
+    }
+}
+
+#[test]
+fn a_weight_kept_only_as_tiles_gives_what_its_blocks_give() -> candle_core::Result<()> {
+    let dev = Device::Cpu;
+    let (n, k) = (64, 512);
+    for dtype in [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q8_0] {
+        let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
+        let blocks = QTensor::quantize(&w, dtype)?.data()?.into_owned();
+        let load = || QTensor::new(QStorage::from_data(Cow::Borrowed(&blocks), &dev, dtype)?, (n, k));
+        let kept = load()?;
+        let mut tiled = load()?;
+        let took = tiled.keep_only_cpu_tiles();
+        // Q8_0's tiles depend on the kernel tier in use (MISTRALRS_FORCE_AVX2 turns them off)
+        if dtype != GgmlDType::Q8_0 {
+            assert_eq!(took, tiled_kernels_take(dtype), "{dtype:?}: tiles only");
+        }
+        if !tiled.is_tiles_only() {
+            continue;
+        }
+
+        assert!(tiled.data()? == Cow::Borrowed(&blocks[..]), "{dtype:?}: the blocks rebuilt from the tiles differ");
+        assert_eq!(tiled.storage_size_in_bytes(), blocks.len());
+        let resident = tiled.resident_size_in_bytes() as f64;
+        assert!(
+            resident <= 1.03 * blocks.len() as f64,
+            "{dtype:?}: tiles take {resident} bytes for {} in blocks",
+            blocks.len()
+        );
+        let (a, b) = (kept.dequantize(&dev)?.to_vec2::<f32>()?, tiled.dequantize(&dev)?.to_vec2::<f32>()?);
+        assert!(a == b, "{dtype:?}: dequantized weights differ");
+
+        let (kept, tiled) = (QMatMul::from_qtensor(kept)?, QMatMul::from_qtensor(tiled)?);
+        let ids = Tensor::new(&[0u32, 17, 63, 5, 17], &dev)?;
+        let (a, b) = (kept.embedding(&ids)?.to_vec2::<f32>()?, tiled.embedding(&ids)?.to_vec2::<f32>()?);
+        assert!(a == b, "{dtype:?}: embedding rows differ");
+        for m in [1, 3, 45] {
+            let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
+            let (a, b) = (kept.forward(&x)?.to_vec2::<f32>()?, tiled.forward(&x)?.to_vec2::<f32>()?);
+            assert!(a == b, "{dtype:?}: {m} rows: products differ");
+            // f16 input: the blocks take candle's f16 kernel, the tiles the f32 one
+            let x = x.to_dtype(DType::F16)?;
+            let a = kept.forward(&x)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let b = tiled.forward(&x)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let scale = a.iter().flatten().fold(0f32, |s, v| s.max(v.abs()));
+            let worst = a.iter().flatten().zip(b.iter().flatten()).fold(0f32, |s, (a, b)| s.max((a - b).abs()));
+            assert!(worst <= 0.02 * scale, "{dtype:?}: f16 input off by {worst} where values reach {scale}");
+        }
+    }
+    Ok(())
 }

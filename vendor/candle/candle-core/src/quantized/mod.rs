@@ -67,6 +67,9 @@ pub struct QTensor {
     shape: Shape,
     #[allow(dead_code)]
     repacked_qs: repack::PackedCache,
+    // Baton: the blocks were dropped and the weight lives in `repacked_qs`'s x86 tiles only
+    // (`keep_only_cpu_tiles`)
+    tiles_only: bool,
 }
 
 impl Device {
@@ -541,6 +544,7 @@ impl QTensor {
             storage,
             shape,
             repacked_qs: repack::PackedCache::new(),
+            tiles_only: false,
         })
     }
 
@@ -562,6 +566,7 @@ impl QTensor {
             storage,
             shape: shape.clone(),
             repacked_qs: repack::PackedCache::new(),
+            tiles_only: false,
         })
     }
 
@@ -598,6 +603,7 @@ impl QTensor {
             storage,
             shape: shape.clone(),
             repacked_qs: repack::PackedCache::new(),
+            tiles_only: false,
         })
     }
 
@@ -642,6 +648,7 @@ impl QTensor {
             storage,
             shape: shape.clone(),
             repacked_qs: repack::PackedCache::new(),
+            tiles_only: false,
         })
     }
 
@@ -671,6 +678,7 @@ impl QTensor {
             storage,
             shape: shape.clone(),
             repacked_qs: repack::PackedCache::new(),
+            tiles_only: false,
         })
     }
 
@@ -690,8 +698,75 @@ impl QTensor {
         &self.shape
     }
 
+    /// Baton: keeps this weight only in the layout the x86 CPU kernels read (16-row tiles
+    /// that hold the GGUF's numbers), and drops the GGUF blocks it was loaded as, which
+    /// otherwise stay resident beside the tiles and double the model's memory. Everything
+    /// still works on such a weight: what needs the blocks (dequantizing, `data`, an embedding
+    /// lookup) rebuilds them from the tiles, byte for byte. Does nothing, and returns false,
+    /// where the tiled kernels do not take the weight (not on the CPU, not 2-D, a shape or
+    /// type they do not serve, a CPU without AVX2).
+    pub fn keep_only_cpu_tiles(&mut self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let QStorage::Cpu(blocks) = &self.storage else {
+                return false;
+            };
+            let Ok((n, k)) = self.shape.dims2() else {
+                return false;
+            };
+            let dtype = blocks.dtype();
+            if self.tiles_only || !repack_x86::select(dtype, n, k) {
+                return false;
+            }
+            self.repacked_qs
+                .x86_get_or_init(|| repack_x86::pack(dtype, blocks.as_ref(), n, k));
+            self.storage = QStorage::Cpu(dtype.cpu_zeros(0));
+            self.tiles_only = true;
+            true
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
+    /// Baton: whether `keep_only_cpu_tiles` dropped this weight's blocks.
+    pub fn is_tiles_only(&self) -> bool {
+        self.tiles_only
+    }
+
+    /// Baton: the bytes this weight takes in memory (its blocks, and the CPU tiles built
+    /// from them so far).
+    pub fn resident_size_in_bytes(&self) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        let tiles = self.repacked_qs.x86().map_or(0, |t| t.size_in_bytes());
+        #[cfg(not(target_arch = "x86_64"))]
+        let tiles = 0;
+        let blocks = if self.tiles_only {
+            0
+        } else {
+            self.storage.size_in_bytes()
+        };
+        blocks + tiles
+    }
+
+    // Baton: the blocks of a weight kept only as tiles, rebuilt; None where they are kept.
+    #[cfg(target_arch = "x86_64")]
+    fn rebuilt_blocks(&self) -> Option<Box<dyn QuantizedType>> {
+        if !self.tiles_only {
+            return None;
+        }
+        let (n, k) = self.shape.dims2().ok()?;
+        Some(self.repacked_qs.x86()?.blocks(n, k))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    fn rebuilt_blocks(&self) -> Option<Box<dyn QuantizedType>> {
+        None
+    }
+
     pub fn dequantize(&self, device: &Device) -> Result<Tensor> {
-        let storage = self.storage.dequantize(self.shape.elem_count())?;
+        let storage = match self.rebuilt_blocks() {
+            Some(blocks) => Storage::Cpu(blocks.dequantize(self.shape.elem_count())?),
+            None => self.storage.dequantize(self.shape.elem_count())?,
+        };
         let none = crate::op::BackpropOp::none();
         crate::tensor::from_storage(storage, self.shape.clone(), none, false).to_device(device)
     }
@@ -730,6 +805,12 @@ impl QTensor {
             .flatten_all()?
             .contiguous()?;
         let storage = match &self.storage {
+            #[cfg(target_arch = "x86_64")]
+            QStorage::Cpu(_) if self.tiles_only => {
+                let ids = ids.to_vec1::<u32>()?;
+                let tiles = self.repacked_qs.x86().expect("a tiles-only weight has tiles");
+                Storage::Cpu(CpuStorage::F32(tiles.embedding(&ids, rows, hidden)?))
+            }
             QStorage::Cpu(storage) => {
                 let ids = ids.to_vec1::<u32>()?;
                 Storage::Cpu(storage.embedding(&ids, rows, hidden)?)
@@ -752,10 +833,21 @@ impl QTensor {
     }
 
     pub fn storage_size_in_bytes(&self) -> usize {
+        if self.tiles_only {
+            // Baton: what the blocks took, as callers size the model by it
+            let dtype = self.dtype();
+            return self.shape.elem_count() / dtype.block_size() * dtype.type_size();
+        }
         self.storage.size_in_bytes()
     }
 
     pub fn data(&self) -> Result<Cow<'_, [u8]>> {
+        if let Some(blocks) = self.rebuilt_blocks() {
+            let bytes = unsafe {
+                std::slice::from_raw_parts(blocks.as_ptr(), blocks.storage_size_in_bytes())
+            };
+            return Ok(Cow::Owned(bytes.to_vec()));
+        }
         self.storage.data()
     }
 
@@ -1213,6 +1305,24 @@ impl crate::CustomOp1 for QTensor {
 
                 self_storage.matmul_t(mkn, slice, &mut dst_storage)?;
                 Ok((crate::CpuStorage::F32(dst_storage), dst_shape))
+            }
+            DType::F16 if self.tiles_only => {
+                // Baton: no blocks for the f16 kernel; widen to f32 and take the tiles
+                let slice = storage.as_slice::<f16>()?;
+                let slice =
+                    &slice[layout.start_offset()..layout.start_offset() + src_shape.elem_count()];
+                let lhs: Vec<f32> = slice.iter().map(|v| v.to_f32()).collect();
+                let mut dst_storage = vec![0f32; dst_shape.elem_count()];
+                let mkn = (dst_shape.elem_count() / n, k, n);
+                repack::try_matmul_f32(
+                    self_storage.as_ref(),
+                    &self.repacked_qs,
+                    mkn,
+                    &lhs,
+                    &mut dst_storage,
+                )?;
+                let dst: Vec<f16> = dst_storage.iter().map(|v| f16::from_f32(*v)).collect();
+                Ok((crate::CpuStorage::F16(dst), dst_shape))
             }
             DType::F16 => {
                 let slice = storage.as_slice::<f16>()?;

@@ -60,6 +60,12 @@ impl PackedCache {
         self.x86.get_or_init(init)
     }
 
+    // Baton: the tiles, where they were built.
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) fn x86(&self) -> Option<&super::repack_x86::PackedX86> {
+        self.x86.get()
+    }
+
     pub(crate) fn new() -> Self {
         Self {
             #[cfg(target_arch = "x86_64")]
@@ -241,16 +247,20 @@ pub(crate) fn try_matmul_f32(
         }
         let dtype = storage.dtype();
         let lhs_q = super::repack_x86::quantize_lhs(lhs, m, k);
-        if m >= 32 && dtype == super::GgmlDType::Q4K && super::repack_x86::amx_available() {
-            let tiles = packed
-                .x86_amx
-                .get_or_init(|| super::repack_x86::pack_q4k_amx(storage, n, k));
-            super::repack_x86::matmul_amx_q4k(tiles, &lhs_q, m, k, n, dst);
-            return Ok(true);
-        }
         let tiles = packed
             .x86
             .get_or_init(|| super::repack_x86::pack(dtype, storage, n, k));
+        // Baton: the AMX layout is built from the tiles, not the blocks (a weight may be
+        // kept only as tiles)
+        if let super::repack_x86::PackedX86::Q4K(q4k) = tiles {
+            if m >= 32 && super::repack_x86::amx_available() {
+                let amx = packed
+                    .x86_amx
+                    .get_or_init(|| super::repack_x86::pack_q4k_amx(q4k));
+                super::repack_x86::matmul_amx_q4k(amx, &lhs_q, m, k, n, dst);
+                return Ok(true);
+            }
+        }
         super::repack_x86::matmul_tiles(tiles, &lhs_q, m, k, n, dst);
         Ok(true)
     }

@@ -11,21 +11,38 @@ use half::f16;
 pub(crate) const TILE_N: usize = 16;
 
 // One k-superblock (256 values) for 16 output rows.
+// Baton: the tiles hold the GGUF's own numbers and no more bytes than it (2,368 bytes for
+// 16 rows of 144-byte blocks, 1.03x; upstream widened the scales to f32, 3,072 bytes, 1.33x),
+// because decode reads every weight once per token and is bound by memory. The kernels
+// multiply d by the 6-bit scale as the block's own dequantization does, so products are
+// the same bit for bit, and `q4k_block` gives the original block back.
 #[repr(C)]
 pub(crate) struct TileQ4K {
-    // per-subblock (8) per-row (16) effective scales/mins, pre-unpacked from the 6-bit fields
-    pub(crate) scales: [[f32; TILE_N]; 8],
-    pub(crate) mins: [[f32; TILE_N]; 8],
+    pub(crate) d: [f16; TILE_N],
+    pub(crate) dmin: [f16; TILE_N],
+    // per-subblock (8) per-row (16) 6-bit scales and mins, one byte each
+    pub(crate) sc: [[u8; TILE_N]; 8],
+    pub(crate) mn: [[u8; TILE_N]; 8],
     // nibble-packed: [k8-group (32)][row (16)][4 bytes]; byte j = q[8g+j] | q[8g+j+4] << 4
     pub(crate) qs: [u8; QK_K / 8 * TILE_N * 4],
 }
+const _: () = assert!(std::mem::size_of::<TileQ4K>() == 2368);
 
+// Baton: the 6-bit quants stay split in low nibbles and high bit pairs as in the GGUF
+// (3,360 bytes for 16 rows of 210-byte blocks, 1.0x; upstream widened each to a byte and the
+// scales to f32, 5,120 bytes, 1.52x). The kernels join them in registers.
 #[repr(C)]
 pub(crate) struct TileQ6K {
-    pub(crate) scales: [[f32; TILE_N]; 16],
-    // raw 6-bit values as u8 (0..63; real value is v - 32): [k4-group (64)][row (16)][4 bytes]
-    pub(crate) qs: [u8; QK_K / 4 * TILE_N * 4],
+    pub(crate) d: [f16; TILE_N],
+    pub(crate) scales: [[i8; TILE_N]; 16],
+    // low 4 bits, laid out as TileQ4K's qs: [k8-group (32)][row (16)][4 bytes];
+    // byte j = lo[8g+j] | lo[8g+j+4] << 4
+    pub(crate) ql: [u8; QK_K / 8 * TILE_N * 4],
+    // high 2 bits per 16-value subblock s: [s (16)][row (16)][4 bytes]; byte j holds
+    // values 16s+j, 16s+4+j, 16s+8+j, 16s+12+j at bits 0, 2, 4, 6
+    pub(crate) qh: [u8; QK_K / 16 * TILE_N * 4],
 }
+const _: () = assert!(std::mem::size_of::<TileQ6K>() == 3360);
 
 // One 32-value block group for 16 rows of q8_0 weights, stored offset by +128.
 #[repr(C)]
@@ -92,18 +109,20 @@ pub(crate) fn pack_q4k(storage: &dyn QuantizedType, n: usize, k: usize) -> Packe
     for t in 0..n_tiles {
         for b in 0..kb {
             let mut tile = TileQ4K {
-                scales: [[0.0; TILE_N]; 8],
-                mins: [[0.0; TILE_N]; 8],
+                d: [f16::ZERO; TILE_N],
+                dmin: [f16::ZERO; TILE_N],
+                sc: [[0; TILE_N]; 8],
+                mn: [[0; TILE_N]; 8],
                 qs: [0; QK_K / 8 * TILE_N * 4],
             };
             for r in 0..TILE_N {
                 let blk = &blocks[(t * TILE_N + r) * kb + b];
-                let d = blk.d.to_f32();
-                let dmin = blk.dmin.to_f32();
+                tile.d[r] = blk.d;
+                tile.dmin[r] = blk.dmin;
                 for sub in 0..8 {
                     let (sc, mn) = get_scale_min_k4(sub, &blk.scales);
-                    tile.scales[sub][r] = d * sc as f32;
-                    tile.mins[sub][r] = dmin * mn as f32;
+                    tile.sc[sub][r] = sc;
+                    tile.mn[sub][r] = mn;
                 }
                 // q4k qs: 32-byte chunks c hold values [c*64, c*64+32) in the low nibbles
                 // and [c*64+32, c*64+64) in the high nibbles
@@ -128,6 +147,45 @@ pub(crate) fn pack_q4k(storage: &dyn QuantizedType, n: usize, k: usize) -> Packe
     PackedX86::Q4K(out)
 }
 
+// Baton: row r's 256 4-bit values of a tile, in order.
+fn q4k_tile_values(tile: &TileQ4K, r: usize) -> [u8; QK_K] {
+    let mut vals = [0u8; QK_K];
+    for g in 0..QK_K / 8 {
+        for j in 0..4 {
+            let byte = tile.qs[(g * TILE_N + r) * 4 + j];
+            vals[g * 8 + j] = byte & 0x0F;
+            vals[g * 8 + j + 4] = byte >> 4;
+        }
+    }
+    vals
+}
+
+// Baton: the GGUF block row r of a tile was packed from, byte for byte.
+fn q4k_block(tile: &TileQ4K, r: usize) -> BlockQ4K {
+    let vals = q4k_tile_values(tile, r);
+    let mut qs = [0u8; QK_K / 2];
+    for c in 0..4 {
+        for j in 0..32 {
+            qs[c * 32 + j] = vals[c * 64 + j] | (vals[c * 64 + 32 + j] << 4);
+        }
+    }
+    // the inverse of get_scale_min_k4: subblocks 4..8 keep their top two bits in the
+    // top bits of bytes 0..8 and their low four in bytes 8..12
+    let (sc, mn) = (|s: usize| tile.sc[s][r], |s: usize| tile.mn[s][r]);
+    let mut scales = [0u8; 12];
+    for i in 0..4 {
+        scales[i] = sc(i) | ((sc(4 + i) >> 4) << 6);
+        scales[4 + i] = mn(i) | ((mn(4 + i) >> 4) << 6);
+        scales[8 + i] = (sc(4 + i) & 0x0F) | ((mn(4 + i) & 0x0F) << 4);
+    }
+    BlockQ4K {
+        d: tile.d[r],
+        dmin: tile.dmin[r],
+        scales,
+        qs,
+    }
+}
+
 pub(crate) fn pack_q6k(storage: &dyn QuantizedType, n: usize, k: usize) -> PackedX86 {
     let blocks = q6k_blocks(storage);
     let kb = k / QK_K;
@@ -136,14 +194,16 @@ pub(crate) fn pack_q6k(storage: &dyn QuantizedType, n: usize, k: usize) -> Packe
     for t in 0..n_tiles {
         for b in 0..kb {
             let mut tile = TileQ6K {
-                scales: [[0.0; TILE_N]; 16],
-                qs: [0; QK_K / 4 * TILE_N * 4],
+                d: [f16::ZERO; TILE_N],
+                scales: [[0; TILE_N]; 16],
+                ql: [0; QK_K / 8 * TILE_N * 4],
+                qh: [0; QK_K / 16 * TILE_N * 4],
             };
             for r in 0..TILE_N {
                 let blk = &blocks[(t * TILE_N + r) * kb + b];
-                let d = blk.d.to_f32();
+                tile.d[r] = blk.d;
                 for sub in 0..16 {
-                    tile.scales[sub][r] = d * blk.scales[sub] as f32;
+                    tile.scales[sub][r] = blk.scales[sub];
                 }
                 // q6k: ql 128 bytes (low 4 bits), qh 64 bytes (high 2 bits), in 128-value halves
                 let mut vals = [0u8; QK_K];
@@ -157,9 +217,17 @@ pub(crate) fn pack_q6k(storage: &dyn QuantizedType, n: usize, k: usize) -> Packe
                         vals[h * 128 + j + 96] = (ql[j + 32] >> 4) | (((qh[j] >> 6) & 3) << 4);
                     }
                 }
-                for g in 0..QK_K / 4 {
+                for g in 0..QK_K / 8 {
                     for j in 0..4 {
-                        tile.qs[(g * TILE_N + r) * 4 + j] = vals[g * 4 + j];
+                        tile.ql[(g * TILE_N + r) * 4 + j] =
+                            (vals[g * 8 + j] & 0x0F) | ((vals[g * 8 + j + 4] & 0x0F) << 4);
+                    }
+                }
+                for s in 0..QK_K / 16 {
+                    for j in 0..4 {
+                        let v = |i: usize| vals[16 * s + i] >> 4;
+                        tile.qh[(s * TILE_N + r) * 4 + j] =
+                            v(j) | (v(4 + j) << 2) | (v(8 + j) << 4) | (v(12 + j) << 6);
                     }
                 }
             }
@@ -167,6 +235,47 @@ pub(crate) fn pack_q6k(storage: &dyn QuantizedType, n: usize, k: usize) -> Packe
         }
     }
     PackedX86::Q6K(out)
+}
+
+// Baton: the GGUF block row r of a tile was packed from, byte for byte.
+fn q6k_block(tile: &TileQ6K, r: usize) -> BlockQ6K {
+    let mut vals = [0u8; QK_K];
+    for g in 0..QK_K / 8 {
+        for j in 0..4 {
+            let byte = tile.ql[(g * TILE_N + r) * 4 + j];
+            vals[g * 8 + j] = byte & 0x0F;
+            vals[g * 8 + j + 4] = byte >> 4;
+        }
+    }
+    for s in 0..QK_K / 16 {
+        for j in 0..4 {
+            let byte = tile.qh[(s * TILE_N + r) * 4 + j];
+            for (i, shift) in [(j, 0), (4 + j, 2), (8 + j, 4), (12 + j, 6)] {
+                vals[16 * s + i] |= ((byte >> shift) & 3) << 4;
+            }
+        }
+    }
+    let mut ql = [0u8; QK_K / 2];
+    let mut qh = [0u8; QK_K / 4];
+    for h in 0..2 {
+        let v = &vals[h * 128..];
+        for j in 0..32 {
+            ql[h * 64 + j] = (v[j] & 0x0F) | ((v[j + 64] & 0x0F) << 4);
+            ql[h * 64 + j + 32] = (v[j + 32] & 0x0F) | ((v[j + 96] & 0x0F) << 4);
+            qh[h * 32 + j] =
+                (v[j] >> 4) | ((v[j + 32] >> 4) << 2) | ((v[j + 64] >> 4) << 4) | ((v[j + 96] >> 4) << 6);
+        }
+    }
+    let mut scales = [0i8; QK_K / 16];
+    for (sub, s) in scales.iter_mut().enumerate() {
+        *s = tile.scales[sub][r];
+    }
+    BlockQ6K {
+        ql,
+        qh,
+        scales,
+        d: tile.d[r],
+    }
 }
 
 pub(crate) fn pack_q8_0(storage: &dyn QuantizedType, n: usize, k: usize) -> PackedX86 {
@@ -195,6 +304,89 @@ pub(crate) fn pack_q8_0(storage: &dyn QuantizedType, n: usize, k: usize) -> Pack
     PackedX86::Q8_0(out)
 }
 
+// Baton: the GGUF block row r of a tile was packed from, byte for byte.
+fn q8_0_block(tile: &TileQ8_0, r: usize) -> BlockQ8_0 {
+    let mut qs = [0i8; QK8_0];
+    for g in 0..QK8_0 / 4 {
+        for j in 0..4 {
+            qs[g * 4 + j] = (tile.qs[(g * TILE_N + r) * 4 + j] as i16 - 128) as i8;
+        }
+    }
+    BlockQ8_0 { d: tile.d[r], qs }
+}
+
+// Weight row `row`'s `per_row` blocks, rebuilt from the tiles that hold it.
+fn row_blocks<T, B>(tiles: &[T], row: usize, per_row: usize, block: fn(&T, usize) -> B) -> Vec<B> {
+    let (t, r) = (row / TILE_N, row % TILE_N);
+    (0..per_row)
+        .map(|b| block(&tiles[t * per_row + b], r))
+        .collect()
+}
+
+// Baton: where a weight is kept only as tiles (`QTensor::keep_only_cpu_tiles`), what still
+// needs its GGUF blocks (dequantizing it, its bytes, an embedding lookup, a kernel the tiles
+// do not serve) gets them back from the tiles. Rows are rebuilt byte for byte, so every
+// result is the one the blocks would give.
+impl PackedX86 {
+    // The whole weight's blocks, n rows of k values, in the GGUF's order.
+    pub(crate) fn blocks(&self, n: usize, k: usize) -> Box<dyn QuantizedType> {
+        fn all<T, B: GgmlType + Send + Sync + 'static>(
+            tiles: &[T],
+            n: usize,
+            per_row: usize,
+            block: fn(&T, usize) -> B,
+        ) -> Box<dyn QuantizedType> {
+            let mut out = Vec::with_capacity(n * per_row);
+            for row in 0..n {
+                out.extend(row_blocks(tiles, row, per_row, block));
+            }
+            Box::new(out)
+        }
+        match self {
+            Self::Q4K(t) => all(t, n, k / QK_K, q4k_block),
+            Self::Q6K(t) => all(t, n, k / QK_K, q6k_block),
+            Self::Q8_0(t) => all(t, n, k / QK8_0, q8_0_block),
+        }
+    }
+
+    // Rows `ids` of the weight (k values each) as f32, as the blocks' embedding gives them.
+    pub(crate) fn embedding(&self, ids: &[u32], n: usize, k: usize) -> crate::Result<Vec<f32>> {
+        fn rows<T, B: GgmlType>(
+            tiles: &[T],
+            ids: &[u32],
+            n: usize,
+            k: usize,
+            per_row: usize,
+            block: fn(&T, usize) -> B,
+        ) -> crate::Result<Vec<f32>> {
+            let mut out = vec![0f32; ids.len() * k];
+            for (i, &id) in ids.iter().enumerate() {
+                let row = id as usize;
+                if row >= n {
+                    crate::bail!("embedding id {row} is out of range for {n} rows")
+                }
+                let blocks = row_blocks(tiles, row, per_row, block);
+                B::to_float(&blocks, &mut out[i * k..(i + 1) * k]);
+            }
+            Ok(out)
+        }
+        match self {
+            Self::Q4K(t) => rows(t, ids, n, k, k / QK_K, q4k_block),
+            Self::Q6K(t) => rows(t, ids, n, k, k / QK_K, q6k_block),
+            Self::Q8_0(t) => rows(t, ids, n, k, k / QK8_0, q8_0_block),
+        }
+    }
+
+    // What the tiles take in memory.
+    pub(crate) fn size_in_bytes(&self) -> usize {
+        match self {
+            Self::Q4K(t) => std::mem::size_of_val(t.as_slice()),
+            Self::Q6K(t) => std::mem::size_of_val(t.as_slice()),
+            Self::Q8_0(t) => std::mem::size_of_val(t.as_slice()),
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod kernels {
     use super::*;
@@ -208,12 +400,24 @@ mod kernels {
         _mm512_set1_epi32(std::ptr::read_unaligned(act.as_ptr().add(off) as *const i32))
     }
 
+    // Baton: 16 per-row 6-bit scales (or 8-bit signed ones) as f32.
+    #[inline(always)]
+    unsafe fn u8s_to_ps(v: &[u8; TILE_N]) -> __m512 {
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(v.as_ptr() as *const _)))
+    }
+    #[inline(always)]
+    unsafe fn i8s_to_ps(v: &[i8; TILE_N]) -> __m512 {
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(v.as_ptr() as *const _)))
+    }
+
     // q4k: one superblock tile against `mt` q8k activation blocks. Subblocks are
     // processed in pairs with independent integer accumulators to break the dpbusd
     // latency chain when mt is small (decode gemv).
     #[target_feature(enable = "avx512f,avx512vnni,avx512bw")]
     pub(crate) unsafe fn q4k_tile(tile: &TileQ4K, acts: &[&BlockQ8K], acc: &mut [[__m512; 1]]) {
         let mask = _mm512_set1_epi8(0x0F_u8 as i8);
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.d.as_ptr() as *const _));
+        let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(tile.dmin.as_ptr() as *const _));
         for sub2 in 0..4 {
             let sa = sub2 * 2;
             let sb = sa + 1;
@@ -240,8 +444,8 @@ mod kernels {
                 }
             }
             for (sub, isum) in [(sa, &isum_a), (sb, &isum_b)] {
-                let scale = _mm512_loadu_ps(tile.scales[sub].as_ptr());
-                let min = _mm512_loadu_ps(tile.mins[sub].as_ptr());
+                let scale = _mm512_mul_ps(d, u8s_to_ps(&tile.sc[sub]));
+                let min = _mm512_mul_ps(dmin, u8s_to_ps(&tile.mn[sub]));
                 for (m, act) in acts.iter().enumerate() {
                     let dall = act.d;
                     let f = _mm512_cvtepi32_ps(isum[m]);
@@ -255,20 +459,41 @@ mod kernels {
     }
 
     // q6k: values are v-32; vpdpbusd on raw u6 then subtract 32 * bsum per 16-value subblock.
+    // Baton: a subblock's four 16-row k4-groups are joined from two nibble vectors and one
+    // vector of bit pairs (see TileQ6K).
     #[target_feature(enable = "avx512f,avx512vnni,avx512bw")]
     pub(crate) unsafe fn q6k_tile(tile: &TileQ6K, acts: &[&BlockQ8K], acc: &mut [[__m512; 1]]) {
+        let lo4 = _mm512_set1_epi8(0x0F);
+        let hi2 = _mm512_set1_epi8(0x30);
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.d.as_ptr() as *const _));
         for sub in 0..16 {
+            let l0 = _mm512_loadu_si512(tile.ql.as_ptr().add(2 * sub * TILE_N * 4) as *const _);
+            let l1 =
+                _mm512_loadu_si512(tile.ql.as_ptr().add((2 * sub + 1) * TILE_N * 4) as *const _);
+            let h = _mm512_loadu_si512(tile.qh.as_ptr().add(sub * TILE_N * 4) as *const _);
+            let w = [
+                _mm512_or_si512(
+                    _mm512_and_si512(l0, lo4),
+                    _mm512_and_si512(_mm512_slli_epi16(h, 4), hi2),
+                ),
+                _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16(l0, 4), lo4),
+                    _mm512_and_si512(_mm512_slli_epi16(h, 2), hi2),
+                ),
+                _mm512_or_si512(_mm512_and_si512(l1, lo4), _mm512_and_si512(h, hi2)),
+                _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16(l1, 4), lo4),
+                    _mm512_and_si512(_mm512_srli_epi16(h, 2), hi2),
+                ),
+            ];
             let mut isum = [_mm512_setzero_si512(); MAX_MT];
-            // subblock = 16 k-values = 4 k4-groups
-            for g4 in 0..4 {
-                let g = sub * 4 + g4;
-                let w = _mm512_loadu_si512(tile.qs.as_ptr().add(g * TILE_N * 4) as *const _);
+            for (g4, w) in w.iter().enumerate() {
                 for (m, act) in acts.iter().enumerate() {
                     let a = bcast4(&act.qs, sub * 16 + g4 * 4);
-                    isum[m] = _mm512_dpbusd_epi32(isum[m], w, a);
+                    isum[m] = _mm512_dpbusd_epi32(isum[m], *w, a);
                 }
             }
-            let scale = _mm512_loadu_ps(tile.scales[sub].as_ptr());
+            let scale = _mm512_mul_ps(d, i8s_to_ps(&tile.scales[sub]));
             for (m, act) in acts.iter().enumerate() {
                 let dall = act.d;
                 let bsum = act.bsums[sub] as f32;
@@ -611,46 +836,34 @@ pub(crate) fn amx_available() -> bool {
     })
 }
 
-pub(crate) fn pack_q4k_amx(storage: &dyn QuantizedType, n: usize, k: usize) -> Vec<TileQ4KAmx> {
-    let blocks = q4k_blocks(storage);
-    let kb = k / QK_K;
-    let n_tiles = n / TILE_N;
-    let mut out: Vec<TileQ4KAmx> = Vec::with_capacity(n_tiles * kb);
-    for t in 0..n_tiles {
-        for b in 0..kb {
-            let mut tile = TileQ4KAmx {
-                scales: [[0.0; TILE_N]; 8],
-                mins: [[0.0; TILE_N]; 8],
-                qs: [0; QK_K * TILE_N],
-            };
-            for r in 0..TILE_N {
-                let blk = &blocks[(t * TILE_N + r) * kb + b];
-                let d = blk.d.to_f32();
-                let dmin = blk.dmin.to_f32();
-                for sub in 0..8 {
-                    let (sc, mn) = get_scale_min_k4(sub, &blk.scales);
-                    tile.scales[sub][r] = d * sc as f32;
-                    tile.mins[sub][r] = dmin * mn as f32;
-                }
-                let mut vals = [0u8; QK_K];
-                for c in 0..4 {
-                    for j in 0..32 {
-                        let byte = blk.qs[c * 32 + j];
-                        vals[c * 64 + j] = byte & 0x0F;
-                        vals[c * 64 + 32 + j] = byte >> 4;
-                    }
-                }
-                for sub in 0..8 {
-                    for krow in 0..8 {
-                        for j in 0..4 {
-                            tile.qs[((sub * 8 + krow) * TILE_N + r) * 4 + j] =
-                                vals[sub * 32 + krow * 4 + j];
-                        }
+// Baton: built from the VNNI tiles rather than the GGUF blocks, which a weight kept only as
+// tiles no longer has. Scales are d times the 6-bit scale, as before.
+pub(crate) fn pack_q4k_amx(tiles: &[TileQ4K]) -> Vec<TileQ4KAmx> {
+    let mut out: Vec<TileQ4KAmx> = Vec::with_capacity(tiles.len());
+    for src in tiles {
+        let mut tile = TileQ4KAmx {
+            scales: [[0.0; TILE_N]; 8],
+            mins: [[0.0; TILE_N]; 8],
+            qs: [0; QK_K * TILE_N],
+        };
+        for r in 0..TILE_N {
+            let d = src.d[r].to_f32();
+            let dmin = src.dmin[r].to_f32();
+            for sub in 0..8 {
+                tile.scales[sub][r] = d * src.sc[sub][r] as f32;
+                tile.mins[sub][r] = dmin * src.mn[sub][r] as f32;
+            }
+            let vals = q4k_tile_values(src, r);
+            for sub in 0..8 {
+                for krow in 0..8 {
+                    for j in 0..4 {
+                        tile.qs[((sub * 8 + krow) * TILE_N + r) * 4 + j] =
+                            vals[sub * 32 + krow * 4 + j];
                     }
                 }
             }
-            out.push(tile);
         }
+        out.push(tile);
     }
     out
 }
@@ -915,10 +1128,15 @@ pub(crate) fn level() -> Option<X86Level> {
         if !force_avx2
             && (force_vnni || is_x86_feature_detected!("avxvnni"))
             && is_x86_feature_detected!("avx2")
+            // Baton: the 256-bit kernels read the tiles' f16 scales
+            && is_x86_feature_detected!("f16c")
         {
             return Some(X86Level::AvxVnni);
         }
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
             return Some(X86Level::Avx2);
         }
         None
@@ -934,6 +1152,29 @@ mod kernels256 {
     #[target_feature(enable = "avx2")]
     unsafe fn bcast4_256(act: &[i8], off: usize) -> __m256i {
         _mm256_set1_epi32(std::ptr::read_unaligned(act.as_ptr().add(off) as *const i32))
+    }
+
+    // Baton: rows h*8..h*8+8 of a tile's per-row f16 scales, or of its 6-bit scales, as f32.
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn half_ps(v: &[f16; TILE_N], h: usize) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(h * 8) as *const _))
+    }
+    // Baton: rows h*8..h*8+8 of a 16-row k4-group (32 bytes).
+    #[target_feature(enable = "avx2")]
+    unsafe fn group_half(base: &[u8], group: usize, h: usize) -> __m256i {
+        _mm256_loadu_si256(base.as_ptr().add(group * TILE_N * 4 + h * 32) as *const _)
+    }
+    #[target_feature(enable = "avx2")]
+    unsafe fn half_u8s_to_ps(v: &[u8; TILE_N], h: usize) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+            v.as_ptr().add(h * 8) as *const _
+        )))
+    }
+    #[target_feature(enable = "avx2")]
+    unsafe fn half_i8s_to_ps(v: &[i8; TILE_N], h: usize) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+            v.as_ptr().add(h * 8) as *const _
+        )))
     }
 
     #[target_feature(enable = "avx2,avxvnni")]
@@ -957,6 +1198,8 @@ mod kernels256 {
                 acc: &mut [[__m256; 2]],
             ) {
                 let mask = _mm256_set1_epi8(0x0F_u8 as i8);
+                let d = [half_ps(&tile.d, 0), half_ps(&tile.d, 1)];
+                let dmin = [half_ps(&tile.dmin, 0), half_ps(&tile.dmin, 1)];
                 for sub in 0..8 {
                     let mut isum = [[_mm256_setzero_si256(); 2]; MAX_MT];
                     for g4 in 0..4 {
@@ -976,8 +1219,8 @@ mod kernels256 {
                         }
                     }
                     for h in 0..2 {
-                        let scale = _mm256_loadu_ps(tile.scales[sub].as_ptr().add(h * 8));
-                        let min = _mm256_loadu_ps(tile.mins[sub].as_ptr().add(h * 8));
+                        let scale = _mm256_mul_ps(d[h], half_u8s_to_ps(&tile.sc[sub], h));
+                        let min = _mm256_mul_ps(dmin[h], half_u8s_to_ps(&tile.mn[sub], h));
                         for (m, act) in acts.iter().enumerate() {
                             let dall = act.d;
                             let f = _mm256_cvtepi32_ps(isum[m][h]);
@@ -996,8 +1239,8 @@ mod kernels256 {
             }
         };
     }
-    q4k_tile_256!(q4k_tile_avxvnni, dp_vnni, "avx2,avxvnni,fma");
-    q4k_tile_256!(q4k_tile_avx2, dp_avx2, "avx2,fma");
+    q4k_tile_256!(q4k_tile_avxvnni, dp_vnni, "avx2,avxvnni,fma,f16c");
+    q4k_tile_256!(q4k_tile_avx2, dp_avx2, "avx2,fma,f16c");
 
     macro_rules! q6k_tile_256 {
         ($fname:ident, $dp:path, $feat:literal) => {
@@ -1007,22 +1250,39 @@ mod kernels256 {
                 acts: &[&BlockQ8K],
                 acc: &mut [[__m256; 2]],
             ) {
+                let lo4 = _mm256_set1_epi8(0x0F);
+                let hi2 = _mm256_set1_epi8(0x30);
+                let d = [half_ps(&tile.d, 0), half_ps(&tile.d, 1)];
                 for sub in 0..16 {
                     let mut isum = [[_mm256_setzero_si256(); 2]; MAX_MT];
-                    for g4 in 0..4 {
-                        let g = sub * 4 + g4;
-                        for h in 0..2 {
-                            let w = _mm256_loadu_si256(
-                                tile.qs.as_ptr().add(g * TILE_N * 4 + h * 32) as *const _,
-                            );
+                    for h in 0..2 {
+                        let l0 = group_half(&tile.ql, 2 * sub, h);
+                        let l1 = group_half(&tile.ql, 2 * sub + 1, h);
+                        let hb = group_half(&tile.qh, sub, h);
+                        let w = [
+                            _mm256_or_si256(
+                                _mm256_and_si256(l0, lo4),
+                                _mm256_and_si256(_mm256_slli_epi16(hb, 4), hi2),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16(l0, 4), lo4),
+                                _mm256_and_si256(_mm256_slli_epi16(hb, 2), hi2),
+                            ),
+                            _mm256_or_si256(_mm256_and_si256(l1, lo4), _mm256_and_si256(hb, hi2)),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16(l1, 4), lo4),
+                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), hi2),
+                            ),
+                        ];
+                        for (g4, w) in w.iter().enumerate() {
                             for (m, act) in acts.iter().enumerate() {
                                 let a = bcast4_256(&act.qs, sub * 16 + g4 * 4);
-                                isum[m][h] = $dp(isum[m][h], w, a);
+                                isum[m][h] = $dp(isum[m][h], *w, a);
                             }
                         }
                     }
                     for h in 0..2 {
-                        let scale = _mm256_loadu_ps(tile.scales[sub].as_ptr().add(h * 8));
+                        let scale = _mm256_mul_ps(d[h], half_i8s_to_ps(&tile.scales[sub], h));
                         for (m, act) in acts.iter().enumerate() {
                             let dall = act.d;
                             let bsum = act.bsums[sub] as f32;
@@ -1041,8 +1301,8 @@ mod kernels256 {
             }
         };
     }
-    q6k_tile_256!(q6k_tile_avxvnni, dp_vnni, "avx2,avxvnni,fma");
-    q6k_tile_256!(q6k_tile_avx2, dp_avx2, "avx2,fma");
+    q6k_tile_256!(q6k_tile_avxvnni, dp_vnni, "avx2,avxvnni,fma,f16c");
+    q6k_tile_256!(q6k_tile_avx2, dp_avx2, "avx2,fma,f16c");
 
     // q8_0 needs true dpbusd (u8 range overflows maddubs' i16 pairs), so vnni only.
     #[target_feature(enable = "avx2,avxvnni,fma")]

@@ -189,7 +189,11 @@ impl GgufMatMul {
 
     /// Construct without `QMatMul::from_arc`: densifying would bypass the gather kernels
     /// expert stacks rely on.
-    pub(crate) fn from_qtensor(w: QTensor, b: Option<Tensor>) -> Self {
+    pub(crate) fn from_qtensor(mut w: QTensor, b: Option<Tensor>) -> Self {
+        // Baton: on the CPU, a weight the x86 tiled kernels take is kept only as their tiles.
+        // The GGUF blocks it was read as would stay resident beside them and double the
+        // model's memory; what needs them rebuilds them (vendor/candle/BATON.md).
+        w.keep_only_cpu_tiles();
         Self::from_parts(
             QMatMul::QTensor(Arc::new(w)),
             b,
