@@ -61,6 +61,10 @@ pub enum LoadError {
     Failed { path: String, message: String },
 }
 
+mod memory;
+
+pub use memory::{IGNORE_FREE_MEMORY, MemoryNeed, free_memory_bytes, weights_bytes};
+
 /// The name a LoRA adapter is loaded under; mistral.rs applies an adapter only to the requests
 /// that name it.
 const LORA_ALIAS: &str = "baton";
@@ -159,80 +163,6 @@ pub struct Speed {
     pub output_tokens: u64,
 }
 
-/// Set to `1` to load a model that the free memory looks too small for.
-pub const IGNORE_FREE_MEMORY: &str = "BATON_IGNORE_FREE_MEMORY";
-
-/// What loading a model takes in memory at the least, known before loading it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MemoryNeed {
-    /// The weights as they are kept: on the CPU the GGUF's tensors take their file's size
-    /// (the tiled x86 layout is within 3% of it), safetensors weights theirs.
-    pub weights_bytes: u64,
-    /// The engine's working memory beside the weights: buffers, the tokenizer, and the
-    /// attention cache of a short conversation (a long one takes more as it grows).
-    pub overhead_bytes: u64,
-}
-
-impl MemoryNeed {
-    /// Weights plus 3% plus 256 MiB: a floor below which a load cannot succeed, not a promise
-    /// that one above it will (a long conversation's attention cache grows past it).
-    /// `docs/conductor-models.md` has the measured figures it rests on.
-    pub fn of_weights(weights_bytes: u64) -> Self {
-        MemoryNeed { weights_bytes, overhead_bytes: weights_bytes * 3 / 100 + (256 << 20) }
-    }
-
-    pub fn total_bytes(&self) -> u64 {
-        self.weights_bytes + self.overhead_bytes
-    }
-
-    /// Whether `free_bytes` of free memory can hold it.
-    pub fn fits(&self, free_bytes: u64) -> bool {
-        self.total_bytes() <= free_bytes
-    }
-}
-
-/// The weights' bytes at `path`: a GGUF file's size, or a directory's `*.safetensors` files.
-pub fn weights_bytes(path: &Path) -> Option<u64> {
-    if path.is_file() {
-        return path.metadata().ok().map(|m| m.len());
-    }
-    let mut total = 0;
-    for entry in std::fs::read_dir(path).ok()? {
-        let entry = entry.ok()?;
-        if entry.path().extension().is_some_and(|e| e == "safetensors") {
-            total += entry.metadata().ok()?.len();
-        }
-    }
-    Some(total)
-}
-
-/// The memory free for a new program: `MemAvailable` in `/proc/meminfo` (Linux; elsewhere
-/// `None`, and the check is skipped), which counts caches the kernel can drop.
-pub fn free_memory_bytes() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
-/// Refuses, before loading, a model the free memory cannot hold: a failed load takes
-/// minutes and can push the whole machine into swap first. Models that go to a GPU, and
-/// safetensors models quantized while loading (their peak depends on the engine's order of
-/// work), are not checked.
-fn check_free_memory(path: &Path, config: &LocalModelConfig, on_cpu: bool) -> Result<(), LoadError> {
-    if !on_cpu || config.isq.is_some() || std::env::var(IGNORE_FREE_MEMORY).is_ok_and(|v| v == "1") {
-        return Ok(());
-    }
-    let (Some(weights), Some(free)) = (weights_bytes(path), free_memory_bytes()) else {
-        return Ok(());
-    };
-    let need = MemoryNeed::of_weights(weights);
-    if need.fits(free) {
-        return Ok(());
-    }
-    Err(LoadError::TooBig { path: path.display().to_string(), need, free_bytes: free })
-}
-
 /// The process's resident memory, from `/proc/self/statm` (Linux).
 fn resident_bytes() -> Option<u64> {
     let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
@@ -285,7 +215,7 @@ impl LocalModel {
             });
         }
         let device = if config.force_cpu { "cpu".to_owned() } else { device_name() };
-        check_free_memory(&path, config, device == "cpu")?;
+        memory::check_free_memory(&path, config, device == "cpu")?;
         let started = Instant::now();
         let resident_before = resident_bytes();
         let template = match &config.chat_template {
