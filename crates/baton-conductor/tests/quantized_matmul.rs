@@ -12,8 +12,9 @@
 //!   own order.
 //!
 //! Two shapes: one that candle's repacked x86 kernels take (64 output columns, a multiple of
-//! their 16-row tiles; Q4_K, Q6_K and, with VNNI, Q8_0) and one that only the row-by-row kernels
-//! take (67 columns).
+//! their 16-row tiles; Q4_K, Q6_K, Q5_0 and, with VNNI, Q8_0) and one that only the row-by-row
+//! kernels take (67 columns); and for 32-value types rows of 896 values, which the tiles take
+//! with the activations padded to whole 256-value blocks.
 //!
 //! A weight the tiled kernels take is kept only as tiles once loaded (`keep_only_cpu_tiles`):
 //! everything read from it must then be what its GGUF blocks give, bit for bit, and the tiles
@@ -47,10 +48,23 @@ fn check(dtype: GgmlDType, (m, k, n): (usize, usize, usize)) -> candle_core::Res
 
 #[test]
 fn many_rows_give_what_each_row_gives_alone_and_match_f32() -> candle_core::Result<()> {
-    for dtype in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K] {
+    for dtype in [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q8_0,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ] {
         // 45 input rows: not a multiple of any kernel's row tile.
         check(dtype, (45, 512, 64))?;
         check(dtype, (45, 512, 67))?;
+        // rows not a multiple of 256 values (Qwen2.5-0.5B's 896): the tiles of 32-value types
+        // end mid-way through the activations' last 256-value block
+        if dtype.block_size() == 32 {
+            check(dtype, (45, 896, 64))?;
+        }
     }
     Ok(())
 }
@@ -98,7 +112,7 @@ fn tiled_kernels_take(dtype: GgmlDType) -> bool {
     {
         let avx2 =
             is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
-        avx2 && matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K)
+        avx2 && matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K | GgmlDType::Q5_0)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -110,8 +124,15 @@ fn tiled_kernels_take(dtype: GgmlDType) -> bool {
 #[test]
 fn a_weight_kept_only_as_tiles_gives_what_its_blocks_give() -> candle_core::Result<()> {
     let dev = Device::Cpu;
-    let (n, k) = (64, 512);
-    for dtype in [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q8_0] {
+    for (dtype, k) in [
+        (GgmlDType::Q4K, 512),
+        (GgmlDType::Q6K, 512),
+        (GgmlDType::Q8_0, 512),
+        (GgmlDType::Q5_0, 512),
+        (GgmlDType::Q8_0, 896),
+        (GgmlDType::Q5_0, 896),
+    ] {
+        let n = 64;
         let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
         let blocks = QTensor::quantize(&w, dtype)?.data()?.into_owned();
         let load = || QTensor::new(QStorage::from_data(Cow::Borrowed(&blocks), &dev, dtype)?, (n, k));

@@ -4,7 +4,7 @@
 //! directly with the min/offset terms corrected through the q8k bsums, and q8_0
 //! weights are stored offset by +128 with the same correction.
 
-use super::k_quants::{BlockQ4K, BlockQ6K, BlockQ8K, BlockQ8_0, QK8_0, QK_K};
+use super::k_quants::{BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0, QK5_0, QK8_0, QK_K};
 use super::{GgmlType, QuantizedType};
 use half::f16;
 
@@ -51,10 +51,26 @@ pub(crate) struct TileQ8_0 {
     pub(crate) qs: [u8; QK8_0 * TILE_N],
 }
 
+// Baton: one 32-value block group for 16 rows of q5_0 weights, in the GGUF's bytes (1.0x):
+// the unsigned 5-bit values (real value v - 16) split in low nibbles and high bits, joined in
+// registers. Qwen2.5-0.5B's GGUF stores most of its matrices so (its 896-wide rows are not a
+// multiple of the K-quants' 256).
+#[repr(C)]
+pub(crate) struct TileQ5_0 {
+    pub(crate) d: [f16; TILE_N],
+    // low 4 bits, laid out as TileQ4K's qs: [k8-group (4)][row (16)][4 bytes];
+    // byte j = lo[8g+j] | lo[8g+j+4] << 4
+    pub(crate) qs: [u8; QK5_0 / 8 * TILE_N * 4],
+    // high bits: [row (16)][4 bytes]; bit g of byte j is value 4g+j's
+    pub(crate) qh: [u8; TILE_N * 4],
+}
+const _: () = assert!(std::mem::size_of::<TileQ5_0>() == 352);
+
 pub(crate) enum PackedX86 {
     Q4K(Vec<TileQ4K>),
     Q6K(Vec<TileQ6K>),
     Q8_0(Vec<TileQ8_0>),
+    Q5_0(Vec<TileQ5_0>),
 }
 
 pub(crate) fn select(dtype: super::GgmlDType, n: usize, k: usize) -> bool {
@@ -62,13 +78,16 @@ pub(crate) fn select(dtype: super::GgmlDType, n: usize, k: usize) -> bool {
     let Some(lv) = level() else {
         return false;
     };
-    if !n.is_multiple_of(TILE_N) || !k.is_multiple_of(QK_K) {
+    if !n.is_multiple_of(TILE_N) {
         return false;
     }
     match dtype {
-        D::Q4K | D::Q6K => true,
+        D::Q4K | D::Q6K => k.is_multiple_of(QK_K),
+        // Baton: 32-value blocks are taken in pairs, and rows of them need not fill whole
+        // 256-value activation blocks (the activations are padded with zeros: `quantize_lhs`)
         // pure avx2 maddubs overflows on the +128 u8 range; q8_0 needs real dpbusd
-        D::Q8_0 => lv != X86Level::Avx2,
+        D::Q8_0 => lv != X86Level::Avx2 && k.is_multiple_of(2 * QK8_0),
+        D::Q5_0 => k.is_multiple_of(2 * QK5_0),
         _ => false,
     }
 }
@@ -315,6 +334,75 @@ fn q8_0_block(tile: &TileQ8_0, r: usize) -> BlockQ8_0 {
     BlockQ8_0 { d: tile.d[r], qs }
 }
 
+pub(crate) fn pack_q5_0(storage: &dyn QuantizedType, n: usize, k: usize) -> PackedX86 {
+    let data = storage.storage_size_in_bytes();
+    let ptr = storage.as_ptr() as *const BlockQ5_0;
+    let blocks = unsafe { std::slice::from_raw_parts(ptr, data / std::mem::size_of::<BlockQ5_0>()) };
+    let kb = k / QK5_0;
+    let n_tiles = n / TILE_N;
+    let mut out: Vec<TileQ5_0> = Vec::with_capacity(n_tiles * kb);
+    for t in 0..n_tiles {
+        for b in 0..kb {
+            let mut tile = TileQ5_0 {
+                d: [f16::ZERO; TILE_N],
+                qs: [0; QK5_0 / 8 * TILE_N * 4],
+                qh: [0; TILE_N * 4],
+            };
+            for r in 0..TILE_N {
+                let blk = &blocks[(t * TILE_N + r) * kb + b];
+                tile.d[r] = blk.d;
+                let qh = u32::from_le_bytes(blk.qh);
+                let mut vals = [0u8; QK5_0];
+                for j in 0..QK5_0 / 2 {
+                    vals[j] = (blk.qs[j] & 0x0F) | ((((qh >> j) & 1) as u8) << 4);
+                    vals[j + 16] = (blk.qs[j] >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
+                }
+                for g in 0..QK5_0 / 8 {
+                    for j in 0..4 {
+                        tile.qs[(g * TILE_N + r) * 4 + j] =
+                            (vals[g * 8 + j] & 0x0F) | ((vals[g * 8 + j + 4] & 0x0F) << 4);
+                    }
+                }
+                for j in 0..4 {
+                    let mut byte = 0u8;
+                    for g in 0..QK5_0 / 4 {
+                        byte |= (vals[4 * g + j] >> 4) << g;
+                    }
+                    tile.qh[r * 4 + j] = byte;
+                }
+            }
+            out.push(tile);
+        }
+    }
+    PackedX86::Q5_0(out)
+}
+
+// Baton: the GGUF block row r of a tile was packed from, byte for byte.
+fn q5_0_block(tile: &TileQ5_0, r: usize) -> BlockQ5_0 {
+    let mut vals = [0u8; QK5_0];
+    for g in 0..QK5_0 / 8 {
+        for j in 0..4 {
+            let byte = tile.qs[(g * TILE_N + r) * 4 + j];
+            vals[g * 8 + j] = byte & 0x0F;
+            vals[g * 8 + j + 4] = byte >> 4;
+        }
+    }
+    for j in 0..4 {
+        let byte = tile.qh[r * 4 + j];
+        for g in 0..QK5_0 / 4 {
+            vals[4 * g + j] |= ((byte >> g) & 1) << 4;
+        }
+    }
+    let mut qs = [0u8; QK5_0 / 2];
+    let mut qh = 0u32;
+    for j in 0..QK5_0 / 2 {
+        qs[j] = (vals[j] & 0x0F) | ((vals[j + 16] & 0x0F) << 4);
+        qh |= ((vals[j] >> 4) as u32) << j;
+        qh |= ((vals[j + 16] >> 4) as u32) << (j + 16);
+    }
+    BlockQ5_0 { d: tile.d[r], qh: qh.to_le_bytes(), qs }
+}
+
 // Weight row `row`'s `per_row` blocks, rebuilt from the tiles that hold it.
 fn row_blocks<T, B>(tiles: &[T], row: usize, per_row: usize, block: fn(&T, usize) -> B) -> Vec<B> {
     let (t, r) = (row / TILE_N, row % TILE_N);
@@ -346,6 +434,7 @@ impl PackedX86 {
             Self::Q4K(t) => all(t, n, k / QK_K, q4k_block),
             Self::Q6K(t) => all(t, n, k / QK_K, q6k_block),
             Self::Q8_0(t) => all(t, n, k / QK8_0, q8_0_block),
+            Self::Q5_0(t) => all(t, n, k / QK5_0, q5_0_block),
         }
     }
 
@@ -374,6 +463,7 @@ impl PackedX86 {
             Self::Q4K(t) => rows(t, ids, n, k, k / QK_K, q4k_block),
             Self::Q6K(t) => rows(t, ids, n, k, k / QK_K, q6k_block),
             Self::Q8_0(t) => rows(t, ids, n, k, k / QK8_0, q8_0_block),
+            Self::Q5_0(t) => rows(t, ids, n, k, k / QK5_0, q5_0_block),
         }
     }
 
@@ -383,6 +473,7 @@ impl PackedX86 {
             Self::Q4K(t) => std::mem::size_of_val(t.as_slice()),
             Self::Q6K(t) => std::mem::size_of_val(t.as_slice()),
             Self::Q8_0(t) => std::mem::size_of_val(t.as_slice()),
+            Self::Q5_0(t) => std::mem::size_of_val(t.as_slice()),
         }
     }
 }
@@ -537,6 +628,82 @@ mod kernels {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod kernels_q5_0 {
+    use super::kernels::MAX_MT;
+    use super::*;
+    use core::arch::x86_64::*;
+
+    // A tile's 8 k4-groups of 16 rows as unsigned 5-bit values.
+    #[inline(always)]
+    unsafe fn weights(t: &TileQ5_0) -> [__m512i; 8] {
+        let lo4 = _mm512_set1_epi8(0x0F);
+        let bit4 = _mm512_set1_epi8(0x10);
+        let h = _mm512_loadu_si512(t.qh.as_ptr() as *const _);
+        let q: [__m512i; 4] = [
+            _mm512_loadu_si512(t.qs.as_ptr() as *const _),
+            _mm512_loadu_si512(t.qs.as_ptr().add(TILE_N * 4) as *const _),
+            _mm512_loadu_si512(t.qs.as_ptr().add(2 * TILE_N * 4) as *const _),
+            _mm512_loadu_si512(t.qs.as_ptr().add(3 * TILE_N * 4) as *const _),
+        ];
+        // value 4g+j's high bit is bit g of byte j; move it to bit 4 (16-bit shifts: the
+        // bits that cross into a neighbouring byte never land on bit 4)
+        let hb = [
+            _mm512_and_si512(_mm512_slli_epi16(h, 4), bit4),
+            _mm512_and_si512(_mm512_slli_epi16(h, 3), bit4),
+            _mm512_and_si512(_mm512_slli_epi16(h, 2), bit4),
+            _mm512_and_si512(_mm512_slli_epi16(h, 1), bit4),
+            _mm512_and_si512(h, bit4),
+            _mm512_and_si512(_mm512_srli_epi16(h, 1), bit4),
+            _mm512_and_si512(_mm512_srli_epi16(h, 2), bit4),
+            _mm512_and_si512(_mm512_srli_epi16(h, 3), bit4),
+        ];
+        let mut w = [_mm512_setzero_si512(); 8];
+        for i in 0..4 {
+            w[2 * i] = _mm512_or_si512(_mm512_and_si512(q[i], lo4), hb[2 * i]);
+            w[2 * i + 1] =
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q[i], 4), lo4), hb[2 * i + 1]);
+        }
+        w
+    }
+
+    // Two 32-value groups (sub32, sub32 + 1 of the activations' superblock); values are v-16,
+    // corrected through the activations' sums as q8_0's +128 is.
+    #[target_feature(enable = "avx512f,avx512vnni,avx512bw")]
+    pub(crate) unsafe fn q5_0_tile2(
+        t0: &TileQ5_0,
+        t1: &TileQ5_0,
+        acts: &[&BlockQ8K],
+        sub32: usize,
+        acc: &mut [[__m512; 1]],
+    ) {
+        let wa = weights(t0);
+        let wb = weights(t1);
+        let mut isum_a = [_mm512_setzero_si512(); MAX_MT];
+        let mut isum_b = [_mm512_setzero_si512(); MAX_MT];
+        for g in 0..8 {
+            for (m, act) in acts.iter().enumerate() {
+                let a = _mm512_set1_epi32(std::ptr::read_unaligned(
+                    act.qs.as_ptr().add(sub32 * 32 + g * 4) as *const i32,
+                ));
+                let b = _mm512_set1_epi32(std::ptr::read_unaligned(
+                    act.qs.as_ptr().add((sub32 + 1) * 32 + g * 4) as *const i32,
+                ));
+                isum_a[m] = _mm512_dpbusd_epi32(isum_a[m], wa[g], a);
+                isum_b[m] = _mm512_dpbusd_epi32(isum_b[m], wb[g], b);
+            }
+        }
+        for (blk, isum, tile) in [(sub32, &isum_a, t0), (sub32 + 1, &isum_b, t1)] {
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(tile.d.as_ptr() as *const _));
+            for (m, act) in acts.iter().enumerate() {
+                let bsum = (act.bsums[blk * 2] as i32 + act.bsums[blk * 2 + 1] as i32) as f32;
+                let f = _mm512_sub_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_set1_ps(16.0 * bsum));
+                acc[m][0] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(act.d)), acc[m][0]);
+            }
+        }
+    }
+}
+
 // Full matmul over the packed tiles: lhs is m rows already quantized to BlockQ8K,
 // parallelized over (m-tiles x n-tiles) on the barrier pool by the caller's chunker.
 // Per-unit bodies live in #[target_feature] fns so intrinsics inline under portable
@@ -548,6 +715,7 @@ unsafe fn matmul_unit_512(
     packed: &PackedX86,
     lhs_q: &[BlockQ8K],
     kb: usize,
+    groups: usize,
     nt: usize,
     m0: usize,
     mt: usize,
@@ -569,11 +737,25 @@ unsafe fn matmul_unit_512(
                 kernels::q6k_tile(&tiles[nt * kb + b], &act_refs[..mt], &mut acc)
             }
             PackedX86::Q8_0(tiles) => {
-                // q8_0 tiles cover 32 k-values each; 8 tiles per q8k superblock
-                for s in (0..8).step_by(2) {
+                // q8_0 tiles cover 32 k-values each; 8 tiles per q8k superblock (Baton: the
+                // row's `groups` tiles may end before its last, zero-padded superblock does)
+                let g0 = nt * groups + b * 8;
+                for s in (0..(groups - b * 8).min(8)).step_by(2) {
                     kernels::q8_0_tile2(
-                        &tiles[nt * (kb * 8) + b * 8 + s],
-                        &tiles[nt * (kb * 8) + b * 8 + s + 1],
+                        &tiles[g0 + s],
+                        &tiles[g0 + s + 1],
+                        &act_refs[..mt],
+                        s,
+                        &mut acc,
+                    );
+                }
+            }
+            PackedX86::Q5_0(tiles) => {
+                let g0 = nt * groups + b * 8;
+                for s in (0..(groups - b * 8).min(8)).step_by(2) {
+                    kernels_q5_0::q5_0_tile2(
+                        &tiles[g0 + s],
+                        &tiles[g0 + s + 1],
                         &act_refs[..mt],
                         s,
                         &mut acc,
@@ -594,6 +776,7 @@ unsafe fn matmul_unit_256(
     packed: &PackedX86,
     lhs_q: &[BlockQ8K],
     kb: usize,
+    groups: usize,
     nt: usize,
     m0: usize,
     mt: usize,
@@ -626,14 +809,26 @@ unsafe fn matmul_unit_256(
                 }
             }
             PackedX86::Q8_0(tiles) => {
-                for s in (0..8).step_by(2) {
+                let g0 = nt * groups + b * 8;
+                for s in (0..(groups - b * 8).min(8)).step_by(2) {
                     kernels256::q8_0_tile2_avxvnni(
-                        &tiles[nt * (kb * 8) + b * 8 + s],
-                        &tiles[nt * (kb * 8) + b * 8 + s + 1],
+                        &tiles[g0 + s],
+                        &tiles[g0 + s + 1],
                         &act_refs[..mt],
                         s,
                         &mut acc,
                     );
+                }
+            }
+            PackedX86::Q5_0(tiles) => {
+                let g0 = nt * groups + b * 8;
+                for s in (0..(groups - b * 8).min(8)).step_by(2) {
+                    let (t0, t1) = (&tiles[g0 + s], &tiles[g0 + s + 1]);
+                    if vnni {
+                        kernels256::q5_0_tile2_avxvnni(t0, t1, &act_refs[..mt], s, &mut acc)
+                    } else {
+                        kernels256::q5_0_tile2_avx2(t0, t1, &act_refs[..mt], s, &mut acc)
+                    }
                 }
             }
         }
@@ -655,7 +850,8 @@ pub(crate) fn matmul_tiles(
     #[cfg(target_arch = "x86_64")]
     {
         let lv = level().expect("select() gated");
-        let kb = k / QK_K;
+        let kb = k.div_ceil(QK_K);
+        let groups = k / QK8_0;
         let n_tiles = n / TILE_N;
         let mt_step = kernels::MAX_MT;
         let dst_ptr = dst.as_mut_ptr() as usize;
@@ -669,12 +865,13 @@ pub(crate) fn matmul_tiles(
                 let mt = (m - m0).min(mt_step);
                 unsafe {
                     if lv == X86Level::Avx512Vnni {
-                        matmul_unit_512(packed, lhs_q, kb, nt, m0, mt, dst_ptr, n);
+                        matmul_unit_512(packed, lhs_q, kb, groups, nt, m0, mt, dst_ptr, n);
                     } else {
                         matmul_unit_256(
                             packed,
                             lhs_q,
                             kb,
+                            groups,
                             nt,
                             m0,
                             mt,
@@ -705,13 +902,16 @@ pub(crate) fn pack(
         D::Q4K => pack_q4k(storage, n, k),
         D::Q6K => pack_q6k(storage, n, k),
         D::Q8_0 => pack_q8_0(storage, n, k),
+        D::Q5_0 => pack_q5_0(storage, n, k),
         _ => unreachable!("select() gates dtypes"),
     }
 }
 
 // Quantize lhs rows to BlockQ8K in parallel.
+// Baton: a row whose length is not a multiple of 256 (32-value block types) is padded with
+// zeros to whole blocks; the weights' tiles end where the row does, so the padding is never read.
 pub(crate) fn quantize_lhs(lhs: &[f32], m: usize, k: usize) -> Vec<BlockQ8K> {
-    let kb = k / QK_K;
+    let kb = k.div_ceil(QK_K);
     let mut out: Vec<BlockQ8K> = Vec::with_capacity(m * kb);
     #[allow(clippy::uninit_vec)]
     unsafe {
@@ -723,7 +923,13 @@ pub(crate) fn quantize_lhs(lhs: &[f32], m: usize, k: usize) -> Vec<BlockQ8K> {
         for r in range {
             let row = &lhs[r * k..(r + 1) * k];
             let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.add(r * kb), kb) };
-            BlockQ8K::from_float(row, dst);
+            if k.is_multiple_of(QK_K) {
+                BlockQ8K::from_float(row, dst);
+            } else {
+                let mut padded = vec![0f32; kb * QK_K];
+                padded[..k].copy_from_slice(row);
+                BlockQ8K::from_float(&padded, dst);
+            }
         }
     });
     out
@@ -741,7 +947,8 @@ pub(crate) fn gemv_fused(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        let kb = k / QK_K;
+        let kb = k.div_ceil(QK_K);
+        let groups = k / QK8_0;
         let mt_step = kernels::MAX_MT;
         let m_units = m.div_ceil(mt_step);
         // (n, dst ptr, unit offset)
@@ -768,6 +975,7 @@ pub(crate) fn gemv_fused(
                         parts_ref[pi].0,
                         lhs_q,
                         kb,
+                        groups,
                         nt,
                         m0,
                         mt,
@@ -1303,6 +1511,75 @@ mod kernels256 {
     }
     q6k_tile_256!(q6k_tile_avxvnni, dp_vnni, "avx2,avxvnni,fma,f16c");
     q6k_tile_256!(q6k_tile_avx2, dp_avx2, "avx2,fma,f16c");
+
+    // Baton: q5_0, two 32-value groups; values are unsigned 5-bit (v-16), which maddubs takes
+    // without overflow, so pure AVX2 runs it too.
+    macro_rules! q5_0_tile2_256 {
+        ($fname:ident, $dp:path, $feat:literal) => {
+            #[target_feature(enable = $feat)]
+            pub(crate) unsafe fn $fname(
+                t0: &TileQ5_0,
+                t1: &TileQ5_0,
+                acts: &[&BlockQ8K],
+                sub32: usize,
+                acc: &mut [[__m256; 2]],
+            ) {
+                let lo4 = _mm256_set1_epi8(0x0F);
+                let bit4 = _mm256_set1_epi8(0x10);
+                for (blk, tile) in [(sub32, t0), (sub32 + 1, t1)] {
+                    let mut isum = [[_mm256_setzero_si256(); 2]; MAX_MT];
+                    for h in 0..2 {
+                        let hv = group_half(&tile.qh, 0, h);
+                        let hb = [
+                            _mm256_and_si256(_mm256_slli_epi16(hv, 4), bit4),
+                            _mm256_and_si256(_mm256_slli_epi16(hv, 3), bit4),
+                            _mm256_and_si256(_mm256_slli_epi16(hv, 2), bit4),
+                            _mm256_and_si256(_mm256_slli_epi16(hv, 1), bit4),
+                            _mm256_and_si256(hv, bit4),
+                            _mm256_and_si256(_mm256_srli_epi16(hv, 1), bit4),
+                            _mm256_and_si256(_mm256_srli_epi16(hv, 2), bit4),
+                            _mm256_and_si256(_mm256_srli_epi16(hv, 3), bit4),
+                        ];
+                        for i in 0..4 {
+                            let q = group_half(&tile.qs, i, h);
+                            let w = [
+                                _mm256_or_si256(_mm256_and_si256(q, lo4), hb[2 * i]),
+                                _mm256_or_si256(
+                                    _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4),
+                                    hb[2 * i + 1],
+                                ),
+                            ];
+                            for (half, w) in w.iter().enumerate() {
+                                let g = 2 * i + half;
+                                for (m, act) in acts.iter().enumerate() {
+                                    let a = bcast4_256(&act.qs, blk * 32 + g * 4);
+                                    isum[m][h] = $dp(isum[m][h], *w, a);
+                                }
+                            }
+                        }
+                    }
+                    for h in 0..2 {
+                        let dw = half_ps(&tile.d, h);
+                        for (m, act) in acts.iter().enumerate() {
+                            let bsum =
+                                (act.bsums[blk * 2] as i32 + act.bsums[blk * 2 + 1] as i32) as f32;
+                            let f = _mm256_sub_ps(
+                                _mm256_cvtepi32_ps(isum[m][h]),
+                                _mm256_set1_ps(16.0 * bsum),
+                            );
+                            acc[m][h] = _mm256_fmadd_ps(
+                                f,
+                                _mm256_mul_ps(dw, _mm256_set1_ps(act.d)),
+                                acc[m][h],
+                            );
+                        }
+                    }
+                }
+            }
+        };
+    }
+    q5_0_tile2_256!(q5_0_tile2_avxvnni, dp_vnni, "avx2,avxvnni,fma,f16c");
+    q5_0_tile2_256!(q5_0_tile2_avx2, dp_avx2, "avx2,fma,f16c");
 
     // q8_0 needs true dpbusd (u8 range overflows maddubs' i16 pairs), so vnni only.
     #[target_feature(enable = "avx2,avxvnni,fma")]
