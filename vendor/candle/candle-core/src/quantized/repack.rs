@@ -246,7 +246,7 @@ pub(crate) fn try_matmul_f32(
             return Ok(false);
         }
         let dtype = storage.dtype();
-        let lhs_q = super::repack_x86::quantize_lhs(lhs, m, k);
+        let acts = super::repack_x86::quantize_lhs(dtype, lhs, m, k);
         let tiles = packed
             .x86
             .get_or_init(|| super::repack_x86::pack(dtype, storage, n, k));
@@ -257,11 +257,11 @@ pub(crate) fn try_matmul_f32(
                 let amx = packed
                     .x86_amx
                     .get_or_init(|| super::repack_x86::pack_q4k_amx(q4k));
-                super::repack_x86::matmul_amx_q4k(amx, &lhs_q, m, k, n, dst);
+                super::repack_x86::matmul_amx_q4k(amx, &acts.q, m, k, n, dst);
                 return Ok(true);
             }
         }
-        super::repack_x86::matmul_tiles(tiles, &lhs_q, m, k, n, dst);
+        super::repack_x86::matmul_tiles(tiles, &acts, m, k, n, dst);
         Ok(true)
     }
 
