@@ -82,6 +82,7 @@ pub fn spawn_with_stdout(bin: &Path, args: &[&str], stdout: std::process::Stdio)
     tokio::process::Command::new(bin)
         .args(args)
         .env("BATON_E2E_KEY", TEST_KEY)
+        .env("BATON_KEEP_WARM", "0")
         .stdin(std::process::Stdio::null())
         .stdout(stdout)
         .stderr(std::process::Stdio::null())
@@ -109,6 +110,9 @@ pub async fn run_within(
     command.env("BATON_DB", test_history());
     // Logs likewise, beside that history.
     command.env("BATON_LOG_DIR", test_history().with_file_name("logs"));
+    // Each command runs in its own process, as a test of the command expects (what it loads,
+    // what it says while loading); the warm helper's own tests turn it on.
+    command.env("BATON_KEEP_WARM", "0");
     for (name, value) in env {
         match value {
             Some(value) => command.env(name, value),

@@ -1,7 +1,6 @@
 //! `baton ask`: the conductor writes a plan (or `--plan` gives one) and the pool runs it. The answer goes to stdout, progress to stderr; with
 //! `--json`, every RunEvent goes to stdout as one JSON object per line instead.
 
-use std::io::Write;
 use std::path::PathBuf;
 
 use baton_engine::{RunEvent, RunRequest, RunStatus, new_run_id};
@@ -10,6 +9,7 @@ use baton_runner::{Conductor, LocalModels};
 use tokio_util::sync::CancellationToken;
 
 use crate::conductor_setup::Build;
+use crate::io::{Io, errln, outln};
 use crate::progress::Progress;
 use crate::{Failure, Outcome, PoolArg};
 
@@ -39,14 +39,28 @@ pub struct Args {
     conversation: Option<i64>,
 }
 
-pub async fn run(args: Args) -> Outcome {
+impl Args {
+    /// Whether this question loads a local model, so that the warm helper runs it (`None`
+    /// when not, or when the pool does not load: the command says why itself); if so, whether
+    /// it reads its standard input.
+    pub fn helper_route(&self) -> Option<bool> {
+        let pool = self.pool.load().ok()?;
+        let asks_conductor = self.plan.is_none();
+        baton_conductor::setup::uses_local_models(&pool, &self.conductor.choice(), asks_conductor)
+            .then(|| self.question == "-" || self.plan.as_ref().is_some_and(|p| p.as_os_str() == "-"))
+    }
+}
+
+/// Runs the question with `models` (empty, or those a warm helper keeps loaded), writing to
+/// `io`.
+pub async fn run(args: Args, io: &Io, models: &LocalModels) -> Outcome {
     let pool = args.pool.load()?;
     if args.question == "-" && args.plan.as_ref().is_some_and(|p| p.as_os_str() == "-") {
         return Err(Failure::BadInput("the question and the plan cannot both come from stdin".into()));
     }
     let plan = match &args.plan {
         Some(path) => {
-            let (plan_text, plan_source) = crate::plan_cmd::read_input(Some(path))?;
+            let (plan_text, plan_source) = crate::plan_cmd::read_input(Some(path), io)?;
             // A written plan runs without a conductor, so it cannot hand work back to one.
             let limits =
                 Limits { max_steps: pool.options.max_steps, pool_size: Some(pool.workers.len()), allow_stop: false };
@@ -55,7 +69,7 @@ pub async fn run(args: Args) -> Outcome {
         None => None,
     };
     let question = if args.question == "-" {
-        crate::plan_cmd::read_input(None)?.0.trim().to_owned()
+        crate::plan_cmd::read_input(None, io)?.0.trim().to_owned()
     } else {
         args.question.clone()
     };
@@ -64,7 +78,7 @@ pub async fn run(args: Args) -> Outcome {
     }
 
     if pool.options.budget.max_cost_usd.is_some() {
-        crate::warn_unpriced(&pool, "budget.max_cost_usd");
+        crate::warn_unpriced(&pool, "budget.max_cost_usd", io);
     }
     // The history opens before anything runs, so a database problem costs no provider calls.
     let store = if args.no_history { None } else { Some(args.db.open().await?) };
@@ -76,36 +90,38 @@ pub async fn run(args: Args) -> Outcome {
         None => Vec::new(),
     };
     let conductor = if plan.is_none() { Conductor::Required } else { Conductor::None };
-    let build = Build { args: &args.conductor, conductor, store: store.as_ref(), quiet: args.json };
-    let models = LocalModels::default();
-    let built = build.executor(pool, &models).await?;
-    let cancel = CancellationToken::new();
-    let ctrl_c = crate::cancel_on_ctrl_c(&cancel);
+    let build = Build { args: &args.conductor, conductor, store: store.as_ref(), quiet: args.json, io };
+    let built = build.executor(pool, models).await?;
+    let cancel: &CancellationToken = &io.cancel;
+    let ctrl_c = io.watch_ctrl_c();
 
     let json = args.json;
     let names: Vec<String> = built.pool.workers.iter().map(|w| w.name.clone()).collect();
-    let mut progress = Progress::new(names);
-    let stdout = std::io::stdout();
+    let mut progress = Progress::new(names, io.clone());
+    let out = io.clone();
     let show = move |event: RunEvent| {
         if json {
-            let mut out = stdout.lock();
-            // A closed stdout (e.g. `| head`) must not abort the run.
-            let _ = serde_json::to_writer(&mut out, &event).map(|()| writeln!(out));
-            let _ = out.flush();
+            if let Ok(line) = serde_json::to_string(&event) {
+                outln!(out, "{line}");
+            }
         } else {
             progress.show(&event);
         }
     };
-    let warn = |e: baton_store::StoreError| eprintln!("warning: this run is not fully recorded in the history: {e}");
+    let to = io.clone();
+    let warn =
+        move |e: baton_store::StoreError| errln!(to, "warning: this run is not fully recorded in the history: {e}");
     let recorder = store.as_ref().map(|s| s.recorder(args.conversation));
     let request = RunRequest { run_id: new_run_id(), question, plan, history, ..RunRequest::default() };
-    let recorded = baton_runner::run_recorded(&built.executor, request, recorder, show, warn, &cancel).await;
-    ctrl_c.abort();
+    let recorded = baton_runner::run_recorded(&built.executor, request, recorder, show, warn, cancel).await;
+    if let Some(ctrl_c) = ctrl_c {
+        ctrl_c.abort();
+    }
     if let Some(store) = &store {
         store.close().await;
     }
     if let (Some(run), Some(conversation), false) = (recorded.run_id, recorded.conversation_id, json) {
-        eprintln!("recorded as run {run} in conversation {conversation} (baton history show {run})");
+        errln!(io, "recorded as run {run} in conversation {conversation} (baton history show {run})");
     }
     let outcome = recorded.outcome;
 
@@ -113,7 +129,7 @@ pub async fn run(args: Args) -> Outcome {
         RunStatus::Finished => {
             if !json {
                 let answer = outcome.answer.unwrap_or_default();
-                println!("{}", answer.trim_end());
+                outln!(io, "{}", answer.trim_end());
             }
             Ok(())
         }

@@ -1,6 +1,5 @@
 //! Choosing and loading the conductor: `--conductor PATH|URL` or the pool's `[conductor]` table.
 
-use std::io::Write;
 use std::path::PathBuf;
 
 use baton_engine::Pool;
@@ -8,6 +7,7 @@ use baton_providers::ServerGrammar;
 use baton_runner::{Built, Conductor, ConductorChoice, LoadNotice, LocalModels, Setup, SetupError};
 
 use crate::Failure;
+use crate::io::{Io, errln};
 
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ConductorArgs {
@@ -47,7 +47,7 @@ fn parse_server_grammar(s: &str) -> Result<GrammarArg, String> {
 }
 
 impl ConductorArgs {
-    fn choice(&self) -> ConductorChoice {
+    pub fn choice(&self) -> ConductorChoice {
         ConductorChoice {
             source: self.conductor.clone(),
             model_name: self.conductor_model.clone(),
@@ -59,38 +59,40 @@ impl ConductorArgs {
     }
 }
 
-/// Load progress on stderr, unless `quiet` (JSON output).
-fn progress(quiet: bool) -> impl Fn(LoadNotice<'_>) + Send + Sync {
+/// Load progress on `io`'s error stream, unless `quiet` (JSON output).
+fn progress(quiet: bool, io: &Io) -> impl Fn(LoadNotice<'_>) + Send + Sync + use<> {
+    let io = io.clone();
     move |notice| {
         if quiet {
             return;
         }
         match notice {
-            LoadNotice::Loading { what, path } => {
-                eprint!("loading {what} {} … ", path.display());
-                let _ = std::io::stderr().flush();
-            }
-            LoadNotice::Loaded { seconds, device, .. } => eprintln!("loaded in {seconds:.2} s on {device}"),
-            LoadNotice::Failed { .. } => eprintln!("failed"),
+            LoadNotice::Loading { what, path } => io.err(&format!("loading {what} {} … ", path.display())),
+            LoadNotice::Loaded { seconds, device, .. } => errln!(io, "loaded in {seconds:.2} s on {device}"),
+            LoadNotice::Failed { .. } => errln!(io, "failed"),
         }
     }
 }
 
 /// What a command builds its executor from: the pool, these arguments, and the history (which
-/// picks the fallback worker). `quiet` keeps load progress off stderr (JSON output).
+/// picks the fallback worker). `quiet` keeps load progress off stderr (JSON output); `io` is
+/// where it goes, and what interrupts a plan.
 #[derive(Debug)]
 pub struct Build<'a> {
     pub args: &'a ConductorArgs,
     pub conductor: Conductor,
     pub store: Option<&'a baton_store::Store>,
     pub quiet: bool,
+    pub io: &'a Io,
 }
 
 impl Build<'_> {
     /// The executor for `pool` through the runner, loading local models into `models`.
     pub async fn executor(&self, pool: Pool, models: &LocalModels) -> Result<Built, Failure> {
         let choice = self.args.choice();
-        let notify = progress(self.quiet);
+        let notify = progress(self.quiet, self.io);
+        // Models a warm helper loaded for an earlier question with another pool are let go.
+        models.keep_only_with(&pool, &choice);
         let setup = Setup { models, choice: &choice, conductor: self.conductor, store: self.store, notify: &notify };
         baton_runner::build(pool, setup).await.map_err(failure)
     }
@@ -104,12 +106,13 @@ impl Build<'_> {
         deltas: baton_engine::PlanDeltas<'_>,
     ) -> Result<baton_engine::Planned, Failure> {
         let choice = self.args.choice();
-        let notify = progress(self.quiet);
+        let notify = progress(self.quiet, self.io);
+        models.keep_only_with(&pool, &choice);
         let setup = Setup { models, choice: &choice, conductor: self.conductor, store: self.store, notify: &notify };
-        let stop = tokio_util::sync::CancellationToken::new();
-        match baton_runner::draft::draft(pool, setup, question, Vec::new(), deltas, &stop).await {
+        match baton_runner::draft::draft(pool, setup, question, Vec::new(), deltas, &self.io.cancel).await {
             Ok((planned, _)) => Ok(planned),
             Err(baton_runner::RunnerError::Setup(e)) => Err(failure(e)),
+            Err(baton_runner::RunnerError::Cancelled(_)) => Err(Failure::Interrupted),
             Err(e) => Err(Failure::Failed(e.to_string())),
         }
     }

@@ -440,7 +440,7 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
         return Err(Failure::BadInput("--max-cost-usd must be above 0".into()));
     }
     if args.max_cost_usd.is_some() {
-        crate::warn_unpriced(&pool, "--max-cost-usd");
+        crate::warn_unpriced(&pool, "--max-cost-usd", &crate::io::Io::terminal());
     }
     let id = args.id.clone().unwrap_or_else(|| {
         let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
@@ -452,7 +452,8 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
     let wants_conductor = strategies.contains(&Strategy::Conductor);
     let conductor = if wants_conductor { Conductor::Required } else { Conductor::None };
     let learned = baton_runner::build::learned_questions(&pool, &store).await;
-    let build = Build { args: &args.conductor, conductor, store: Some(&store), quiet: args.json };
+    let io = crate::io::Io::terminal();
+    let build = Build { args: &args.conductor, conductor, store: Some(&store), quiet: args.json, io: &io };
     let executor = build.executor(pool, &models).await?.executor;
     let harness = Harness::new(Arc::new(executor), workers, store.clone(), wants_conductor);
 

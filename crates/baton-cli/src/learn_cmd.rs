@@ -62,7 +62,7 @@ pub async fn learn(args: LearnArgs) -> Outcome {
         eprintln!("note: the pool has no conductor, so only the workers alone are learned (no plans)");
     }
     if args.max_cost_usd.is_some() {
-        crate::warn_unpriced(&pool, "--max-cost-usd");
+        crate::warn_unpriced(&pool, "--max-cost-usd", &crate::io::Io::terminal());
     }
     let store = args.db.open().await?;
     let left_out =
@@ -82,7 +82,8 @@ pub async fn learn(args: LearnArgs) -> Outcome {
     // What was learned before stays out: the samples show what the conductor does on its own.
     let conductor_args = crate::conductor_setup::ConductorArgs::default();
     let conductor = if plans > 0 { Conductor::Required } else { Conductor::None };
-    let build = Build { args: &conductor_args, conductor, store: None, quiet: false };
+    let io = crate::io::Io::terminal();
+    let build = Build { args: &conductor_args, conductor, store: None, quiet: false, io: &io };
     let models = LocalModels::default();
     let executor = build.executor(learn::sampling_pool(&pool), &models).await?.executor;
     let harness = Harness::new(Arc::new(executor), workers.clone(), store.clone(), plans > 0);

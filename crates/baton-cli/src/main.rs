@@ -9,6 +9,7 @@ mod bench;
 mod conductor_setup;
 mod eval_cmd;
 mod history_cmd;
+mod io;
 mod keys_cmd;
 mod learn_cmd;
 mod models_cmd;
@@ -17,7 +18,10 @@ mod pool_cmd;
 mod progress;
 mod runtime;
 mod serve_cmd;
+#[cfg(unix)]
+mod warm;
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -60,6 +64,9 @@ enum Command {
     /// Baton's log files (what to attach to a problem report).
     #[command(subcommand)]
     Logs(LogsCommand),
+    /// The warm helper that `ask` and `plan` start themselves (see `BATON_KEEP_WARM`).
+    #[command(name = "__keep-warm", hide = true)]
+    KeepWarm { socket: PathBuf, idle_secs: u64 },
 }
 
 #[derive(Debug, Subcommand)]
@@ -77,6 +84,8 @@ pub enum Failure {
     Failed(String),
     /// Interrupted by the user (exit 130).
     Interrupted,
+    /// The warm helper ran the command, said why it failed, and ended with this code.
+    Exited(u8),
 }
 
 pub type Outcome = Result<(), Failure>;
@@ -104,11 +113,12 @@ impl PoolArg {
 
 /// Says that a spending cap (`cap`, as the user set it) cannot count the workers without a
 /// price: their calls pass it as $0.
-pub fn warn_unpriced(pool: &baton_engine::Pool, cap: &str) {
+pub fn warn_unpriced(pool: &baton_engine::Pool, cap: &str, io: &io::Io) {
     let unpriced: Vec<&str> =
         pool.workers.iter().filter(|w| !w.pricing().is_known()).map(|w| w.name.as_str()).collect();
     if !unpriced.is_empty() {
-        eprintln!(
+        io::errln!(
+            io,
             "warning: {cap} does not count workers without a price ({}); set price_in and price_out for them",
             unpriced.join(", ")
         );
@@ -168,9 +178,23 @@ fn run() -> ExitCode {
         }
     };
     let result = runtime.block_on(async {
+        #[cfg(unix)]
+        if let Some(reads_stdin) = helper_route(&cli.command) {
+            match warm::keep_warm() {
+                Err(failure) => return Err(failure),
+                Ok(Some(idle)) => {
+                    let args = std::env::args_os().skip(1).collect();
+                    if let Some(outcome) = warm::run_in_helper(args, reads_stdin, idle).await {
+                        return outcome;
+                    }
+                }
+                Ok(None) => {}
+            }
+        }
+        let (io, models) = (io::Io::terminal(), baton_runner::LocalModels::default());
         match cli.command {
-            Command::Ask(args) => ask::run(args).await,
-            Command::Plan(args) => plan_cmd::run(args).await,
+            Command::Ask(args) => ask::run(args, &io, &models).await,
+            Command::Plan(args) => plan_cmd::run(args, &io, &models).await,
             Command::Pool(cmd) => pool_cmd::run(cmd).await,
             Command::Bench(cmd) => bench::run(cmd).await,
             Command::History(args) => history_cmd::run(args).await,
@@ -179,24 +203,66 @@ fn run() -> ExitCode {
             Command::Eval(args) => eval_cmd::run(args).await,
             Command::Serve(args) => serve_cmd::run(args).await,
             Command::Logs(LogsCommand::Path) => Ok(()),
+            #[cfg(unix)]
+            Command::KeepWarm { socket, idle_secs } => {
+                warm::serve(socket, std::time::Duration::from_secs(idle_secs)).await
+            }
+            #[cfg(not(unix))]
+            Command::KeepWarm { .. } => Err(Failure::BadInput("the warm helper runs on Unix only".into())),
         }
     });
+    ExitCode::from(report(result, &io::Io::terminal()))
+}
+
+/// Whether the command would load a local model and so runs in the warm helper; if so, whether
+/// it reads its standard input.
+#[cfg(unix)]
+fn helper_route(command: &Command) -> Option<bool> {
+    match command {
+        Command::Ask(args) => args.helper_route(),
+        Command::Plan(args) => args.helper_route(),
+        _ => None,
+    }
+}
+
+/// Runs `ask` or `plan` (`args`: the command line after `baton`) for a client of the warm
+/// helper, with the models it keeps; returns the exit code.
+#[cfg(unix)]
+pub async fn run_command(args: Vec<OsString>, io: &io::Io, models: &baton_runner::LocalModels) -> u8 {
+    let cli = match Cli::try_parse_from(std::iter::once(OsString::from("baton")).chain(args)) {
+        Ok(cli) => cli,
+        Err(e) => {
+            io.err(&e.render().to_string());
+            return 2;
+        }
+    };
+    let result = match cli.command {
+        Command::Ask(args) => ask::run(args, io, models).await,
+        Command::Plan(args) => plan_cmd::run(args, io, models).await,
+        _ => Err(Failure::BadInput("the warm helper runs only `ask` and `plan`".into())),
+    };
+    report(result, io)
+}
+
+/// Says why a command failed, on `io`, and returns its exit code.
+pub fn report(result: Outcome, io: &io::Io) -> u8 {
     if let Err(failure) = &result {
         tracing::warn!("the command failed: {failure:?}");
     }
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => 0,
         Err(Failure::BadInput(message)) => {
-            eprintln!("error: {message}");
-            ExitCode::from(2)
+            io::errln!(io, "error: {message}");
+            2
         }
         Err(Failure::Failed(message)) => {
-            eprintln!("error: {message}");
-            ExitCode::from(1)
+            io::errln!(io, "error: {message}");
+            1
         }
         Err(Failure::Interrupted) => {
-            eprintln!("interrupted");
-            ExitCode::from(130)
+            io::errln!(io, "interrupted");
+            130
         }
+        Err(Failure::Exited(code)) => code,
     }
 }

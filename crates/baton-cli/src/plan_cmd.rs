@@ -1,11 +1,11 @@
 //! `baton plan "question"`: the conductor's plan, without running it. `baton plan parse`:
 //! read a conductor's answer, print the normalized plan as JSON.
 
-use std::io::Read;
 use std::path::PathBuf;
 
 use baton_plan::{DEFAULT_MAX_STEPS, Limits};
 
+use crate::io::{Io, errln, outln};
 use crate::{Failure, Outcome};
 
 #[derive(Debug, clap::Args)]
@@ -44,60 +44,78 @@ pub enum Command {
     },
 }
 
-pub async fn run(args: Args) -> Outcome {
+impl Args {
+    /// Whether this command loads a local conductor, so that the warm helper runs it (`None`
+    /// when not, or when the pool does not load: the command says why itself). A plan reads no
+    /// standard input.
+    pub fn helper_route(&self) -> Option<bool> {
+        if self.command.is_some() || self.question.is_none() {
+            return None;
+        }
+        let pool = self.pool.load().ok()?;
+        baton_conductor::setup::uses_local_models(&pool, &self.conductor.choice(), true).then_some(false)
+    }
+}
+
+/// Runs the command with `models` (empty, or those a warm helper keeps loaded), writing to
+/// `io`.
+pub async fn run(args: Args, io: &Io, models: &baton_runner::LocalModels) -> Outcome {
     match (args.command, args.question) {
-        (Some(cmd), _) => parse_command(cmd),
-        (None, Some(question)) => write(&question, &args.pool, &args.conductor, &args.db, args.json).await,
+        (Some(cmd), _) => parse_command(cmd, io),
+        (None, Some(question)) => {
+            let Args { pool, conductor, db, json, .. } = args;
+            write(&question, &Sources { pool: &pool, conductor: &conductor, db: &db }, json, io, models).await
+        }
         (None, None) => Err(Failure::BadInput("give a question, or `baton plan parse FILE`".into())),
     }
 }
 
+/// Where a plan's pool, conductor and learned history come from.
+struct Sources<'a> {
+    pool: &'a crate::PoolArg,
+    conductor: &'a crate::conductor_setup::ConductorArgs,
+    db: &'a crate::history_cmd::DbArg,
+}
+
 /// Asks the conductor for a plan and prints it: its text (reasoning included) on stdout, or
 /// with `--json` the normalized lists.
-async fn write(
-    question: &str,
-    pool: &crate::PoolArg,
-    conductor: &crate::conductor_setup::ConductorArgs,
-    db: &crate::history_cmd::DbArg,
-    json: bool,
-) -> Outcome {
-    let pool = pool.load()?;
+async fn write(question: &str, from: &Sources<'_>, json: bool, io: &Io, models: &baton_runner::LocalModels) -> Outcome {
+    let pool = from.pool.load()?;
     // Opening a history creates it: a plan, which records nothing, only reads one that exists.
-    let store = if db.path().exists() { Some(db.open().await?) } else { None };
-    let models = baton_runner::LocalModels::default();
+    let store = if from.db.path().exists() { Some(from.db.open().await?) } else { None };
     let stream_text = !json;
+    let to = io.clone();
     let deltas = Box::new(move |t: &str| {
         if stream_text {
-            use std::io::Write;
-            let mut out = std::io::stdout().lock();
-            let _ = out.write_all(t.as_bytes());
-            let _ = out.flush();
+            to.out(t);
         }
     });
     let build = crate::conductor_setup::Build {
-        args: conductor,
+        args: from.conductor,
         conductor: baton_runner::Conductor::Required,
         store: store.as_ref(),
         quiet: json,
+        io,
     };
-    let planned = build.draft(pool, &models, question, deltas).await?;
+    let planned = build.draft(pool, models, question, deltas).await?;
     if let Some(why) = &planned.routed {
         // Nothing was written: say where the question goes instead, as `ask` would send it.
         if json {
-            println!("{}", planned.plan.to_json());
+            outln!(io, "{}", planned.plan.to_json());
         } else {
-            println!("No plan: {why}.\n{}", planned.plan.to_json());
+            outln!(io, "No plan: {why}.\n{}", planned.plan.to_json());
         }
-        eprintln!("plan: none written (the conductor was not asked)");
+        errln!(io, "plan: none written (the conductor was not asked)");
         return Ok(());
     }
     if json {
-        println!("{}", planned.plan.to_json());
+        outln!(io, "{}", planned.plan.to_json());
     } else {
-        println!();
+        outln!(io);
     }
     let u = planned.usage;
-    eprintln!(
+    errln!(
+        io,
         "plan: {} tokens written (ended: {}), prompt {} tokens ({} cached)",
         u.output_tokens,
         planned.stop_reason.as_deref().unwrap_or("unknown"),
@@ -107,10 +125,10 @@ async fn write(
     Ok(())
 }
 
-fn parse_command(cmd: Command) -> Outcome {
+fn parse_command(cmd: Command, io: &Io) -> Outcome {
     match cmd {
         Command::Parse { file, pool, max_steps } => {
-            let (text, source) = read_input(file.as_ref())?;
+            let (text, source) = read_input(file.as_ref(), io)?;
             let pool = match &pool {
                 Some(path) => Some(baton_engine::Pool::load(path).map_err(|e| Failure::BadInput(e.to_string()))?),
                 None => None,
@@ -121,23 +139,20 @@ fn parse_command(cmd: Command) -> Outcome {
                 allow_stop: true,
             };
             let plan = baton_plan::parse(&text, &limits).map_err(|e| Failure::BadInput(format!("{source}: {e}")))?;
-            println!("{}", plan.to_json());
+            outln!(io, "{}", plan.to_json());
             Ok(())
         }
     }
 }
 
 /// Reads a file, or stdin for `None` / `-`. Returns the text and a name for messages.
-pub fn read_input(file: Option<&PathBuf>) -> Result<(String, String), Failure> {
+pub fn read_input(file: Option<&PathBuf>, io: &Io) -> Result<(String, String), Failure> {
     match file {
         Some(path) if path.as_os_str() != "-" => std::fs::read_to_string(path)
             .map(|t| (t, path.display().to_string()))
             .map_err(|e| Failure::BadInput(format!("{}: cannot read: {e}", path.display()))),
         _ => {
-            let mut text = String::new();
-            std::io::stdin()
-                .read_to_string(&mut text)
-                .map_err(|e| Failure::BadInput(format!("stdin: cannot read: {e}")))?;
+            let text = io.read_stdin().map_err(|e| Failure::BadInput(format!("stdin: cannot read: {e}")))?;
             Ok((text, "stdin".to_owned()))
         }
     }

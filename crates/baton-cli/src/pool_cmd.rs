@@ -96,7 +96,9 @@ async fn check(pool: &Pool, json: bool, timeout: Option<Duration>) -> Outcome {
     }
     // Local workers are loaded and asked too, as the app's *Test connection* does.
     let args = crate::conductor_setup::ConductorArgs::default();
-    let build = crate::conductor_setup::Build { args: &args, conductor: Conductor::None, store: None, quiet: json };
+    let io = crate::io::Io::terminal();
+    let build =
+        crate::conductor_setup::Build { args: &args, conductor: Conductor::None, store: None, quiet: json, io: &io };
     let models = LocalModels::default();
     let executor = build.executor(pool.clone(), &models).await?.executor;
     let stop = tokio_util::sync::CancellationToken::new();

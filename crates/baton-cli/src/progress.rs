@@ -1,11 +1,12 @@
 //! Human-readable progress on stderr: the plan, then one line per step start, retry, finish or
 //! failure, with elapsed time, so a fan-out is visibly concurrent.
 
-use std::io::{IsTerminal, Write};
 use std::time::Instant;
 
 use baton_engine::{RunEvent, RunProgress, Totals};
 use baton_plan::Access;
+
+use crate::io::{Io, errln};
 
 pub struct Progress {
     names: Vec<String>,
@@ -15,12 +16,19 @@ pub struct Progress {
     color: bool,
     /// The conductor's text is being echoed and the line is still open.
     streaming_plan: bool,
+    io: Io,
 }
 
 impl Progress {
-    pub fn new(names: Vec<String>) -> Self {
-        let color = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
-        Progress { names, run: RunProgress::default(), started: Instant::now(), color, streaming_plan: false }
+    pub fn new(names: Vec<String>, io: Io) -> Self {
+        Progress {
+            names,
+            run: RunProgress::default(),
+            started: Instant::now(),
+            color: io.color,
+            streaming_plan: false,
+            io,
+        }
     }
 
     fn paint(&self, code: &str, text: &str) -> String {
@@ -43,14 +51,13 @@ impl Progress {
     fn end_plan_stream(&mut self) {
         if self.streaming_plan {
             self.streaming_plan = false;
-            let _ = writeln!(std::io::stderr().lock());
+            self.io.err("\n");
         }
     }
 
     fn line(&self, text: String) {
         let t = format!("{:>7.2}s", self.started.elapsed().as_secs_f64());
-        let mut err = std::io::stderr().lock();
-        let _ = writeln!(err, "{} {text}", self.paint("2", &t));
+        errln!(self.io, "{} {text}", self.paint("2", &t));
     }
 
     pub fn show(&mut self, event: &RunEvent) {
@@ -73,9 +80,7 @@ impl Progress {
             }
             RunEvent::PlanDelta { text, .. } => {
                 self.streaming_plan = true;
-                let mut err = std::io::stderr().lock();
-                let _ = write!(err, "{}", self.paint("2", text));
-                let _ = err.flush();
+                self.io.err(&self.paint("2", text));
             }
             RunEvent::PlanRejected { reason, retry, .. } => {
                 let next = if *retry { "asking the conductor again" } else { "falling back" };
@@ -105,10 +110,8 @@ impl Progress {
                     let subtask: String = step.subtask.replace('\n', " ").chars().take(60).collect();
                     lines.push(format!("  [{i}] {:<12} {subtask}  ({sees})", self.worker(*round, i)));
                 }
-                let mut err = std::io::stderr().lock();
-                for l in lines {
-                    let _ = writeln!(err, "{l}");
-                }
+                lines.push(String::new());
+                self.io.err(&lines.join("\n"));
             }
             RunEvent::StepStarted { round, step, .. } => {
                 let label = Self::label(*round, *step);

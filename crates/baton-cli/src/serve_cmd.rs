@@ -108,8 +108,14 @@ pub async fn run(args: Args) -> Outcome {
 
     let store = if args.no_history { None } else { Some(args.db.open().await?) };
     let models = LocalModels::default();
-    let build =
-        Build { args: &args.conductor, conductor: Conductor::IfConfigured, store: store.as_ref(), quiet: false };
+    let io = crate::io::Io::terminal();
+    let build = Build {
+        args: &args.conductor,
+        conductor: Conductor::IfConfigured,
+        store: store.as_ref(),
+        quiet: false,
+        io: &io,
+    };
     let built = build.executor(pool, &models).await?;
     let (pool_served, conductor) = (built.answers_as_pool(), built.conductor);
 

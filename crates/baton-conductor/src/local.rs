@@ -125,9 +125,14 @@ pub struct LocalModel {
 /// time (a round's parallel steps on one local model) to find theirs when they generate.
 const PROMPT_MEMO: usize = 8;
 
-/// How many finished sequences the mirror remembers. mistral.rs keeps every finished sequence
-/// (moving old ones off the GPU); the mirror only needs the recent ones a prompt would share.
-const CACHE_MIRROR: usize = 32;
+/// How many finished sequences' attention caches a model keeps for prompts that start as theirs
+/// did, the oldest dropped first. A pool's fixed prompt needs one; a few more serve the app's
+/// conversations and pools side by side. Each costs its sequence's cache: about 28 MiB for a
+/// 1.5B conductor's plan, so 8 stay under a sixth of that model's memory.
+const PREFIX_CACHE_SEQUENCES: usize = 8;
+
+/// How many finished sequences the mirror remembers: as many as mistral.rs's prefix cache.
+const CACHE_MIRROR: usize = PREFIX_CACHE_SEQUENCES;
 
 impl std::fmt::Debug for LocalModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -189,7 +194,7 @@ pub struct GenerateOptions {
 /// and safetensors builders share no trait, hence a macro.
 macro_rules! with_common_options {
     ($builder:expr, $config:expr, $template:expr) => {{
-        let mut b = $builder;
+        let mut b = $builder.with_prefix_cache_n(Some(PREFIX_CACHE_SEQUENCES));
         if $config.force_cpu {
             b = b.with_force_cpu();
         }
@@ -536,12 +541,13 @@ impl LocalModel {
     }
 
     /// The longest prefix of `prompt` that a remembered sequence shares, as mistral.rs's prefix
-    /// cacher matches it; it reuses nothing when the match is the whole prompt.
+    /// cacher matches it: at most the prompt less its last token, which is forwarded for the
+    /// next token's logits (vendor/mistral.rs change 7).
     fn cached_prefix(&self, prompt: &[u32]) -> usize {
         let cached = self.cached.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let best =
             cached.iter().map(|seq| seq.iter().zip(prompt).take_while(|(a, b)| a == b).count()).max().unwrap_or(0);
-        if best >= prompt.len() { 0 } else { best }
+        best.min(prompt.len().saturating_sub(1))
     }
 
     fn remember_cached(&self, sequence: Vec<u32>) {

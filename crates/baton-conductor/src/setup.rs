@@ -69,6 +69,20 @@ pub struct LocalModels {
     /// One gate per model file, held while it loads.
     #[cfg(feature = "local")]
     loading: std::sync::Mutex<std::collections::HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
+    /// Each loaded file's size and modification time when it was read, so that a long-lived
+    /// holder (the command line's warm helper) notices a file replaced since.
+    #[cfg(feature = "local")]
+    stamps: std::sync::Mutex<std::collections::HashMap<PathBuf, Option<FileStamp>>>,
+}
+
+/// A file's (or a model directory's) size and modification time.
+#[cfg(feature = "local")]
+type FileStamp = (u64, std::time::SystemTime);
+
+#[cfg(feature = "local")]
+fn stamp(path: &Path) -> Option<FileStamp> {
+    let meta = std::fs::metadata(path).ok()?;
+    Some((meta.len(), meta.modified().ok()?))
 }
 
 impl std::fmt::Debug for LocalModels {
@@ -145,13 +159,39 @@ impl LocalModels {
     /// Drops every loaded model that `pool` no longer asks for (as conductor or local worker,
     /// with the same settings); each is freed once no run uses it. Never waits for a load.
     pub fn keep_only(&self, pool: &Pool) {
+        self.keep_only_with(pool, &ConductorChoice::default());
+    }
+
+    /// As [`LocalModels::keep_only`], with `choice` overriding the pool's conductor as it does
+    /// when a run is built.
+    pub fn keep_only_with(&self, pool: &Pool, choice: &ConductorChoice) {
         #[cfg(feature = "local")]
         {
-            let wanted = wanted_models(pool);
+            let wanted = wanted_models(pool, choice);
             lock(&self.loaded).retain(|config, _| wanted.contains(config));
         }
         #[cfg(not(feature = "local"))]
-        let _ = pool;
+        let _ = (pool, choice);
+    }
+
+    /// Drops every loaded model whose file changed on disk since it was read (a model pulled
+    /// again, say), so that the next run loads the file as it is now. Returns their paths.
+    pub fn forget_changed_files(&self) -> Vec<PathBuf> {
+        #[cfg(feature = "local")]
+        {
+            let stamps = lock(&self.stamps);
+            let mut gone = Vec::new();
+            lock(&self.loaded).retain(|config, _| {
+                let same = stamps.get(&config.path).is_some_and(|then| *then == stamp(&config.path));
+                if !same {
+                    gone.push(config.path.clone());
+                }
+                same
+            });
+            gone
+        }
+        #[cfg(not(feature = "local"))]
+        Vec::new()
     }
 
     #[cfg(feature = "local")]
@@ -177,6 +217,8 @@ impl LocalModels {
         }
         notify(LoadNotice::Loading { what, path: &config.path });
         tracing::info!(path = %config.path.display(), "loading {what}");
+        // Read before the load: a file replaced while it loads counts as changed.
+        let before = stamp(&config.path);
         let model = crate::local::LocalModel::load(&config).await.map_err(|e| {
             tracing::warn!(path = %config.path.display(), "{what} did not load: {e}");
             notify(LoadNotice::Failed { what, path: &config.path });
@@ -191,6 +233,7 @@ impl LocalModels {
             device: &device,
         });
         let model = Arc::new(model);
+        lock(&self.stamps).insert(config.path.clone(), before);
         lock(&self.loaded).insert(config, model.clone());
         Ok(model)
     }
@@ -202,18 +245,27 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// The local models `pool` uses with its own settings (no command-line overrides): its
-/// conductor, when that is a local model, and its `local` workers.
+/// Whether running `pool` with `choice` loads any model in this process: a local conductor
+/// (when `with_conductor`: the run asks one for a plan) or a `local` worker.
+pub fn uses_local_models(pool: &Pool, choice: &ConductorChoice, with_conductor: bool) -> bool {
+    let spec = &pool.options.conductor;
+    let conductor = choice.source.as_ref().or(spec.url.as_ref()).or(spec.model.as_ref());
+    (with_conductor && conductor.is_some_and(|source| !is_remote(source)))
+        || pool.workers.iter().any(|w| w.provider == ProviderKind::Local)
+}
+
+/// The local models `pool` uses with `choice` over its settings: its conductor, when that is a
+/// local model, and its `local` workers.
 #[cfg(feature = "local")]
-fn wanted_models(pool: &Pool) -> Vec<crate::local::LocalModelConfig> {
+fn wanted_models(pool: &Pool, choice: &ConductorChoice) -> Vec<crate::local::LocalModelConfig> {
     let spec = &pool.options.conductor;
     let mut wanted = Vec::new();
-    if spec.url.is_none()
-        && let Some(model) = &spec.model
+    if let Some(source) = choice.source.as_ref().or(spec.url.as_ref()).or(spec.model.as_ref())
+        && !is_remote(source)
     {
-        wanted.push(conductor_config(pool, &ConductorChoice::default(), model));
+        wanted.push(conductor_config(pool, choice, source));
     }
-    let force_cpu = spec.device.forces_cpu();
+    let force_cpu = choice.force_cpu || spec.device.forces_cpu();
     wanted.extend(
         pool.workers.iter().filter(|w| w.provider == ProviderKind::Local).map(|w| worker_config(&w.model, force_cpu)),
     );
