@@ -2,7 +2,7 @@
 //! GGUF fetched once by `scripts/fetch-test-model`. A random tiny model cannot show what these
 //! check: that a plan ends as soon as its grammar is complete (the model's end-of-text token is
 //! not its chat template's end-of-sequence token, and a GGUF has no generation config to say
-//! so), that a worker's answer ends on its end-of-turn token, that greedy plans repeat exactly,
+//! so), that a worker's answer ends on its end-of-turn token, that greedy plans repeat exactly from the same cache,
 //! and that the second plan for a pool reuses the prompt prefix the first one computed.
 
 use baton_engine::accounting::unmetered;
@@ -117,17 +117,30 @@ async fn greedy_plans_repeat_exactly_and_the_second_reuses_the_prompt_prefix() {
     let Some(model) = model().await else { return };
     let conductor = LocalConductor::new(model.clone(), conductor_workers(), options(0.0));
     let ctx = PlanningContext::question("How many prime numbers are there below 50?", 3, 4);
-    let (first, cold) = conductor.plan_with_stats(&ctx, &mut |_| {}, unmetered()).await.expect("first plan");
-    let (second, warm) = conductor.plan_with_stats(&ctx, &mut |_| {}, unmetered()).await.expect("second plan");
+    let (_, cold) = conductor.plan_with_stats(&ctx, &mut |_| {}, unmetered()).await.expect("first plan");
     assert_ended_at_the_fence(&model, &cold, "first greedy plan").await;
-    assert_ended_at_the_fence(&model, &warm, "second greedy plan").await;
-    assert_eq!(first.raw, second.raw, "greedy plans for the same prompt are the same");
     assert!(cold.usage.cached_input_tokens < cold.usage.input_tokens, "{:?}", cold.usage);
+    // The same prompt again comes from the cache but for its last token, which is forwarded for
+    // the first new token's logits. One token's attention sums in another order than the whole
+    // prompt's, so on a model this small the plan may differ from the cold one; asked from the
+    // same cache it is the same every time.
+    let (second, warm) = conductor.plan_with_stats(&ctx, &mut |_| {}, unmetered()).await.expect("second plan");
+    let (third, again) = conductor.plan_with_stats(&ctx, &mut |_| {}, unmetered()).await.expect("third plan");
+    assert_ended_at_the_fence(&model, &warm, "second greedy plan").await;
+    assert_eq!(warm.usage.cached_input_tokens, warm.usage.input_tokens - 1, "{:?}", warm.usage);
+    assert_eq!(again.usage.cached_input_tokens, again.usage.input_tokens - 1, "{:?}", again.usage);
+    assert_eq!(second.raw, third.raw, "greedy plans for the same prompt from the same cache are the same");
+    assert!(
+        warm.time_to_first_token < cold.time_to_first_token,
+        "warm {:?} vs cold {:?}",
+        warm.time_to_first_token,
+        cold.time_to_first_token
+    );
 
     // Another question of the same kind for the same pool: the same examples fit it, so only
     // the question is new.
     let alike = PlanningContext::question("How many prime numbers are there below 70?", 3, 4);
-    let (_, next) = conductor.plan_with_stats(&alike, &mut |_| {}, unmetered()).await.expect("third plan");
+    let (_, next) = conductor.plan_with_stats(&alike, &mut |_| {}, unmetered()).await.expect("fourth plan");
     assert_ended_at_the_fence(&model, &next, "a plan for a question of the same kind").await;
     let new_tokens = next.usage.input_tokens - next.usage.cached_input_tokens;
     assert!(new_tokens < 40, "only the question is prefilled again: {:?}", next.usage);
@@ -144,7 +157,7 @@ async fn greedy_plans_repeat_exactly_and_the_second_reuses_the_prompt_prefix() {
     let other = PlanningContext::question("What is the capital of Australia?", 3, 4);
     let system = baton_conductor::PromptBuilder::new(conductor_workers()).system(&other);
     let examples_at = system.find("Example workflows").expect("v3 shows examples");
-    let (_, next) = conductor.plan_with_stats(&other, &mut |_| {}, unmetered()).await.expect("fourth plan");
+    let (_, next) = conductor.plan_with_stats(&other, &mut |_| {}, unmetered()).await.expect("fifth plan");
     assert_ended_at_the_fence(&model, &next, "a plan for another kind of question").await;
     let new_tokens = next.usage.input_tokens - next.usage.cached_input_tokens;
     let bound = (system.len() - examples_at + "What is the capital of Australia?".len() + 40) as u64;
