@@ -12,7 +12,7 @@
 //!   own order.
 //!
 //! Two shapes: one that candle's repacked x86 kernels take (64 output columns, a multiple of
-//! their 16-row tiles; Q4_K, Q6_K, Q5_0 and, with VNNI, Q8_0) and one that only the row-by-row
+//! their 16-row tiles; Q4_K, Q6_K, Q5_0, Q4_1 and, with VNNI, Q8_0) and one that only the row-by-row
 //! kernels take (67 columns); and for 32-value types rows of 896 values, which the tiles take
 //! with the activations padded to whole 256-value blocks.
 //!
@@ -112,7 +112,7 @@ fn tiled_kernels_take(dtype: GgmlDType) -> bool {
     {
         let avx2 =
             is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
-        avx2 && matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K | GgmlDType::Q5_0)
+        avx2 && matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K | GgmlDType::Q5_0 | GgmlDType::Q4_1)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -129,8 +129,10 @@ fn a_weight_kept_only_as_tiles_gives_what_its_blocks_give() -> candle_core::Resu
         (GgmlDType::Q6K, 512),
         (GgmlDType::Q8_0, 512),
         (GgmlDType::Q5_0, 512),
+        (GgmlDType::Q4_1, 512),
         (GgmlDType::Q8_0, 896),
         (GgmlDType::Q5_0, 896),
+        (GgmlDType::Q4_1, 896),
     ] {
         let n = 64;
         let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;

@@ -4,7 +4,9 @@
 //! directly with the min/offset terms corrected through the q8k bsums, and q8_0
 //! weights are stored offset by +128 with the same correction.
 
-use super::k_quants::{BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0, QK5_0, QK8_0, QK_K};
+use super::k_quants::{
+    BlockQ4K, BlockQ4_1, BlockQ5_0, BlockQ6K, BlockQ8K, BlockQ8_0, QK4_1, QK5_0, QK8_0, QK_K,
+};
 use super::{GgmlType, QuantizedType};
 use half::f16;
 
@@ -66,11 +68,25 @@ pub(crate) struct TileQ5_0 {
 }
 const _: () = assert!(std::mem::size_of::<TileQ5_0>() == 352);
 
+// Baton: one 32-value block group for 16 rows of q4_1 weights, in the GGUF's bytes (1.0x):
+// the unsigned 4-bit values with each row's scale d and offset m (a value is d * q + m).
+// Small models such as SmolLM2-135M-Instruct Q4_1 store their matrices so.
+#[repr(C)]
+pub(crate) struct TileQ4_1 {
+    pub(crate) d: [f16; TILE_N],
+    pub(crate) m: [f16; TILE_N],
+    // laid out as TileQ4K's qs: [k8-group (4)][row (16)][4 bytes];
+    // byte j = q[8g+j] | q[8g+j+4] << 4
+    pub(crate) qs: [u8; QK4_1 / 8 * TILE_N * 4],
+}
+const _: () = assert!(std::mem::size_of::<TileQ4_1>() == 320);
+
 pub(crate) enum PackedX86 {
     Q4K(Vec<TileQ4K>),
     Q6K(Vec<TileQ6K>),
     Q8_0(Vec<TileQ8_0>),
     Q5_0(Vec<TileQ5_0>),
+    Q4_1(Vec<TileQ4_1>),
 }
 
 pub(crate) fn select(dtype: super::GgmlDType, n: usize, k: usize) -> bool {
@@ -88,6 +104,8 @@ pub(crate) fn select(dtype: super::GgmlDType, n: usize, k: usize) -> bool {
         // pure avx2 maddubs overflows on the +128 u8 range; q8_0 needs real dpbusd
         D::Q8_0 => lv != X86Level::Avx2 && k.is_multiple_of(2 * QK8_0),
         D::Q5_0 => k.is_multiple_of(2 * QK5_0),
+        // Baton: unsigned 4-bit values, which maddubs takes without overflow
+        D::Q4_1 => k.is_multiple_of(2 * QK4_1),
         _ => false,
     }
 }
@@ -403,6 +421,60 @@ fn q5_0_block(tile: &TileQ5_0, r: usize) -> BlockQ5_0 {
     BlockQ5_0 { d: tile.d[r], qh: qh.to_le_bytes(), qs }
 }
 
+// Baton: q4_1 blocks into tiles. A block holds value j in the low nibble of byte j and value
+// j + 16 in its high nibble.
+pub(crate) fn pack_q4_1(storage: &dyn QuantizedType, n: usize, k: usize) -> PackedX86 {
+    let data = storage.storage_size_in_bytes();
+    let ptr = storage.as_ptr() as *const BlockQ4_1;
+    let blocks = unsafe { std::slice::from_raw_parts(ptr, data / std::mem::size_of::<BlockQ4_1>()) };
+    let kb = k / QK4_1;
+    let n_tiles = n / TILE_N;
+    let mut out: Vec<TileQ4_1> = Vec::with_capacity(n_tiles * kb);
+    for t in 0..n_tiles {
+        for b in 0..kb {
+            let mut tile = TileQ4_1 {
+                d: [f16::ZERO; TILE_N],
+                m: [f16::ZERO; TILE_N],
+                qs: [0; QK4_1 / 8 * TILE_N * 4],
+            };
+            for r in 0..TILE_N {
+                let blk = &blocks[(t * TILE_N + r) * kb + b];
+                tile.d[r] = blk.d;
+                tile.m[r] = blk.m;
+                let mut vals = [0u8; QK4_1];
+                for j in 0..QK4_1 / 2 {
+                    vals[j] = blk.qs[j] & 0x0F;
+                    vals[j + 16] = blk.qs[j] >> 4;
+                }
+                for g in 0..QK4_1 / 8 {
+                    for j in 0..4 {
+                        tile.qs[(g * TILE_N + r) * 4 + j] = vals[g * 8 + j] | (vals[g * 8 + j + 4] << 4);
+                    }
+                }
+            }
+            out.push(tile);
+        }
+    }
+    PackedX86::Q4_1(out)
+}
+
+// Baton: the GGUF block row r of a tile was packed from, byte for byte.
+fn q4_1_block(tile: &TileQ4_1, r: usize) -> BlockQ4_1 {
+    let mut vals = [0u8; QK4_1];
+    for g in 0..QK4_1 / 8 {
+        for j in 0..4 {
+            let byte = tile.qs[(g * TILE_N + r) * 4 + j];
+            vals[g * 8 + j] = byte & 0x0F;
+            vals[g * 8 + j + 4] = byte >> 4;
+        }
+    }
+    let mut qs = [0u8; QK4_1 / 2];
+    for j in 0..QK4_1 / 2 {
+        qs[j] = vals[j] | (vals[j + 16] << 4);
+    }
+    BlockQ4_1 { d: tile.d[r], m: tile.m[r], qs }
+}
+
 // Weight row `row`'s `per_row` blocks, rebuilt from the tiles that hold it.
 fn row_blocks<T, B>(tiles: &[T], row: usize, per_row: usize, block: fn(&T, usize) -> B) -> Vec<B> {
     let (t, r) = (row / TILE_N, row % TILE_N);
@@ -435,6 +507,7 @@ impl PackedX86 {
             Self::Q6K(t) => all(t, n, k / QK_K, q6k_block),
             Self::Q8_0(t) => all(t, n, k / QK8_0, q8_0_block),
             Self::Q5_0(t) => all(t, n, k / QK5_0, q5_0_block),
+            Self::Q4_1(t) => all(t, n, k / QK4_1, q4_1_block),
         }
     }
 
@@ -464,6 +537,7 @@ impl PackedX86 {
             Self::Q6K(t) => rows(t, ids, n, k, k / QK_K, q6k_block),
             Self::Q8_0(t) => rows(t, ids, n, k, k / QK8_0, q8_0_block),
             Self::Q5_0(t) => rows(t, ids, n, k, k / QK5_0, q5_0_block),
+            Self::Q4_1(t) => rows(t, ids, n, k, k / QK4_1, q4_1_block),
         }
     }
 
@@ -474,6 +548,7 @@ impl PackedX86 {
             Self::Q6K(t) => std::mem::size_of_val(t.as_slice()),
             Self::Q8_0(t) => std::mem::size_of_val(t.as_slice()),
             Self::Q5_0(t) => std::mem::size_of_val(t.as_slice()),
+            Self::Q4_1(t) => std::mem::size_of_val(t.as_slice()),
         }
     }
 }
@@ -708,6 +783,68 @@ mod kernels_q5_0 {
     }
 }
 
+// Baton: q4_1 on AVX-512 VNNI. A value is d * q + m, so against activations a (scale da) a
+// group's product is d * da * sum(q * a) + m * da * sum(a), the second term read off the
+// activations' 16-value sums as llama.cpp's q8_1 sums give it.
+#[cfg(target_arch = "x86_64")]
+mod kernels_q4_1 {
+    use super::kernels::MAX_MT;
+    use super::*;
+    use core::arch::x86_64::*;
+
+    // A tile's 8 k4-groups of 16 rows as unsigned 4-bit values.
+    #[inline(always)]
+    unsafe fn weights(t: &TileQ4_1) -> [__m512i; 8] {
+        let lo4 = _mm512_set1_epi8(0x0F);
+        let mut w = [_mm512_setzero_si512(); 8];
+        for i in 0..4 {
+            let q = _mm512_loadu_si512(t.qs.as_ptr().add(i * TILE_N * 4) as *const _);
+            w[2 * i] = _mm512_and_si512(q, lo4);
+            w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), lo4);
+        }
+        w
+    }
+
+    // Two 32-value groups (sub32, sub32 + 1 of the activations' superblock).
+    #[target_feature(enable = "avx512f,avx512vnni,avx512bw")]
+    pub(crate) unsafe fn q4_1_tile2(
+        t0: &TileQ4_1,
+        t1: &TileQ4_1,
+        acts: &[&BlockQ8K],
+        dact: &[[f32; 2]],
+        sub32: usize,
+        acc: &mut [[__m512; 1]],
+    ) {
+        let wa = weights(t0);
+        let wb = weights(t1);
+        let mut isum_a = [_mm512_setzero_si512(); MAX_MT];
+        let mut isum_b = [_mm512_setzero_si512(); MAX_MT];
+        for g in 0..8 {
+            for (m, act) in acts.iter().enumerate() {
+                let a = _mm512_set1_epi32(std::ptr::read_unaligned(
+                    act.qs.as_ptr().add(sub32 * 32 + g * 4) as *const i32,
+                ));
+                let b = _mm512_set1_epi32(std::ptr::read_unaligned(
+                    act.qs.as_ptr().add((sub32 + 1) * 32 + g * 4) as *const i32,
+                ));
+                isum_a[m] = _mm512_dpbusd_epi32(isum_a[m], wa[g], a);
+                isum_b[m] = _mm512_dpbusd_epi32(isum_b[m], wb[g], b);
+            }
+        }
+        for (i, blk, isum, tile) in [(0, sub32, &isum_a, t0), (1, sub32 + 1, &isum_b, t1)] {
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(tile.d.as_ptr() as *const _));
+            let mw = _mm512_cvtph_ps(_mm256_loadu_si256(tile.m.as_ptr() as *const _));
+            for (m, act) in acts.iter().enumerate() {
+                let bsum = (act.bsums[blk * 2] as i32 + act.bsums[blk * 2 + 1] as i32) as f32;
+                let da = dact[m][i];
+                let f = _mm512_cvtepi32_ps(isum[m]);
+                acc[m][0] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc[m][0]);
+                acc[m][0] = _mm512_fmadd_ps(mw, _mm512_set1_ps(da * bsum), acc[m][0]);
+            }
+        }
+    }
+}
+
 // Full matmul over the packed tiles: lhs is m rows already quantized to BlockQ8K,
 // parallelized over (m-tiles x n-tiles) on the barrier pool by the caller's chunker.
 // Per-unit bodies live in #[target_feature] fns so intrinsics inline under portable
@@ -774,6 +911,20 @@ unsafe fn matmul_unit_512(
                 for s in (0..(groups - b * 8).min(8)).step_by(2) {
                     let dact = pair_scales(scales, kb, m0, mt, b, s);
                     kernels_q5_0::q5_0_tile2(
+                        &tiles[g0 + s],
+                        &tiles[g0 + s + 1],
+                        &act_refs[..mt],
+                        &dact[..mt],
+                        s,
+                        &mut acc,
+                    );
+                }
+            }
+            PackedX86::Q4_1(tiles) => {
+                let g0 = nt * groups + b * 8;
+                for s in (0..(groups - b * 8).min(8)).step_by(2) {
+                    let dact = pair_scales(scales, kb, m0, mt, b, s);
+                    kernels_q4_1::q4_1_tile2(
                         &tiles[g0 + s],
                         &tiles[g0 + s + 1],
                         &act_refs[..mt],
@@ -857,6 +1008,19 @@ unsafe fn matmul_unit_256(
                     }
                 }
             }
+            PackedX86::Q4_1(tiles) => {
+                let g0 = nt * groups + b * 8;
+                for s in (0..(groups - b * 8).min(8)).step_by(2) {
+                    let (t0, t1) = (&tiles[g0 + s], &tiles[g0 + s + 1]);
+                    let dact = pair_scales(scales, kb, m0, mt, b, s);
+                    let (acts, dact) = (&act_refs[..mt], &dact[..mt]);
+                    if vnni {
+                        kernels256::q4_1_tile2_avxvnni(t0, t1, acts, dact, s, &mut acc)
+                    } else {
+                        kernels256::q4_1_tile2_avx2(t0, t1, acts, dact, s, &mut acc)
+                    }
+                }
+            }
         }
     }
     for (i, row) in acc[..mt].iter().enumerate() {
@@ -931,12 +1095,13 @@ pub(crate) fn pack(
         D::Q6K => pack_q6k(storage, n, k),
         D::Q8_0 => pack_q8_0(storage, n, k),
         D::Q5_0 => pack_q5_0(storage, n, k),
+        D::Q4_1 => pack_q4_1(storage, n, k),
         _ => unreachable!("select() gates dtypes"),
     }
 }
 
 // Activations quantized for the tiles: rows of 256-value BlockQ8K blocks.
-// Baton: for 32-value block types (Q5_0, Q8_0) each 32 values get a scale of their own, in
+// Baton: for 32-value block types (Q4_1, Q5_0, Q8_0) each 32 values get a scale of their own, in
 // `scales` (8 a block; the blocks' own `d` is unused), as llama.cpp quantizes activations for
 // these types: one scale per 256 values lost precision next to Qwen's large activations
 // (Qwen2.5-0.5B alone, MMLU: 3 of 60 items lost, none gained). Products with Q4_K/Q6_K keep
@@ -948,7 +1113,10 @@ pub(crate) struct Acts {
 }
 
 pub(crate) fn quantize_lhs(dtype: super::GgmlDType, lhs: &[f32], m: usize, k: usize) -> Acts {
-    let per_32 = matches!(dtype, super::GgmlDType::Q5_0 | super::GgmlDType::Q8_0);
+    let per_32 = matches!(
+        dtype,
+        super::GgmlDType::Q5_0 | super::GgmlDType::Q8_0 | super::GgmlDType::Q4_1
+    );
     let kb = k.div_ceil(QK_K);
     let mut out: Vec<BlockQ8K> = Vec::with_capacity(m * kb);
     #[allow(clippy::uninit_vec)]
@@ -1651,6 +1819,57 @@ mod kernels256 {
     }
     q5_0_tile2_256!(q5_0_tile2_avxvnni, dp_vnni, "avx2,avxvnni,fma,f16c");
     q5_0_tile2_256!(q5_0_tile2_avx2, dp_avx2, "avx2,fma,f16c");
+
+    // Baton: q4_1, two 32-value groups; unsigned 4-bit values, so pure AVX2 runs it too.
+    macro_rules! q4_1_tile2_256 {
+        ($fname:ident, $dp:path, $feat:literal) => {
+            #[target_feature(enable = $feat)]
+            pub(crate) unsafe fn $fname(
+                t0: &TileQ4_1,
+                t1: &TileQ4_1,
+                acts: &[&BlockQ8K],
+                dact: &[[f32; 2]],
+                sub32: usize,
+                acc: &mut [[__m256; 2]],
+            ) {
+                let lo4 = _mm256_set1_epi8(0x0F);
+                for (gi, blk, tile) in [(0, sub32, t0), (1, sub32 + 1, t1)] {
+                    let mut isum = [[_mm256_setzero_si256(); 2]; MAX_MT];
+                    for h in 0..2 {
+                        for i in 0..4 {
+                            let q = group_half(&tile.qs, i, h);
+                            let w = [
+                                _mm256_and_si256(q, lo4),
+                                _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4),
+                            ];
+                            for (half, w) in w.iter().enumerate() {
+                                let g = 2 * i + half;
+                                for (m, act) in acts.iter().enumerate() {
+                                    let a = bcast4_256(&act.qs, blk * 32 + g * 4);
+                                    isum[m][h] = $dp(isum[m][h], *w, a);
+                                }
+                            }
+                        }
+                    }
+                    for h in 0..2 {
+                        let dw = half_ps(&tile.d, h);
+                        let mw = half_ps(&tile.m, h);
+                        for (m, act) in acts.iter().enumerate() {
+                            let bsum =
+                                (act.bsums[blk * 2] as i32 + act.bsums[blk * 2 + 1] as i32) as f32;
+                            let da = dact[m][gi];
+                            let f = _mm256_cvtepi32_ps(isum[m][h]);
+                            acc[m][h] =
+                                _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(da)), acc[m][h]);
+                            acc[m][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(da * bsum), acc[m][h]);
+                        }
+                    }
+                }
+            }
+        };
+    }
+    q4_1_tile2_256!(q4_1_tile2_avxvnni, dp_vnni, "avx2,avxvnni,fma,f16c");
+    q4_1_tile2_256!(q4_1_tile2_avx2, dp_avx2, "avx2,fma,f16c");
 
     // q8_0 needs true dpbusd (u8 range overflows maddubs' i16 pairs), so vnni only.
     #[target_feature(enable = "avx2,avxvnni,fma")]
