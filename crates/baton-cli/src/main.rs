@@ -246,7 +246,11 @@ pub async fn run_command(args: Vec<OsString>, io: &io::Io, models: &baton_runner
 
 /// Says why a command failed, on `io`, and returns its exit code.
 pub fn report(result: Outcome, io: &io::Io) -> u8 {
-    if let Err(failure) = &result {
+    // A command run in the warm helper ends as `Exited` with its code: the helper has logged
+    // its failure, if it failed.
+    if let Err(failure) = &result
+        && !matches!(failure, Failure::Exited(_))
+    {
         tracing::warn!("the command failed: {failure:?}");
     }
     match result {

@@ -67,6 +67,18 @@ const TERMINAL_VARIABLES: &[&str] = &[
     "WINDOW",
     "PS1",
     "PROMPT_COMMAND",
+    "TMUX",
+    "SSH_CLIENT",
+    "SSH_CONNECTION",
+    "GPG_TTY",
+    "KITTY_WINDOW_ID",
+    "KITTY_PID",
+    "WEZTERM_PANE",
+    "ALACRITTY_WINDOW_ID",
+    "STARSHIP_SESSION_KEY",
+    "VSCODE_GIT_IPC_HANDLE",
+    "VSCODE_INJECTION",
+    "VSCODE_IPC_HOOK_CLI",
     // The client works these out itself: colour from its own terminal, the idle time when it
     // starts a helper.
     "NO_COLOR",
@@ -169,11 +181,15 @@ async fn converse(stream: UnixStream, request: &Request) -> Outcome {
     line.push('\n');
     write.write_all(line.as_bytes()).await.map_err(|e| helper_lost(&e.to_string()))?;
     let mut replies = BufReader::new(read).lines();
+    // One listener for the whole command: a Ctrl-C that comes while a reply is being written
+    // out is then still seen (a listener made anew on each turn would miss it).
+    let mut sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .map_err(|e| Failure::Failed(format!("cannot listen for Ctrl-C: {e}")))?;
     let mut interrupted = false;
     loop {
         let next = tokio::select! {
             next = replies.next_line() => next,
-            _ = tokio::signal::ctrl_c() => {
+            _ = sigint.recv() => {
                 if interrupted {
                     // A second Ctrl-C does not wait for the helper to wind the command up
                     // (a model still loading, say): the helper finishes that on its own.
@@ -359,7 +375,12 @@ impl Fnv {
 /// `baton __keep-warm SOCKET IDLE_SECS`: the helper. Serves commands on `socket` until idle
 /// for `idle`.
 pub async fn serve(socket: PathBuf, idle: Duration) -> Outcome {
+    use std::os::unix::fs::MetadataExt;
     let listener = bind(&socket).map_err(Failure::Failed)?;
+    // The socket file this helper made: a helper that lost a race to bind it (both found a dead
+    // one's socket and replaced it) sees another file there, and leaves without removing it.
+    let inode = |path: &Path| std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()));
+    let ours = inode(&socket);
     tracing::info!(socket = %socket.display(), idle_secs = idle.as_secs(), "the warm helper is listening");
     let models = Arc::new(LocalModels::default());
     // One command at a time: each runs in its client's working directory, and the models
@@ -375,10 +396,11 @@ pub async fn serve(socket: PathBuf, idle: Duration) -> Outcome {
                     let (models, turn, running) = (models.clone(), turn.clone(), running.clone());
                     running.fetch_add(1, Ordering::SeqCst);
                     tokio::spawn(async move {
+                        // Counted down even if the command panics, so the helper still exits idle.
+                        let _running = Running(running);
                         if let Err(e) = handle(stream, &models, &turn).await {
                             tracing::warn!("a command's client went away: {e}");
                         }
-                        running.fetch_sub(1, Ordering::SeqCst);
                     });
                 }
                 Err(e) => tracing::warn!("cannot take a connection: {e}"),
@@ -386,7 +408,10 @@ pub async fn serve(socket: PathBuf, idle: Duration) -> Outcome {
             () = tokio::time::sleep(Duration::from_secs(1)) => {
                 if running.load(Ordering::SeqCst) > 0 {
                     last = Instant::now();
-                } else if last.elapsed() >= idle || !socket.exists() {
+                } else if inode(&socket) != ours {
+                    tracing::info!("the warm helper exits: its socket is gone or another helper's");
+                    return Ok(());
+                } else if last.elapsed() >= idle {
                     // Unlinked first, so that no client connects to a helper that is leaving.
                     let _ = std::fs::remove_file(&socket);
                     tracing::info!("the warm helper exits after {} s idle", last.elapsed().as_secs());
@@ -394,6 +419,25 @@ pub async fn serve(socket: PathBuf, idle: Duration) -> Outcome {
                 }
             }
         }
+    }
+}
+
+/// One command under way in the helper, until dropped.
+struct Running(Arc<AtomicUsize>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Puts the helper back in `/` when a command ends, however it ends: the helper holds no
+/// directory of a client's open meanwhile.
+struct BackToRoot;
+
+impl Drop for BackToRoot {
+    fn drop(&mut self) {
+        let _ = std::env::set_current_dir("/");
     }
 }
 
@@ -455,24 +499,42 @@ async fn handle(stream: UnixStream, models: &LocalModels, turn: &tokio::sync::Mu
         },
         request.stdin,
         request.color,
-        cancel,
+        cancel.clone(),
     );
 
     let code = {
-        let _turn = turn.lock().await;
+        let _turn = match turn.try_lock() {
+            Ok(turn) => turn,
+            Err(_) => {
+                io.err(
+                    "waiting for the command that baton's helper is running to finish (BATON_KEEP_WARM=0: run apart)\n",
+                );
+                // Ctrl-C (or the client gone) while waiting: the command never starts, as a
+                // command stopped before it began would not have.
+                tokio::select! {
+                    turn = turn.lock() => turn,
+                    () = cancel.cancelled() => {
+                        let _ = send.send(Reply::Exit { code: crate::report(Err(Failure::Interrupted), &io) });
+                        drop(send);
+                        drop(io);
+                        watcher.abort();
+                        let _ = writer.await;
+                        return Ok(());
+                    }
+                }
+            }
+        };
         let changed = models.forget_changed_files();
         if !changed.is_empty() {
             tracing::info!(?changed, "models whose files changed are loaded again");
         }
-        let code = match std::env::set_current_dir(&request.cwd) {
+        let _root = BackToRoot;
+        match std::env::set_current_dir(&request.cwd) {
             Ok(()) => crate::run_command(request.args, &io, models).await,
             Err(e) => {
                 crate::report(Err(Failure::BadInput(format!("{}: cannot work there: {e}", request.cwd.display()))), &io)
             }
-        };
-        // The helper holds no directory of the client's open meanwhile.
-        let _ = std::env::set_current_dir("/");
-        code
+        }
     };
     let _ = send.send(Reply::Exit { code });
     drop(send);

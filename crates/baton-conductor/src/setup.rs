@@ -143,7 +143,7 @@ impl LocalModels {
     /// Whether a model from `path` is loaded (with any settings).
     pub fn is_loaded(&self, path: &Path) -> bool {
         #[cfg(feature = "local")]
-        return self.loaded_paths().iter().any(|p| p == path);
+        return self.loaded_paths().iter().any(|p| *p == absolute(path));
         #[cfg(not(feature = "local"))]
         {
             let _ = path;
@@ -274,16 +274,29 @@ fn wanted_models(pool: &Pool, choice: &ConductorChoice) -> Vec<crate::local::Loc
 
 #[cfg(feature = "local")]
 fn worker_config(model: &str, force_cpu: bool) -> crate::local::LocalModelConfig {
-    crate::local::LocalModelConfig { path: PathBuf::from(model), force_cpu, ..Default::default() }
+    crate::local::LocalModelConfig { path: absolute(Path::new(model)), force_cpu, ..Default::default() }
+}
+
+/// `path` from the working directory of the command that names it. A model is known by its
+/// absolute path: a holder that outlives one command (the warm helper, which serves commands
+/// from many directories) must neither take `model.gguf` of one directory for another's nor
+/// look for a relative file from the wrong place when it checks whether the file changed.
+#[cfg(feature = "local")]
+fn absolute(path: &Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_owned())
 }
 
 #[cfg(feature = "local")]
 fn conductor_config(pool: &Pool, choice: &ConductorChoice, path: &str) -> crate::local::LocalModelConfig {
     let spec = &pool.options.conductor;
     crate::local::LocalModelConfig {
-        path: PathBuf::from(path),
-        lora: choice.lora.clone().or_else(|| spec.lora.as_ref().map(PathBuf::from)),
-        chat_template: choice.chat_template.clone().or_else(|| spec.chat_template.as_ref().map(PathBuf::from)),
+        path: absolute(Path::new(path)),
+        lora: choice.lora.clone().or_else(|| spec.lora.as_ref().map(PathBuf::from)).map(|p| absolute(&p)),
+        chat_template: choice
+            .chat_template
+            .clone()
+            .or_else(|| spec.chat_template.as_ref().map(PathBuf::from))
+            .map(|p| absolute(&p)),
         force_cpu: choice.force_cpu || spec.device.forces_cpu(),
         isq: spec.isq.clone(),
         dtype: spec.dtype.clone(),
