@@ -499,40 +499,25 @@ async fn handle(stream: UnixStream, models: &LocalModels, turn: &tokio::sync::Mu
         },
         request.stdin,
         request.color,
-        cancel.clone(),
+        cancel,
     );
 
-    let code = {
-        let _turn = match turn.try_lock() {
-            Ok(turn) => turn,
-            Err(_) => {
-                io.err(
-                    "waiting for the command that baton's helper is running to finish (BATON_KEEP_WARM=0: run apart)\n",
-                );
-                // Ctrl-C (or the client gone) while waiting: the command never starts, as a
-                // command stopped before it began would not have.
-                tokio::select! {
-                    turn = turn.lock() => turn,
-                    () = cancel.cancelled() => {
-                        let _ = send.send(Reply::Exit { code: crate::report(Err(Failure::Interrupted), &io) });
-                        drop(send);
-                        drop(io);
-                        watcher.abort();
-                        let _ = writer.await;
-                        return Ok(());
-                    }
-                }
+    let code = match wait_for_turn(turn, &io).await {
+        // Ctrl-C (or the client gone) while waiting: the command never starts, as a command
+        // stopped before it began would not have.
+        None => crate::report(Err(Failure::Interrupted), &io),
+        Some(_turn) => {
+            let changed = models.forget_changed_files();
+            if !changed.is_empty() {
+                tracing::info!(?changed, "models whose files changed are loaded again");
             }
-        };
-        let changed = models.forget_changed_files();
-        if !changed.is_empty() {
-            tracing::info!(?changed, "models whose files changed are loaded again");
-        }
-        let _root = BackToRoot;
-        match std::env::set_current_dir(&request.cwd) {
-            Ok(()) => crate::run_command(request.args, &io, models).await,
-            Err(e) => {
-                crate::report(Err(Failure::BadInput(format!("{}: cannot work there: {e}", request.cwd.display()))), &io)
+            let _root = BackToRoot;
+            match std::env::set_current_dir(&request.cwd) {
+                Ok(()) => crate::run_command(request.args, &io, models).await,
+                Err(e) => crate::report(
+                    Err(Failure::BadInput(format!("{}: cannot work there: {e}", request.cwd.display()))),
+                    &io,
+                ),
             }
         }
     };
@@ -542,4 +527,17 @@ async fn handle(stream: UnixStream, models: &LocalModels, turn: &tokio::sync::Mu
     watcher.abort();
     let _ = writer.await;
     Ok(())
+}
+
+/// The helper's one turn: commands run one at a time, since they share the loaded models and the
+/// working directory. A command that has to wait says so; `None` when it is stopped while waiting.
+async fn wait_for_turn<'a>(turn: &'a tokio::sync::Mutex<()>, io: &Io) -> Option<tokio::sync::MutexGuard<'a, ()>> {
+    if let Ok(guard) = turn.try_lock() {
+        return Some(guard);
+    }
+    io.err("waiting for the command that baton's helper is running to finish (BATON_KEEP_WARM=0: run apart)\n");
+    tokio::select! {
+        guard = turn.lock() => Some(guard),
+        () = io.cancel.cancelled() => None,
+    }
 }
