@@ -11,8 +11,8 @@
 //!   exact, and each kernel family (scalar, AVX2, the repacked AVX2/AVX-512 tiles) sums in its
 //!   own order.
 //!
-//! Two shapes: one that candle's repacked x86 kernels take (64 output columns, a multiple of
-//! their 16-row tiles; Q4_K, Q6_K, Q5_0, Q4_1 and, with VNNI, Q8_0) and one that only the row-by-row
+//! Shapes that candle's repacked x86 kernels take (64 and 48 output columns, multiples of their
+//! 16-row tiles; Q4_K, Q6_K, Q5_0, Q4_1 and, with VNNI, Q8_0) and one that only the row-by-row
 //! kernels take (67 columns); and for 32-value types rows of 896 values, which the tiles take
 //! with the activations padded to whole 256-value blocks.
 //!
@@ -60,6 +60,9 @@ fn many_rows_give_what_each_row_gives_alone_and_match_f32() -> candle_core::Resu
         // 45 input rows: not a multiple of any kernel's row tile.
         check(dtype, (45, 512, 64))?;
         check(dtype, (45, 512, 67))?;
+        // three 16-row tiles: AMX (Q4_K, 32 rows or more, where the CPU has it) takes tiles in
+        // pairs, so the last one goes alone
+        check(dtype, (45, 512, 48))?;
         // rows not a multiple of 256 values (Qwen2.5-0.5B's 896): the tiles of 32-value types
         // end mid-way through the activations' last 256-value block
         if dtype.block_size() == 32 {

@@ -37,8 +37,6 @@ pub(crate) enum PackedStorage {
 pub(crate) struct PackedCache {
     #[cfg(target_arch = "x86_64")]
     x86: OnceLock<super::repack_x86::PackedX86>,
-    #[cfg(target_arch = "x86_64")]
-    x86_amx: OnceLock<Vec<super::repack_x86::TileQ4KAmx>>,
     #[cfg(target_arch = "aarch64")]
     q4_0x4: OnceLock<PackedStorage>,
     #[cfg(target_arch = "aarch64")]
@@ -70,8 +68,6 @@ impl PackedCache {
         Self {
             #[cfg(target_arch = "x86_64")]
             x86: OnceLock::new(),
-            #[cfg(target_arch = "x86_64")]
-            x86_amx: OnceLock::new(),
             #[cfg(target_arch = "aarch64")]
             q4_0x4: OnceLock::new(),
             #[cfg(target_arch = "aarch64")]
@@ -250,14 +246,10 @@ pub(crate) fn try_matmul_f32(
         let tiles = packed
             .x86
             .get_or_init(|| super::repack_x86::pack(dtype, storage, n, k));
-        // Baton: the AMX layout is built from the tiles, not the blocks (a weight may be
-        // kept only as tiles)
+        // Baton: AMX reads the tiles themselves (no second copy of the weight)
         if let super::repack_x86::PackedX86::Q4K(q4k) = tiles {
             if m >= 32 && super::repack_x86::amx_available() {
-                let amx = packed
-                    .x86_amx
-                    .get_or_init(|| super::repack_x86::pack_q4k_amx(q4k));
-                super::repack_x86::matmul_amx_q4k(amx, &acts.q, m, k, n, dst);
+                super::repack_x86::matmul_amx_q4k(q4k, &acts.q, m, k, n, dst);
                 return Ok(true);
             }
         }

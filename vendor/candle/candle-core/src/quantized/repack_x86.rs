@@ -1158,7 +1158,16 @@ fn quantize_per_32(row: &[f32], dst: &mut [BlockQ8K], scales: &mut [f32]) {
         blk.d = 0.0;
         for g in 0..8 {
             let xs = &row[b * QK_K + g * 32..b * QK_K + (g + 1) * 32];
-            let amax = xs.iter().fold(0f32, |a, x| a.max(x.abs()));
+            // Baton: eight running maxima, not one: a single fold is a chain of dependent
+            // max operations that the compiler keeps scalar. The maximum of a set is the same
+            // whatever the order, so the scales are bit for bit those of the single fold.
+            let mut lanes = [0f32; 8];
+            for chunk in xs.chunks_exact(8) {
+                for (m, x) in lanes.iter_mut().zip(chunk) {
+                    *m = m.max(x.abs());
+                }
+            }
+            let amax = lanes.iter().fold(0f32, |a, &m| a.max(m));
             let d = amax / 127.0;
             let id = if d != 0.0 { 1.0 / d } else { 0.0 };
             for (i, x) in xs.iter().enumerate() {
@@ -1243,12 +1252,22 @@ pub(crate) struct TileQ4KAmx {
     pub(crate) qs: [u8; QK_K * TILE_N],
 }
 
+impl TileQ4KAmx {
+    fn zeroed() -> Self {
+        TileQ4KAmx { scales: [[0.0; TILE_N]; 8], mins: [[0.0; TILE_N]; 8], qs: [0; QK_K * TILE_N] }
+    }
+}
+
 pub(crate) fn amx_available() -> bool {
     use std::sync::OnceLock;
     static OK: OnceLock<bool> = OnceLock::new();
     *OK.get_or_init(|| {
         // forced downlevel testing must exercise the 256-bit paths end to end
         if level() != Some(X86Level::Avx512Vnni) {
+            return false;
+        }
+        // Baton: AMX can be turned off alone, keeping the AVX-512 kernels, to compare the two.
+        if std::env::var("MISTRALRS_NO_AMX").as_deref() == Ok("1") {
             return false;
         }
         // is_x86_feature_detected!("amx-int8") is unstable; read CPUID leaf 7 directly
@@ -1282,36 +1301,33 @@ pub(crate) fn amx_available() -> bool {
     })
 }
 
-// Baton: built from the VNNI tiles rather than the GGUF blocks, which a weight kept only as
-// tiles no longer has. Scales are d times the 6-bit scale, as before.
-pub(crate) fn pack_q4k_amx(tiles: &[TileQ4K]) -> Vec<TileQ4KAmx> {
-    let mut out: Vec<TileQ4KAmx> = Vec::with_capacity(tiles.len());
-    for src in tiles {
-        let mut tile = TileQ4KAmx {
-            scales: [[0.0; TILE_N]; 8],
-            mins: [[0.0; TILE_N]; 8],
-            qs: [0; QK_K * TILE_N],
-        };
-        for r in 0..TILE_N {
-            let d = src.d[r].to_f32();
-            let dmin = src.dmin[r].to_f32();
-            for sub in 0..8 {
-                tile.scales[sub][r] = d * src.sc[sub][r] as f32;
-                tile.mins[sub][r] = dmin * src.mn[sub][r] as f32;
-            }
-            let vals = q4k_tile_values(src, r);
-            for sub in 0..8 {
-                for krow in 0..8 {
-                    for j in 0..4 {
-                        tile.qs[((sub * 8 + krow) * TILE_N + r) * 4 + j] =
-                            vals[sub * 32 + krow * 4 + j];
-                    }
-                }
-            }
+// Baton: a tile widened for AMX as it is used, into a buffer the caller reuses. Upstream kept
+// a widened copy of every Q4_K weight (2.2x the tiles' bytes) for the model's life, built tile
+// by tile in scalar code on the first prompt. The widening is cheap: line g of the tile's
+// nibbles holds k-quads 2g (low nibbles) and 2g+1 (high nibbles) in the [row][4 k] order a B
+// tile wants. The scales are d times the 6-bit scale, as before, so products are unchanged.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn unpack_q4k_amx(src: &TileQ4K, dst: &mut TileQ4KAmx) {
+    use core::arch::x86_64::*;
+    unsafe {
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(src.d.as_ptr() as *const __m256i));
+        let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(src.dmin.as_ptr() as *const __m256i));
+        for sub in 0..8 {
+            let sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(src.sc[sub].as_ptr() as *const __m128i));
+            let mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(src.mn[sub].as_ptr() as *const __m128i));
+            _mm512_storeu_ps(dst.scales[sub].as_mut_ptr(), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+            _mm512_storeu_ps(dst.mins[sub].as_mut_ptr(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
         }
-        out.push(tile);
+        let low = _mm512_set1_epi8(0x0F);
+        for g in 0..QK_K / 8 {
+            let line = _mm512_loadu_si512(src.qs.as_ptr().add(g * 64) as *const _);
+            let lo = _mm512_and_si512(line, low);
+            let hi = _mm512_and_si512(_mm512_srli_epi16(line, 4), low);
+            _mm512_storeu_si512(dst.qs.as_mut_ptr().add(2 * g * 64) as *mut _, lo);
+            _mm512_storeu_si512(dst.qs.as_mut_ptr().add((2 * g + 1) * 64) as *mut _, hi);
+        }
     }
-    out
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -1480,8 +1496,13 @@ mod amx {
 }
 
 // AMX matmul: m >= 32, q4k only. acts are per-row BlockQ8K slices.
+// Baton: the threads share out pairs of 16-row weight tiles, not blocks of 32 activation rows.
+// A thread widens its pair's tiles once (unpack_q4k_amx; 10 KiB a 256-value block, in its
+// cache) and runs every 32-row block of activations past them, packed once for all threads.
+// Upstream swept every weight once per 32 activation rows, so it needed a widened copy of the
+// whole weight to keep the widening off that path.
 pub(crate) fn matmul_amx_q4k(
-    tiles: &[TileQ4KAmx],
+    tiles: &[TileQ4K],
     lhs_q: &[BlockQ8K],
     m: usize,
     k: usize,
@@ -1493,50 +1514,50 @@ pub(crate) fn matmul_amx_q4k(
         let kb = k / QK_K;
         let n_tiles = n / TILE_N;
         let m_blocks = m.div_ceil(32);
+        // one 32-row block of activations: two 16-row halves, [kb][8 subs][16 rows * 32 bytes]
+        let a_half = kb * 8 * 16 * 32;
+        let a_block = 2 * a_half;
+        let mut a_all = vec![0i8; m_blocks * a_block];
+        for (i, row) in lhs_q.chunks_exact(kb).take(m).enumerate() {
+            let base = (i / 32) * a_block + ((i % 32) / 16) * a_half;
+            let r = i % 16;
+            for (b, block) in row.iter().enumerate() {
+                for sub in 0..8 {
+                    let at = base + ((b * 8 + sub) * 16 + r) * 32;
+                    a_all[at..at + 32].copy_from_slice(&block.qs[sub * 32..sub * 32 + 32]);
+                }
+            }
+        }
         let dst_ptr = dst.as_mut_ptr() as usize;
-        let lhs_ref = lhs_q;
-        crate::utils::barrier_pool().execute_chunked(m_blocks, |range| {
+        let (a_all, lhs_ref) = (&a_all, lhs_q);
+        crate::utils::barrier_pool().execute_chunked(n_tiles.div_ceil(2), |pairs| {
             let dst_ptr = dst_ptr as *mut f32;
-            // per-thread activation repack buffer (two 16-row halves), reused across n
-            let a_half = kb * 8 * 16 * 32;
-            let mut a_pack = vec![0i8; 2 * a_half];
+            let mut widened: Vec<TileQ4KAmx> = (0..2 * kb).map(|_| TileQ4KAmx::zeroed()).collect();
             let mut act_rows: Vec<&[BlockQ8K]> = Vec::with_capacity(32);
-            for mb in range {
-                let m0 = mb * 32;
-                let mt = (m - m0).min(32);
-                act_rows.clear();
-                for i in 0..mt {
-                    act_rows.push(&lhs_ref[(m0 + i) * kb..(m0 + i + 1) * kb]);
+            for pair in pairs {
+                let nt = 2 * pair;
+                let count = (n_tiles - nt).min(2);
+                for (w, src) in widened.iter_mut().zip(&tiles[nt * kb..(nt + count) * kb]) {
+                    unsafe { unpack_q4k_amx(src, w) };
                 }
-                a_pack.fill(0);
-                for (i, row) in act_rows.iter().enumerate() {
-                    let base = (i / 16) * a_half;
-                    let r = i % 16;
-                    for b in 0..kb {
-                        let qs = &row[b].qs;
-                        for sub in 0..8 {
-                            let dst_off = base + ((b * 8 + sub) * 16 + r) * 32;
-                            a_pack[dst_off..dst_off + 32]
-                                .copy_from_slice(&qs[sub * 32..sub * 32 + 32]);
-                        }
-                    }
-                }
-                let mut nt = 0;
-                while nt < n_tiles {
+                for mb in 0..m_blocks {
+                    let m0 = mb * 32;
+                    let mt = (m - m0).min(32);
+                    act_rows.clear();
+                    act_rows.extend((m0..m0 + mt).map(|i| &lhs_ref[i * kb..(i + 1) * kb]));
                     unsafe {
                         amx::q4k_m32(
-                            tiles,
-                            nt,
-                            n_tiles,
+                            &widened,
+                            0,
+                            count,
                             kb,
-                            &a_pack,
+                            &a_all[mb * a_block..(mb + 1) * a_block],
                             &act_rows,
                             mt,
-                            dst_ptr.add(m0 * n),
+                            dst_ptr.add(m0 * n + nt * TILE_N),
                             n,
                         )
                     };
-                    nt += 2;
                 }
             }
         });
