@@ -248,6 +248,10 @@ impl LocalModel {
                     message: "isq and dtype apply to safetensors models; a GGUF file is already quantized (pick another GGUF file for another size)".into(),
                 });
             }
+            // The engine loads a GGUF without a chat template and then fails at its first request.
+            if template.is_none() && !gguf_has_chat_template(&path) {
+                return Err(LoadError::NoChatTemplate { path: shown });
+            }
             let b = GgufModelBuilder::new(dir.display().to_string(), vec![file]).with_token_source(TokenSource::None);
             with_common_options!(b, config, template).build().await
         } else if path.is_dir() {
@@ -574,6 +578,17 @@ async fn find_end_tokens(model: &mistralrs::Model) -> EndTokens {
         }
     }
     found
+}
+
+/// Whether a GGUF file's metadata holds a chat template (`tokenizer.chat_template`), read with
+/// the engine's own GGUF reader (the header only). A file it cannot read counts as having one:
+/// loading it then says what is wrong with it.
+fn gguf_has_chat_template(path: &Path) -> bool {
+    let Ok(file) = std::fs::File::open(path) else { return true };
+    match candle_core::quantized::gguf_file::Content::read(&mut std::io::BufReader::new(file)) {
+        Ok(content) => content.metadata.contains_key("tokenizer.chat_template"),
+        Err(_) => true,
+    }
 }
 
 fn is_jinja(path: &Path) -> bool {

@@ -372,6 +372,33 @@ async fn a_gguf_without_an_end_of_text_token_is_refused_with_what_to_do() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_gguf_without_a_chat_template_is_refused_at_load_and_plans_with_one_given() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("no-template.gguf");
+    let spec = baton_tinymodel::TinySpec { chat_template: false, ..Default::default() };
+    baton_tinymodel::write_gguf_model(&file, &spec).expect("write gguf");
+    let config = LocalModelConfig { path: file.clone(), force_cpu: true, ..Default::default() };
+    let e = match LocalModel::load(&config).await {
+        Ok(_) => panic!("a GGUF without a chat template is refused at load, not at the first question"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.starts_with(&file.display().to_string()), "names the file: {e}");
+    assert!(e.contains("no chat template") && e.contains("--chat-template FILE"), "says what to do: {e}");
+
+    let template = dir.path().join("chatml.jinja");
+    std::fs::write(&template, baton_tinymodel::CHATML_TEMPLATE).expect("write template");
+    let config = LocalModelConfig { chat_template: Some(template), ..config };
+    let model =
+        Arc::new(LocalModel::load(&config).await.unwrap_or_else(|e| panic!("loads with a template given: {e}")));
+    let conductor = LocalConductor::new(model, workers(2), ConductorOptions { no_examples: true, ..quick() });
+    let planned = conductor
+        .plan(context("Any question", 2, 3), Box::new(|_: &str| {}), unmetered())
+        .await
+        .unwrap_or_else(|e| panic!("plans with the template given: {e}"));
+    assert!((1..=3).contains(&planned.plan.steps.len()));
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_plan_past_its_time_limit_fails_naming_the_limit() {
     // Long reasoning on a random model takes far longer than the limit.
     let options = ConductorOptions {

@@ -31,6 +31,9 @@ pub struct TinySpec {
     /// Whether the chat template refuses two turns of the same role in a row (it raises, as
     /// Mistral's, Gemma's and many GGUF templates do) instead of rendering them.
     pub alternating_turns: bool,
+    /// Whether the GGUF's metadata holds the chat template (`tokenizer.chat_template`); base
+    /// models' GGUFs often have none.
+    pub chat_template: bool,
 }
 
 impl Default for TinySpec {
@@ -45,6 +48,7 @@ impl Default for TinySpec {
             init: 0.08,
             end_of_text: true,
             alternating_turns: false,
+            chat_template: true,
         }
     }
 }
@@ -238,7 +242,9 @@ pub fn write_gguf_model(path: &Path, spec: &TinySpec) -> io::Result<()> {
     kv.push(("tokenizer.ggml.bos_token_id".into(), GgufValue::U32(ENDOFTEXT)));
     kv.push(("tokenizer.ggml.eos_token_id".into(), GgufValue::U32(IM_END)));
     kv.push(("tokenizer.ggml.padding_token_id".into(), GgufValue::U32(ENDOFTEXT)));
-    kv.push(("tokenizer.chat_template".into(), GgufValue::Str(chat_template(spec).into())));
+    if spec.chat_template {
+        kv.push(("tokenizer.chat_template".into(), GgufValue::Str(chat_template(spec).into())));
+    }
 
     // Hugging Face names and shapes → GGUF names, with dimensions innermost first.
     let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = weights(spec)
