@@ -62,6 +62,7 @@ pub enum LoadError {
 }
 
 mod memory;
+mod tokenizer;
 
 pub use memory::{IGNORE_FREE_MEMORY, MemoryNeed, free_memory_bytes, weights_bytes};
 
@@ -249,7 +250,7 @@ impl LocalModel {
                 });
             }
             // The engine loads a GGUF without a chat template and then fails at its first request.
-            if template.is_none() && !gguf_has_chat_template(&path) {
+            if template.is_none() && !tokenizer::gguf_has_chat_template(&path) {
                 return Err(LoadError::NoChatTemplate { path: shown });
             }
             let b = GgufModelBuilder::new(dir.display().to_string(), vec![file]).with_token_source(TokenSource::None);
@@ -297,7 +298,7 @@ impl LocalModel {
             });
         };
         let model = built.map_err(|e| classify_load_error(&shown, &format!("{e:#}")))?;
-        let end_tokens = find_end_tokens(&model).await;
+        let end_tokens = tokenizer::find_end_tokens(&model).await;
         let memory_bytes = resident_bytes().zip(resident_before).map(|(after, before)| after.saturating_sub(before));
         Ok(LocalModel {
             model,
@@ -560,34 +561,6 @@ impl LocalModel {
             cached.pop_front();
         }
         cached.push_back(sequence);
-    }
-}
-
-/// Looks each end-token spelling up in the model's vocabulary: a spelling that tokenizes to one
-/// token is one of its added (special) tokens.
-async fn find_end_tokens(model: &mistralrs::Model) -> EndTokens {
-    let mut found = EndTokens::default();
-    for (names, into) in [(END_OF_TEXT, &mut found.end_of_text), (END_OF_TURN, &mut found.end_of_turn)] {
-        for name in names {
-            if let Ok(ids) = model.tokenize(Either::Right((*name).to_owned()), None, false, false, None).await
-                && let [id] = ids[..]
-                && !into.contains(&id)
-            {
-                into.push(id);
-            }
-        }
-    }
-    found
-}
-
-/// Whether a GGUF file's metadata holds a chat template (`tokenizer.chat_template`), read with
-/// the engine's own GGUF reader (the header only). A file it cannot read counts as having one:
-/// loading it then says what is wrong with it.
-fn gguf_has_chat_template(path: &Path) -> bool {
-    let Ok(file) = std::fs::File::open(path) else { return true };
-    match candle_core::quantized::gguf_file::Content::read(&mut std::io::BufReader::new(file)) {
-        Ok(content) => content.metadata.contains_key("tokenizer.chat_template"),
-        Err(_) => true,
     }
 }
 
