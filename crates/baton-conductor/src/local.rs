@@ -298,7 +298,7 @@ impl LocalModel {
             });
         };
         let model = built.map_err(|e| classify_load_error(&shown, &format!("{e:#}")))?;
-        let end_tokens = tokenizer::find_end_tokens(&model).await;
+        let end_tokens = find_end_tokens(&model).await;
         let memory_bytes = resident_bytes().zip(resident_before).map(|(after, before)| after.saturating_sub(before));
         Ok(LocalModel {
             model,
@@ -562,6 +562,23 @@ impl LocalModel {
         }
         cached.push_back(sequence);
     }
+}
+
+/// Looks each end-token spelling up in the model's vocabulary: a spelling that tokenizes to one
+/// token is one of its added (special) tokens.
+async fn find_end_tokens(model: &mistralrs::Model) -> EndTokens {
+    let mut found = EndTokens::default();
+    for (names, into) in [(END_OF_TEXT, &mut found.end_of_text), (END_OF_TURN, &mut found.end_of_turn)] {
+        for name in names {
+            if let Ok(ids) = model.tokenize(Either::Right((*name).to_owned()), None, false, false, None).await
+                && let [id] = ids[..]
+                && !into.contains(&id)
+            {
+                into.push(id);
+            }
+        }
+    }
+    found
 }
 
 fn is_jinja(path: &Path) -> bool {
