@@ -559,7 +559,11 @@ mod kernels {
     use core::arch::x86_64::*;
 
     // acc[m][16] f32 for up to MT activation rows against one 16-row weight tile
-    pub(crate) const MAX_MT: usize = 4;
+    // Baton: 8 rows, not 4, for Q4_K and Q6_K: a tile's nibbles are widened once for twice the
+    // rows, and the 8 rows' integer and scaled sums still fit the 32 vector registers. The
+    // 32-value types' kernels keep 4 (`MT_32`): they hold a whole tile pair's widened values.
+    pub(crate) const MAX_MT: usize = 8;
+    pub(crate) const MT_32: usize = 4;
 
     #[inline(always)]
     unsafe fn bcast4(act: &[i8], off: usize) -> __m512i {
@@ -579,11 +583,16 @@ mod kernels {
     // q4k: one superblock tile against `mt` q8k activation blocks. Subblocks are
     // processed in pairs with independent integer accumulators to break the dpbusd
     // latency chain when mt is small (decode gemv).
+    // Baton: a row's float work is one multiply-add a subblock (its integer sum times the
+    // subblock's scale, d * the 6-bit scale) and three operations a superblock (times the
+    // activations' scale; the minimum terms, summed in integers by `min_sums`). Upstream
+    // multiplied each subblock's scale by the activations' and subtracted its minimum term in
+    // floats: six operations a subblock and row beside its eight dpbusd.
     #[target_feature(enable = "avx512f,avx512vnni,avx512bw")]
     pub(crate) unsafe fn q4k_tile(tile: &TileQ4K, acts: &[&BlockQ8K], acc: &mut [[__m512; 1]]) {
         let mask = _mm512_set1_epi8(0x0F_u8 as i8);
         let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.d.as_ptr() as *const _));
-        let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(tile.dmin.as_ptr() as *const _));
+        let mut sacc = [_mm512_setzero_ps(); MAX_MT];
         for sub2 in 0..4 {
             let sa = sub2 * 2;
             let sb = sa + 1;
@@ -611,27 +620,94 @@ mod kernels {
             }
             for (sub, isum) in [(sa, &isum_a), (sb, &isum_b)] {
                 let scale = _mm512_mul_ps(d, u8s_to_ps(&tile.sc[sub]));
-                let min = _mm512_mul_ps(dmin, u8s_to_ps(&tile.mn[sub]));
-                for (m, act) in acts.iter().enumerate() {
-                    let dall = act.d;
-                    let f = _mm512_cvtepi32_ps(isum[m]);
-                    acc[m][0] =
-                        _mm512_fmadd_ps(f, _mm512_mul_ps(scale, _mm512_set1_ps(dall)), acc[m][0]);
-                    let bsum = (act.bsums[sub * 2] as i32 + act.bsums[sub * 2 + 1] as i32) as f32;
-                    acc[m][0] = _mm512_fnmadd_ps(min, _mm512_set1_ps(dall * bsum), acc[m][0]);
+                for m in 0..acts.len() {
+                    sacc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), scale, sacc[m]);
                 }
             }
         }
+        let mins = q4k_min_pairs(&tile.mn);
+        let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(tile.dmin.as_ptr() as *const _));
+        for (m, act) in acts.iter().enumerate() {
+            q4k_finish(&mut acc[m][0], sacc[m], &mins, dmin, act);
+        }
+    }
+
+    // Baton: a Q4_K tile's 6-bit minimums as 16-bit pairs, subblocks 2i and 2i + 1 of a row
+    // side by side, for `min_sums`.
+    #[inline(always)]
+    pub(crate) unsafe fn q4k_min_pairs(mn: &[[u8; TILE_N]; 8]) -> [__m512i; 4] {
+        let mut pairs = [_mm512_setzero_si512(); 4];
+        for (i, p) in pairs.iter_mut().enumerate() {
+            let a = _mm_loadu_si128(mn[2 * i].as_ptr() as *const _);
+            let b = _mm_loadu_si128(mn[2 * i + 1].as_ptr() as *const _);
+            let ab = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+            *p = _mm512_cvtepu8_epi16(ab);
+        }
+        pairs
+    }
+
+    // Baton: a Q6_K tile's signed 8-bit scales as 16-bit pairs, subblocks 2i and 2i + 1 of a
+    // row side by side, for `min_sums`.
+    #[inline(always)]
+    unsafe fn q6k_scale_pairs(sc: &[[i8; TILE_N]; 16]) -> [__m512i; 8] {
+        let mut pairs = [_mm512_setzero_si512(); 8];
+        for (i, p) in pairs.iter_mut().enumerate() {
+            let a = _mm_loadu_si128(sc[2 * i].as_ptr() as *const _);
+            let b = _mm_loadu_si128(sc[2 * i + 1].as_ptr() as *const _);
+            let ab = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+            *p = _mm512_cvtepi8_epi16(ab);
+        }
+        pairs
+    }
+
+    // Baton: per row, the sum over subblocks of a weight's per-subblock number (a 16-bit pair
+    // per 32 bits of `pairs[i]`) times the activations' sum over that subblock (`sums[i]`, the
+    // same pair of subblocks as two i16), exactly, in integers (vpdpwssd).
+    #[inline(always)]
+    pub(crate) unsafe fn min_sums<const P: usize>(pairs: &[__m512i; P], sums: [i32; P]) -> __m512i {
+        let mut total = _mm512_setzero_si512();
+        for (p, s) in pairs.iter().zip(sums) {
+            total = _mm512_dpwssd_epi32(total, *p, _mm512_set1_epi32(s));
+        }
+        total
+    }
+
+    // Baton: the activations' sums over 32-value subblocks 2i and 2i + 1, as an i16 pair (each
+    // at most 32 * 128 in size).
+    #[inline(always)]
+    pub(crate) fn q4k_sum_pairs(act: &BlockQ8K) -> [i32; 4] {
+        let sum32 = |s: usize| act.bsums[2 * s] as i32 + act.bsums[2 * s + 1] as i32;
+        std::array::from_fn(|i| (sum32(2 * i) & 0xFFFF) | (sum32(2 * i + 1) << 16))
+    }
+
+    // Baton: a row's superblock into its output: the scaled integer sums (`sacc`) times the
+    // activations' scale, less the minimum terms. The AMX kernel ends a superblock with this
+    // too, so a row's products are the same whichever kernel computes them.
+    #[inline(always)]
+    pub(crate) unsafe fn q4k_finish(
+        acc: &mut __m512,
+        sacc: __m512,
+        mins: &[__m512i; 4],
+        dmin: __m512,
+        act: &BlockQ8K,
+    ) {
+        let dall = _mm512_set1_ps(act.d);
+        let msum = _mm512_cvtepi32_ps(min_sums(mins, q4k_sum_pairs(act)));
+        *acc = _mm512_fmadd_ps(sacc, dall, *acc);
+        *acc = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dall), msum, *acc);
     }
 
     // q6k: values are v-32; vpdpbusd on raw u6 then subtract 32 * bsum per 16-value subblock.
     // Baton: a subblock's four 16-row k4-groups are joined from two nibble vectors and one
-    // vector of bit pairs (see TileQ6K).
+    // vector of bit pairs (see TileQ6K). A row's float work is one multiply-add a subblock;
+    // the offsets of 32 are summed in integers once a superblock (`min_sums`), where upstream
+    // spent five more float operations a subblock and row on them and the scales.
     #[target_feature(enable = "avx512f,avx512vnni,avx512bw")]
     pub(crate) unsafe fn q6k_tile(tile: &TileQ6K, acts: &[&BlockQ8K], acc: &mut [[__m512; 1]]) {
         let lo4 = _mm512_set1_epi8(0x0F);
         let hi2 = _mm512_set1_epi8(0x30);
         let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.d.as_ptr() as *const _));
+        let mut sacc = [_mm512_setzero_ps(); MAX_MT];
         for sub in 0..16 {
             let l0 = _mm512_loadu_si512(tile.ql.as_ptr().add(2 * sub * TILE_N * 4) as *const _);
             let l1 =
@@ -660,13 +736,23 @@ mod kernels {
                 }
             }
             let scale = _mm512_mul_ps(d, i8s_to_ps(&tile.scales[sub]));
-            for (m, act) in acts.iter().enumerate() {
-                let dall = act.d;
-                let bsum = act.bsums[sub] as f32;
-                let f = _mm512_sub_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_set1_ps(32.0 * bsum));
-                acc[m][0] =
-                    _mm512_fmadd_ps(f, _mm512_mul_ps(scale, _mm512_set1_ps(dall)), acc[m][0]);
+            for m in 0..acts.len() {
+                sacc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), scale, sacc[m]);
             }
+        }
+        // the sum of scale * (activations' subblock sum), times 32 * d below: at most
+        // 16 * 128 * 2048 in size, so exact in f32; subblocks 2i and 2i + 1's sums are one i32
+        // of `bsums`
+        let scales = q6k_scale_pairs(&tile.scales);
+        let d32 = _mm512_mul_ps(d, _mm512_set1_ps(32.0));
+        for (m, act) in acts.iter().enumerate() {
+            let sums: [i32; 8] = std::array::from_fn(|i| {
+                std::ptr::read_unaligned(act.bsums.as_ptr().add(2 * i) as *const i32)
+            });
+            let offset = _mm512_cvtepi32_ps(min_sums(&scales, sums));
+            let dall = _mm512_set1_ps(act.d);
+            acc[m][0] = _mm512_fmadd_ps(sacc[m], dall, acc[m][0]);
+            acc[m][0] = _mm512_fnmadd_ps(_mm512_mul_ps(d32, dall), offset, acc[m][0]);
         }
     }
 
@@ -681,8 +767,8 @@ mod kernels {
         sub32: usize,
         acc: &mut [[__m512; 1]],
     ) {
-        let mut isum_a = [_mm512_setzero_si512(); MAX_MT];
-        let mut isum_b = [_mm512_setzero_si512(); MAX_MT];
+        let mut isum_a = [_mm512_setzero_si512(); MT_32];
+        let mut isum_b = [_mm512_setzero_si512(); MT_32];
         for g4 in 0..8 {
             let wa = _mm512_loadu_si512(t0.qs.as_ptr().add(g4 * TILE_N * 4) as *const _);
             let wb = _mm512_loadu_si512(t1.qs.as_ptr().add(g4 * TILE_N * 4) as *const _);
@@ -707,7 +793,7 @@ mod kernels {
 
 #[cfg(target_arch = "x86_64")]
 mod kernels_q5_0 {
-    use super::kernels::MAX_MT;
+    use super::kernels::MT_32;
     use super::*;
     use core::arch::x86_64::*;
 
@@ -757,8 +843,8 @@ mod kernels_q5_0 {
     ) {
         let wa = weights(t0);
         let wb = weights(t1);
-        let mut isum_a = [_mm512_setzero_si512(); MAX_MT];
-        let mut isum_b = [_mm512_setzero_si512(); MAX_MT];
+        let mut isum_a = [_mm512_setzero_si512(); MT_32];
+        let mut isum_b = [_mm512_setzero_si512(); MT_32];
         for g in 0..8 {
             for (m, act) in acts.iter().enumerate() {
                 let a = _mm512_set1_epi32(std::ptr::read_unaligned(
@@ -788,7 +874,7 @@ mod kernels_q5_0 {
 // activations' 16-value sums as llama.cpp's q8_1 sums give it.
 #[cfg(target_arch = "x86_64")]
 mod kernels_q4_1 {
-    use super::kernels::MAX_MT;
+    use super::kernels::MT_32;
     use super::*;
     use core::arch::x86_64::*;
 
@@ -817,8 +903,8 @@ mod kernels_q4_1 {
     ) {
         let wa = weights(t0);
         let wb = weights(t1);
-        let mut isum_a = [_mm512_setzero_si512(); MAX_MT];
-        let mut isum_b = [_mm512_setzero_si512(); MAX_MT];
+        let mut isum_a = [_mm512_setzero_si512(); MT_32];
+        let mut isum_b = [_mm512_setzero_si512(); MT_32];
         for g in 0..8 {
             for (m, act) in acts.iter().enumerate() {
                 let a = _mm512_set1_epi32(std::ptr::read_unaligned(
@@ -852,8 +938,15 @@ mod kernels_q4_1 {
 // Baton: the per-32 activation scales of groups s and s + 1 of superblock b, for rows m0.. .
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn pair_scales(scales: &[f32], kb: usize, m0: usize, mt: usize, b: usize, s: usize) -> [[f32; 2]; 4] {
-    let mut d = [[0f32; 2]; 4];
+fn pair_scales(
+    scales: &[f32],
+    kb: usize,
+    m0: usize,
+    mt: usize,
+    b: usize,
+    s: usize,
+) -> [[f32; 2]; kernels::MAX_MT] {
+    let mut d = [[0f32; 2]; kernels::MAX_MT];
     for (i, d) in d.iter_mut().enumerate().take(mt) {
         let at = (m0 + i) * kb * 8 + b * 8 + s;
         *d = [scales[at], scales[at + 1]];
@@ -896,42 +989,51 @@ unsafe fn matmul_unit_512(
                 let g0 = nt * groups + b * 8;
                 for s in (0..(groups - b * 8).min(8)).step_by(2) {
                     let dact = pair_scales(scales, kb, m0, mt, b, s);
-                    kernels::q8_0_tile2(
-                        &tiles[g0 + s],
-                        &tiles[g0 + s + 1],
-                        &act_refs[..mt],
-                        &dact[..mt],
-                        s,
-                        &mut acc,
-                    );
+                    for c in (0..mt).step_by(kernels::MT_32) {
+                        let e = (c + kernels::MT_32).min(mt);
+                        kernels::q8_0_tile2(
+                            &tiles[g0 + s],
+                            &tiles[g0 + s + 1],
+                            &act_refs[c..e],
+                            &dact[c..e],
+                            s,
+                            &mut acc[c..e],
+                        );
+                    }
                 }
             }
             PackedX86::Q5_0(tiles) => {
                 let g0 = nt * groups + b * 8;
                 for s in (0..(groups - b * 8).min(8)).step_by(2) {
                     let dact = pair_scales(scales, kb, m0, mt, b, s);
-                    kernels_q5_0::q5_0_tile2(
-                        &tiles[g0 + s],
-                        &tiles[g0 + s + 1],
-                        &act_refs[..mt],
-                        &dact[..mt],
-                        s,
-                        &mut acc,
-                    );
+                    for c in (0..mt).step_by(kernels::MT_32) {
+                        let e = (c + kernels::MT_32).min(mt);
+                        kernels_q5_0::q5_0_tile2(
+                            &tiles[g0 + s],
+                            &tiles[g0 + s + 1],
+                            &act_refs[c..e],
+                            &dact[c..e],
+                            s,
+                            &mut acc[c..e],
+                        );
+                    }
                 }
             }
             PackedX86::Q4_1(tiles) => {
                 let g0 = nt * groups + b * 8;
                 for s in (0..(groups - b * 8).min(8)).step_by(2) {
                     let dact = pair_scales(scales, kb, m0, mt, b, s);
-                    kernels_q4_1::q4_1_tile2(
-                        &tiles[g0 + s],
-                        &tiles[g0 + s + 1],
-                        &act_refs[..mt],
-                        &dact[..mt],
-                        s,
-                        &mut acc,
-                    );
+                    for c in (0..mt).step_by(kernels::MT_32) {
+                        let e = (c + kernels::MT_32).min(mt);
+                        kernels_q4_1::q4_1_tile2(
+                            &tiles[g0 + s],
+                            &tiles[g0 + s + 1],
+                            &act_refs[c..e],
+                            &dact[c..e],
+                            s,
+                            &mut acc[c..e],
+                        );
+                    }
                 }
             }
         }
@@ -958,8 +1060,8 @@ unsafe fn matmul_unit_256(
     vnni: bool,
 ) {
     use core::arch::x86_64::*;
-    let mut act_refs: [&BlockQ8K; kernels::MAX_MT] = [&lhs_q[m0 * kb]; kernels::MAX_MT];
-    let mut acc = [[_mm256_setzero_ps(); 2]; kernels::MAX_MT];
+    let mut act_refs: [&BlockQ8K; kernels256::MAX_MT] = [&lhs_q[m0 * kb]; kernels256::MAX_MT];
+    let mut acc = [[_mm256_setzero_ps(); 2]; kernels256::MAX_MT];
     for b in 0..kb {
         for (i, a) in act_refs.iter_mut().enumerate().take(mt) {
             *a = &lhs_q[(m0 + i) * kb + b];
@@ -1043,7 +1145,11 @@ pub(crate) fn matmul_tiles(
         let kb = k.div_ceil(QK_K);
         let groups = k / QK8_0;
         let n_tiles = n / TILE_N;
-        let mt_step = kernels::MAX_MT;
+        let mt_step = if lv == X86Level::Avx512Vnni {
+            kernels::MAX_MT
+        } else {
+            kernels256::MAX_MT
+        };
         let dst_ptr = dst.as_mut_ptr() as usize;
         let total_units = n_tiles * m.div_ceil(mt_step);
         let m_units = m.div_ceil(mt_step);
@@ -1247,14 +1353,21 @@ pub(crate) fn gemv_fused(
 #[repr(C)]
 pub(crate) struct TileQ4KAmx {
     pub(crate) scales: [[f32; TILE_N]; 8],
-    pub(crate) mins: [[f32; TILE_N]; 8],
+    // Baton: the minimums as the AVX-512 kernel takes them (`kernels::q4k_min_pairs`), and dmin
+    pub(crate) min_pairs: [[i32; TILE_N]; 4],
+    pub(crate) dmin: [f32; TILE_N],
     // [subblock (8)][k4-row (8)][16 cols * 4 k] unsigned 4-bit values as i8
     pub(crate) qs: [u8; QK_K * TILE_N],
 }
 
 impl TileQ4KAmx {
     fn zeroed() -> Self {
-        TileQ4KAmx { scales: [[0.0; TILE_N]; 8], mins: [[0.0; TILE_N]; 8], qs: [0; QK_K * TILE_N] }
+        TileQ4KAmx {
+            scales: [[0.0; TILE_N]; 8],
+            min_pairs: [[0; TILE_N]; 4],
+            dmin: [0.0; TILE_N],
+            qs: [0; QK_K * TILE_N],
+        }
     }
 }
 
@@ -1305,7 +1418,8 @@ pub(crate) fn amx_available() -> bool {
 // a widened copy of every Q4_K weight (2.2x the tiles' bytes) for the model's life, built tile
 // by tile in scalar code on the first prompt. The widening is cheap: line g of the tile's
 // nibbles holds k-quads 2g (low nibbles) and 2g+1 (high nibbles) in the [row][4 k] order a B
-// tile wants. The scales are d times the 6-bit scale, as before, so products are unchanged.
+// tile wants. The scales are d times the 6-bit scale, and the minimums are kept as the AVX-512
+// kernel takes them, so products are those of the AVX-512 tiles (see `amx::q4k_m32`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn unpack_q4k_amx(src: &TileQ4K, dst: &mut TileQ4KAmx) {
@@ -1315,10 +1429,12 @@ unsafe fn unpack_q4k_amx(src: &TileQ4K, dst: &mut TileQ4KAmx) {
         let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(src.dmin.as_ptr() as *const __m256i));
         for sub in 0..8 {
             let sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(src.sc[sub].as_ptr() as *const __m128i));
-            let mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(src.mn[sub].as_ptr() as *const __m128i));
             _mm512_storeu_ps(dst.scales[sub].as_mut_ptr(), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
-            _mm512_storeu_ps(dst.mins[sub].as_mut_ptr(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
         }
+        for (to, pair) in dst.min_pairs.iter_mut().zip(kernels::q4k_min_pairs(&src.mn)) {
+            _mm512_storeu_si512(to.as_mut_ptr() as *mut _, pair);
+        }
+        _mm512_storeu_ps(dst.dmin.as_mut_ptr(), dmin);
         let low = _mm512_set1_epi8(0x0F);
         for g in 0..QK_K / 8 {
             let line = _mm512_loadu_si512(src.qs.as_ptr().add(g * 64) as *const _);
@@ -1387,11 +1503,20 @@ mod amx {
         });
     }
 
+    // How many of a 32-row block's `mt` rows its half (0: rows 0..16, 1: 16..32) holds.
+    fn half_rows(mt: usize, half: usize) -> usize {
+        if half == 0 {
+            mt.min(16)
+        } else {
+            mt.saturating_sub(16)
+        }
+    }
+
     // One (m16-block, n-tile) product over the full k range.
     // a_pack: [kb][8 subs][16 rows * 32 bytes]; returns via dst rows of n floats.
     // 32m x 32n macro-tile: 4 C tiles per (2 A, 2 B) loads so tdp throughput is not
     // gated on tile loads. a_pack holds 32 m-rows (two 16-row halves interleaved by sub).
-    #[target_feature(enable = "avx512f,avx512bw")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn q4k_m32(
         tiles: &[TileQ4KAmx],
@@ -1408,6 +1533,7 @@ mod amx {
         let two_n = nt0 + 1 < n_tiles;
         let mut c_scratch = [0i32; 4 * 16 * 16];
         let mut facc = [0f32; 32 * 32];
+        let mut sacc = [0f32; 32 * 32];
         let a_half = kb * 8 * 16 * 32;
         unsafe {
             for b in 0..kb {
@@ -1445,40 +1571,40 @@ mod amx {
                         sc = in(reg) 64usize,
                         options(nostack)
                     );
+                    // Baton: a subblock's integer sums times its scale, summed over the
+                    // superblock in `sacc` as the AVX-512 kernel (`kernels::q4k_tile`) sums
+                    // them, in the same order; the superblock then ends as there.
                     for half in 0..2 {
-                        let rows = if half == 0 {
-                            mt.min(16)
-                        } else {
-                            mt.saturating_sub(16)
-                        };
-                        if rows == 0 {
-                            continue;
-                        }
                         for ntl in 0..1 + two_n as usize {
                             let tile = if ntl == 0 { t0 } else { t1 };
                             let scale = _mm512_loadu_ps(tile.scales[sub].as_ptr());
-                            let min = _mm512_loadu_ps(tile.mins[sub].as_ptr());
                             let cbase = (half * 2 + ntl) * 256;
-                            for mi in 0..rows {
-                                let act = &acts[half * 16 + mi][b];
-                                let dall = act.d;
+                            for mi in 0..half_rows(mt, half) {
                                 let ci = _mm512_loadu_si512(
                                     c_scratch.as_ptr().add(cbase + mi * 16) as *const _,
                                 );
-                                let cf = _mm512_cvtepi32_ps(ci);
                                 let fo = (half * 16 + mi) * 32 + ntl * 16;
-                                let f = _mm512_loadu_ps(facc.as_ptr().add(fo));
-                                let bsum = (act.bsums[sub * 2] as i32
-                                    + act.bsums[sub * 2 + 1] as i32)
-                                    as f32;
-                                let f = _mm512_fmadd_ps(
-                                    cf,
-                                    _mm512_mul_ps(scale, _mm512_set1_ps(dall)),
-                                    f,
-                                );
-                                let f = _mm512_fnmadd_ps(min, _mm512_set1_ps(dall * bsum), f);
-                                _mm512_storeu_ps(facc.as_mut_ptr().add(fo), f);
+                                let sa = _mm512_loadu_ps(sacc.as_ptr().add(fo));
+                                let sa = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ci), scale, sa);
+                                _mm512_storeu_ps(sacc.as_mut_ptr().add(fo), sa);
                             }
+                        }
+                    }
+                }
+                for half in 0..2 {
+                    for ntl in 0..1 + two_n as usize {
+                        let tile = if ntl == 0 { t0 } else { t1 };
+                        let mins: [__m512i; 4] = std::array::from_fn(|i| {
+                            _mm512_loadu_si512(tile.min_pairs[i].as_ptr() as *const _)
+                        });
+                        let dmin = _mm512_loadu_ps(tile.dmin.as_ptr());
+                        for mi in 0..half_rows(mt, half) {
+                            let fo = (half * 16 + mi) * 32 + ntl * 16;
+                            let mut f = _mm512_loadu_ps(facc.as_ptr().add(fo));
+                            let sa = _mm512_loadu_ps(sacc.as_ptr().add(fo));
+                            kernels::q4k_finish(&mut f, sa, &mins, dmin, &acts[half * 16 + mi][b]);
+                            _mm512_storeu_ps(facc.as_mut_ptr().add(fo), f);
+                            _mm512_storeu_ps(sacc.as_mut_ptr().add(fo), _mm512_setzero_ps());
                         }
                     }
                 }
@@ -1612,9 +1738,11 @@ pub(crate) fn level() -> Option<X86Level> {
 
 #[cfg(target_arch = "x86_64")]
 mod kernels256 {
-    use super::kernels::MAX_MT;
     use super::*;
     use core::arch::x86_64::*;
+
+    // acc[m][2][8] f32 for up to MT activation rows: 16 ymm registers hold no more
+    pub(crate) const MAX_MT: usize = 4;
 
     #[target_feature(enable = "avx2")]
     unsafe fn bcast4_256(act: &[i8], off: usize) -> __m256i {
@@ -1644,6 +1772,35 @@ mod kernels256 {
         )))
     }
 
+    // Baton: rows h*8..h*8+8 of a tile's per-subblock numbers (Q4_K's 6-bit minimums, or
+    // Q6_K's signed scales) as 16-bit pairs, subblocks 2i and 2i + 1 of a row side by side: the
+    // 256-bit halves of `kernels::q4k_min_pairs` and its Q6_K twin.
+    #[target_feature(enable = "avx2")]
+    unsafe fn half_u8_pairs<const P: usize>(v: &[[u8; TILE_N]], h: usize) -> [__m256i; P] {
+        std::array::from_fn(|i| {
+            let a = _mm_loadl_epi64(v[2 * i].as_ptr().add(h * 8) as *const _);
+            let b = _mm_loadl_epi64(v[2 * i + 1].as_ptr().add(h * 8) as *const _);
+            _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, b))
+        })
+    }
+    #[target_feature(enable = "avx2")]
+    unsafe fn half_i8_pairs<const P: usize>(v: &[[i8; TILE_N]], h: usize) -> [__m256i; P] {
+        std::array::from_fn(|i| {
+            let a = _mm_loadl_epi64(v[2 * i].as_ptr().add(h * 8) as *const _);
+            let b = _mm_loadl_epi64(v[2 * i + 1].as_ptr().add(h * 8) as *const _);
+            _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, b))
+        })
+    }
+    // Baton: `kernels::min_sums` on 8 rows, with vpmaddwd (AVX2 has no vpdpwssd).
+    #[target_feature(enable = "avx2")]
+    unsafe fn min_sums_256<const P: usize>(pairs: &[__m256i; P], sums: [i32; P]) -> __m256i {
+        let mut total = _mm256_setzero_si256();
+        for (p, s) in pairs.iter().zip(sums) {
+            total = _mm256_add_epi32(total, _mm256_madd_epi16(*p, _mm256_set1_epi32(s)));
+        }
+        total
+    }
+
     #[target_feature(enable = "avx2,avxvnni")]
     unsafe fn dp_vnni(acc: __m256i, w_u8: __m256i, a_i8: __m256i) -> __m256i {
         _mm256_dpbusd_avx_epi32(acc, w_u8, a_i8)
@@ -1667,6 +1824,9 @@ mod kernels256 {
                 let mask = _mm256_set1_epi8(0x0F_u8 as i8);
                 let d = [half_ps(&tile.d, 0), half_ps(&tile.d, 1)];
                 let dmin = [half_ps(&tile.dmin, 0), half_ps(&tile.dmin, 1)];
+                // Baton: as the AVX-512 kernel, one float multiply-add a subblock and row
+                // (`sacc`), and the minimum terms in integers once a superblock.
+                let mut sacc = [[_mm256_setzero_ps(); 2]; MAX_MT];
                 for sub in 0..8 {
                     let mut isum = [[_mm256_setzero_si256(); 2]; MAX_MT];
                     for g4 in 0..4 {
@@ -1687,20 +1847,20 @@ mod kernels256 {
                     }
                     for h in 0..2 {
                         let scale = _mm256_mul_ps(d[h], half_u8s_to_ps(&tile.sc[sub], h));
-                        let min = _mm256_mul_ps(dmin[h], half_u8s_to_ps(&tile.mn[sub], h));
-                        for (m, act) in acts.iter().enumerate() {
-                            let dall = act.d;
+                        for m in 0..acts.len() {
                             let f = _mm256_cvtepi32_ps(isum[m][h]);
-                            acc[m][h] = _mm256_fmadd_ps(
-                                f,
-                                _mm256_mul_ps(scale, _mm256_set1_ps(dall)),
-                                acc[m][h],
-                            );
-                            let bsum =
-                                (act.bsums[sub * 2] as i32 + act.bsums[sub * 2 + 1] as i32) as f32;
-                            acc[m][h] =
-                                _mm256_fnmadd_ps(min, _mm256_set1_ps(dall * bsum), acc[m][h]);
+                            sacc[m][h] = _mm256_fmadd_ps(f, scale, sacc[m][h]);
                         }
+                    }
+                }
+                for h in 0..2 {
+                    let mins: [__m256i; 4] = half_u8_pairs(&tile.mn, h);
+                    for (m, act) in acts.iter().enumerate() {
+                        let sums = super::kernels::q4k_sum_pairs(act);
+                        let msum = _mm256_cvtepi32_ps(min_sums_256(&mins, sums));
+                        let dall = _mm256_set1_ps(act.d);
+                        acc[m][h] = _mm256_fmadd_ps(sacc[m][h], dall, acc[m][h]);
+                        acc[m][h] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin[h], dall), msum, acc[m][h]);
                     }
                 }
             }
@@ -1720,6 +1880,9 @@ mod kernels256 {
                 let lo4 = _mm256_set1_epi8(0x0F);
                 let hi2 = _mm256_set1_epi8(0x30);
                 let d = [half_ps(&tile.d, 0), half_ps(&tile.d, 1)];
+                // Baton: as the AVX-512 kernel, one float multiply-add a subblock and row
+                // (`sacc`), and the offsets of 32 in integers once a superblock.
+                let mut sacc = [[_mm256_setzero_ps(); 2]; MAX_MT];
                 for sub in 0..16 {
                     let mut isum = [[_mm256_setzero_si256(); 2]; MAX_MT];
                     for h in 0..2 {
@@ -1750,19 +1913,23 @@ mod kernels256 {
                     }
                     for h in 0..2 {
                         let scale = _mm256_mul_ps(d[h], half_i8s_to_ps(&tile.scales[sub], h));
-                        for (m, act) in acts.iter().enumerate() {
-                            let dall = act.d;
-                            let bsum = act.bsums[sub] as f32;
-                            let f = _mm256_sub_ps(
-                                _mm256_cvtepi32_ps(isum[m][h]),
-                                _mm256_set1_ps(32.0 * bsum),
-                            );
-                            acc[m][h] = _mm256_fmadd_ps(
-                                f,
-                                _mm256_mul_ps(scale, _mm256_set1_ps(dall)),
-                                acc[m][h],
-                            );
+                        for m in 0..acts.len() {
+                            let f = _mm256_cvtepi32_ps(isum[m][h]);
+                            sacc[m][h] = _mm256_fmadd_ps(f, scale, sacc[m][h]);
                         }
+                    }
+                }
+                for h in 0..2 {
+                    let scales: [__m256i; 8] = half_i8_pairs(&tile.scales, h);
+                    let d32 = _mm256_mul_ps(d[h], _mm256_set1_ps(32.0));
+                    for (m, act) in acts.iter().enumerate() {
+                        let sums: [i32; 8] = std::array::from_fn(|i| {
+                            std::ptr::read_unaligned(act.bsums.as_ptr().add(2 * i) as *const i32)
+                        });
+                        let offset = _mm256_cvtepi32_ps(min_sums_256(&scales, sums));
+                        let dall = _mm256_set1_ps(act.d);
+                        acc[m][h] = _mm256_fmadd_ps(sacc[m][h], dall, acc[m][h]);
+                        acc[m][h] = _mm256_fnmadd_ps(_mm256_mul_ps(d32, dall), offset, acc[m][h]);
                     }
                 }
             }
