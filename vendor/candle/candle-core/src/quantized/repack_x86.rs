@@ -583,9 +583,9 @@ mod kernels {
     // q4k: one superblock tile against `mt` q8k activation blocks. Subblocks are
     // processed in pairs with independent integer accumulators to break the dpbusd
     // latency chain when mt is small (decode gemv).
-    // Baton: a row's float work is one multiply-add a subblock (its integer sum times the
-    // subblock's scale, d * the 6-bit scale) and three operations a superblock (times the
-    // activations' scale; the minimum terms, summed in integers by `min_sums`). Upstream
+    // Baton: a row's float work is a conversion and a multiply-add a subblock (its integer sum
+    // times the subblock's scale, d * the 6-bit scale) and a few operations a superblock (times
+    // the activations' scale; the minimum terms, summed in integers by `min_sums`). Upstream
     // multiplied each subblock's scale by the activations' and subtracted its minimum term in
     // floats: six operations a subblock and row beside its eight dpbusd.
     #[target_feature(enable = "avx512f,avx512vnni,avx512bw")]
@@ -680,6 +680,15 @@ mod kernels {
         std::array::from_fn(|i| (sum32(2 * i) & 0xFFFF) | (sum32(2 * i + 1) << 16))
     }
 
+    // Baton: the activations' sums over 16-value subblocks 2i and 2i + 1 (Q6_K's), as an i16
+    // pair, as `min_sums` takes them.
+    #[inline(always)]
+    pub(crate) fn q6k_sum_pairs(act: &BlockQ8K) -> [i32; 8] {
+        std::array::from_fn(|i| {
+            (act.bsums[2 * i] as u16 as i32) | ((act.bsums[2 * i + 1] as i32) << 16)
+        })
+    }
+
     // Baton: a row's superblock into its output: the scaled integer sums (`sacc`) times the
     // activations' scale, less the minimum terms. The AMX kernel ends a superblock with this
     // too, so a row's products are the same whichever kernel computes them.
@@ -699,7 +708,8 @@ mod kernels {
 
     // q6k: values are v-32; vpdpbusd on raw u6 then subtract 32 * bsum per 16-value subblock.
     // Baton: a subblock's four 16-row k4-groups are joined from two nibble vectors and one
-    // vector of bit pairs (see TileQ6K). A row's float work is one multiply-add a subblock;
+    // vector of bit pairs (see TileQ6K). A row's float work is a conversion and a multiply-add
+    // a subblock;
     // the offsets of 32 are summed in integers once a superblock (`min_sums`), where upstream
     // spent five more float operations a subblock and row on them and the scales.
     #[target_feature(enable = "avx512f,avx512vnni,avx512bw")]
@@ -741,15 +751,11 @@ mod kernels {
             }
         }
         // the sum of scale * (activations' subblock sum), times 32 * d below: at most
-        // 16 * 128 * 2048 in size, so exact in f32; subblocks 2i and 2i + 1's sums are one i32
-        // of `bsums`
+        // 16 * 128 * 2048 in size, so exact in f32
         let scales = q6k_scale_pairs(&tile.scales);
         let d32 = _mm512_mul_ps(d, _mm512_set1_ps(32.0));
         for (m, act) in acts.iter().enumerate() {
-            let sums: [i32; 8] = std::array::from_fn(|i| {
-                std::ptr::read_unaligned(act.bsums.as_ptr().add(2 * i) as *const i32)
-            });
-            let offset = _mm512_cvtepi32_ps(min_sums(&scales, sums));
+            let offset = _mm512_cvtepi32_ps(min_sums(&scales, q6k_sum_pairs(act)));
             let dall = _mm512_set1_ps(act.d);
             acc[m][0] = _mm512_fmadd_ps(sacc[m], dall, acc[m][0]);
             acc[m][0] = _mm512_fnmadd_ps(_mm512_mul_ps(d32, dall), offset, acc[m][0]);
@@ -1824,7 +1830,7 @@ mod kernels256 {
                 let mask = _mm256_set1_epi8(0x0F_u8 as i8);
                 let d = [half_ps(&tile.d, 0), half_ps(&tile.d, 1)];
                 let dmin = [half_ps(&tile.dmin, 0), half_ps(&tile.dmin, 1)];
-                // Baton: as the AVX-512 kernel, one float multiply-add a subblock and row
+                // Baton: as the AVX-512 kernel, a conversion and a multiply-add a subblock and row
                 // (`sacc`), and the minimum terms in integers once a superblock.
                 let mut sacc = [[_mm256_setzero_ps(); 2]; MAX_MT];
                 for sub in 0..8 {
@@ -1880,7 +1886,7 @@ mod kernels256 {
                 let lo4 = _mm256_set1_epi8(0x0F);
                 let hi2 = _mm256_set1_epi8(0x30);
                 let d = [half_ps(&tile.d, 0), half_ps(&tile.d, 1)];
-                // Baton: as the AVX-512 kernel, one float multiply-add a subblock and row
+                // Baton: as the AVX-512 kernel, a conversion and a multiply-add a subblock and row
                 // (`sacc`), and the offsets of 32 in integers once a superblock.
                 let mut sacc = [[_mm256_setzero_ps(); 2]; MAX_MT];
                 for sub in 0..16 {
@@ -1923,9 +1929,7 @@ mod kernels256 {
                     let scales: [__m256i; 8] = half_i8_pairs(&tile.scales, h);
                     let d32 = _mm256_mul_ps(d[h], _mm256_set1_ps(32.0));
                     for (m, act) in acts.iter().enumerate() {
-                        let sums: [i32; 8] = std::array::from_fn(|i| {
-                            std::ptr::read_unaligned(act.bsums.as_ptr().add(2 * i) as *const i32)
-                        });
+                        let sums = super::kernels::q6k_sum_pairs(act);
                         let offset = _mm256_cvtepi32_ps(min_sums_256(&scales, sums));
                         let dall = _mm256_set1_ps(act.d);
                         acc[m][h] = _mm256_fmadd_ps(sacc[m][h], dall, acc[m][h]);
