@@ -9,7 +9,7 @@ fn main() {
     // SAFETY: first thing in main: no other thread (async runtime, webview) exists yet.
     #[allow(unsafe_code)]
     unsafe {
-        baton_conductor::setup::keep_model_caches_in_baton_data_dir();
+        baton_conductor::setup::set_engine_environment();
     }
     baton_desktop::run();
 }

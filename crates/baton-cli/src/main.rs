@@ -151,7 +151,7 @@ fn run() -> ExitCode {
     // SAFETY: before the async runtime or any other thread exists.
     #[allow(unsafe_code)]
     unsafe {
-        baton_conductor::setup::keep_model_caches_in_baton_data_dir();
+        baton_conductor::setup::set_engine_environment();
     }
     if let Command::Logs(LogsCommand::Path) = cli.command {
         println!("{}", baton_engine::logs::log_dir().display());

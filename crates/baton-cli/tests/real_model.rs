@@ -67,6 +67,40 @@ async fn baton_plan_ends_as_soon_as_the_plan_is_written() {
     }
 }
 
+/// A conductor given as a bare file name, run from its own directory, loads and plans. The
+/// engine takes a GGUF as a directory and a file name, and took the directory "" for a Hugging
+/// Face repository's name ("was not found in the local Hugging Face cache").
+#[tokio::test(flavor = "multi_thread")]
+async fn a_conductor_given_by_a_relative_path_plans() {
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let Some(model) = baton_tests::real_model() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = pool(dir.path(), &model, &["a general-purpose model"]);
+    let (Some(model_dir), Some(name)) = (model.parent(), model.file_name()) else { panic!("{}", model.display()) };
+    let args: [&std::ffi::OsStr; 6] = [
+        "plan".as_ref(),
+        "--pool".as_ref(),
+        pool.as_os_str(),
+        "--conductor".as_ref(),
+        name,
+        "What is 7 times 8?".as_ref(),
+    ];
+    let run = tokio::process::Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(args)
+        .current_dir(model_dir)
+        .env("BATON_DB", dir.path().join("history.db"))
+        .env("BATON_LOG_DIR", dir.path().join("logs"))
+        .env("BATON_KEEP_WARM", "0")
+        .env("NO_COLOR", "1")
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(240), run).await.expect("finished").expect("ran");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("model_id = [0"), "a plan for the one worker: {stdout}");
+}
+
 /// `baton ask` under a token cap with the real conductor: the grammar's bound on a plan (its
 /// longest text in bytes, ~17k tokens) would not fit under a cap of 2300, nor would the
 /// prompt counted by its bytes (~2,150) with room to plan, yet the plan is written (its prompt

@@ -109,6 +109,9 @@ pub struct LocalModel {
     /// How much the process's resident memory grew while the model loaded (Linux; `None`
     /// elsewhere). On a GPU the weights live in its memory instead and this stays small.
     pub memory_bytes: Option<u64>,
+    /// The part of `memory_bytes` backed by files: the program's code, read in as loading first
+    /// runs it (the GGUF's pages are given back as its tensors are copied out).
+    pub code_bytes: Option<u64>,
     pub end_tokens: EndTokens,
     /// Whether requests apply the LoRA adapter loaded under [`LORA_ALIAS`].
     lora: bool,
@@ -169,13 +172,6 @@ pub struct Speed {
     pub output_tokens: u64,
 }
 
-/// The process's resident memory, from `/proc/self/statm` (Linux).
-fn resident_bytes() -> Option<u64> {
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
-    Some(pages * 4096)
-}
-
 /// Generation settings for one request.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct GenerateOptions {
@@ -212,8 +208,10 @@ macro_rules! with_common_options {
 
 impl LocalModel {
     pub async fn load(config: &LocalModelConfig) -> Result<LocalModel, LoadError> {
-        let path = config.path.clone();
-        let shown = path.display().to_string();
+        let shown = config.path.display().to_string();
+        // The engine takes a directory it cannot find for a Hugging Face repository's name, as
+        // it took the directory "" of a bare `model.gguf`.
+        let path = std::path::absolute(&config.path).unwrap_or_else(|_| config.path.clone());
         if !path.exists() {
             return Err(LoadError::NotFound {
                 path: shown,
@@ -223,7 +221,7 @@ impl LocalModel {
         let device = if config.force_cpu { "cpu".to_owned() } else { device_name() };
         memory::check_free_memory(&path, config, device == "cpu")?;
         let started = Instant::now();
-        let resident_before = resident_bytes();
+        let resident_before = memory::Resident::now();
         let template = match &config.chat_template {
             Some(t) if !t.exists() => {
                 return Err(LoadError::NotFound {
@@ -298,14 +296,16 @@ impl LocalModel {
             });
         };
         let model = built.map_err(|e| classify_load_error(&shown, &format!("{e:#}")))?;
+        memory::release_free_heap();
         let end_tokens = find_end_tokens(&model).await;
-        let memory_bytes = resident_bytes().zip(resident_before).map(|(after, before)| after.saturating_sub(before));
+        let (memory_bytes, code_bytes) = memory::Resident::now().growth_since(resident_before);
         Ok(LocalModel {
             model,
             path,
             load_time: started.elapsed(),
             device,
             memory_bytes,
+            code_bytes,
             end_tokens,
             lora: config.lora.is_some(),
             last: std::sync::Mutex::new(None),

@@ -469,21 +469,33 @@ pub const BUILD_DEVICE: &str = if cfg!(feature = "cuda") {
     "cpu"
 };
 
-/// Points mistral.rs's Hugging Face cache into Baton's own data directory and keeps it offline.
-/// mistral.rs creates that cache even for local models; nothing should land in the user's home
-/// cache, and a local model must never reach for the network.
+/// Sets the environment the engine reads, before anything else runs.
+///
+/// - mistral.rs's Hugging Face cache goes into Baton's own data directory and stays offline.
+///   mistral.rs creates that cache even for local models; nothing should land in the user's home
+///   cache, and a local model must never reach for the network.
+/// - Libraries' errors carry no backtrace (`RUST_LIB_BACKTRACE=0`) unless the user sets that
+///   variable. With `RUST_BACKTRACE=1` in a shell, every candle and anyhow error captured one,
+///   and an error turned into text resolved it: loading a GGUF formats such an error for an
+///   optional metadata field it reads, which read the binary's debug information into memory
+///   for the process's life (44 MiB beside SmolLM2's 94 MiB of weights, measured with
+///   `baton bench conductor`), and put the backtrace into error messages users see.
+///   `RUST_BACKTRACE` still gives backtraces on a panic.
 ///
 /// # Safety
 ///
 /// It sets environment variables, so it must run before any other thread exists (the async
 /// runtime, a webview): call it first thing in `main`.
 #[allow(unsafe_code)]
-pub unsafe fn keep_model_caches_in_baton_data_dir() {
+pub unsafe fn set_engine_environment() {
     let dir = dirs::data_dir().unwrap_or_else(std::env::temp_dir).join("baton").join("hf");
     // SAFETY: the caller guarantees no other thread exists yet, so nothing reads the
     // environment concurrently.
     unsafe {
         std::env::set_var("HF_HOME", &dir);
         std::env::set_var("HF_HUB_OFFLINE", "1");
+        if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
+            std::env::set_var("RUST_LIB_BACKTRACE", "0");
+        }
     }
 }

@@ -174,10 +174,12 @@ pub async fn run(a: ConductorArgs) -> Outcome {
     let cut = samples.iter().filter(|s| s.cut).count();
     let stopped = samples.iter().filter(|s| s.stop_reason == "stop").count();
     // What loading took beyond the weights themselves: on the CPU the engine keeps each weight
-    // once (as tiles within 3% of the file's bytes), so the rest is the engine's own.
+    // once (as tiles within 3% of the file's bytes); of the rest, the program's code read in
+    // to load it is backed by its file, and what remains is the engine's working memory.
     // On a GPU the weights are in its memory, not the process's.
     let weights = (model.device == "cpu").then(|| baton_conductor::local::weights_bytes(&a.model)).flatten();
-    let engine = model.memory_bytes.zip(weights).map(|(m, w)| m.saturating_sub(w));
+    let engine =
+        model.memory_bytes.zip(weights).map(|(m, w)| m.saturating_sub(w).saturating_sub(model.code_bytes.unwrap_or(0)));
     if a.json {
         println!(
             "{}",
@@ -194,7 +196,8 @@ pub async fn run(a: ConductorArgs) -> Outcome {
                 "grammar_ms_per_token": grammar_ms,
                 "plans_ended_by_stop_token": stopped, "plans_cut_after_fence": cut,
                 "model_memory_mb": model.memory_bytes.map(mib), "peak_rss_mb": peak_rss_bytes().map(mib),
-                "weights_mb": weights.map(mib), "engine_memory_mb": engine.map(mib),
+                "weights_mb": weights.map(mib), "code_memory_mb": model.code_bytes.map(mib),
+                "engine_memory_mb": engine.map(mib),
             })
         );
     } else {
@@ -219,9 +222,10 @@ pub async fn run(a: ConductorArgs) -> Outcome {
         println!("ended        {stopped} of {} by the end token, {cut} cut after the closing fence", a.runs);
         let shown = |b: Option<u64>| b.map_or_else(|| "n/a".to_owned(), |b| format!("{:.0} MiB", mib(b)));
         println!(
-            "memory       {} taken by loading the model: {} of weights (the model's files) and {} for the engine (buffers, tokenizer, attention cache); {} peak resident",
+            "memory       {} taken by loading the model: {} of weights (the model's files), {} of the program's code, {} of the engine's working memory (tokenizer, grammar tables, buffers); {} peak resident, with the plans' attention caches",
             shown(model.memory_bytes),
             shown(weights),
+            shown(model.code_bytes),
             shown(engine),
             shown(peak_rss_bytes())
         );
