@@ -76,13 +76,16 @@ async fn assert_ended_at_the_fence(model: &LocalModel, generated: &Generated, wh
     assert_eq!(generated.finish_reason.as_deref(), Some("stop"), "{what}: {:?}", generated.text);
     assert!(!generated.cut_after_complete, "{what}: the model stopped by itself, not by Baton's guard");
     let text_tokens = model.token_count(&generated.text).await as u64;
-    // The model may split the text into more tokens than the tokenizer would (a grammar allows
-    // any split), so a little slack; the failure this catches is hundreds of silent tokens.
-    let most = text_tokens + 1 + text_tokens / 10;
+    // The model may split the text into more tokens than the tokenizer would: a grammar allows
+    // any split, and a sampled plan can take a finer one throughout (on an AVX2 machine a
+    // subtask of `[]; ` 38 times over took 179 tokens for 140). So half as many again; the
+    // failure this catches is hundreds of silent tokens.
+    let most = text_tokens + 1 + text_tokens / 2;
     assert!(
         generated.usage.output_tokens <= most,
-        "{what}: {} tokens generated for a text of {text_tokens} tokens",
-        generated.usage.output_tokens
+        "{what}: {} tokens generated for a text of {text_tokens} tokens: {:?}",
+        generated.usage.output_tokens,
+        generated.text
     );
 }
 
