@@ -479,7 +479,7 @@ pub const BUILD_DEVICE: &str = if cfg!(feature = "cuda") {
 ///   and an error turned into text resolved it: loading a GGUF formats such an error for an
 ///   optional metadata field it reads, which read the binary's debug information into memory
 ///   for the process's life (44 MiB beside SmolLM2's 94 MiB of weights, measured with
-///   `baton bench conductor`), and put the backtrace into error messages users see.
+///   `baton bench conductor`); a candle error shown to a user would carry the backtrace too.
 ///   `RUST_BACKTRACE` still gives backtraces on a panic.
 ///
 /// # Safety
