@@ -398,6 +398,59 @@ async fn a_gguf_without_a_chat_template_is_refused_at_load_and_plans_with_one_gi
     assert!((1..=3).contains(&planned.plan.steps.len()));
 }
 
+/// Gemma's GGUFs hold their newlines as user-defined tokens (type 4), as Qwen2.5's do its
+/// tool-call tags: text kept whole, not special. The engine once made them special, so the plan
+/// grammar's newline, which llguidance spells with that token, failed every Gemma plan ("doesn't
+/// satisfy the grammar"), and decoding dropped the newlines from a Gemma worker's answers.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gguf_whose_newline_is_a_user_defined_token_plans_and_keeps_its_newlines() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("user-newline.gguf");
+    let spec = baton_tinymodel::TinySpec { user_defined_newline: true, ..Default::default() };
+    baton_tinymodel::write_gguf_model(&file, &spec).expect("write gguf");
+    let config = LocalModelConfig { path: file, force_cpu: true, ..Default::default() };
+    let model = Arc::new(LocalModel::load(&config).await.unwrap_or_else(|e| panic!("it loads: {e}")));
+    assert_eq!(model.token_count("a\nb").await, 3, "the newline is one token, counted as text");
+    let conductor = LocalConductor::new(model.clone(), workers(2), ConductorOptions { no_examples: true, ..quick() });
+    for i in 0..3 {
+        let mut deltas = String::new();
+        let planned = conductor
+            .plan(context(&format!("Newline question {i}"), 2, 3), Box::new(|t: &str| deltas.push_str(t)), unmetered())
+            .await
+            .unwrap_or_else(|e| panic!("plan {i}: {e}"));
+        assert!((1..=3).contains(&planned.plan.steps.len()));
+        // The plan's fenced block is lines: its newlines came through as text.
+        assert!(planned.raw.contains("```python\nmodel_id = ["), "plan {i}: {:?}", planned.raw);
+        assert_eq!(deltas, planned.raw, "the deltas are the whole text, streamed");
+    }
+}
+
+/// A SentencePiece GGUF (Gemma's, Mistral's, Phi-3's vocabulary) is tokenized as llama.cpp does:
+/// pieces joined by score, with no space prefix where the file says so. The engine once read the
+/// scores as a unigram model's and split words into letters ("the" as "t" + "he": a Gemma
+/// conductor then copied its examples with letters doubled), and prefixed every text with a
+/// space. A plan is written through its byte tokens.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sentencepiece_gguf_joins_pieces_by_score_and_plans() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("sentencepiece.gguf");
+    let spec = baton_tinymodel::TinySpec { sentencepiece: true, ..Default::default() };
+    baton_tinymodel::write_gguf_model(&file, &spec).expect("write gguf");
+    let config = LocalModelConfig { path: file, force_cpu: true, ..Default::default() };
+    let model = Arc::new(LocalModel::load(&config).await.unwrap_or_else(|e| panic!("it loads: {e}")));
+    assert_eq!(model.token_count("the").await, 1, "\"th\" then \"the\", not three letters");
+    assert_eq!(model.token_count("the the").await, 2, "\"the\" and \"\u{2581}the\"");
+    assert_eq!(model.token_count("he").await, 1, "no space prefix: \"he\", not \"\u{2581}\" + \"he\"");
+    assert_eq!(model.token_count("it").await, 2, "letters not in the vocabulary are bytes");
+    let conductor = LocalConductor::new(model, workers(2), ConductorOptions { no_examples: true, ..quick() });
+    let planned = conductor
+        .plan(context("Any question", 2, 3), Box::new(|_: &str| {}), unmetered())
+        .await
+        .unwrap_or_else(|e| panic!("plans: {e}"));
+    assert!((1..=3).contains(&planned.plan.steps.len()));
+    assert!(planned.raw.contains("```python\nmodel_id = ["), "{:?}", planned.raw);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_plan_past_its_time_limit_fails_naming_the_limit() {
     // Long reasoning on a random model takes far longer than the limit, and the limit leaves

@@ -34,6 +34,15 @@ pub struct TinySpec {
     /// Whether the GGUF's metadata holds the chat template (`tokenizer.chat_template`); base
     /// models' GGUFs often have none.
     pub chat_template: bool,
+    /// Whether the vocabulary ends with a user-defined newline token ([`USER_NEWLINE`]): text
+    /// the tokenizer keeps whole but not a special token, as Gemma's GGUFs hold their newlines
+    /// and Qwen2.5's its tool-call tags (token type 4).
+    pub user_defined_newline: bool,
+    /// Whether the GGUF's vocabulary is SentencePiece's (`tokenizer.ggml.model` "llama", as
+    /// Gemma's, Mistral's and Phi-3's are) instead of byte-level BPE: byte tokens `<0x00>`…,
+    /// the special tokens, then [`SENTENCEPIECE_PIECES`] and `<unk>`, with no space prefix
+    /// (Gemma's `add_space_prefix = false`). GGUF only.
+    pub sentencepiece: bool,
 }
 
 impl Default for TinySpec {
@@ -49,6 +58,8 @@ impl Default for TinySpec {
             end_of_text: true,
             alternating_turns: false,
             chat_template: true,
+            user_defined_newline: false,
+            sentencepiece: false,
         }
     }
 }
@@ -60,6 +71,29 @@ pub const IM_END: u32 = 258;
 /// The vocabulary is exactly the tokenizer's: a larger `vocab_size` makes constrained decoding
 /// reject the padding ids.
 pub const VOCAB: usize = 259;
+/// The user-defined newline token, where [`TinySpec::user_defined_newline`] asks for one.
+pub const USER_NEWLINE: u32 = 259;
+
+/// The vocabulary's size for `spec`.
+fn vocab(spec: &TinySpec) -> usize {
+    let sentencepiece = if spec.sentencepiece { SENTENCEPIECE_PIECES.len() + 1 } else { 0 };
+    VOCAB + usize::from(spec.user_defined_newline) + sentencepiece
+}
+
+/// The text pieces of the SentencePiece vocabulary and their scores, as llama.cpp writes them
+/// for Gemma: single characters score 0 and joined pieces below that, the first joined the
+/// highest. Joined by score, "the" is one token ("th", then "the"); read as a unigram model's
+/// log-probabilities, the best split is three characters.
+pub const SENTENCEPIECE_PIECES: &[(&str, f32)] = &[
+    ("\u{2581}", 0.0),
+    ("t", 0.0),
+    ("h", 0.0),
+    ("e", 0.0),
+    ("th", -1.0),
+    ("he", -2.0),
+    ("the", -3.0),
+    ("\u{2581}the", -4.0),
+];
 
 pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
@@ -74,6 +108,9 @@ pub fn chat_template(spec: &TinySpec) -> &'static str {
 
 /// Writes the model files into `dir` (created if missing).
 pub fn write_safetensors_model(dir: &Path, spec: &TinySpec) -> io::Result<()> {
+    if spec.sentencepiece {
+        return Err(io::Error::other("a SentencePiece vocabulary is written to GGUF files only"));
+    }
     std::fs::create_dir_all(dir)?;
     std::fs::write(dir.join("config.json"), config(spec).to_string())?;
     std::fs::write(dir.join("tokenizer.json"), tokenizer(spec).to_string())?;
@@ -113,7 +150,7 @@ fn config(spec: &TinySpec) -> serde_json::Value {
     json!({
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
-        "vocab_size": VOCAB,
+        "vocab_size": vocab(spec),
         "hidden_size": spec.hidden,
         "intermediate_size": spec.intermediate,
         "num_hidden_layers": spec.layers,
@@ -155,15 +192,20 @@ fn tokenizer(spec: &TinySpec) -> serde_json::Value {
         json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false,
                "normalized": false, "special": true})
     };
+    let mut added = vec![
+        special(ENDOFTEXT, end_of_text_name(spec)),
+        special(IM_START, "<|im_start|>"),
+        special(IM_END, "<|im_end|>"),
+    ];
+    if spec.user_defined_newline {
+        added.push(json!({"id": USER_NEWLINE, "content": "\n", "single_word": false, "lstrip": false,
+                          "rstrip": false, "normalized": false, "special": false}));
+    }
     json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
-        "added_tokens": [
-            special(ENDOFTEXT, end_of_text_name(spec)),
-            special(IM_START, "<|im_start|>"),
-            special(IM_END, "<|im_end|>"),
-        ],
+        "added_tokens": added,
         "normalizer": null,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
         "post_processor": null,
@@ -188,8 +230,8 @@ fn weights(spec: &TinySpec) -> BTreeMap<String, (Vec<usize>, Vec<u8>)> {
         let bytes = (0..n).flat_map(|_| ((rng.f32() * 2.0 - 1.0) * spec.init).to_le_bytes()).collect();
         out.insert(name, (shape, bytes));
     };
-    random("model.embed_tokens.weight".into(), vec![VOCAB, h]);
-    random("lm_head.weight".into(), vec![VOCAB, h]);
+    random("model.embed_tokens.weight".into(), vec![vocab(spec), h]);
+    random("lm_head.weight".into(), vec![vocab(spec), h]);
     for l in 0..spec.layers {
         let p = format!("model.layers.{l}");
         random(format!("{p}.self_attn.q_proj.weight"), vec![h, h]);
@@ -228,17 +270,46 @@ pub fn write_gguf_model(path: &Path, spec: &TinySpec) -> io::Result<()> {
         ("qwen2.attention.head_count_kv".into(), GgufValue::U32(spec.kv_heads as u32)),
         ("qwen2.attention.layer_norm_rms_epsilon".into(), GgufValue::F32(1e-6)),
         ("qwen2.rope.freq_base".into(), GgufValue::F32(10000.0)),
-        ("tokenizer.ggml.model".into(), GgufValue::Str("gpt2".into())),
-        // The pre-tokenizer (how text is split before byte-pair merges); mistral.rs refuses a BPE
-        // GGUF without it rather than guess.
-        ("tokenizer.ggml.pre".into(), GgufValue::Str("qwen2".into())),
     ];
-    let mut tokens: Vec<String> = (0..=255u8).map(|b| byte_to_char(b).to_string()).collect();
-    tokens.extend([end_of_text_name(spec), "<|im_start|>", "<|im_end|>"].map(String::from));
-    let types: Vec<i32> = (0..VOCAB).map(|i| if i < 256 { 1 } else { 3 }).collect();
+    // Token types: normal (1), unknown (2), control (3: the special tokens), user-defined (4),
+    // byte (6).
+    let (mut tokens, mut types): (Vec<String>, Vec<i32>) = if spec.sentencepiece {
+        (0..=255u8).map(|b| (format!("<0x{b:02X}>"), 6)).unzip()
+    } else {
+        (0..=255u8).map(|b| (byte_to_char(b).to_string(), 1)).unzip()
+    };
+    for name in [end_of_text_name(spec), "<|im_start|>", "<|im_end|>"] {
+        tokens.push(name.into());
+        types.push(3);
+    }
+    if spec.user_defined_newline {
+        tokens.push("\n".into());
+        types.push(4);
+    }
+    if spec.sentencepiece {
+        let mut scores = vec![0.0f32; tokens.len()];
+        for (piece, score) in SENTENCEPIECE_PIECES {
+            tokens.push((*piece).into());
+            types.push(1);
+            scores.push(*score);
+        }
+        kv.push(("tokenizer.ggml.unknown_token_id".into(), GgufValue::U32(tokens.len() as u32)));
+        tokens.push("<unk>".into());
+        types.push(2);
+        scores.push(0.0);
+        kv.push(("tokenizer.ggml.model".into(), GgufValue::Str("llama".into())));
+        kv.push(("tokenizer.ggml.scores".into(), GgufValue::F32Array(scores)));
+        kv.push(("tokenizer.ggml.add_space_prefix".into(), GgufValue::Bool(false)));
+    } else {
+        kv.push(("tokenizer.ggml.model".into(), GgufValue::Str("gpt2".into())));
+        // The pre-tokenizer (how text is split before byte-pair merges); mistral.rs refuses a
+        // BPE GGUF without it rather than guess.
+        kv.push(("tokenizer.ggml.pre".into(), GgufValue::Str("qwen2".into())));
+        kv.push(("tokenizer.ggml.merges".into(), GgufValue::StrArray(Vec::new())));
+    }
+    debug_assert_eq!(tokens.len(), vocab(spec));
     kv.push(("tokenizer.ggml.tokens".into(), GgufValue::StrArray(tokens)));
     kv.push(("tokenizer.ggml.token_type".into(), GgufValue::I32Array(types)));
-    kv.push(("tokenizer.ggml.merges".into(), GgufValue::StrArray(Vec::new())));
     kv.push(("tokenizer.ggml.bos_token_id".into(), GgufValue::U32(ENDOFTEXT)));
     kv.push(("tokenizer.ggml.eos_token_id".into(), GgufValue::U32(IM_END)));
     kv.push(("tokenizer.ggml.padding_token_id".into(), GgufValue::U32(ENDOFTEXT)));
@@ -289,9 +360,11 @@ enum GgufValue {
     U32(u32),
     U64(u64),
     F32(f32),
+    Bool(bool),
     Str(String),
     StrArray(Vec<String>),
     I32Array(Vec<i32>),
+    F32Array(Vec<f32>),
 }
 
 impl GgufValue {
@@ -309,6 +382,10 @@ impl GgufValue {
                 out.extend_from_slice(&6u32.to_le_bytes());
                 out.extend_from_slice(&v.to_le_bytes());
             }
+            GgufValue::Bool(v) => {
+                out.extend_from_slice(&7u32.to_le_bytes());
+                out.push(u8::from(*v));
+            }
             GgufValue::Str(s) => {
                 out.extend_from_slice(&8u32.to_le_bytes());
                 put_str(out, s);
@@ -324,6 +401,14 @@ impl GgufValue {
             GgufValue::I32Array(items) => {
                 out.extend_from_slice(&9u32.to_le_bytes());
                 out.extend_from_slice(&5u32.to_le_bytes());
+                out.extend_from_slice(&(items.len() as u64).to_le_bytes());
+                for v in items {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+            GgufValue::F32Array(items) => {
+                out.extend_from_slice(&9u32.to_le_bytes());
+                out.extend_from_slice(&6u32.to_le_bytes());
                 out.extend_from_slice(&(items.len() as u64).to_le_bytes());
                 for v in items {
                     out.extend_from_slice(&v.to_le_bytes());

@@ -17,7 +17,7 @@ use tokenizers::{
     decoders::{
         self, byte_fallback::ByteFallback, byte_level::ByteLevel, fuse::Fuse, strip::Strip,
     },
-    models::{bpe::BpeBuilder, unigram::Unigram},
+    models::bpe::BpeBuilder,
     normalizers::{self, Prepend, Replace, NFC},
     processors, AddedToken, DecoderWrapper, ModelWrapper, NormalizerWrapper, Tokenizer,
 };
@@ -54,6 +54,7 @@ const DEEPSEEK_V3_REGEXES: &[&str] = &[
 const GPT4O_REGEX: &str = "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))*((?=[\\p{L}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))+((?=[\\p{L}])([^A-Z]))*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 const TEKKEN_REGEX: &str = "[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))*((?=[\\p{L}])([^A-Z]))+|[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))+((?=[\\p{L}])([^A-Z]))*|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 const GGML_TOKEN_TYPE_NORMAL: i32 = 1;
+const GGML_TOKEN_TYPE_USER_DEFINED: i32 = 4;
 const GGML_TOKEN_TYPE_BYTE: i32 = 6;
 const SENTENCEPIECE_UNDERLINE: &str = "\u{2581}";
 
@@ -158,8 +159,14 @@ impl TryFrom<ContentMetadata<'_>> for PropsGGUF {
         let required = ["model", "tokens", "eos_token_id"];
         c.has_required_keys(&required)?;
 
+        let model: String = c.get_value("model")?;
+        // Baton: a SentencePiece vocabulary adds the space prefix unless its GGUF says not to
+        // (llama.cpp's default). Upstream took `false` for a missing key but prefixed every
+        // SentencePiece text anyway, so a Gemma GGUF (`add_space_prefix = false`) read "▁" before
+        // each line of its prompt and lost a leading space of its answers when decoded.
+        let space_prefix_default = matches!(model.as_str(), "llama" | "replit" | "gemma");
         let props = Self {
-            model: c.get_value("model")?,
+            model,
             pre: c.get_option_value("pre")?,
             tokens: c.get_value("tokens")?,
             added_tokens: c.get_value("added_tokens").ok(),
@@ -169,7 +176,9 @@ impl TryFrom<ContentMetadata<'_>> for PropsGGUF {
             eos: c.get_value("eos_token_id")?,
             bos: c.get_value("bos_token_id").ok(),
             add_bos: c.get_option_value("add_bos_token")?.unwrap_or(false),
-            add_space_prefix: c.get_option_value("add_space_prefix")?.unwrap_or(false),
+            add_space_prefix: c
+                .get_option_value("add_space_prefix")?
+                .unwrap_or(space_prefix_default),
         };
 
         // Special token ids come from untrusted GGUF metadata; reject out-of-range ids
@@ -220,7 +229,7 @@ pub(crate) fn convert_gguf_metadata_to_hf_tokenizer(
     let props = PropsGGUF::try_from(metadata)?;
 
     let (mut tokenizer, kind) = match props.model.as_str() {
-        "llama" | "replit" | "gemma" => unigram_tokenizer(&props)?,
+        "llama" | "replit" | "gemma" => sentencepiece_tokenizer(&props, &token_types)?,
         "gemma4" => gemma4_tokenizer(&props)?,
         "gpt2" => bpe_tokenizer(&props)?,
         other => {
@@ -231,9 +240,17 @@ pub(crate) fn convert_gguf_metadata_to_hf_tokenizer(
     // Byte fallback entries are model tokens, not AddedToken specials.
     // Batch them so `AddedVocabulary` refreshes its matchers once.
     let mut special = Vec::new();
+    // Baton: a user-defined piece (SentencePiece's user_defined_symbols: Gemma's "\n", "\n\n",
+    // tabs and HTML tags; Qwen2.5's <tool_call>) is text kept whole, as Hugging Face's tokenizers
+    // add it: not special. Upstream added it as a special token, so decoding dropped it (a Gemma
+    // model's newlines vanished from its answers) and llguidance took it for a special token, so
+    // a grammar needing a newline failed on Gemma's newline token ("doesn't satisfy the grammar").
+    let mut user_defined = Vec::new();
     if token_types.len() == props.tokens.len() {
         for (i, ty) in token_types.iter().enumerate() {
-            if *ty != GGML_TOKEN_TYPE_NORMAL && *ty != GGML_TOKEN_TYPE_BYTE {
+            if *ty == GGML_TOKEN_TYPE_USER_DEFINED {
+                user_defined.push(AddedToken::from(props.tokens[i].clone(), false).normalized(false));
+            } else if *ty != GGML_TOKEN_TYPE_NORMAL && *ty != GGML_TOKEN_TYPE_BYTE {
                 special.push(AddedToken::from(props.tokens[i].clone(), true));
             }
         }
@@ -241,6 +258,9 @@ pub(crate) fn convert_gguf_metadata_to_hf_tokenizer(
     let num_special_tokens = special.len();
     if !special.is_empty() {
         tokenizer.add_special_tokens(&special);
+    }
+    if !user_defined.is_empty() {
+        tokenizer.add_tokens(&user_defined);
     }
 
     info!(
@@ -278,7 +298,7 @@ pub(crate) fn convert_gguf_metadata_to_hf_tokenizer(
 // https://docs.rs/tokenizers/latest/tokenizers/models/enum.ModelWrapper.html
 #[derive(Debug)]
 enum TokenizerKind {
-    Unigram,
+    SentencePiece,
     Bpe,
 }
 
@@ -399,43 +419,93 @@ fn bpe_pre_tokenizer_spec(pre: Option<&str>) -> Result<BpePreTokenizerSpec> {
     Ok(spec)
 }
 
-fn unigram_tokenizer(p: &PropsGGUF) -> Result<(Tokenizer, TokenizerKind)> {
+/// Baton: a SentencePiece vocabulary (`tokenizer.ggml.model` "llama": Llama 2, Mistral, Phi-3,
+/// Gemma 1-3) tokenized as llama.cpp does: from single characters (bytes for those not in the
+/// vocabulary), repeatedly joining the adjacent pair whose join is the vocabulary's piece with the
+/// highest score. That is byte-pair encoding with each join ranked by its piece's score, which is
+/// what is built here. Upstream read the scores as a unigram model's log-probabilities, which they
+/// are not in these files: Gemma's single characters score 0 and its words below that, so the most
+/// likely split took characters ("the" as "t" + "he") and a Gemma conductor copied its examples
+/// with letters doubled ("tthe").
+fn sentencepiece_tokenizer(p: &PropsGGUF, token_types: &[i32]) -> Result<(Tokenizer, TokenizerKind)> {
     let PropsGGUF { unk, eos, bos, .. } = *p;
-    // Unigram (SentencePiece) default UNK is 0
+    // SentencePiece's default UNK is 0
     let unk = unk.unwrap_or(0);
 
-    // Create the Tokenizer model:
+    let Some(scores) = p.scores.as_ref() else {
+        anyhow::bail!("`llama` tokenizer is missing required metadata `tokenizer.ggml.scores`");
+    };
+    anyhow::ensure!(
+        scores.len() == p.tokens.len(),
+        "`llama` tokenizer has {} scores for {} tokens",
+        scores.len(),
+        p.tokens.len()
+    );
     let model = {
-        let vocab: Vec<(String, f64)> = {
-            let Some(s) = p.scores.as_ref() else {
-                anyhow::bail!(
-                    "`llama` unigram tokenizer is missing required metadata `tokenizer.ggml.scores`"
-                );
-            };
-            let scores = s.iter().cloned().map(|f_32| f_32 as f64);
-
-            p.tokens.iter().cloned().zip(scores).collect()
-        };
-
-        Unigram::from(vocab, Some(unk as usize), true).map_err(anyhow::Error::msg)?
+        let mut vocab = BpeVocab::new();
+        for (id, token) in p.tokens.iter().enumerate() {
+            vocab.entry(token.clone()).or_insert(id as u32);
+        }
+        // Text pieces join; control, unused and byte tokens do not (a file without types has
+        // only text).
+        let kind = |id: u32| token_types.get(id as usize).copied().unwrap_or(GGML_TOKEN_TYPE_NORMAL);
+        let text = |id: u32| matches!(kind(id), GGML_TOKEN_TYPE_NORMAL | GGML_TOKEN_TYPE_USER_DEFINED);
+        let mut joins: Vec<(f32, u32, String, String)> = Vec::new();
+        for (id, piece) in p.tokens.iter().enumerate() {
+            let id = id as u32;
+            if kind(id) != GGML_TOKEN_TYPE_NORMAL || vocab.get(piece) != Some(&id) {
+                continue;
+            }
+            for (at, _) in piece.char_indices().skip(1) {
+                let (left, right) = piece.split_at(at);
+                if let (Some(&l), Some(&r)) = (vocab.get(left), vocab.get(right)) {
+                    if text(l) && text(r) {
+                        joins.push((scores[id as usize], id, left.to_owned(), right.to_owned()));
+                    }
+                }
+            }
+        }
+        // Highest score first; the pieces' order breaks ties.
+        joins.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let merges: BpeMerges = joins.into_iter().map(|(_, _, l, r)| (l, r)).collect();
+        BpeBuilder::new()
+            .vocab_and_merges(vocab, merges)
+            .unk_token(p.tokens[unk as usize].clone())
+            .fuse_unk(true)
+            .byte_fallback(true)
+            .build()
+            .map_err(anyhow::Error::msg)?
     };
 
     // Decoder + Normalizer config reference:
     // https://github.com/EricLBuehler/mistral.rs/pull/389#discussion_r1630620763
-    let decoder = Decoder::Sequence(vec![
-        Decoder::Replace("▁", " "),
-        Decoder::ByteFallback,
-        Decoder::Fuse,
-        Decoder::Strip(' ', 1, 0),
-    ]);
-
-    let normalizer = Normalizer::Sequence(vec![
-        Normalizer::Prepend("▁"),
-        Normalizer::Replace(" ", "▁"),
-    ]);
+    // Baton: the prefix, and the decoder's strip of it, only where the GGUF asks for it.
+    let (decoder, normalizer) = if p.add_space_prefix {
+        (
+            Decoder::Sequence(vec![
+                Decoder::Replace("▁", " "),
+                Decoder::ByteFallback,
+                Decoder::Fuse,
+                Decoder::Strip(' ', 1, 0),
+            ]),
+            Normalizer::Sequence(vec![
+                Normalizer::Prepend("▁"),
+                Normalizer::Replace(" ", "▁"),
+            ]),
+        )
+    } else {
+        (
+            Decoder::Sequence(vec![
+                Decoder::Replace("▁", " "),
+                Decoder::ByteFallback,
+                Decoder::Fuse,
+            ]),
+            Normalizer::Replace(" ", "▁"),
+        )
+    };
 
     let mut tokenizer: Tokenizer = TokenizerX::new(
-        ModelWrapper::Unigram(model),
+        ModelWrapper::BPE(model),
         Some(decoder),
         Some(normalizer),
     )?;
@@ -445,7 +515,7 @@ fn unigram_tokenizer(p: &PropsGGUF) -> Result<(Tokenizer, TokenizerKind)> {
         let tk = p.tokens[*v as usize].clone();
         tokenizer.add_special_tokens(&[AddedToken::from(tk.to_string(), true)]);
     }
-    Ok((tokenizer, TokenizerKind::Unigram))
+    Ok((tokenizer, TokenizerKind::SentencePiece))
 }
 
 fn bpe_tokenizer(p: &PropsGGUF) -> Result<(Tokenizer, TokenizerKind)> {
