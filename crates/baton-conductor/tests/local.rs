@@ -52,6 +52,16 @@ fn workers(n: usize) -> Vec<WorkerInfo> {
         .collect()
 }
 
+/// A tiny GGUF written to `spec` and loaded on the CPU; the directory holds the file.
+async fn tiny_gguf(spec: &baton_tinymodel::TinySpec) -> (tempfile::TempDir, Arc<LocalModel>) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("tiny.gguf");
+    baton_tinymodel::write_gguf_model(&file, spec).expect("write gguf");
+    let config = LocalModelConfig { path: file, force_cpu: true, ..Default::default() };
+    let model = LocalModel::load(&config).await.unwrap_or_else(|e| panic!("the tiny GGUF loads: {e}"));
+    (dir, Arc::new(model))
+}
+
 fn context(question: &str, pool_size: usize, max_steps: usize) -> PlanningContext {
     PlanningContext::question(question, pool_size, max_steps)
 }
@@ -329,11 +339,7 @@ async fn a_local_worker_streams_an_answer_and_stops_at_its_token_limit() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_gguf_conductor_writes_valid_plans_too() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let file = dir.path().join("tiny.gguf");
-    baton_tinymodel::write_gguf_model(&file, &baton_tinymodel::TinySpec::default()).expect("write gguf");
-    let config = LocalModelConfig { path: file.clone(), force_cpu: true, ..Default::default() };
-    let model = Arc::new(LocalModel::load(&config).await.unwrap_or_else(|e| panic!("the tiny GGUF loads: {e}")));
+    let (_dir, model) = tiny_gguf(&baton_tinymodel::TinySpec::default()).await;
     let options = ConductorOptions { no_examples: true, ..quick() };
     for (i, pool_size) in [1usize, 3, 5].into_iter().enumerate() {
         let conductor = LocalConductor::new(model.clone(), workers(pool_size), options.clone());
@@ -404,12 +410,8 @@ async fn a_gguf_without_a_chat_template_is_refused_at_load_and_plans_with_one_gi
 /// satisfy the grammar"), and decoding dropped the newlines from a Gemma worker's answers.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_gguf_whose_newline_is_a_user_defined_token_plans_and_keeps_its_newlines() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let file = dir.path().join("user-newline.gguf");
-    let spec = baton_tinymodel::TinySpec { user_defined_newline: true, ..Default::default() };
-    baton_tinymodel::write_gguf_model(&file, &spec).expect("write gguf");
-    let config = LocalModelConfig { path: file, force_cpu: true, ..Default::default() };
-    let model = Arc::new(LocalModel::load(&config).await.unwrap_or_else(|e| panic!("it loads: {e}")));
+    let (_dir, model) =
+        tiny_gguf(&baton_tinymodel::TinySpec { user_defined_newline: true, ..Default::default() }).await;
     assert_eq!(model.token_count("a\nb").await, 3, "the newline is one token, counted as text");
     let conductor = LocalConductor::new(model.clone(), workers(2), ConductorOptions { no_examples: true, ..quick() });
     for i in 0..3 {
@@ -432,12 +434,7 @@ async fn a_gguf_whose_newline_is_a_user_defined_token_plans_and_keeps_its_newlin
 /// space. A plan is written through its byte tokens.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_sentencepiece_gguf_joins_pieces_by_score_and_plans() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let file = dir.path().join("sentencepiece.gguf");
-    let spec = baton_tinymodel::TinySpec { sentencepiece: true, ..Default::default() };
-    baton_tinymodel::write_gguf_model(&file, &spec).expect("write gguf");
-    let config = LocalModelConfig { path: file, force_cpu: true, ..Default::default() };
-    let model = Arc::new(LocalModel::load(&config).await.unwrap_or_else(|e| panic!("it loads: {e}")));
+    let (_dir, model) = tiny_gguf(&baton_tinymodel::TinySpec { sentencepiece: true, ..Default::default() }).await;
     assert_eq!(model.token_count("the").await, 1, "\"th\" then \"the\", not three letters");
     assert_eq!(model.token_count("the the").await, 2, "\"the\" and \"\u{2581}the\"");
     assert_eq!(model.token_count("he").await, 1, "no space prefix: \"he\", not \"\u{2581}\" + \"he\"");

@@ -398,23 +398,19 @@ impl GgufValue {
                     put_str(out, s);
                 }
             }
-            GgufValue::I32Array(items) => {
-                out.extend_from_slice(&9u32.to_le_bytes());
-                out.extend_from_slice(&5u32.to_le_bytes());
-                out.extend_from_slice(&(items.len() as u64).to_le_bytes());
-                for v in items {
-                    out.extend_from_slice(&v.to_le_bytes());
-                }
-            }
-            GgufValue::F32Array(items) => {
-                out.extend_from_slice(&9u32.to_le_bytes());
-                out.extend_from_slice(&6u32.to_le_bytes());
-                out.extend_from_slice(&(items.len() as u64).to_le_bytes());
-                for v in items {
-                    out.extend_from_slice(&v.to_le_bytes());
-                }
-            }
+            GgufValue::I32Array(items) => put_array(out, 5, items.iter().map(|v| v.to_le_bytes())),
+            GgufValue::F32Array(items) => put_array(out, 6, items.iter().map(|v| v.to_le_bytes())),
         }
+    }
+}
+
+/// An array of fixed-size numbers: the array type, the elements' type, their count, then each.
+fn put_array<const N: usize>(out: &mut Vec<u8>, element_type: u32, items: impl ExactSizeIterator<Item = [u8; N]>) {
+    out.extend_from_slice(&9u32.to_le_bytes());
+    out.extend_from_slice(&element_type.to_le_bytes());
+    out.extend_from_slice(&(items.len() as u64).to_le_bytes());
+    for bytes in items {
+        out.extend_from_slice(&bytes);
     }
 }
 
