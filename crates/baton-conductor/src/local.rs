@@ -61,6 +61,7 @@ pub enum LoadError {
     Failed { path: String, message: String },
 }
 
+mod cache;
 mod memory;
 mod tokenizer;
 
@@ -117,9 +118,8 @@ pub struct LocalModel {
     lora: bool,
     /// The latest generation's speed, for whoever shows how fast the model runs.
     last: std::sync::Mutex<Option<Speed>>,
-    /// Token sequences mistral.rs's prefix cache holds, newest last, mirrored so each
-    /// generation can report how much of its prompt came from the cache (mistral.rs does not).
-    cached: std::sync::Mutex<std::collections::VecDeque<Vec<u32>>>,
+    /// The sequences mistral.rs's prefix cache holds, for how much of a prompt came from it.
+    cached: cache::PrefixMirror,
     /// The latest prompts tokenized, newest last: a call's reservation counts its prompt's
     /// tokens and the generation that follows needs the same tokens, so it reads them here.
     prompts: std::sync::Mutex<std::collections::VecDeque<(String, Arc<Vec<u32>>)>>,
@@ -134,9 +134,6 @@ const PROMPT_MEMO: usize = 8;
 /// conversations and pools side by side. Each costs its sequence's cache: about 28 MiB for a
 /// 1.5B conductor's plan, so 8 stay under a sixth of that model's memory.
 const PREFIX_CACHE_SEQUENCES: usize = 8;
-
-/// How many finished sequences the mirror remembers: as many as mistral.rs's prefix cache.
-const CACHE_MIRROR: usize = PREFIX_CACHE_SEQUENCES;
 
 impl std::fmt::Debug for LocalModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -232,6 +229,8 @@ impl LocalModel {
             other => other.clone(),
         };
         let is_gguf = path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+        // A safetensors model's window is not read: its cached counts assume none.
+        let mut sliding_window = None;
         let built = if is_gguf {
             let dir = path.parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf);
             let file = path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
@@ -247,10 +246,12 @@ impl LocalModel {
                     message: "isq and dtype apply to safetensors models; a GGUF file is already quantized (pick another GGUF file for another size)".into(),
                 });
             }
+            let header = tokenizer::read_gguf_header(&path);
             // The engine loads a GGUF without a chat template and then fails at its first request.
-            if template.is_none() && !tokenizer::gguf_has_chat_template(&path) {
+            if template.is_none() && !header.chat_template {
                 return Err(LoadError::NoChatTemplate { path: shown });
             }
+            sliding_window = header.sliding_window;
             let b = GgufModelBuilder::new(dir.display().to_string(), vec![file]).with_token_source(TokenSource::None);
             with_common_options!(b, config, template).build().await
         } else if path.is_dir() {
@@ -309,7 +310,7 @@ impl LocalModel {
             end_tokens,
             lora: config.lora.is_some(),
             last: std::sync::Mutex::new(None),
-            cached: std::sync::Mutex::new(std::collections::VecDeque::new()),
+            cached: cache::PrefixMirror::new(PREFIX_CACHE_SEQUENCES, sliding_window),
             prompts: std::sync::Mutex::new(std::collections::VecDeque::new()),
         })
     }
@@ -359,7 +360,7 @@ impl LocalModel {
         // The prompt's tokens (as the call's reservation counted them: remembered, not tokenized
         // again), to count them and what the prefix cache holds. mistral.rs tokenizes on its own.
         let prompt_tokens = self.prompt(system, messages).await.map(|t| t.to_vec()).unwrap_or_default();
-        let cached_tokens = self.cached_prefix(&prompt_tokens);
+        let cached_tokens = self.cached.cached_prefix(&prompt_tokens);
 
         let started = Instant::now();
         let mut stream =
@@ -480,7 +481,7 @@ impl LocalModel {
             // sent a last chunk.
             let mut sequence = prompt_tokens;
             sequence.extend(answer_tokens);
-            self.remember_cached(sequence);
+            self.cached.remember(sequence);
         }
         Ok(out)
     }
@@ -543,24 +544,6 @@ impl LocalModel {
     /// How many tokens `text` is, as the model's tokenizer splits it (no special tokens added).
     pub async fn token_count(&self, text: &str) -> usize {
         self.model.tokenize(Either::Right(text.to_owned()), None, false, false, None).await.map_or(0, |t| t.len())
-    }
-
-    /// The longest prefix of `prompt` that a remembered sequence shares, as mistral.rs's prefix
-    /// cacher matches it: at most the prompt less its last token, which is forwarded for the
-    /// next token's logits (vendor/mistral.rs change 7).
-    fn cached_prefix(&self, prompt: &[u32]) -> usize {
-        let cached = self.cached.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let best =
-            cached.iter().map(|seq| seq.iter().zip(prompt).take_while(|(a, b)| a == b).count()).max().unwrap_or(0);
-        best.min(prompt.len().saturating_sub(1))
-    }
-
-    fn remember_cached(&self, sequence: Vec<u32>) {
-        let mut cached = self.cached.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if cached.len() == CACHE_MIRROR {
-            cached.pop_front();
-        }
-        cached.push_back(sequence);
     }
 }
 
