@@ -62,6 +62,13 @@ async fn tiny_gguf(spec: &baton_tinymodel::TinySpec) -> (tempfile::TempDir, Arc<
     (dir, Arc::new(model))
 }
 
+/// A plan for "Any question" from a quick conductor on `model` over two workers, with no
+/// examples: what the loading tests ask of a model once it loads.
+async fn plan_any_question(model: Arc<LocalModel>) -> Result<baton_engine::Planned, baton_engine::PlannerError> {
+    let conductor = LocalConductor::new(model, workers(2), ConductorOptions { no_examples: true, ..quick() });
+    conductor.plan(context("Any question", 2, 3), Box::new(|_: &str| {}), unmetered()).await
+}
+
 fn context(question: &str, pool_size: usize, max_steps: usize) -> PlanningContext {
     PlanningContext::question(question, pool_size, max_steps)
 }
@@ -362,10 +369,8 @@ async fn a_gguf_without_an_end_of_text_token_is_refused_with_what_to_do() {
     let no_end = Arc::new(LocalModel::load(&config).await.expect("it loads: it can still answer as a worker"));
     assert!(no_end.end_tokens.end_of_text.is_empty(), "{:?}", no_end.end_tokens);
     assert_eq!(no_end.end_tokens.end_of_turn, vec![baton_tinymodel::IM_END]);
-    let conductor = LocalConductor::new(no_end, workers(2), ConductorOptions { no_examples: true, ..quick() });
     let started = std::time::Instant::now();
-    let e =
-        conductor.plan(context("Any question", 2, 3), Box::new(|_: &str| {}), unmetered()).await.expect_err("refused");
+    let e = plan_any_question(no_end).await.expect_err("refused");
     assert!(started.elapsed() < std::time::Duration::from_secs(5), "refused before generating");
     assert!(e.message.starts_with(&file.display().to_string()), "names the file: {e}");
     assert!(e.message.contains("no end-of-text token (</s>, <|endoftext|>"), "{e}");
@@ -396,11 +401,7 @@ async fn a_gguf_without_a_chat_template_is_refused_at_load_and_plans_with_one_gi
     let config = LocalModelConfig { chat_template: Some(template), ..config };
     let model =
         Arc::new(LocalModel::load(&config).await.unwrap_or_else(|e| panic!("loads with a template given: {e}")));
-    let conductor = LocalConductor::new(model, workers(2), ConductorOptions { no_examples: true, ..quick() });
-    let planned = conductor
-        .plan(context("Any question", 2, 3), Box::new(|_: &str| {}), unmetered())
-        .await
-        .unwrap_or_else(|e| panic!("plans with the template given: {e}"));
+    let planned = plan_any_question(model).await.unwrap_or_else(|e| panic!("plans with the template given: {e}"));
     assert!((1..=3).contains(&planned.plan.steps.len()));
 }
 
@@ -439,11 +440,7 @@ async fn a_sentencepiece_gguf_joins_pieces_by_score_and_plans() {
     assert_eq!(model.token_count("the the").await, 2, "\"the\" and \"\u{2581}the\"");
     assert_eq!(model.token_count("he").await, 1, "no space prefix: \"he\", not \"\u{2581}\" + \"he\"");
     assert_eq!(model.token_count("it").await, 2, "letters not in the vocabulary are bytes");
-    let conductor = LocalConductor::new(model, workers(2), ConductorOptions { no_examples: true, ..quick() });
-    let planned = conductor
-        .plan(context("Any question", 2, 3), Box::new(|_: &str| {}), unmetered())
-        .await
-        .unwrap_or_else(|e| panic!("plans: {e}"));
+    let planned = plan_any_question(model).await.unwrap_or_else(|e| panic!("plans: {e}"));
     assert!((1..=3).contains(&planned.plan.steps.len()));
     assert!(planned.raw.contains("```python\nmodel_id = ["), "{:?}", planned.raw);
 }
