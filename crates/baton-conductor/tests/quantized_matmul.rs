@@ -20,7 +20,7 @@
 //! everything read from it must then be what its GGUF blocks give, bit for bit, and the tiles
 //! may take no more memory than the blocks did, within the Q4_K tile's f16 scales (1.03x).
 
-use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8_1};
+use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8_1, BlockQ8K, QK_K};
 use candle_core::quantized::{GgmlDType, GgmlType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use std::borrow::Cow;
@@ -108,6 +108,96 @@ fn q4_1_kernels_match_the_scalar_reference() {
         let tolerance = 1e-3 * reference.abs().max(1.0);
         assert!((one - reference).abs() <= tolerance, "row {r}: kernel {one} vs scalar reference {reference}");
     }
+}
+
+// Activations are quantized to Q8_K for every Q4_K and Q6_K product (for the x86 tiles of
+// 32-value types, with a scale per 32 values); on x86 with AVX2 by vector kernels that must
+// give the scalar code's bytes.
+#[test]
+fn activations_quantize_to_q8k_as_the_scalar_reference_does() {
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut uniform = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    };
+    let mut blocks: Vec<Vec<f32>> = Vec::new();
+    for scale in [1e-3f32, 1.0, 37.0, 1e4] {
+        blocks.push((0..QK_K).map(|_| uniform() * scale).collect());
+    }
+    // a largest magnitude of 127 makes the scale exactly 1 or -1, so values at .5 test the
+    // rounding; the same magnitude twice, with both signs, tests which one sets the sign
+    let mut halves: Vec<f32> = (0..QK_K).map(|i| (i as f32 - 128.0) / 2.0).collect();
+    halves[3] = -127.0;
+    halves[200] = 127.0;
+    blocks.push(halves.clone());
+    halves[3] = 127.0;
+    halves[200] = -127.0;
+    blocks.push(halves);
+    // zeros, and a single value
+    blocks.push(vec![0.0; QK_K]);
+    let mut one = vec![0.0; QK_K];
+    one[255] = -0.25;
+    blocks.push(one);
+
+    let row: Vec<f32> = blocks.concat();
+    let mut got = vec![BlockQ8K::zeros(); blocks.len()];
+    BlockQ8K::from_float(&row, &mut got);
+    let mut expected = vec![BlockQ8K::zeros(); blocks.len()];
+    BlockQ8K::from_float_unopt(&row, &mut expected);
+    for (b, (got, expected)) in got.iter().zip(&expected).enumerate() {
+        // f32 equality would take -0 for 0; the scale's bits must match
+        assert_eq!(format!("{got:?}"), format!("{expected:?}"), "block {b} differs");
+    }
+
+    // and with a scale for each 32 values, as the tiles of Q4_1, Q5_0 and Q8_0 take them
+    let mut got = vec![BlockQ8K::zeros(); blocks.len()];
+    let mut got_scales = vec![0f32; blocks.len() * 8];
+    BlockQ8K::from_float_per_32(&row, &mut got, &mut got_scales);
+    let mut expected = vec![BlockQ8K::zeros(); blocks.len()];
+    let mut expected_scales = vec![0f32; blocks.len() * 8];
+    BlockQ8K::from_float_per_32_unopt(&row, &mut expected, &mut expected_scales);
+    for (b, (got, expected)) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(format!("{got:?}"), format!("{expected:?}"), "block {b} differs, scale per 32 values");
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&got_scales), bits(&expected_scales), "the scales per 32 values differ");
+}
+
+// Projections that share an input (a layer's gate and up) are computed together on x86
+// (`QTensor::gemv_fused_shared_lhs`: one quantization of the input, one parallel region), for
+// one row (decode) or a prompt's rows; each must give what its own product gives, bit for bit.
+#[test]
+fn projections_sharing_an_input_give_what_each_gives_alone() -> candle_core::Result<()> {
+    let dev = Device::Cpu;
+    let k = 512;
+    for dtype in [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q8_0] {
+        let floats = [96, 64]
+            .into_iter()
+            .map(|n| Tensor::randn(0f32, 1.0, (n, k), &dev))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let quantize = |w: &Tensor| QTensor::quantize(w, dtype);
+        let together_weights = floats.iter().map(quantize).collect::<candle_core::Result<Vec<_>>>()?;
+        let alone_weights =
+            floats.iter().map(|w| QMatMul::from_qtensor(quantize(w)?)).collect::<candle_core::Result<Vec<_>>>()?;
+        for m in [1, 45] {
+            let x = Tensor::randn(0f32, 1.0, (1, m, k), &dev)?;
+            let refs: Vec<&QTensor> = together_weights.iter().collect();
+            let Some(together) = QTensor::gemv_fused_shared_lhs(&refs, &x)? else {
+                // not taken on this CPU (the fused kernel needs AVX-512)
+                continue;
+            };
+            for (alone, got) in alone_weights.iter().zip(together) {
+                assert_eq!(
+                    got.flatten_all()?.to_vec1::<f32>()?,
+                    alone.forward(&x)?.flatten_all()?.to_vec1::<f32>()?,
+                    "{dtype:?}, {m} rows: together and alone differ"
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 fn tiled_kernels_take(dtype: GgmlDType) -> bool {

@@ -2316,6 +2316,86 @@ impl GgmlType for BlockQ6K {
     }
 }
 
+impl BlockQ8K {
+    /// Baton: Q8_K blocks with a scale for each 32 values (`scales`, 8 a block; `d` is 0), as
+    /// llama.cpp's `quantize_row_q8_0` rounds them: the activations of the x86 tiles of the
+    /// 32-value weight types (Q4_1, Q5_0, Q8_0). The 16-value sums are those of `from_float`.
+    pub fn from_float_per_32(xs: &[f32], ys: &mut [Self], scales: &mut [f32]) {
+        #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
+        if has_avx2_fma() && xs.len() == ys.len() * QK_K && scales.len() == ys.len() * 8 {
+            return unsafe { super::avx::quantize_row_q8k_per_32(xs, ys, scales) };
+        }
+        Self::from_float_per_32_unopt(xs, ys, scales)
+    }
+
+    /// Baton: the scalar code of `from_float_per_32`, public so that tests can compare the two.
+    pub fn from_float_per_32_unopt(xs: &[f32], ys: &mut [Self], scales: &mut [f32]) {
+        for (b, blk) in ys.iter_mut().enumerate() {
+            blk.d = 0.0;
+            for g in 0..8 {
+                let xs = &xs[b * QK_K + g * 32..b * QK_K + (g + 1) * 32];
+                // eight running maxima, not one: a single fold is a chain of dependent max
+                // operations that the compiler keeps scalar; the maximum is the same
+                let mut lanes = [0f32; 8];
+                for chunk in xs.chunks_exact(8) {
+                    for (m, x) in lanes.iter_mut().zip(chunk) {
+                        *m = m.max(x.abs());
+                    }
+                }
+                let amax = lanes.iter().fold(0f32, |a, &m| a.max(m));
+                let d = amax / 127.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                for (i, x) in xs.iter().enumerate() {
+                    blk.qs[g * 32 + i] = (x * id).round() as i8;
+                }
+                scales[b * 8 + g] = d;
+            }
+            for (j, sum) in blk.bsums.iter_mut().enumerate() {
+                *sum = blk.qs[j * 16..(j + 1) * 16].iter().map(|&q| q as i16).sum();
+            }
+        }
+    }
+
+    /// Baton: the scalar quantization that `from_float` runs where it has no vector kernel
+    /// (upstream's code), public so that tests can compare the two.
+    pub fn from_float_unopt(xs: &[f32], ys: &mut [Self]) {
+        let k = xs.len();
+        debug_assert!(
+            k.is_multiple_of(QK_K),
+            "quantize_row_q8k: {k} is not divisible by {QK_K}"
+        );
+        for (i, y) in ys.iter_mut().enumerate() {
+            let mut max = 0f32;
+            let mut amax = 0f32;
+            let xs = &xs[i * QK_K..(i + 1) * QK_K];
+            for &x in xs.iter() {
+                if amax < x.abs() {
+                    amax = x.abs();
+                    max = x;
+                }
+            }
+            if amax == 0f32 {
+                y.d = 0f32;
+                y.qs.fill(0)
+            } else {
+                let iscale = -127f32 / max;
+                for (j, q) in y.qs.iter_mut().enumerate() {
+                    let v = (iscale * xs[j]).round();
+                    *q = v.clamp(-128., 127.) as i8
+                }
+                for j in 0..QK_K / 16 {
+                    let mut sum = 0i32;
+                    for ii in 0..16 {
+                        sum += y.qs[j * 16 + ii] as i32
+                    }
+                    y.bsums[j] = sum as i16
+                }
+                y.d = 1.0 / iscale
+            }
+        }
+    }
+}
+
 impl GgmlType for BlockQ8K {
     const DTYPE: GgmlDType = GgmlDType::Q8K;
     const BLCK_SIZE: usize = QK_K;
@@ -2360,41 +2440,12 @@ impl GgmlType for BlockQ8K {
     fn from_float(xs: &[f32], ys: &mut [Self]) {
         #[cfg(target_feature = "neon")]
         return super::neon::quantize_row_q8k(xs, ys);
-
-        let k = xs.len();
-        debug_assert!(
-            k.is_multiple_of(QK_K),
-            "quantize_row_q8k: {k} is not divisible by {QK_K}"
-        );
-        for (i, y) in ys.iter_mut().enumerate() {
-            let mut max = 0f32;
-            let mut amax = 0f32;
-            let xs = &xs[i * QK_K..(i + 1) * QK_K];
-            for &x in xs.iter() {
-                if amax < x.abs() {
-                    amax = x.abs();
-                    max = x;
-                }
-            }
-            if amax == 0f32 {
-                y.d = 0f32;
-                y.qs.fill(0)
-            } else {
-                let iscale = -127f32 / max;
-                for (j, q) in y.qs.iter_mut().enumerate() {
-                    let v = (iscale * xs[j]).round();
-                    *q = v.clamp(-128., 127.) as i8
-                }
-                for j in 0..QK_K / 16 {
-                    let mut sum = 0i32;
-                    for ii in 0..16 {
-                        sum += y.qs[j * 16 + ii] as i32
-                    }
-                    y.bsums[j] = sum as i16
-                }
-                y.d = 1.0 / iscale
-            }
+        // Baton: the same bytes in AVX2 (`avx::quantize_row_q8k`)
+        #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
+        if has_avx2_fma() && xs.len() == ys.len() * QK_K {
+            return unsafe { super::avx::quantize_row_q8k(xs, ys) };
         }
+        Self::from_float_unopt(xs, ys)
     }
 
     fn to_float(xs: &[Self], ys: &mut [f32]) {

@@ -1254,43 +1254,13 @@ pub(crate) fn quantize_lhs(dtype: super::GgmlDType, lhs: &[f32], m: usize, k: us
                 let sc = unsafe {
                     std::slice::from_raw_parts_mut((scales_ptr as *mut f32).add(r * kb * 8), kb * 8)
                 };
-                quantize_per_32(row, dst, sc);
+                BlockQ8K::from_float_per_32(row, dst, sc);
             } else {
                 BlockQ8K::from_float(row, dst);
             }
         }
     });
     Acts { q: out, scales }
-}
-
-// llama.cpp's quantize_row_q8_0 (one scale per 32 values, round to nearest) into BlockQ8K's
-// layout, with its 16-value sums.
-fn quantize_per_32(row: &[f32], dst: &mut [BlockQ8K], scales: &mut [f32]) {
-    for (b, blk) in dst.iter_mut().enumerate() {
-        blk.d = 0.0;
-        for g in 0..8 {
-            let xs = &row[b * QK_K + g * 32..b * QK_K + (g + 1) * 32];
-            // Baton: eight running maxima, not one: a single fold is a chain of dependent
-            // max operations that the compiler keeps scalar. The maximum of a set is the same
-            // whatever the order, so the scales are bit for bit those of the single fold.
-            let mut lanes = [0f32; 8];
-            for chunk in xs.chunks_exact(8) {
-                for (m, x) in lanes.iter_mut().zip(chunk) {
-                    *m = m.max(x.abs());
-                }
-            }
-            let amax = lanes.iter().fold(0f32, |a, &m| a.max(m));
-            let d = amax / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            for (i, x) in xs.iter().enumerate() {
-                blk.qs[g * 32 + i] = (x * id).round() as i8;
-            }
-            scales[b * 8 + g] = d;
-        }
-        for (j, sum) in blk.bsums.iter_mut().enumerate() {
-            *sum = blk.qs[j * 16..(j + 1) * 16].iter().map(|&q| q as i16).sum();
-        }
-    }
 }
 
 // Fused multi-projection gemv: one lhs quantization and one barrier region across
@@ -1518,6 +1488,9 @@ mod amx {
         }
     }
 
+    // The i32 a superblock's C tiles take (see `q4k_m32`).
+    pub(super) const C_SCRATCH: usize = 8 * 4 * 16 * 16;
+
     // One (m16-block, n-tile) product over the full k range.
     // a_pack: [kb][8 subs][16 rows * 32 bytes]; returns via dst rows of n floats.
     // 32m x 32n macro-tile: 4 C tiles per (2 A, 2 B) loads so tdp throughput is not
@@ -1534,12 +1507,16 @@ mod amx {
         mt: usize,
         dst: *mut f32,
         n: usize,
+        c_scratch: &mut [i32],
     ) {
         ensure_configured();
         let two_n = nt0 + 1 < n_tiles;
-        let mut c_scratch = [0i32; 4 * 16 * 16];
+        // Baton: a superblock's 32 C tiles (8 subblocks of 2 x 2) are stored side by side
+        // (32 KiB), then each output row's 16 columns are scaled and summed over the 8
+        // subblocks in a register. Upstream kept that running sum in memory and loaded and
+        // stored it for every subblock, twice the vector memory traffic of the tile stores.
+        debug_assert!(c_scratch.len() >= C_SCRATCH);
         let mut facc = [0f32; 32 * 32];
-        let mut sacc = [0f32; 32 * 32];
         let a_half = kb * 8 * 16 * 32;
         unsafe {
             for b in 0..kb {
@@ -1571,46 +1548,39 @@ mod amx {
                         a1 = in(reg) a1,
                         b0 = in(reg) b0,
                         b1 = in(reg) b1,
-                        c = in(reg) c_scratch.as_mut_ptr(),
+                        c = in(reg) c_scratch.as_mut_ptr().add(sub * 1024),
                         sa = in(reg) 32usize,
                         sb = in(reg) 64usize,
                         sc = in(reg) 64usize,
                         options(nostack)
                     );
-                    // Baton: a subblock's integer sums times its scale, summed over the
-                    // superblock in `sacc` as the AVX-512 kernel (`kernels::q4k_tile`) sums
-                    // them, in the same order; the superblock then ends as there.
-                    for half in 0..2 {
-                        for ntl in 0..1 + two_n as usize {
-                            let tile = if ntl == 0 { t0 } else { t1 };
-                            let scale = _mm512_loadu_ps(tile.scales[sub].as_ptr());
-                            let cbase = (half * 2 + ntl) * 256;
-                            for mi in 0..half_rows(mt, half) {
-                                let ci = _mm512_loadu_si512(
-                                    c_scratch.as_ptr().add(cbase + mi * 16) as *const _,
-                                );
-                                let fo = (half * 16 + mi) * 32 + ntl * 16;
-                                let sa = _mm512_loadu_ps(sacc.as_ptr().add(fo));
-                                let sa = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ci), scale, sa);
-                                _mm512_storeu_ps(sacc.as_mut_ptr().add(fo), sa);
-                            }
-                        }
-                    }
                 }
+                // Baton: a subblock's integer sums times its scale, summed over the
+                // superblock as the AVX-512 kernel (`kernels::q4k_tile`) sums them, in the
+                // same order; the superblock then ends as there.
                 for half in 0..2 {
                     for ntl in 0..1 + two_n as usize {
                         let tile = if ntl == 0 { t0 } else { t1 };
+                        let scales: [__m512; 8] =
+                            std::array::from_fn(|sub| _mm512_loadu_ps(tile.scales[sub].as_ptr()));
                         let mins: [__m512i; 4] = std::array::from_fn(|i| {
                             _mm512_loadu_si512(tile.min_pairs[i].as_ptr() as *const _)
                         });
                         let dmin = _mm512_loadu_ps(tile.dmin.as_ptr());
+                        let cbase = (half * 2 + ntl) * 256;
                         for mi in 0..half_rows(mt, half) {
+                            let mut sa = _mm512_setzero_ps();
+                            for (sub, scale) in scales.iter().enumerate() {
+                                let ci = _mm512_loadu_si512(
+                                    c_scratch.as_ptr().add(sub * 1024 + cbase + mi * 16)
+                                        as *const _,
+                                );
+                                sa = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ci), *scale, sa);
+                            }
                             let fo = (half * 16 + mi) * 32 + ntl * 16;
                             let mut f = _mm512_loadu_ps(facc.as_ptr().add(fo));
-                            let sa = _mm512_loadu_ps(sacc.as_ptr().add(fo));
                             kernels::q4k_finish(&mut f, sa, &mins, dmin, &acts[half * 16 + mi][b]);
                             _mm512_storeu_ps(facc.as_mut_ptr().add(fo), f);
-                            _mm512_storeu_ps(sacc.as_mut_ptr().add(fo), _mm512_setzero_ps());
                         }
                     }
                 }
@@ -1665,6 +1635,7 @@ pub(crate) fn matmul_amx_q4k(
         crate::utils::barrier_pool().execute_chunked(n_tiles.div_ceil(2), |pairs| {
             let dst_ptr = dst_ptr as *mut f32;
             let mut widened: Vec<TileQ4KAmx> = (0..2 * kb).map(|_| TileQ4KAmx::zeroed()).collect();
+            let mut c_scratch = vec![0i32; amx::C_SCRATCH];
             let mut act_rows: Vec<&[BlockQ8K]> = Vec::with_capacity(32);
             for pair in pairs {
                 let nt = 2 * pair;
@@ -1688,6 +1659,7 @@ pub(crate) fn matmul_amx_q4k(
                             mt,
                             dst_ptr.add(m0 * n + nt * TILE_N),
                             n,
+                            &mut c_scratch,
                         )
                     };
                 }
