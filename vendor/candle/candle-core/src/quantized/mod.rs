@@ -1100,26 +1100,7 @@ impl QTensor {
                 .map(|(p, &n)| (*p, n))
                 .collect();
             let mut dsts: Vec<Vec<f32>> = shapes.iter().map(|&n| vec![0f32; m * n]).collect();
-            // Baton: a prompt's rows (32 or more) of Q4_K weights go to AMX, as a single
-            // matmul's do (repack.rs, `try_matmul_f32`), still from the one quantized lhs.
-            // Upstream ran them through the fused AVX-512 kernel at any row count, so on a
-            // CPU with AMX a prompt's gate and up projections (three fifths of a Qwen2.5
-            // layer's weights) skipped it.
-            let amx = m >= 32
-                && dtype == GgmlDType::Q4K
-                && repack_x86::amx_available()
-                && parts
-                    .iter()
-                    .all(|(p, _)| matches!(p, repack_x86::PackedX86::Q4K(_)));
-            if amx {
-                for ((p, n), dst) in parts.iter().zip(dsts.iter_mut()) {
-                    if let repack_x86::PackedX86::Q4K(q4k) = p {
-                        repack_x86::matmul_amx_q4k(q4k, &lhs_q.q, m, k, *n, dst);
-                    }
-                }
-            } else {
-                repack_x86::gemv_fused(&parts, &lhs_q, m, k, &mut dsts);
-            }
+            repack_x86::gemv_fused(&parts, &lhs_q, m, k, &mut dsts);
             drop(guard);
             let mut out = Vec::with_capacity(ts.len());
             let mut out_dims = dims.to_vec();

@@ -247,11 +247,9 @@ pub(crate) fn try_matmul_f32(
             .x86
             .get_or_init(|| super::repack_x86::pack(dtype, storage, n, k));
         // Baton: AMX reads the tiles themselves (no second copy of the weight)
-        if let super::repack_x86::PackedX86::Q4K(q4k) = tiles {
-            if m >= 32 && super::repack_x86::amx_available() {
-                super::repack_x86::matmul_amx_q4k(q4k, &acts.q, m, k, n, dst);
-                return Ok(true);
-            }
+        if let Some(q4k) = super::repack_x86::amx_tiles(tiles, m) {
+            super::repack_x86::matmul_amx_q4k(q4k, &acts.q, m, k, n, dst);
+            return Ok(true);
         }
         super::repack_x86::matmul_tiles(tiles, &acts, m, k, n, dst);
         Ok(true)

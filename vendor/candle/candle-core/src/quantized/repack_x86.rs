@@ -1275,6 +1275,18 @@ pub(crate) fn gemv_fused(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
+        // Baton: a prompt's rows go to AMX where a single product's would (`amx_tiles`), still
+        // from the one quantized lhs. Upstream ran them through this kernel at any row count,
+        // so on a CPU with AMX a prompt's gate and up projections (three fifths of a Qwen2.5
+        // layer's weights) skipped it.
+        if parts.iter().all(|(p, _)| amx_tiles(p, m).is_some()) {
+            for ((p, n), dst) in parts.iter().zip(dsts.iter_mut()) {
+                if let Some(q4k) = amx_tiles(p, m) {
+                    matmul_amx_q4k(q4k, &acts.q, m, k, *n, dst);
+                }
+            }
+            return;
+        }
         let kb = k.div_ceil(QK_K);
         let groups = k / QK8_0;
         let mt_step = kernels::MAX_MT;
@@ -1344,6 +1356,15 @@ impl TileQ4KAmx {
             dmin: [0.0; TILE_N],
             qs: [0; QK_K * TILE_N],
         }
+    }
+}
+
+// Baton: the Q4_K tiles that a product of `m` rows takes to AMX, if it does: 32 rows or more,
+// on a CPU with AMX. The one place that choice is made, for single and fused products alike.
+pub(crate) fn amx_tiles(packed: &PackedX86, m: usize) -> Option<&[TileQ4K]> {
+    match packed {
+        PackedX86::Q4K(tiles) if m >= 32 && amx_available() => Some(tiles),
+        _ => None,
     }
 }
 
