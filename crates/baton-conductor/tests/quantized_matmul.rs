@@ -63,6 +63,9 @@ fn many_rows_give_what_each_row_gives_alone_and_match_f32() -> candle_core::Resu
         // three 16-row tiles: AMX (Q4_K, 32 rows or more, where the CPU has it) takes tiles in
         // pairs, so the last one goes alone
         check(dtype, (45, 512, 48))?;
+        // 90 rows: AMX takes a superblock past blocks of 32 rows, the last one here with rows
+        // in both of its 16-row halves (26)
+        check(dtype, (90, 512, 48))?;
         // rows not a multiple of 256 values (Qwen2.5-0.5B's 896): the tiles of 32-value types
         // end mid-way through the activations' last 256-value block
         if dtype.block_size() == 32 {

@@ -570,11 +570,7 @@ mod kernels {
         _mm512_set1_epi32(std::ptr::read_unaligned(act.as_ptr().add(off) as *const i32))
     }
 
-    // Baton: 16 per-row 6-bit scales (or 8-bit signed ones) as f32.
-    #[inline(always)]
-    unsafe fn u8s_to_ps(v: &[u8; TILE_N]) -> __m512 {
-        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(v.as_ptr() as *const _)))
-    }
+    // Baton: 16 per-row 8-bit signed scales as f32.
     #[inline(always)]
     unsafe fn i8s_to_ps(v: &[i8; TILE_N]) -> __m512 {
         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(v.as_ptr() as *const _)))
@@ -583,16 +579,17 @@ mod kernels {
     // q4k: one superblock tile against `mt` q8k activation blocks. Subblocks are
     // processed in pairs with independent integer accumulators to break the dpbusd
     // latency chain when mt is small (decode gemv).
-    // Baton: a row's float work is a conversion and a multiply-add a subblock (its integer sum
-    // times the subblock's scale, d * the 6-bit scale) and a few operations a superblock (times
-    // the activations' scale; the minimum terms, summed in integers by `min_sums`). Upstream
-    // multiplied each subblock's scale by the activations' and subtracted its minimum term in
-    // floats: six operations a subblock and row beside its eight dpbusd.
+    // Baton: a row's superblock is summed exactly in integers: each subblock's integer sum
+    // times its 6-bit scale (vpmulld), and the minimum terms (`min_sums`); the floats come
+    // once a superblock (`q4k_finish`), as in llama.cpp's Q4_K dot product. Upstream multiplied
+    // each subblock's scale by d and the activations' scale and subtracted its minimum term in
+    // floats: six operations a subblock and row beside its eight dpbusd. The AMX kernel gets
+    // the same integers another way (`amx::q4k_superblock`), so the two agree bit for bit.
     #[target_feature(enable = "avx512f,avx512vnni,avx512bw")]
     pub(crate) unsafe fn q4k_tile(tile: &TileQ4K, acts: &[&BlockQ8K], acc: &mut [[__m512; 1]]) {
         let mask = _mm512_set1_epi8(0x0F_u8 as i8);
         let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.d.as_ptr() as *const _));
-        let mut sacc = [_mm512_setzero_ps(); MAX_MT];
+        let mut sacc = [_mm512_setzero_si512(); MAX_MT];
         for sub2 in 0..4 {
             let sa = sub2 * 2;
             let sb = sa + 1;
@@ -619,16 +616,16 @@ mod kernels {
                 }
             }
             for (sub, isum) in [(sa, &isum_a), (sb, &isum_b)] {
-                let scale = _mm512_mul_ps(d, u8s_to_ps(&tile.sc[sub]));
+                let sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(tile.sc[sub].as_ptr() as *const _));
                 for m in 0..acts.len() {
-                    sacc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), scale, sacc[m]);
+                    sacc[m] = _mm512_add_epi32(sacc[m], _mm512_mullo_epi32(isum[m], sc));
                 }
             }
         }
         let mins = q4k_min_pairs(&tile.mn);
         let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(tile.dmin.as_ptr() as *const _));
         for (m, act) in acts.iter().enumerate() {
-            q4k_finish(&mut acc[m][0], sacc[m], &mins, dmin, act);
+            q4k_finish(&mut acc[m][0], sacc[m], d, &mins, dmin, q4k_sum_pairs(act), act.d);
         }
     }
 
@@ -689,19 +686,24 @@ mod kernels {
         })
     }
 
-    // Baton: a row's superblock into its output: the scaled integer sums (`sacc`) times the
-    // activations' scale, less the minimum terms. The AMX kernel ends a superblock with this
-    // too, so a row's products are the same whichever kernel computes them.
+    // Baton: a row's superblock into its output: d times the sum of the subblocks' integer sums
+    // times their scales (`isum`, exact), times the activations' scale (`act_d`), less the
+    // minimum terms (against the activations' `q4k_sum_pairs`).
+    // The AMX kernel ends a superblock with this too, so a row's products are the same
+    // whichever kernel computes them.
     #[inline(always)]
     pub(crate) unsafe fn q4k_finish(
         acc: &mut __m512,
-        sacc: __m512,
+        isum: __m512i,
+        d: __m512,
         mins: &[__m512i; 4],
         dmin: __m512,
-        act: &BlockQ8K,
+        sum_pairs: [i32; 4],
+        act_d: f32,
     ) {
-        let dall = _mm512_set1_ps(act.d);
-        let msum = _mm512_cvtepi32_ps(min_sums(mins, q4k_sum_pairs(act)));
+        let sacc = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), d);
+        let dall = _mm512_set1_ps(act_d);
+        let msum = _mm512_cvtepi32_ps(min_sums(mins, sum_pairs));
         *acc = _mm512_fmadd_ps(sacc, dall, *acc);
         *acc = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dall), msum, *acc);
     }
@@ -1334,27 +1336,34 @@ pub(crate) fn gemv_fused(
     }
 }
 
-// AMX-int8 path for large-m (prefill) q4k matmuls: weights unpacked to i8 in tile
-// layout (B tile = 8 rows x 64 bytes = 32k x 16n VNNI-paired), activations repacked
-// per 16-row block, tdpbssd accumulating 16x16 i32 per 32-k subblock so the q4k
-// per-subblock scales apply exactly.
+// AMX-int8 path for large-m (prefill) q4k matmuls.
+// Baton: each 4-bit value is widened to a byte already multiplied by its subblock's 6-bit
+// scale, split in two 3-bit halves (scale = 8 * hi + lo; 15 * 7 fits a signed byte), so the
+// tiles sum a whole 256-value superblock in integers: C = 8 * sum(q * hi * a) + sum(q * lo * a)
+// is exactly the sum over subblocks of the scale times the subblock's integer sum, which the
+// AVX-512 kernel computes with vpmulld (`kernels::q4k_tile`). Upstream ran a tile product per
+// 32-value subblock and scaled each in floats: the C tiles left the tile registers eight times
+// a superblock, and the kernel waited on those stores and on the float work.
 #[repr(C)]
 pub(crate) struct TileQ4KAmx {
-    pub(crate) scales: [[f32; TILE_N]; 8],
+    pub(crate) d: [f32; TILE_N],
     // Baton: the minimums as the AVX-512 kernel takes them (`kernels::q4k_min_pairs`), and dmin
     pub(crate) min_pairs: [[i32; TILE_N]; 4],
     pub(crate) dmin: [f32; TILE_N],
-    // [subblock (8)][k4-row (8)][16 cols * 4 k] unsigned 4-bit values as i8
-    pub(crate) qs: [u8; QK_K * TILE_N],
+    // [k-quad (64)][16 cols * 4 k]: the values times the low (`lo`) and high (`hi`) 3 bits
+    // of their subblock's scale; 16 k-quads (64 values) make a B tile
+    pub(crate) lo: [u8; QK_K * TILE_N],
+    pub(crate) hi: [u8; QK_K * TILE_N],
 }
 
 impl TileQ4KAmx {
     fn zeroed() -> Self {
         TileQ4KAmx {
-            scales: [[0.0; TILE_N]; 8],
+            d: [0.0; TILE_N],
             min_pairs: [[0; TILE_N]; 4],
             dmin: [0.0; TILE_N],
-            qs: [0; QK_K * TILE_N],
+            lo: [0; QK_K * TILE_N],
+            hi: [0; QK_K * TILE_N],
         }
     }
 }
@@ -1415,30 +1424,52 @@ pub(crate) fn amx_available() -> bool {
 // a widened copy of every Q4_K weight (2.2x the tiles' bytes) for the model's life, built tile
 // by tile in scalar code on the first prompt. The widening is cheap: line g of the tile's
 // nibbles holds k-quads 2g (low nibbles) and 2g+1 (high nibbles) in the [row][4 k] order a B
-// tile wants. The scales are d times the 6-bit scale, and the minimums are kept as the AVX-512
-// kernel takes them, so products are those of the AVX-512 tiles (see `amx::q4k_m32`).
+// tile wants; each byte is then multiplied by its column's scale halves (see `TileQ4KAmx`).
+// The minimums are kept as the AVX-512 kernel takes them, so products are those of the
+// AVX-512 tiles (see `amx::q4k_superblock`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn unpack_q4k_amx(src: &TileQ4K, dst: &mut TileQ4KAmx) {
     use core::arch::x86_64::*;
+    // Bytes whose products fit a byte, multiplied lane by lane: the even bytes' product is
+    // the low byte of a 16-bit product, the odd bytes' the high byte of another.
+    #[inline(always)]
+    unsafe fn mul_bytes(a: __m512i, b: __m512i) -> __m512i {
+        let even = _mm512_and_si512(_mm512_mullo_epi16(a, b), _mm512_set1_epi16(0x00FF));
+        let odd = _mm512_mullo_epi16(
+            _mm512_srli_epi16(a, 8),
+            _mm512_and_si512(b, _mm512_set1_epi16(0xFF00_u16 as i16)),
+        );
+        _mm512_or_si512(even, odd)
+    }
     unsafe {
         let d = _mm512_cvtph_ps(_mm256_loadu_si256(src.d.as_ptr() as *const __m256i));
         let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(src.dmin.as_ptr() as *const __m256i));
-        for sub in 0..8 {
-            let sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(src.sc[sub].as_ptr() as *const __m128i));
-            _mm512_storeu_ps(dst.scales[sub].as_mut_ptr(), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
-        }
+        _mm512_storeu_ps(dst.d.as_mut_ptr(), d);
         for (to, pair) in dst.min_pairs.iter_mut().zip(kernels::q4k_min_pairs(&src.mn)) {
             _mm512_storeu_si512(to.as_mut_ptr() as *mut _, pair);
         }
         _mm512_storeu_ps(dst.dmin.as_mut_ptr(), dmin);
         let low = _mm512_set1_epi8(0x0F);
-        for g in 0..QK_K / 8 {
-            let line = _mm512_loadu_si512(src.qs.as_ptr().add(g * 64) as *const _);
-            let lo = _mm512_and_si512(line, low);
-            let hi = _mm512_and_si512(_mm512_srli_epi16(line, 4), low);
-            _mm512_storeu_si512(dst.qs.as_mut_ptr().add(2 * g * 64) as *mut _, lo);
-            _mm512_storeu_si512(dst.qs.as_mut_ptr().add((2 * g + 1) * 64) as *mut _, hi);
+        let three_bits = _mm512_set1_epi8(0x07);
+        for sub in 0..8 {
+            // column c's scale in each of the 4 bytes c takes in a k-quad line
+            let sc = _mm512_mullo_epi32(
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(src.sc[sub].as_ptr() as *const __m128i)),
+                _mm512_set1_epi32(0x0101_0101),
+            );
+            let sc_lo = _mm512_and_si512(sc, three_bits);
+            let sc_hi = _mm512_and_si512(_mm512_srli_epi16(sc, 3), three_bits);
+            for g in sub * 4..sub * 4 + 4 {
+                let line = _mm512_loadu_si512(src.qs.as_ptr().add(g * 64) as *const _);
+                let q_lo = _mm512_and_si512(line, low);
+                let q_hi = _mm512_and_si512(_mm512_srli_epi16(line, 4), low);
+                for (kq, q) in [(2 * g, q_lo), (2 * g + 1, q_hi)] {
+                    let at = kq * 64;
+                    _mm512_storeu_si512(dst.lo.as_mut_ptr().add(at) as *mut _, mul_bytes(q, sc_lo));
+                    _mm512_storeu_si512(dst.hi.as_mut_ptr().add(at) as *mut _, mul_bytes(q, sc_hi));
+                }
+            }
         }
     }
 }
@@ -1457,7 +1488,9 @@ mod amx {
         rows: [u8; 16],
     }
 
-    // tmm0 = C (16x16 i32), tmm1 = A (16 x 32 i8), tmm2 = B (8 x 64 i8)
+    // Baton: every tile 16 rows of 64 bytes. tmm0-3: C (16x16 i32: the high and low scale
+    // halves' sums of two 16-row halves of the activations); tmm4-5: A (16 rows x 64 i8);
+    // tmm6-7: B (16 k-quads x 16 columns, the values times the high and low scale halves).
     unsafe fn configure() {
         let mut cfg = TileCfg {
             palette: 1,
@@ -1467,18 +1500,9 @@ mod amx {
             rows: [0; 16],
         };
         const _: () = assert!(std::mem::size_of::<TileCfg>() == 64);
-        // tmm0-3: C (16x16 i32); tmm4-5: A (16x32 i8); tmm6-7: B (8x64 i8)
-        for t in 0..4 {
+        for t in 0..8 {
             cfg.colsb[t] = 64;
             cfg.rows[t] = 16;
-        }
-        for t in 4..6 {
-            cfg.colsb[t] = 32;
-            cfg.rows[t] = 16;
-        }
-        for t in 6..8 {
-            cfg.colsb[t] = 64;
-            cfg.rows[t] = 8;
         }
         core::arch::asm!(
             "ldtilecfg [{cfg}]",
@@ -1500,119 +1524,116 @@ mod amx {
         });
     }
 
-    // How many of a 32-row block's `mt` rows its half (0: rows 0..16, 1: 16..32) holds.
-    fn half_rows(mt: usize, half: usize) -> usize {
-        if half == 0 {
-            mt.min(16)
-        } else {
-            mt.saturating_sub(16)
-        }
+    // The i32 a superblock's C tiles take (see `q4k_superblock`: two, one being stored while the other is read).
+    pub(super) const C_SCRATCH: usize = 4 * 16 * 16;
+
+    // Baton: what a superblock's end takes from an activation row (`q4k_finish`), read off
+    // its Q8_K block once for every column tile.
+    #[derive(Clone, Copy)]
+    pub(super) struct RowEnd {
+        pub(super) sum_pairs: [i32; 4],
+        pub(super) d: f32,
     }
 
-    // The i32 a superblock's C tiles take (see `q4k_m32`).
-    pub(super) const C_SCRATCH: usize = 8 * 4 * 16 * 16;
-
-    // One (m16-block, n-tile) product over the full k range.
-    // a_pack: [kb][8 subs][16 rows * 32 bytes]; returns via dst rows of n floats.
-    // 32m x 32n macro-tile: 4 C tiles per (2 A, 2 B) loads so tdp throughput is not
-    // gated on tile loads. a_pack holds 32 m-rows (two 16-row halves interleaved by sub).
+    // Baton: one superblock of every activation row against `tiles` (1 or 2 widened 16-column
+    // tiles), added into `acc` ([32-row block][32 rows][32 columns] floats). `a` holds the
+    // superblock's activations, [32-row block][16-row half][4 k-chunks][16 rows * 64 bytes];
+    // `rows` what each row's end takes. Per block of rows and column tile, four C tiles sum
+    // the superblock's 256 values (see `TileQ4KAmx`) and leave the tile registers once; each
+    // row's integer sum (8 * hi + lo) then ends the superblock as the AVX-512 kernel ends it
+    // (`q4k_finish`). Those ends are done a quarter at a time between the next product's tile
+    // instructions, so the vector units work while the tile unit does.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn q4k_m32(
-        tiles: &[TileQ4KAmx],
-        nt0: usize,
-        n_tiles: usize,
-        kb: usize,
-        a_pack: &[i8],
-        acts: &[&[BlockQ8K]],
-        mt: usize,
-        dst: *mut f32,
-        n: usize,
+    pub(super) unsafe fn q4k_superblock(
+        tiles: &[&TileQ4KAmx],
+        a: *const i8,
+        rows: &[RowEnd],
+        acc: &mut [f32],
         c_scratch: &mut [i32],
     ) {
         ensure_configured();
-        let two_n = nt0 + 1 < n_tiles;
-        // Baton: a superblock's 32 C tiles (8 subblocks of 2 x 2) are stored side by side
-        // (32 KiB), then each output row's 16 columns are scaled and summed over the 8
-        // subblocks in a register. Upstream kept that running sum in memory and loaded and
-        // stored it for every subblock, twice the vector memory traffic of the tile stores.
-        debug_assert!(c_scratch.len() >= C_SCRATCH);
-        let mut facc = [0f32; 32 * 32];
-        let a_half = kb * 8 * 16 * 32;
+        let m = rows.len();
+        let count = tiles.len();
+        debug_assert!(c_scratch.len() >= 2 * C_SCRATCH && acc.len() >= m.div_ceil(32) * 1024);
+        // A product's C tiles, stored: rows 8 * part .. 8 * part + 8 of its 32 end here.
+        let end_part = |step: usize, part: usize, acc: &mut [f32], c_scratch: &[i32]| {
+            let (mb, ntl) = (step / count, step % count);
+            let t = tiles[ntl];
+            let (half, r0) = (part / 2, (part % 2) * 8);
+            let first = mb * 32 + half * 16 + r0;
+            if first >= m {
+                return;
+            }
+            let c = c_scratch.as_ptr().add((step % 2) * C_SCRATCH + half * 512);
+            let mins: [__m512i; 4] =
+                std::array::from_fn(|i| _mm512_loadu_si512(t.min_pairs[i].as_ptr() as *const _));
+            let d = _mm512_loadu_ps(t.d.as_ptr());
+            let dmin = _mm512_loadu_ps(t.dmin.as_ptr());
+            for mi in r0..r0 + (m - first).min(8) {
+                let hi = _mm512_loadu_si512(c.add(mi * 16) as *const _);
+                let lo = _mm512_loadu_si512(c.add(256 + mi * 16) as *const _);
+                let isum = _mm512_add_epi32(_mm512_slli_epi32(hi, 3), lo);
+                let fo = mb * 1024 + (half * 16 + mi) * 32 + ntl * 16;
+                let row = rows[mb * 32 + half * 16 + mi];
+                let mut f = _mm512_loadu_ps(acc.as_ptr().add(fo));
+                kernels::q4k_finish(&mut f, isum, d, &mins, dmin, row.sum_pairs, row.d);
+                _mm512_storeu_ps(acc.as_mut_ptr().add(fo), f);
+            }
+        };
+        let steps = m.div_ceil(32) * count;
         unsafe {
-            for b in 0..kb {
-                let t0 = &tiles[nt0 * kb + b];
-                let t1 = &tiles[(nt0 + two_n as usize) * kb + b];
-                for sub in 0..8 {
-                    let a0 = a_pack.as_ptr().add((b * 8 + sub) * 16 * 32);
-                    let a1 = a_pack.as_ptr().add(a_half + (b * 8 + sub) * 16 * 32);
-                    let b0 = t0.qs.as_ptr().add(sub * 8 * TILE_N * 4);
-                    let b1 = t1.qs.as_ptr().add(sub * 8 * TILE_N * 4);
+            for step in 0..steps {
+                let (mb, t) = (step / count, tiles[step % count]);
+                core::arch::asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    options(nostack)
+                );
+                for chunk in 0..4 {
+                    let a0 = a.add(mb * 2 * 4096 + chunk * 1024);
                     core::arch::asm!(
-                        "tilezero tmm0",
-                        "tilezero tmm1",
-                        "tilezero tmm2",
-                        "tilezero tmm3",
-                        "tileloadd tmm4, [{a0} + {sa}*1]",
-                        "tileloadd tmm6, [{b0} + {sb}*1]",
+                        "tileloadd tmm4, [{a0} + {s}*1]",
+                        "tileloadd tmm6, [{bh} + {s}*1]",
                         "tdpbssd tmm0, tmm4, tmm6",
-                        "tileloadd tmm7, [{b1} + {sb}*1]",
+                        "tileloadd tmm7, [{bl} + {s}*1]",
                         "tdpbssd tmm1, tmm4, tmm7",
-                        "tileloadd tmm5, [{a1} + {sa}*1]",
+                        "tileloadd tmm5, [{a1} + {s}*1]",
                         "tdpbssd tmm2, tmm5, tmm6",
                         "tdpbssd tmm3, tmm5, tmm7",
-                        "tilestored [{c} + {sc}*1], tmm0",
-                        "tilestored [{c} + {sc}*1 + 1024], tmm1",
-                        "tilestored [{c} + {sc}*1 + 2048], tmm2",
-                        "tilestored [{c} + {sc}*1 + 3072], tmm3",
                         a0 = in(reg) a0,
-                        a1 = in(reg) a1,
-                        b0 = in(reg) b0,
-                        b1 = in(reg) b1,
-                        c = in(reg) c_scratch.as_mut_ptr().add(sub * 1024),
-                        sa = in(reg) 32usize,
-                        sb = in(reg) 64usize,
-                        sc = in(reg) 64usize,
+                        a1 = in(reg) a0.add(4096),
+                        bh = in(reg) t.hi.as_ptr().add(chunk * 1024),
+                        bl = in(reg) t.lo.as_ptr().add(chunk * 1024),
+                        s = in(reg) 64usize,
                         options(nostack)
                     );
-                }
-                // Baton: a subblock's integer sums times its scale, summed over the
-                // superblock as the AVX-512 kernel (`kernels::q4k_tile`) sums them, in the
-                // same order; the superblock then ends as there.
-                for half in 0..2 {
-                    for ntl in 0..1 + two_n as usize {
-                        let tile = if ntl == 0 { t0 } else { t1 };
-                        let scales: [__m512; 8] =
-                            std::array::from_fn(|sub| _mm512_loadu_ps(tile.scales[sub].as_ptr()));
-                        let mins: [__m512i; 4] = std::array::from_fn(|i| {
-                            _mm512_loadu_si512(tile.min_pairs[i].as_ptr() as *const _)
-                        });
-                        let dmin = _mm512_loadu_ps(tile.dmin.as_ptr());
-                        let cbase = (half * 2 + ntl) * 256;
-                        for mi in 0..half_rows(mt, half) {
-                            let mut sa = _mm512_setzero_ps();
-                            for (sub, scale) in scales.iter().enumerate() {
-                                let ci = _mm512_loadu_si512(
-                                    c_scratch.as_ptr().add(sub * 1024 + cbase + mi * 16)
-                                        as *const _,
-                                );
-                                sa = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ci), *scale, sa);
-                            }
-                            let fo = (half * 16 + mi) * 32 + ntl * 16;
-                            let mut f = _mm512_loadu_ps(facc.as_ptr().add(fo));
-                            kernels::q4k_finish(&mut f, sa, &mins, dmin, &acts[half * 16 + mi][b]);
-                            _mm512_storeu_ps(facc.as_mut_ptr().add(fo), f);
+                    // the next block of rows' activations into L1 (a quarter of their 8 KiB a
+                    // chunk): a tile load waits for the products that read its register before
+                    // it, so its latency is not hidden
+                    if step % count == 0 && step + count < steps {
+                        let next = a.add((mb + 1) * 2 * 4096 + chunk * 2048);
+                        for line in 0..32 {
+                            _mm_prefetch::<_MM_HINT_T0>(next.add(line * 64));
                         }
                     }
+                    if step > 0 {
+                        end_part(step - 1, chunk, acc, c_scratch);
+                    }
                 }
-            }
-            let n_cols = 16 * (1 + two_n as usize);
-            for mi in 0..mt {
-                std::ptr::copy_nonoverlapping(
-                    facc.as_ptr().add(mi * 32),
-                    dst.add(mi * n + nt0 * TILE_N),
-                    n_cols,
+                core::arch::asm!(
+                    "tilestored [{c} + {s}*1], tmm0",
+                    "tilestored [{c} + {s}*1 + 1024], tmm1",
+                    "tilestored [{c} + {s}*1 + 2048], tmm2",
+                    "tilestored [{c} + {s}*1 + 3072], tmm3",
+                    c = in(reg) c_scratch.as_mut_ptr().add((step % 2) * C_SCRATCH),
+                    s = in(reg) 64usize,
+                    options(nostack)
                 );
+            }
+            for part in 0..4 {
+                end_part(steps - 1, part, acc, c_scratch);
             }
         }
     }
@@ -1620,7 +1641,7 @@ mod amx {
 
 // AMX matmul: m >= 32, q4k only. acts are per-row BlockQ8K slices.
 // Baton: the threads share out pairs of 16-row weight tiles, not blocks of 32 activation rows.
-// A thread widens its pair's tiles once (unpack_q4k_amx; 10 KiB a 256-value block, in its
+// A thread widens its pair's tiles once (unpack_q4k_amx; 17 KiB a 256-value block, in its
 // cache) and runs every 32-row block of activations past them, packed once for all threads.
 // Upstream swept every weight once per 32 activation rows, so it needed a widened copy of the
 // whole weight to keep the widening off that path.
@@ -1637,50 +1658,62 @@ pub(crate) fn matmul_amx_q4k(
         let kb = k / QK_K;
         let n_tiles = n / TILE_N;
         let m_blocks = m.div_ceil(32);
-        // one 32-row block of activations: two 16-row halves, [kb][8 subs][16 rows * 32 bytes]
-        let a_half = kb * 8 * 16 * 32;
-        let a_block = 2 * a_half;
-        let mut a_all = vec![0i8; m_blocks * a_block];
+        // Baton: [superblock][32-row block][16-row half][4 k-chunks][16 rows * 64 bytes], so
+        // that a superblock's activations are read in order for every block of rows
+        const A_BLOCK: usize = 2 * 4 * 16 * 64;
+        let mut a_all = vec![0i8; kb * m_blocks * A_BLOCK];
         for (i, row) in lhs_q.chunks_exact(kb).take(m).enumerate() {
-            let base = (i / 32) * a_block + ((i % 32) / 16) * a_half;
-            let r = i % 16;
             for (b, block) in row.iter().enumerate() {
-                for sub in 0..8 {
-                    let at = base + ((b * 8 + sub) * 16 + r) * 32;
-                    a_all[at..at + 32].copy_from_slice(&block.qs[sub * 32..sub * 32 + 32]);
+                let base = (b * m_blocks + i / 32) * A_BLOCK + ((i % 32) / 16) * (A_BLOCK / 2);
+                for chunk in 0..4 {
+                    let at = base + (chunk * 16 + i % 16) * 64;
+                    a_all[at..at + 64].copy_from_slice(&block.qs[chunk * 64..chunk * 64 + 64]);
                 }
             }
         }
+        // what each superblock's end takes from each row, [superblock][row]
+        let mut ends = Vec::with_capacity(kb * m);
+        for b in 0..kb {
+            ends.extend((0..m).map(|i| {
+                let act = &lhs_q[i * kb + b];
+                amx::RowEnd { sum_pairs: kernels::q4k_sum_pairs(act), d: act.d }
+            }));
+        }
         let dst_ptr = dst.as_mut_ptr() as usize;
-        let (a_all, lhs_ref) = (&a_all, lhs_q);
+        let (a_all, ends) = (&a_all, &ends);
         crate::utils::barrier_pool().execute_chunked(n_tiles.div_ceil(2), |pairs| {
             let dst_ptr = dst_ptr as *mut f32;
             let mut widened: Vec<TileQ4KAmx> = (0..2 * kb).map(|_| TileQ4KAmx::zeroed()).collect();
-            let mut c_scratch = vec![0i32; amx::C_SCRATCH];
-            let mut act_rows: Vec<&[BlockQ8K]> = Vec::with_capacity(32);
+            let mut c_scratch = vec![0i32; 2 * amx::C_SCRATCH];
+            // Baton: the pair's 32 output columns for every row, summed a superblock at a
+            // time: a superblock's widened tiles (16 KiB) stay in L1 while every block of
+            // rows passes them.
+            let mut acc = vec![0f32; m_blocks * 32 * 32];
             for pair in pairs {
                 let nt = 2 * pair;
                 let count = (n_tiles - nt).min(2);
                 for (w, src) in widened.iter_mut().zip(&tiles[nt * kb..(nt + count) * kb]) {
                     unsafe { unpack_q4k_amx(src, w) };
                 }
-                for mb in 0..m_blocks {
-                    let m0 = mb * 32;
-                    let mt = (m - m0).min(32);
-                    act_rows.clear();
-                    act_rows.extend((m0..m0 + mt).map(|i| &lhs_ref[i * kb..(i + 1) * kb]));
+                acc.fill(0.0);
+                for b in 0..kb {
+                    let pair_tiles = [&widened[b], &widened[kb + b]];
                     unsafe {
-                        amx::q4k_m32(
-                            &widened,
-                            0,
-                            count,
-                            kb,
-                            &a_all[mb * a_block..(mb + 1) * a_block],
-                            &act_rows,
-                            mt,
-                            dst_ptr.add(m0 * n + nt * TILE_N),
-                            n,
+                        amx::q4k_superblock(
+                            &pair_tiles[..count],
+                            a_all.as_ptr().add(b * m_blocks * A_BLOCK),
+                            &ends[b * m..(b + 1) * m],
+                            &mut acc,
                             &mut c_scratch,
+                        )
+                    };
+                }
+                for i in 0..m {
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            acc.as_ptr().add((i / 32) * 1024 + (i % 32) * 32),
+                            dst_ptr.add(i * n + nt * TILE_N),
+                            16 * count,
                         )
                     };
                 }
@@ -1759,12 +1792,6 @@ mod kernels256 {
         _mm256_loadu_si256(base.as_ptr().add(group * TILE_N * 4 + h * 32) as *const _)
     }
     #[target_feature(enable = "avx2")]
-    unsafe fn half_u8s_to_ps(v: &[u8; TILE_N], h: usize) -> __m256 {
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-            v.as_ptr().add(h * 8) as *const _
-        )))
-    }
-    #[target_feature(enable = "avx2")]
     unsafe fn half_i8s_to_ps(v: &[i8; TILE_N], h: usize) -> __m256 {
         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
             v.as_ptr().add(h * 8) as *const _
@@ -1823,9 +1850,9 @@ mod kernels256 {
                 let mask = _mm256_set1_epi8(0x0F_u8 as i8);
                 let d = [half_ps(&tile.d, 0), half_ps(&tile.d, 1)];
                 let dmin = [half_ps(&tile.dmin, 0), half_ps(&tile.dmin, 1)];
-                // Baton: as the AVX-512 kernel, a conversion and a multiply-add a subblock and row
-                // (`sacc`), and the minimum terms in integers once a superblock.
-                let mut sacc = [[_mm256_setzero_ps(); 2]; MAX_MT];
+                // Baton: as the AVX-512 kernel, a superblock's exact integer sum of each
+                // subblock's sum times its scale (`sacc`), and the minimum terms in integers.
+                let mut sacc = [[_mm256_setzero_si256(); 2]; MAX_MT];
                 for sub in 0..8 {
                     let mut isum = [[_mm256_setzero_si256(); 2]; MAX_MT];
                     for g4 in 0..4 {
@@ -1845,10 +1872,12 @@ mod kernels256 {
                         }
                     }
                     for h in 0..2 {
-                        let scale = _mm256_mul_ps(d[h], half_u8s_to_ps(&tile.sc[sub], h));
+                        let sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                            tile.sc[sub].as_ptr().add(h * 8) as *const _,
+                        ));
                         for m in 0..acts.len() {
-                            let f = _mm256_cvtepi32_ps(isum[m][h]);
-                            sacc[m][h] = _mm256_fmadd_ps(f, scale, sacc[m][h]);
+                            let scaled = _mm256_mullo_epi32(isum[m][h], sc);
+                            sacc[m][h] = _mm256_add_epi32(sacc[m][h], scaled);
                         }
                     }
                 }
@@ -1858,7 +1887,8 @@ mod kernels256 {
                         let sums = super::kernels::q4k_sum_pairs(act);
                         let msum = _mm256_cvtepi32_ps(min_sums_256(&mins, sums));
                         let dall = _mm256_set1_ps(act.d);
-                        acc[m][h] = _mm256_fmadd_ps(sacc[m][h], dall, acc[m][h]);
+                        let scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(sacc[m][h]), d[h]);
+                        acc[m][h] = _mm256_fmadd_ps(scaled, dall, acc[m][h]);
                         acc[m][h] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin[h], dall), msum, acc[m][h]);
                     }
                 }
