@@ -481,6 +481,7 @@ pub const BUILD_DEVICE: &str = if cfg!(feature = "cuda") {
 ///   for the process's life (44 MiB beside SmolLM2's 94 MiB of weights, measured with
 ///   `baton bench conductor`); a candle error shown to a user would carry the backtrace too.
 ///   `RUST_BACKTRACE` still gives backtraces on a panic.
+/// - The allocator keeps freed memory for reuse ([`keep_freed_memory`]).
 ///
 /// # Safety
 ///
@@ -497,5 +498,32 @@ pub unsafe fn set_engine_environment() {
         if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
             std::env::set_var("RUST_LIB_BACKTRACE", "0");
         }
+    }
+    keep_freed_memory();
+}
+
+/// Has glibc keep the memory a local model's prompt frees, for the next layer to reuse.
+///
+/// A prompt allocates each layer's activations afresh: for Qwen2.5-1.5B and a 585-token prompt,
+/// blocks of up to 21 MiB, dozens a layer. By default glibc maps blocks above its mmap
+/// threshold on their own and gives the top of a heap back to the system once 128 KiB of it is
+/// free, so nearly every block came back as new pages, which the kernel zeroes on first touch:
+/// page faults and zeroing were about a tenth of the prompt's time. Now blocks up to 32 MiB
+/// (the most glibc allows) come from the heaps, the heaps keep what is freed, and they grow
+/// 256 MiB at a time (address space; only touched pages are resident). The 1.5B's 585-token
+/// prompt ran about 10% faster on a 2-core Xeon, medians of three runs each, with the same peak
+/// resident memory (the prompt's buffers were resident at their peak anyway). After loading a
+/// model, [`crate::local`] still hands free pages back (`malloc_trim`), so the memory a loaded
+/// model is reported to take does not change.
+fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes glibc's allocation policy; it is called before other threads
+    // exist, and glibc serialises it with allocation anyway.
+    #[allow(unsafe_code)]
+    unsafe {
+        const MIB: libc::c_int = 1 << 20;
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 * MIB);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX);
+        libc::mallopt(libc::M_TOP_PAD, 256 * MIB);
     }
 }
