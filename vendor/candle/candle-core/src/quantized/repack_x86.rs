@@ -1524,7 +1524,8 @@ mod amx {
         });
     }
 
-    // The i32 a superblock's C tiles take (see `q4k_superblock`: two, one being stored while the other is read).
+    // The i32 one product's four C tiles take; `q4k_superblock` keeps two such, one being
+    // stored while the other is read.
     pub(super) const C_SCRATCH: usize = 4 * 16 * 16;
 
     // Baton: what a superblock's end takes from an activation row (`q4k_finish`), read off
