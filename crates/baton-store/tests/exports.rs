@@ -156,11 +156,13 @@ async fn exports_of_recorded_runs_match_the_pinned_format() {
         RunRequest { plan: Some(again.plan), reuse: Some(again.reuse), ..request(&tree.run.question, plan) };
     record(&store, &again.pool, Some(conversation), rerun_request).await;
 
-    // As the fixture was recorded: the workers see their subtasks only.
+    // As the fixture was recorded: the workers see their subtasks only. Steps 0 and 1 run
+    // at once; "ok" answers 300 ms late so that its event comes after step 1's failure (an
+    // export keeps the order in which events happened).
     let broken = self::pool(
         &server,
         "show_question = false\nquestion_to_answer_step = false",
-        &[("ok", "fine"), ("broken", "broken;fail=401"), ("judge", "judge")],
+        &[("ok", "fine;ttfb=300"), ("broken", "broken;fail=401"), ("judge", "judge")],
     );
     let plan = "model_id = [0, 1, 2]\nsubtasks = [\"A.\", \"B.\", \"Judge.\"]\naccess_list = [[], [], [1]]";
     let failed = record(&store, &broken, None, request("Will it fail?", plan)).await;
