@@ -195,6 +195,9 @@ macro_rules! with_common_options {
         // length, and on the CPU batched sequences came back mixed (greedy MMLU answers by
         // Qwen2.5-1.5B at 4 at a time: 30% right, text from one answer inside another; one at
         // a time: 50%, and faster, 132 s against 235 for 60 items). Requests queue instead.
+        // It takes both batching and the prefix cache: with the prefix cache off, 8 questions
+        // at 4 at a time got the answers they get 1 at a time. The test
+        // `requests_side_by_side_are_each_answered_as_alone` fails with 4 here.
         let mut b = $builder.with_prefix_cache_n(Some(PREFIX_CACHE_SEQUENCES)).with_max_num_seqs(MAX_SEQUENCES);
         if $config.force_cpu {
             b = b.with_force_cpu();

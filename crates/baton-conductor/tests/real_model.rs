@@ -200,18 +200,27 @@ async fn a_local_worker_answer_ends_on_its_end_of_turn_token() {
     assert_eq!(counted, Some(usage.input_tokens), "counted before the call, as the model read it");
 }
 
-/// Two requests to one local worker at once, with prompts of the same length: what a plan sends
-/// when two steps of the same shape run side by side (or `best-of-n` on a local worker). The
-/// engine prefills them as one batch; each is answered in full.
+/// Eight requests to one local worker, four in flight, a new one as each ends: what a round of
+/// parallel steps on one local worker sends, or an eval at its default concurrency. Each gets
+/// the answer it gets alone, word for word (greedy). With the engine running up to four
+/// sequences at once, the fifth answer came back mixed ("A. 200,0000" for "A. 200,000,000\nB.
+/// ..."), every time; see `MAX_SEQUENCES`.
 #[tokio::test(flavor = "multi_thread")]
-async fn two_prompts_of_one_length_at_once_are_both_answered() {
+async fn requests_side_by_side_are_each_answered_as_alone() {
     let _turn = ONE_AT_A_TIME.lock().await;
     let Some(model) = model().await else { return };
-    let worker = Arc::new(LocalWorker { model: model.clone(), max_tokens: 60, temperature: Some(0.0) });
+    let worker = Arc::new(LocalWorker { model: model.clone(), max_tokens: 128, temperature: Some(0.0) });
     let ask = |question: &'static str| {
         let worker = worker.clone();
         async move {
-            let request = ChatRequest { messages: vec![Message::user(question)], ..ChatRequest::default() };
+            let task = format!(
+                "{question}\n\nChoose one option. End your reply with a final line of the form `Answer: <letter>`."
+            );
+            let request = ChatRequest {
+                system: Some(format!("You are one step of a larger workflow. The user's original question:\n\n{task}")),
+                messages: vec![Message::user(task)],
+                ..ChatRequest::default()
+            };
             let mut stream = worker.stream(request).await.map_err(|e| e.to_string())?;
             let mut text = String::new();
             while let Some(item) = stream.next().await {
@@ -223,15 +232,28 @@ async fn two_prompts_of_one_length_at_once_are_both_answered() {
             Ok::<String, String>(text)
         }
     };
-    // Same words, other names: the same number of tokens, so neither is a cached prefix of the
-    // other and both are prefilled together.
-    let (sky, sea) = ("Name one colour of the sky.", "Name one colour of the sea.");
-    let count =
-        |q: &str| worker.input_tokens(&ChatRequest { messages: vec![Message::user(q)], ..ChatRequest::default() });
-    assert_eq!(count(sky).await, count(sea).await, "the two prompts are the same length");
-    let (a, b) = tokio::join!(ask(sky), ask(sea));
-    for (question, answer) in [("sky", a), ("sea", b)] {
-        let answer = answer.unwrap_or_else(|e| panic!("{question}: {e}"));
-        assert!(!answer.trim().is_empty(), "{question}: an answer");
+    // Multiple-choice questions as a plan's step asks them: the question in the system prompt
+    // after a fixed preamble (a prefix the cache shares), the subtask as the user turn.
+    let questions = [
+        "Of the following ions, which has the smallest radius?\n\nA. K+\nB. Ca2+\nC. Sc3+\nD. Rb+",
+        "When did the first pharaohs emerge in Egypt?\n\nA. 3100 B.P.\nB. 4100 B.P.\nC. 5100 B.P.\nD. 6100 B.P.",
+        "Which pair of expressions below are equivalent?\n\nA. 7(2x) and 9x\nB. 3x + 5x and 15x\nC. 4(2x — 6) and 8x — 24\nD. x+x+x+x and x^4",
+        "Given two Boolean random variables, A and B, where P(A) = 1/2, P(B) = 1/3, and P(A | ¬B) = 1/4, what is P(A | B)?\n\nA. 1/6\nB. 1/4\nC. 3/4\nD. 1",
+        "Approximately how many movies are watched in homes in the United States in one year?\n\nA. 200,000,000\nB. 2,000,000,000\nC. 20,000,000,000\nD. 200,000,000,000",
+        "Applying irrelevant standards to the subject of the argument is the fallacy of\n\nA. ad crumenam\nB. ad antiquitatem\nC. false criteria\nD. hasty generalization",
+        "The pattern of inheritance shown by glucose-6-phosphate dehydrogenase (G6PD) deficiency is:\n\nA. autosomal dominant.\nB. autosomal recessive.\nC. X-linked dominant.\nD. X-linked recessive.",
+        "Which of the following is a fundamental aspect of the free market system?\n\nA. A high degree of government involvement.\nB. Public ownership of resources.\nC. Private property.\nD. Central planners set wages and prices.",
+    ];
+    // Together first: asked alone first, the prompts would be cached, and nothing prefilled.
+    // Four in flight, a new one as each ends: requests arrive while others are decoding.
+    let together: Vec<_> = futures::stream::iter(questions.map(ask)).buffered(4).collect().await;
+    let mut alone = Vec::new();
+    for q in questions {
+        alone.push(ask(q).await.unwrap_or_else(|e| panic!("{q}: {e}")));
+    }
+    for ((q, alone), together) in questions.iter().zip(&alone).zip(together) {
+        let together = together.unwrap_or_else(|e| panic!("{q}: {e}"));
+        assert!(!alone.trim().is_empty(), "{q}: an answer");
+        assert_eq!(&together, alone, "{q}: asked beside others, the answer it gets alone");
     }
 }
