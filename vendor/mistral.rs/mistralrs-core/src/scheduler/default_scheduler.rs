@@ -219,7 +219,14 @@ impl<Backer: FcfsBacker> DefaultScheduler<Backer> {
             }
             (_, 0) => {
                 for seq in waiting.into_iter() {
-                    seq.set_state(SequenceState::RunningPrompt);
+                    // Baton: only a new sequence starts with its prompt. The waiting list also
+                    // holds sequences that bucketing set aside mid-answer, their cache kept;
+                    // upstream restarted those too, so their whole text was appended to their
+                    // cache again and the rest of their answer read it twice (answers asked side
+                    // by side came back mangled once the others had ended).
+                    if seq.is_waiting() {
+                        seq.set_state(SequenceState::RunningPrompt);
+                    }
                     self.running.push(seq);
                 }
                 self.waiting = Backer::new();
@@ -227,9 +234,11 @@ impl<Backer: FcfsBacker> DefaultScheduler<Backer> {
                 self.running = self.bucket_and_waitlist_seqs(running);
                 logger.set_num_running(self.running.len());
                 logger.set_num_waiting(self.waiting.len());
+                let (completion, prompt): (Vec<_>, Vec<_>) =
+                    self.running.iter_mut().partition(|seq| seq.is_completion());
                 return DefaultSchedulerOutput {
-                    prompt: self.running.iter_mut().collect::<Vec<_>>().into(),
-                    completion: vec![].into(),
+                    prompt: prompt.into(),
+                    completion: completion.into(),
                 };
             }
             (0, _) => {
