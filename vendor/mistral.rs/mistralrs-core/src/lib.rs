@@ -108,6 +108,9 @@ mod utils;
 mod vision_models;
 mod xlora_models;
 
+// Baton: for Baton's tests of the CPU attention kernel (BATON.md, change 11)
+#[doc(hidden)]
+pub use attention::cpu_attention;
 pub use diagnostics::{
     check_hf_gated_access, collect_system_info, run_doctor, BuildInfo, CpuInfo, DeviceInfo,
     DoctorCheck, DoctorReport, DoctorStatus, HfConnectivityInfo, MemoryInfo, SystemInfo,

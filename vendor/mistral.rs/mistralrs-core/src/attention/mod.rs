@@ -212,6 +212,29 @@ fn run_flash_attn_cpu_for_dtype(
     }
 }
 
+// Baton: the CPU attention kernel as a model's layer calls it for a prompt, public so that
+// Baton's tests can check it against plain arithmetic (see BATON.md, change 11).
+// q: (b, q_len, heads, head_dim); k, v: (b, kv_len, kv_heads, head_dim), rows contiguous
+// (strided views as a layer passes them are fine); mask: added to the scores, broadcast as the
+// models' masks are, e.g. (q_len, kv_len). Returns (b, heads, q_len, head_dim).
+#[doc(hidden)]
+pub fn cpu_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    softmax_scale: f32,
+) -> Result<Tensor> {
+    let params = SdpaParams {
+        n_kv_groups: q.dim(2)? / k.dim(2)?,
+        softcap: None,
+        softmax_scale,
+        sliding_window: None,
+        sinks: None,
+    };
+    run_flash_attn_cpu_for_dtype(q, k, v, mask, &params)
+}
+
 fn packed_attention_backend_is_available(q: &Tensor, sdpa_params: &SdpaParams) -> Result<bool> {
     let head_dim = q.dim(3)?;
     if sdpa_params.sinks.is_some() {

@@ -613,6 +613,208 @@ pub(super) fn score_block_f16(
     true
 }
 
+// Baton: the kernels of the widened path (full.rs, `WidenedKv`): K and V are widened to f32
+// once per attention call, K transposed per KV_BLOCK tile, so the per-q-block kernels below
+// read f32 directly instead of converting (and transposing) the same tiles for every 8 q rows.
+
+// Widen one f16 K tile (rows bs..bs+bn) into transposed f32: kt[d][kv], row stride kt_stride.
+pub(super) fn widen_k_tile_f16(
+    k_data: &[half::f16],
+    row_of: &dyn Fn(usize) -> usize,
+    bs: usize,
+    bn: usize,
+    d: usize,
+    kt: &mut [f32],
+    kt_stride: usize,
+) -> bool {
+    if !avx512() || !d.is_multiple_of(16) || kt_stride < bn.next_multiple_of(16) {
+        return false;
+    }
+    assert!(kt.len() >= d * kt_stride);
+    unsafe { expand_transpose_f16_avx512(k_data, row_of, bs, bn, d, kt, kt_stride) };
+    true
+}
+
+// Scores of NQ q rows against bn widened K columns: NQ rows x 32 columns of accumulators per
+// pass, so each row has two FMA chains and both FMA ports stay busy. NQ is a constant so the
+// accumulators live in registers.
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn score_tile_f32_avx512<const NQ: usize>(
+    q: *const f32,
+    d: usize,
+    k: *const f32,
+    kt_stride: usize,
+    bn: usize,
+    scale: f32,
+    s: *mut f32,
+    tile_stride: usize,
+) {
+    use core::arch::x86_64::*;
+    let sv = _mm512_set1_ps(scale);
+    let padded = bn.next_multiple_of(16);
+    let mut kv0 = 0;
+    while kv0 + 32 <= padded {
+        let mut lo = [_mm512_setzero_ps(); NQ];
+        let mut hi = [_mm512_setzero_ps(); NQ];
+        for dd in 0..d {
+            let k_lo = _mm512_loadu_ps(k.add(dd * kt_stride + kv0));
+            let k_hi = _mm512_loadu_ps(k.add(dd * kt_stride + kv0 + 16));
+            for j in 0..NQ {
+                let qb = _mm512_set1_ps(*q.add(j * d + dd));
+                lo[j] = _mm512_fmadd_ps(qb, k_lo, lo[j]);
+                hi[j] = _mm512_fmadd_ps(qb, k_hi, hi[j]);
+            }
+        }
+        for j in 0..NQ {
+            _mm512_storeu_ps(s.add(j * tile_stride + kv0), _mm512_mul_ps(lo[j], sv));
+            _mm512_storeu_ps(s.add(j * tile_stride + kv0 + 16), _mm512_mul_ps(hi[j], sv));
+        }
+        kv0 += 32;
+    }
+    if kv0 < padded {
+        let mut acc = [_mm512_setzero_ps(); NQ];
+        for dd in 0..d {
+            let kvec = _mm512_loadu_ps(k.add(dd * kt_stride + kv0));
+            for j in 0..NQ {
+                acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(j * d + dd)), kvec, acc[j]);
+            }
+        }
+        for j in 0..NQ {
+            _mm512_storeu_ps(s.add(j * tile_stride + kv0), _mm512_mul_ps(acc[j], sv));
+        }
+    }
+}
+
+// Scores s[j][kv] = scale * q[j] . k[kv] for nq <= 8 rows (q_rows row-major, stride d) and bn
+// columns of a widened K tile (kt[d][kv], stride kt_stride). Writes up to bn rounded up to 16.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn score_tile_f32(
+    q_rows: &[f32],
+    nq: usize,
+    d: usize,
+    kt: &[f32],
+    kt_stride: usize,
+    bn: usize,
+    scale: f32,
+    s_tile: &mut [f32],
+    tile_stride: usize,
+) -> bool {
+    let padded = bn.next_multiple_of(16);
+    if !avx512() || nq == 0 || nq > 8 || d == 0 || padded > kt_stride || padded > tile_stride {
+        return false;
+    }
+    // every read and write of the kernel stays inside these bounds
+    assert!(q_rows.len() >= nq * d && kt.len() >= (d - 1) * kt_stride + padded);
+    assert!(s_tile.len() >= (nq - 1) * tile_stride + padded);
+    let (q, k, s) = (q_rows.as_ptr(), kt.as_ptr(), s_tile.as_mut_ptr());
+    unsafe {
+        match nq {
+            8 => score_tile_f32_avx512::<8>(q, d, k, kt_stride, bn, scale, s, tile_stride),
+            7 => score_tile_f32_avx512::<7>(q, d, k, kt_stride, bn, scale, s, tile_stride),
+            6 => score_tile_f32_avx512::<6>(q, d, k, kt_stride, bn, scale, s, tile_stride),
+            5 => score_tile_f32_avx512::<5>(q, d, k, kt_stride, bn, scale, s, tile_stride),
+            4 => score_tile_f32_avx512::<4>(q, d, k, kt_stride, bn, scale, s, tile_stride),
+            3 => score_tile_f32_avx512::<3>(q, d, k, kt_stride, bn, scale, s, tile_stride),
+            2 => score_tile_f32_avx512::<2>(q, d, k, kt_stride, bn, scale, s, tile_stride),
+            _ => score_tile_f32_avx512::<1>(q, d, k, kt_stride, bn, scale, s, tile_stride),
+        }
+    }
+    true
+}
+
+// acc[j][x0..x0+16*NV] += sum over kv < bn of p[j][kv] * v[kv][x0..]: G q rows x NV registers
+// of accumulators stay in registers for the whole tile; each V vector is loaded once for all
+// G rows.
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pv_chunk_f32_avx512<const G: usize, const NV: usize>(
+    a: *mut f32,
+    dv: usize,
+    x0: usize,
+    v: *const f32,
+    bn: usize,
+    p: *const f32,
+    tile_stride: usize,
+) {
+    use core::arch::x86_64::*;
+    let mut r = [[_mm512_setzero_ps(); NV]; G];
+    for j in 0..G {
+        for x in 0..NV {
+            r[j][x] = _mm512_loadu_ps(a.add(j * dv + x0 + x * 16));
+        }
+    }
+    for kv in 0..bn {
+        let row = v.add(kv * dv + x0);
+        let mut vv = [_mm512_setzero_ps(); NV];
+        for x in 0..NV {
+            vv[x] = _mm512_loadu_ps(row.add(x * 16));
+        }
+        for j in 0..G {
+            let pj = _mm512_set1_ps(*p.add(j * tile_stride + kv));
+            for x in 0..NV {
+                r[j][x] = _mm512_fmadd_ps(vv[x], pj, r[j][x]);
+            }
+        }
+    }
+    for j in 0..G {
+        for x in 0..NV {
+            _mm512_storeu_ps(a.add(j * dv + x0 + x * 16), r[j][x]);
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pv_tile_f32_avx512<const G: usize>(
+    a: *mut f32,
+    dv: usize,
+    v: *const f32,
+    bn: usize,
+    p: *const f32,
+    tile_stride: usize,
+) {
+    let mut x0 = 0;
+    while x0 < dv {
+        match (dv - x0) / 16 {
+            1 => pv_chunk_f32_avx512::<G, 1>(a, dv, x0, v, bn, p, tile_stride),
+            2 => pv_chunk_f32_avx512::<G, 2>(a, dv, x0, v, bn, p, tile_stride),
+            3 => pv_chunk_f32_avx512::<G, 3>(a, dv, x0, v, bn, p, tile_stride),
+            _ => pv_chunk_f32_avx512::<G, 4>(a, dv, x0, v, bn, p, tile_stride),
+        }
+        x0 += ((dv - x0) / 16).min(4) * 16;
+    }
+}
+
+// acc[j][..] += sum over kv < bn of p[j][kv] * v[kv][..] for up to 4 q rows (acc rows of
+// stride dv; widened V rows of stride dv, the first at the tile's first kv position).
+pub(super) fn pv_tile_f32(
+    acc: &mut [f32],
+    dv: usize,
+    group: usize,
+    v: &[f32],
+    bn: usize,
+    p_tile: &[f32],
+    tile_stride: usize,
+) -> bool {
+    if !avx512() || dv == 0 || !dv.is_multiple_of(16) || group == 0 || group > 4 {
+        return false;
+    }
+    // every read and write of the kernel stays inside these bounds
+    assert!(acc.len() >= group * dv && v.len() >= bn * dv);
+    assert!(p_tile.len() >= (group - 1) * tile_stride + bn);
+    let (a, vp, p) = (acc.as_mut_ptr(), v.as_ptr(), p_tile.as_ptr());
+    unsafe {
+        match group {
+            4 => pv_tile_f32_avx512::<4>(a, dv, vp, bn, p, tile_stride),
+            3 => pv_tile_f32_avx512::<3>(a, dv, vp, bn, p, tile_stride),
+            2 => pv_tile_f32_avx512::<2>(a, dv, vp, bn, p, tile_stride),
+            _ => pv_tile_f32_avx512::<1>(a, dv, vp, bn, p, tile_stride),
+        }
+    }
+    true
+}
+
 // 256-bit tier for CPUs without AVX512 (everything Haswell/Zen1+): same ops, ymm
 // width, f16 through F16C. pv_tile stays 512-only; the generic mad loop covers it.
 pub(super) fn avx2_f16c() -> bool {

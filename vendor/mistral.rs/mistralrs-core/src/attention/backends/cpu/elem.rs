@@ -116,6 +116,21 @@ pub(in crate::attention) trait ElemOps: Copy + DowncastF32 {
         false
     }
 
+    // Baton: widen K rows [bs, bs+bn) into transposed f32 (kt[d][kv], row stride kt_stride)
+    // for the widened path (full.rs); false = the arch has no such kernel
+    #[allow(clippy::too_many_arguments)]
+    fn widen_k_tile(
+        _k_data: &[Self],
+        _row_of: &dyn Fn(usize) -> usize,
+        _bs: usize,
+        _bn: usize,
+        _d: usize,
+        _kt: &mut [f32],
+        _kt_stride: usize,
+    ) -> bool {
+        false
+    }
+
     // P.V over a kv tile for `group` q-rows with evenly strided accumulators; returns
     // false to fall back to the per-row mad loop.
     #[allow(clippy::too_many_arguments)]
@@ -272,6 +287,19 @@ impl ElemOps for f16 {
             s_tile,
             tile_stride,
         )
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn widen_k_tile(
+        k_data: &[Self],
+        row_of: &dyn Fn(usize) -> usize,
+        bs: usize,
+        bn: usize,
+        d: usize,
+        kt: &mut [f32],
+        kt_stride: usize,
+    ) -> bool {
+        super::avx::widen_k_tile_f16(k_data, row_of, bs, bn, d, kt, kt_stride)
     }
 
     #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]

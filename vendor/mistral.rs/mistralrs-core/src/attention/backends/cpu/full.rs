@@ -13,7 +13,133 @@ use super::{
 const Q_BLOCK: usize = 8;
 // kv positions scored per tile; keeps the score tile and softmax pass in L1
 const KV_BLOCK: usize = 128;
+// Baton: the widened path's K and V (f32) for one call may take at most this much memory;
+// past it (very long contexts) each q block converts its own tiles as before
+const WIDEN_MAX_BYTES: usize = 64 << 20;
+// a scratch buffer larger than this is freed after the call instead of kept for the next
+const WIDEN_KEEP_BYTES: usize = 16 << 20;
 const F32_MAGNITUDE_BITS: u32 = 0x7fff_ffff;
+
+thread_local! {
+    // reused across calls on the calling thread: a fresh allocation every layer would fault in
+    // its pages every time
+    static WIDE_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+// Baton: K and V of every kv head widened to f32 once per call (K transposed per KV_BLOCK
+// tile), shared by all q blocks and all q heads of a kv head. Without it each block of 8 q
+// rows converted and transposed the same K tiles and converted the same V rows again: for a
+// 635-token prompt of SmolLM2 (GQA 3) that was 240 conversions of each K tile per layer.
+struct WidenedKv<'a> {
+    // [b][kv head][tile][d][KV_BLOCK]
+    kt: &'a [f32],
+    // [b][kv head][kv][d]
+    v: &'a [f32],
+    heads: usize,
+    n_tiles: usize,
+    kv_len: usize,
+    d: usize,
+}
+
+impl WidenedKv<'_> {
+    fn k_tile(&self, b_i: usize, head: usize, tile: usize) -> &[f32] {
+        let start = ((b_i * self.heads + head) * self.n_tiles + tile) * self.d * KV_BLOCK;
+        &self.kt[start..start + self.d * KV_BLOCK]
+    }
+
+    fn v_rows(&self, b_i: usize, head: usize, bs: usize, be: usize) -> &[f32] {
+        let base = (b_i * self.heads + head) * self.kv_len;
+        &self.v[(base + bs) * self.d..(base + be) * self.d]
+    }
+}
+
+// Widens K and V into `buf` when the arch has the f32 tile kernels and enough q rows share
+// each kv head to pay for it; None keeps the per-q-block conversions.
+fn widen_kv<'b, T>(ctx: &CpuAttnCtx<'_, T>, buf: &'b mut Vec<f32>) -> Option<WidenedKv<'b>>
+where
+    T: ElemOps + Sync,
+{
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (ctx, buf);
+        None
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let [b, q_len, h, d] = ctx.q.dims;
+        let kv_len = ctx.k.dims[1];
+        let heads = ctx.k.dims[2];
+        if !T::EXPAND_SCORE
+            || !super::avx::avx512()
+            || heads == 0
+            || heads != ctx.v.dims[2]
+            || d == 0
+            || !d.is_multiple_of(16)
+            || kv_len == 0
+            || q_len * (h / heads) < Q_BLOCK
+        {
+            return None;
+        }
+        let n_tiles = kv_len.div_ceil(KV_BLOCK);
+        let kt_len = b * heads * n_tiles * d * KV_BLOCK;
+        let v_len = b * heads * kv_len * d;
+        if (kt_len + v_len) * std::mem::size_of::<f32>() > WIDEN_MAX_BYTES {
+            return None;
+        }
+        // stale values are fine: every value read later is written below, except the padding
+        // columns of a last K tile, whose scores are never read
+        if buf.len() < kt_len + v_len {
+            buf.resize(kt_len + v_len, 0.0);
+        }
+        let buf_ptr = buf.as_mut_ptr() as usize;
+        let widened = std::sync::atomic::AtomicBool::new(true);
+        candle_core::utils::barrier_pool().execute_chunked(b * heads * n_tiles, |range| {
+            let buf_ptr = buf_ptr as *mut f32;
+            for unit in range {
+                let tile = unit % n_tiles;
+                let bh = unit / n_tiles;
+                let head = bh % heads;
+                let b_i = bh / heads;
+                let bs = tile * KV_BLOCK;
+                let bn = KV_BLOCK.min(kv_len - bs);
+                // SAFETY: each unit writes only its own K tile and its own V rows, disjoint
+                // ranges of `buf`, which outlives the call and is not otherwise touched
+                let kt = unsafe {
+                    std::slice::from_raw_parts_mut(buf_ptr.add(unit * d * KV_BLOCK), d * KV_BLOCK)
+                };
+                let v = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        buf_ptr.add(kt_len + (bh * kv_len + bs) * d),
+                        bn * d,
+                    )
+                };
+                let k_row_of = |kv: usize| {
+                    b_i * ctx.k.stride[0] + kv * ctx.k.stride[1] + head * ctx.k.stride[2]
+                };
+                if !T::widen_k_tile(ctx.k.data, &k_row_of, bs, bn, d, kt, KV_BLOCK) {
+                    widened.store(false, std::sync::atomic::Ordering::Relaxed);
+                    return;
+                }
+                for (r, dst) in v.chunks_exact_mut(d).enumerate() {
+                    let base =
+                        b_i * ctx.v.stride[0] + (bs + r) * ctx.v.stride[1] + head * ctx.v.stride[2];
+                    T::expand_row(dst, &ctx.v.data[base..base + d]);
+                }
+            }
+        });
+        if !widened.into_inner() {
+            return None;
+        }
+        Some(WidenedKv {
+            kt: &buf[..kt_len],
+            v: &buf[kt_len..kt_len + v_len],
+            heads,
+            n_tiles,
+            kv_len,
+            d,
+        })
+    }
+}
 const NEG_INFINITY_BITS: u32 = 0xff80_0000;
 
 #[derive(Clone, Copy)]
@@ -139,6 +265,9 @@ where
         let out_ptr = out.as_mut_ptr() as usize;
         let n_q_blocks = q_len.div_ceil(Q_BLOCK);
         let total_units = b * h * n_q_blocks;
+        WIDE_SCRATCH.with_borrow_mut(|wide_buf| {
+        let wide = if tiled { widen_kv(ctx, wide_buf) } else { None };
+        let wide = wide.as_ref();
         candle_core::utils::barrier_pool().execute_chunked(total_units, |range| {
             let out_ptr = out_ptr as *mut T;
             let mut kscratch: Vec<f32> = Vec::new();
@@ -161,6 +290,7 @@ where
                         &mut kscratch,
                         &mut qscratch,
                         mask_classes.as_ref(),
+                        wide,
                     ))
                 {
                     compute_full_qblock(
@@ -174,6 +304,10 @@ where
                     );
                 }
             }
+        });
+        if wide_buf.capacity() * std::mem::size_of::<f32>() > WIDEN_KEEP_BYTES {
+            *wide_buf = Vec::new();
+        }
         });
     } else {
         FLASH_ATTN_POOL.install(|| {
@@ -202,6 +336,7 @@ fn compute_tiled_qblock<T>(
     kscratch: &mut Vec<f32>,
     qscratch: &mut Vec<f32>,
     mask_classes: Option<&MaskClassCache>,
+    wide: Option<&WidenedKv<'_>>,
 ) -> bool
 where
     T: ElemOps,
@@ -269,20 +404,39 @@ where
                 &ctx.q.data[q_base..q_base + d],
             );
         }
-        kscratch.resize((KV_BLOCK + 16) * d, 0.0);
+        if wide.is_none() {
+            kscratch.resize((KV_BLOCK + 16) * d, 0.0);
+        }
     }
 
-    let mut bs = kv_lo;
+    // widened K is tiled from position 0: tiles start on KV_BLOCK boundaries
+    let mut bs = match wide {
+        Some(_) => kv_lo - kv_lo % KV_BLOCK,
+        None => kv_lo,
+    };
     while bs < kv_hi {
         let be = kv_hi.min(bs + KV_BLOCK);
         let bn = be - bs;
+        let wide_scored = wide.is_some_and(|w| {
+            score_widened(
+                qscratch,
+                nq,
+                d,
+                w.k_tile(b_i, k_head, bs / KV_BLOCK),
+                bn,
+                ctx.scale,
+                &mut s_tile,
+            )
+        });
 
         // score the whole tile as a small gemm against transposed-K scratch when the
         // arch provides it: K streamed once for all q rows, 16 scores per fma
         let k_row_of =
             |kv: usize| b_i * ctx.k.stride[0] + kv * ctx.k.stride[1] + k_head * ctx.k.stride[2];
-        let block_scored = T::EXPAND_SCORE
-            && T::score_block(
+        let block_scored = wide_scored
+            || T::EXPAND_SCORE
+                && wide.is_none()
+                && T::score_block(
                 qscratch,
                 nq,
                 d,
@@ -364,7 +518,16 @@ where
         let mut j0 = 0;
         while j0 < nq {
             let g = (nq - j0).min(4);
-            let handled = T::pv_tile(
+            let handled = wide.is_some_and(|w| {
+                pv_widened(
+                    &mut acc[j0 * dv..],
+                    dv,
+                    g,
+                    w.v_rows(b_i, v_head, bs, be),
+                    bn,
+                    &s_tile[j0 * KV_BLOCK..],
+                )
+            }) || T::pv_tile(
                 &mut acc[j0 * dv..],
                 dv,
                 g,
@@ -404,6 +567,41 @@ where
         }
     }
     true
+}
+
+fn score_widened(
+    q_rows: &[f32],
+    nq: usize,
+    d: usize,
+    kt: &[f32],
+    bn: usize,
+    scale: f32,
+    s_tile: &mut [f32],
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return super::avx::score_tile_f32(q_rows, nq, d, kt, KV_BLOCK, bn, scale, s_tile, KV_BLOCK);
+    #[allow(unreachable_code)]
+    {
+        let _ = (q_rows, nq, d, kt, bn, scale, s_tile);
+        false
+    }
+}
+
+fn pv_widened(
+    acc: &mut [f32],
+    dv: usize,
+    group: usize,
+    v: &[f32],
+    bn: usize,
+    p_tile: &[f32],
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return super::avx::pv_tile_f32(acc, dv, group, v, bn, p_tile, KV_BLOCK);
+    #[allow(unreachable_code)]
+    {
+        let _ = (acc, dv, group, v, bn, p_tile);
+        false
+    }
 }
 
 // Dot q_row against k rows [lo, hi), writing scaled scores into tile[lo-bs..hi-bs].
