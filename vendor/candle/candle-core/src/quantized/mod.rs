@@ -17,6 +17,9 @@ pub mod metal;
 pub mod repack;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod repack_x86;
+// Baton: Q4_1 products on AMX
+#[cfg(target_arch = "x86_64")]
+mod repack_x86_amx_q4_1;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod tokenizer;
 #[cfg(not(feature = "metal"))]

@@ -247,8 +247,8 @@ pub(crate) fn try_matmul_f32(
             .x86
             .get_or_init(|| super::repack_x86::pack(dtype, storage, n, k));
         // Baton: AMX reads the tiles themselves (no second copy of the weight)
-        if let Some(q4k) = super::repack_x86::amx_tiles(tiles, m) {
-            super::repack_x86::matmul_amx_q4k(q4k, &acts.q, m, k, n, dst);
+        if let Some(amx) = super::repack_x86::amx_tiles(tiles, m) {
+            super::repack_x86::matmul_amx(amx, &acts, m, k, n, dst);
             return Ok(true);
         }
         super::repack_x86::matmul_tiles(tiles, &acts, m, k, n, dst);

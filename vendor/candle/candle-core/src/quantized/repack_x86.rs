@@ -1283,8 +1283,8 @@ pub(crate) fn gemv_fused(
         // layer's weights) skipped it.
         if parts.iter().all(|(p, _)| amx_tiles(p, m).is_some()) {
             for ((p, n), dst) in parts.iter().zip(dsts.iter_mut()) {
-                if let Some(q4k) = amx_tiles(p, m) {
-                    matmul_amx_q4k(q4k, &acts.q, m, k, *n, dst);
+                if let Some(tiles) = amx_tiles(p, m) {
+                    matmul_amx(tiles, acts, m, k, *n, dst);
                 }
             }
             return;
@@ -1368,12 +1368,31 @@ impl TileQ4KAmx {
     }
 }
 
-// Baton: the Q4_K tiles that a product of `m` rows takes to AMX, if it does: 32 rows or more,
-// on a CPU with AMX. The one place that choice is made, for single and fused products alike.
-pub(crate) fn amx_tiles(packed: &PackedX86, m: usize) -> Option<&[TileQ4K]> {
+// Baton: the weights that AMX multiplies (Q4_K and Q4_1 tiles, read as they are kept).
+#[derive(Clone, Copy)]
+pub(crate) enum AmxTiles<'a> {
+    Q4K(&'a [TileQ4K]),
+    Q4_1(&'a [TileQ4_1]),
+}
+
+// Baton: the tiles that a product of `m` rows takes to AMX, if it does: 32 rows or more, on a
+// CPU with AMX. The one place that choice is made, for single and fused products alike.
+pub(crate) fn amx_tiles(packed: &PackedX86, m: usize) -> Option<AmxTiles<'_>> {
+    if m < 32 || !amx_available() {
+        return None;
+    }
     match packed {
-        PackedX86::Q4K(tiles) if m >= 32 && amx_available() => Some(tiles),
+        PackedX86::Q4K(tiles) => Some(AmxTiles::Q4K(tiles)),
+        PackedX86::Q4_1(tiles) => Some(AmxTiles::Q4_1(tiles)),
         _ => None,
+    }
+}
+
+// Baton: a product on AMX, from activations quantized for the weights' type (`quantize_lhs`).
+pub(crate) fn matmul_amx(tiles: AmxTiles<'_>, acts: &Acts, m: usize, k: usize, n: usize, dst: &mut [f32]) {
+    match tiles {
+        AmxTiles::Q4K(t) => matmul_amx_q4k(t, &acts.q, m, k, n, dst),
+        AmxTiles::Q4_1(t) => super::repack_x86_amx_q4_1::matmul_amx_q4_1(t, acts, m, k, n, dst),
     }
 }
 
@@ -1475,7 +1494,7 @@ unsafe fn unpack_q4k_amx(src: &TileQ4K, dst: &mut TileQ4KAmx) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod amx {
+pub(crate) mod amx {
     use super::*;
     use core::arch::x86_64::*;
 
@@ -1515,7 +1534,7 @@ mod amx {
         static AMX_READY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     }
 
-    fn ensure_configured() {
+    pub(crate) fn ensure_configured() {
         AMX_READY.with(|f| {
             if !f.get() {
                 unsafe { configure() };
