@@ -1102,8 +1102,7 @@ impl QTensor {
                 .zip(shapes.iter())
                 .map(|(p, &n)| (*p, n))
                 .collect();
-            let mut dsts: Vec<Vec<f32>> = shapes.iter().map(|&n| vec![0f32; m * n]).collect();
-            repack_x86::gemv_fused(&parts, &lhs_q, m, k, &mut dsts);
+            let dsts = repack_x86::gemv_fused(&parts, &lhs_q, m, k);
             drop(guard);
             let mut out = Vec::with_capacity(ts.len());
             let mut out_dims = dims.to_vec();
@@ -1292,20 +1291,14 @@ impl crate::CustomOp1 for QTensor {
                 let slice = storage.as_slice::<f32>()?;
                 let slice =
                     &slice[layout.start_offset()..layout.start_offset() + src_shape.elem_count()];
-                let mut dst_storage = vec![0f32; dst_shape.elem_count()];
-
                 let mkn = (dst_shape.elem_count() / n, k, n);
-                let used_packed = repack::try_matmul_f32(
-                    self_storage.as_ref(),
-                    &self.repacked_qs,
-                    mkn,
-                    slice,
-                    &mut dst_storage,
-                )?;
-                if used_packed {
+                if let Some(dst_storage) =
+                    repack::try_matmul_f32(self_storage.as_ref(), &self.repacked_qs, mkn, slice)?
+                {
                     return Ok((crate::CpuStorage::F32(dst_storage), dst_shape));
                 }
 
+                let mut dst_storage = vec![0f32; dst_shape.elem_count()];
                 self_storage.matmul_t(mkn, slice, &mut dst_storage)?;
                 Ok((crate::CpuStorage::F32(dst_storage), dst_shape))
             }
@@ -1315,15 +1308,12 @@ impl crate::CustomOp1 for QTensor {
                 let slice =
                     &slice[layout.start_offset()..layout.start_offset() + src_shape.elem_count()];
                 let lhs: Vec<f32> = slice.iter().map(|v| v.to_f32()).collect();
-                let mut dst_storage = vec![0f32; dst_shape.elem_count()];
                 let mkn = (dst_shape.elem_count() / n, k, n);
-                repack::try_matmul_f32(
-                    self_storage.as_ref(),
-                    &self.repacked_qs,
-                    mkn,
-                    &lhs,
-                    &mut dst_storage,
-                )?;
+                let Some(dst_storage) =
+                    repack::try_matmul_f32(self_storage.as_ref(), &self.repacked_qs, mkn, &lhs)?
+                else {
+                    crate::bail!("no tile kernel for a {:?} weight of {n}x{k}", self.dtype())
+                };
                 let dst: Vec<f16> = dst_storage.iter().map(|v| f16::from_f32(*v)).collect();
                 Ok((crate::CpuStorage::F16(dst), dst_shape))
             }
@@ -1345,19 +1335,20 @@ impl crate::CustomOp1 for QTensor {
                 let slice =
                     &slice[layout.start_offset()..layout.start_offset() + src_shape.elem_count()];
                 let lhs = widen_bf16(slice);
-                let mut dst_storage = vec![0f32; dst_shape.elem_count()];
-
                 let mkn = (dst_shape.elem_count() / n, k, n);
-                let used_packed = repack::try_matmul_f32(
+                let dst_storage = match repack::try_matmul_f32(
                     self_storage.as_ref(),
                     &self.repacked_qs,
                     mkn,
                     &lhs,
-                    &mut dst_storage,
-                )?;
-                if !used_packed {
-                    self_storage.matmul_t(mkn, &lhs, &mut dst_storage)?;
-                }
+                )? {
+                    Some(dst) => dst,
+                    None => {
+                        let mut dst = vec![0f32; dst_shape.elem_count()];
+                        self_storage.matmul_t(mkn, &lhs, &mut dst)?;
+                        dst
+                    }
+                };
                 let dst: Vec<half::bf16> = narrow_bf16(&dst_storage);
                 Ok((crate::CpuStorage::BF16(dst), dst_shape))
             }

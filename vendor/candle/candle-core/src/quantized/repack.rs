@@ -218,28 +218,30 @@ pub(crate) struct BlockQ8Kx4 {
 #[cfg(target_arch = "aarch64")]
 const _: () = assert!(std::mem::size_of::<BlockQ8Kx4>() == 1168);
 
+// Baton: returns the product (or None where no packed kernel takes it) instead of filling a
+// zeroed one, so that AMX, which writes every value, skips the zeroing.
 pub(crate) fn try_matmul_f32(
     storage: &dyn QuantizedType,
     packed: &PackedCache,
     mkn: (usize, usize, usize),
     lhs: &[f32],
-    dst: &mut [f32],
-) -> Result<bool> {
+) -> Result<Option<Vec<f32>>> {
     #[cfg(target_arch = "aarch64")]
     {
         let Some(kind) = PackedKind::select(storage.dtype(), mkn) else {
-            return Ok(false);
+            return Ok(None);
         };
         let packed = packed.get_or_init(kind, || kind.pack(storage, mkn.2));
-        kind.matmul(mkn, lhs, packed, dst)?;
-        Ok(true)
+        let mut dst = vec![0f32; mkn.0 * mkn.2];
+        kind.matmul(mkn, lhs, packed, &mut dst)?;
+        Ok(Some(dst))
     }
 
     #[cfg(target_arch = "x86_64")]
     {
         let (m, k, n) = mkn;
         if !super::repack_x86::select(storage.dtype(), n, k) {
-            return Ok(false);
+            return Ok(None);
         }
         let dtype = storage.dtype();
         let acts = super::repack_x86::quantize_lhs(dtype, lhs, m, k);
@@ -248,17 +250,18 @@ pub(crate) fn try_matmul_f32(
             .get_or_init(|| super::repack_x86::pack(dtype, storage, n, k));
         // Baton: AMX reads the tiles themselves (no second copy of the weight)
         if let Some(amx) = super::repack_x86::amx_tiles(tiles, m) {
-            super::repack_x86::matmul_amx(amx, &acts, m, k, n, dst);
-            return Ok(true);
+            let mut outs = super::repack_x86::matmul_amx(&[(amx, n)], &acts, m, k);
+            return Ok(outs.pop());
         }
-        super::repack_x86::matmul_tiles(tiles, &acts, m, k, n, dst);
-        Ok(true)
+        let mut dst = vec![0f32; m * n];
+        super::repack_x86::matmul_tiles(tiles, &acts, m, k, n, &mut dst);
+        Ok(Some(dst))
     }
 
     #[cfg(not(any(target_arch = "aarch64", target_arch = "x86_64")))]
     {
-        let _ = (storage, packed, mkn, lhs, dst);
-        Ok(false)
+        let _ = (storage, packed, mkn, lhs);
+        Ok(None)
     }
 }
 

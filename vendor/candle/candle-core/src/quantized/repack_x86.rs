@@ -1268,27 +1268,26 @@ pub(crate) fn quantize_lhs(dtype: super::GgmlDType, lhs: &[f32], m: usize, k: us
 // Fused multi-projection gemv: one lhs quantization and one barrier region across
 // all projections sharing the same activations (qkv, gate/up). 512-bit only; the
 // per-unit body reuses matmul_unit_512 so intrinsics inline in portable builds.
+// Baton: returns the products ([m][n] each) instead of filling zeroed ones, so that AMX,
+// which writes every value, skips the zeroing.
 pub(crate) fn gemv_fused(
     parts: &[(&PackedX86, usize)],
     acts: &Acts,
     m: usize,
     k: usize,
-    dsts: &mut [Vec<f32>],
-) {
+) -> Vec<Vec<f32>> {
     #[cfg(target_arch = "x86_64")]
     {
         // Baton: a prompt's rows go to AMX where a single product's would (`amx_tiles`), still
         // from the one quantized lhs. Upstream ran them through this kernel at any row count,
         // so on a CPU with AMX a prompt's gate and up projections (three fifths of a Qwen2.5
         // layer's weights) skipped it.
-        if parts.iter().all(|(p, _)| amx_tiles(p, m).is_some()) {
-            for ((p, n), dst) in parts.iter().zip(dsts.iter_mut()) {
-                if let Some(tiles) = amx_tiles(p, m) {
-                    matmul_amx(tiles, acts, m, k, *n, dst);
-                }
-            }
-            return;
+        let amx: Option<Vec<(AmxTiles<'_>, usize)>> =
+            parts.iter().map(|(p, n)| amx_tiles(p, m).map(|t| (t, *n))).collect();
+        if let Some(amx) = amx {
+            return matmul_amx(&amx, acts, m, k);
         }
+        let mut dsts: Vec<Vec<f32>> = parts.iter().map(|(_, n)| vec![0f32; m * n]).collect();
         let kb = k.div_ceil(QK_K);
         let groups = k / QK8_0;
         let mt_step = kernels::MAX_MT;
@@ -1328,10 +1327,11 @@ pub(crate) fn gemv_fused(
                 }
             }
         });
+        dsts
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (parts, acts, m, k, dsts);
+        let _ = (parts, acts, m, k);
         unreachable!("x86 repack kernels on non-x86 arch");
     }
 }
@@ -1388,12 +1388,39 @@ pub(crate) fn amx_tiles(packed: &PackedX86, m: usize) -> Option<AmxTiles<'_>> {
     }
 }
 
-// Baton: a product on AMX, from activations quantized for the weights' type (`quantize_lhs`).
-pub(crate) fn matmul_amx(tiles: AmxTiles<'_>, acts: &Acts, m: usize, k: usize, n: usize, dst: &mut [f32]) {
-    match tiles {
-        AmxTiles::Q4K(t) => matmul_amx_q4k(t, &acts.q, m, k, n, dst),
-        AmxTiles::Q4_1(t) => super::repack_x86_amx_q4_1::matmul_amx_q4_1(t, acts, m, k, n, dst),
+// Baton: products on AMX of one set of activations, quantized for the weights' type
+// (`quantize_lhs`), with each (weight, n): [m][n] each. The kernels write every value, so the
+// results are not zeroed first: a prompt's are megabytes, and zeroing them took one thread
+// while the others waited.
+pub(crate) fn matmul_amx(parts: &[(AmxTiles<'_>, usize)], acts: &Acts, m: usize, k: usize) -> Vec<Vec<f32>> {
+    let mut outs: Vec<Vec<f32>> = parts.iter().map(|(_, n)| Vec::with_capacity(m * n)).collect();
+    let q4_1: Vec<super::repack_x86_amx_q4_1::Part<'_>> = parts
+        .iter()
+        .zip(outs.iter_mut())
+        .filter_map(|((t, n), out)| match t {
+            AmxTiles::Q4_1(tiles) => Some(super::repack_x86_amx_q4_1::Part {
+                tiles,
+                n: *n,
+                dst: out.as_mut_ptr(),
+            }),
+            AmxTiles::Q4K(_) => None,
+        })
+        .collect();
+    if !q4_1.is_empty() {
+        // Safety: each out has room for its m * n values, and each part has its own out
+        unsafe { super::repack_x86_amx_q4_1::matmul_amx_q4_1(&q4_1, acts, m, k) };
     }
+    for ((t, n), out) in parts.iter().zip(outs.iter_mut()) {
+        if let AmxTiles::Q4K(tiles) = t {
+            // Safety: as above
+            unsafe { matmul_amx_q4k(tiles, &acts.q, m, k, *n, out.as_mut_ptr()) };
+        }
+    }
+    for ((_, n), out) in parts.iter().zip(outs.iter_mut()) {
+        // Safety: the kernels above wrote all m * n values of every out
+        unsafe { out.set_len(m * n) };
+    }
+    outs
 }
 
 pub(crate) fn amx_available() -> bool {
@@ -1665,13 +1692,14 @@ pub(crate) mod amx {
 // cache) and runs every 32-row block of activations past them, packed once for all threads.
 // Upstream swept every weight once per 32 activation rows, so it needed a widened copy of the
 // whole weight to keep the widening off that path.
-pub(crate) fn matmul_amx_q4k(
+// Baton: writes all m * n values at `dst`, which must be valid for them.
+pub(crate) unsafe fn matmul_amx_q4k(
     tiles: &[TileQ4K],
     lhs_q: &[BlockQ8K],
     m: usize,
     k: usize,
     n: usize,
-    dst: &mut [f32],
+    dst: *mut f32,
 ) {
     #[cfg(target_arch = "x86_64")]
     {
@@ -1699,7 +1727,7 @@ pub(crate) fn matmul_amx_q4k(
                 amx::RowEnd { sum_pairs: kernels::q4k_sum_pairs(act), d: act.d }
             }));
         }
-        let dst_ptr = dst.as_mut_ptr() as usize;
+        let dst_ptr = dst as usize;
         let (a_all, ends) = (&a_all, &ends);
         crate::utils::barrier_pool().execute_chunked(n_tiles.div_ceil(2), |pairs| {
             let dst_ptr = dst_ptr as *mut f32;

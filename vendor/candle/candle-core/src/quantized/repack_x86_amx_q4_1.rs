@@ -24,70 +24,149 @@ const B_PAIR: usize = 2 * B_TILE;
 // What a group's scaling takes from an activation row: its scale, and its scale times its sum.
 type GroupEnd = [f32; 2];
 
-pub(crate) fn matmul_amx_q4_1(
-    tiles: &[TileQ4_1],
-    acts: &Acts,
-    m: usize,
-    k: usize,
-    n: usize,
-    dst: &mut [f32],
-) {
-    let kb = k.div_ceil(QK_K);
+// One product of a call: a weight's column tiles, its width, and its [m][n] result.
+pub(crate) struct Part<'a> {
+    pub(crate) tiles: &'a [TileQ4_1],
+    pub(crate) n: usize,
+    pub(crate) dst: *mut f32,
+}
+
+/// The products of `m` activation rows with each part's weight, written whole into each part's
+/// `dst` (every one of its m * n values, so it need not be zeroed first).
+///
+/// # Safety
+/// Each `dst` must be valid for writes of m * n values, and the parts' results must not overlap.
+pub(crate) unsafe fn matmul_amx_q4_1(parts: &[Part<'_>], acts: &Acts, m: usize, k: usize) {
     let groups = k / QK4_1;
-    debug_assert!(groups.is_multiple_of(2) && n.is_multiple_of(TILE_N));
-    debug_assert!(tiles.len() == (n / TILE_N) * groups && dst.len() >= m * n);
+    debug_assert!(groups.is_multiple_of(2));
+    for p in parts {
+        debug_assert!(p.n.is_multiple_of(TILE_N) && p.tiles.len() == (p.n / TILE_N) * groups);
+    }
     let m_blocks = m.div_ceil(16);
-    let n_tiles = n / TILE_N;
+    let (a_all, ends) = rows_as_tiles(acts, m, k);
 
-    // the activations as [row][k] bytes, rows padded with zeros to whole blocks of 16
-    let mut a_all = vec![0i8; m_blocks * 16 * k];
-    for (i, row) in acts.q.chunks_exact(kb).take(m).enumerate() {
-        for (b, block) in row.iter().enumerate() {
-            let len = (k - b * QK_K).min(QK_K);
-            a_all[i * k + b * QK_K..][..len].copy_from_slice(&block.qs[..len]);
-        }
+    // every part's column tiles are one list of work, so a fused call (gate and up) waits for
+    // its threads once, and a thread that finishes one part's tiles goes on to the next's
+    let mut starts = Vec::with_capacity(parts.len());
+    let mut total = 0;
+    for p in parts {
+        starts.push(total);
+        total += p.n / TILE_N;
     }
-    // [16-row block][group][row in block]; padded rows' ends are zero, so their sums add nothing
-    let mut ends: Vec<GroupEnd> = vec![[0.0; 2]; m_blocks * groups * 16];
-    for i in 0..m {
-        for g in 0..groups {
-            let act = &acts.q[i * kb + g / 8];
-            let blk = g % 8;
-            // as `kernels_q4_1::q4_1_tile2` computes them, expression for expression
-            let bsum = (act.bsums[blk * 2] as i32 + act.bsums[blk * 2 + 1] as i32) as f32;
-            let da = acts.scales[i * kb * 8 + g];
-            ends[((i / 16) * groups + g) * 16 + i % 16] = [da, da * bsum];
-        }
-    }
-
-    let dst_ptr = dst.as_mut_ptr() as usize;
-    let (a_all, ends) = (&a_all, &ends);
-    crate::utils::barrier_pool().execute_chunked(n_tiles, |range| {
-        let dst_ptr = dst_ptr as *mut f32;
-        // the column tile's weights as B tiles; the zero halves are never written
-        let mut b_tiles = AlignedBytes::zeroed(groups / 2 * B_PAIR);
-        let mut c_scratch = AlignedBytes::zeroed(4 * B_TILE);
-        for nt in range {
-            let col_tiles = &tiles[nt * groups..(nt + 1) * groups];
-            unsafe {
-                widen(col_tiles, b_tiles.as_mut_ptr());
+    // (tiles, n, dst): raw pointers are not Sync, so the destinations travel as addresses
+    let work: Vec<(&[TileQ4_1], usize, usize)> =
+        parts.iter().map(|p| (p.tiles, p.n, p.dst as usize)).collect();
+    let (a_all, ends, starts, work) = (&a_all, &ends, &starts, &work);
+    crate::utils::barrier_pool().execute_chunked(total, |range| {
+        SCRATCH.with_borrow_mut(|scratch| {
+            let (b_tiles, c_scratch) = scratch.take(groups / 2 * B_PAIR, 4 * B_TILE);
+            for unit in range {
+                let pi = starts.partition_point(|&s| s <= unit) - 1;
+                let ((tiles, n, dst), nt) = (work[pi], unit - starts[pi]);
+                let dst = dst as *mut f32;
+                let col_tiles = &tiles[nt * groups..(nt + 1) * groups];
+                // Safety: AVX-512 and AMX were checked before AMX was chosen (`amx_tiles`);
+                // the scratch holds a column tile's B tiles and four C tiles; the caller gave
+                // m * n values at each dst
+                unsafe { widen(col_tiles, b_tiles) };
                 for mb in 0..m_blocks {
-                    let rows = (m - mb * 16).min(16);
-                    rows16(
+                    unsafe { rows16(
                         a_all.as_ptr().add(mb * 16 * k),
                         k,
-                        b_tiles.as_ptr(),
+                        b_tiles,
                         col_tiles,
                         &ends[mb * groups * 16..(mb + 1) * groups * 16],
-                        c_scratch.as_mut_ptr() as *mut i32,
-                        rows,
-                        dst_ptr.add(mb * 16 * n + nt * TILE_N),
+                        c_scratch as *mut i32,
+                        (m - mb * 16).min(16),
+                        dst.add(mb * 16 * n + nt * TILE_N),
                         n,
-                    );
+                    ) };
+                }
+            }
+        })
+    });
+}
+
+// The activations as AMX reads them: [row][k] bytes, rows padded with zeros to whole blocks of
+// 16, and each group's scaling terms as [16-row block][group][row in block] (a padded row's
+// are zero, so its sums add nothing). Built by all threads, a block of rows each: on one
+// thread it was a tenth of a small model's prompt, with the other threads waiting.
+fn rows_as_tiles(acts: &Acts, m: usize, k: usize) -> (Vec<i8>, Vec<GroupEnd>) {
+    let kb = k.div_ceil(QK_K);
+    let groups = k / QK4_1;
+    let m_blocks = m.div_ceil(16);
+    let mut a_all: Vec<i8> = Vec::with_capacity(m_blocks * 16 * k);
+    let mut ends: Vec<GroupEnd> = Vec::with_capacity(m_blocks * groups * 16);
+    let (a_ptr, e_ptr) = (a_all.as_mut_ptr() as usize, ends.as_mut_ptr() as usize);
+    crate::utils::barrier_pool().execute_chunked(m_blocks, |blocks| {
+        for mb in blocks {
+            // Safety: block mb writes only its own 16 rows of `a_all` and its own
+            // [groups][16] ends, every value of them.
+            let a = unsafe {
+                std::slice::from_raw_parts_mut((a_ptr as *mut i8).add(mb * 16 * k), 16 * k)
+            };
+            let e = unsafe {
+                std::slice::from_raw_parts_mut(
+                    (e_ptr as *mut GroupEnd).add(mb * groups * 16),
+                    groups * 16,
+                )
+            };
+            for r in 0..16 {
+                let i = mb * 16 + r;
+                let a_row = &mut a[r * k..(r + 1) * k];
+                if i >= m {
+                    a_row.fill(0);
+                    for g in 0..groups {
+                        e[g * 16 + r] = [0.0; 2];
+                    }
+                    continue;
+                }
+                for (b, block) in acts.q[i * kb..(i + 1) * kb].iter().enumerate() {
+                    let len = (k - b * QK_K).min(QK_K);
+                    a_row[b * QK_K..b * QK_K + len].copy_from_slice(&block.qs[..len]);
+                }
+                for g in 0..groups {
+                    let act = &acts.q[i * kb + g / 8];
+                    let blk = g % 8;
+                    // as `kernels_q4_1::q4_1_tile2` computes them, expression for expression
+                    let bsum = (act.bsums[blk * 2] as i32 + act.bsums[blk * 2 + 1] as i32) as f32;
+                    let da = acts.scales[i * kb * 8 + g];
+                    e[g * 16 + r] = [da, da * bsum];
                 }
             }
         }
     });
+    // Safety: the blocks above wrote every value of both
+    unsafe {
+        a_all.set_len(m_blocks * 16 * k);
+        ends.set_len(m_blocks * groups * 16);
+    }
+    (a_all, ends)
+}
+
+// A thread's B tiles and C scratch, kept between calls: the B tiles' zero halves are written
+// once, when the buffer grows, and never again (`widen` writes only the weight halves).
+struct Scratch {
+    b: AlignedBytes,
+    c: AlignedBytes,
+}
+
+impl Scratch {
+    fn take(&mut self, b_bytes: usize, c_bytes: usize) -> (*mut u8, *mut u8) {
+        if self.b.len() < b_bytes {
+            self.b = AlignedBytes::zeroed(b_bytes);
+        }
+        if self.c.len() < c_bytes {
+            self.c = AlignedBytes::zeroed(c_bytes);
+        }
+        (self.b.as_mut_ptr(), self.c.as_mut_ptr())
+    }
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = const {
+        std::cell::RefCell::new(Scratch { b: AlignedBytes(Vec::new()), c: AlignedBytes(Vec::new()) })
+    };
 }
 
 // 64-byte aligned scratch: tile loads and stores of whole cache lines
@@ -101,8 +180,8 @@ impl AlignedBytes {
     fn zeroed(bytes: usize) -> Self {
         Self(vec![Line([0; 64]); bytes.div_ceil(64)])
     }
-    fn as_ptr(&self) -> *const u8 {
-        self.0.as_ptr() as *const u8
+    fn len(&self) -> usize {
+        self.0.len() * 64
     }
     fn as_mut_ptr(&mut self) -> *mut u8 {
         self.0.as_mut_ptr() as *mut u8

@@ -2666,7 +2666,7 @@ impl CustomOp2 for FusedGlu {
 
                 // barrier pool instead of rayon: its workers already own these cores and
                 // would otherwise spin against the rayon threads between matmuls
-                let mut result = vec![0f32; len];
+                let mut result = Vec::<f32>::with_capacity(len);
                 let a = &a_slice[a_offset..a_offset + len];
                 let b = &b_slice[b_offset..b_offset + len];
                 let out_ptr = result.as_mut_ptr() as usize;
@@ -2677,6 +2677,9 @@ impl CustomOp2 for FusedGlu {
                         unsafe { *out.add(i) = v };
                     }
                 });
+                // Baton: the chunks wrote every value; not zeroing them first saves a pass
+                // over megabytes that one thread made while the others waited
+                unsafe { result.set_len(len) };
                 CpuStorage::F32(result)
             }
             DType::F16 => {
@@ -2685,7 +2688,7 @@ impl CustomOp2 for FusedGlu {
                 let a_offset = l1.start_offset();
                 let b_offset = l2.start_offset();
 
-                let mut result = vec![f16::ZERO; len];
+                let mut result = Vec::<f16>::with_capacity(len);
                 let a = &a_slice[a_offset..a_offset + len];
                 let b = &b_slice[b_offset..b_offset + len];
                 let out_ptr = result.as_mut_ptr() as usize;
@@ -2699,6 +2702,9 @@ impl CustomOp2 for FusedGlu {
                         unsafe { *out.add(i) = v };
                     }
                 });
+                // Baton: the chunks wrote every value; not zeroing them first saves a pass
+                // over megabytes that one thread made while the others waited
+                unsafe { result.set_len(len) };
                 CpuStorage::F16(result)
             }
             DType::BF16 => {
@@ -2707,7 +2713,7 @@ impl CustomOp2 for FusedGlu {
                 let a_offset = l1.start_offset();
                 let b_offset = l2.start_offset();
 
-                let mut result = vec![bf16::ZERO; len];
+                let mut result = Vec::<bf16>::with_capacity(len);
                 let a = &a_slice[a_offset..a_offset + len];
                 let b = &b_slice[b_offset..b_offset + len];
                 let out_ptr = result.as_mut_ptr() as usize;
@@ -2721,6 +2727,9 @@ impl CustomOp2 for FusedGlu {
                         unsafe { *out.add(i) = v };
                     }
                 });
+                // Baton: the chunks wrote every value; not zeroing them first saves a pass
+                // over megabytes that one thread made while the others waited
+                unsafe { result.set_len(len) };
                 CpuStorage::BF16(result)
             }
             other => candle_core::bail!("fused_glu: unsupported dtype {:?}", other),
