@@ -170,12 +170,13 @@ fn activations_quantize_to_q8k_as_the_scalar_reference_does() {
 
 // Projections that share an input (a layer's gate and up) are computed together on x86
 // (`QTensor::gemv_fused_shared_lhs`: one quantization of the input, one parallel region), for
-// one row (decode) or a prompt's rows; each must give what its own product gives, bit for bit.
+// one row (decode) or a prompt's rows; each must give what its own product gives, bit for bit,
+// and a prompt's rows (AMX, where the CPU has it) what each row gives alone (the AVX-512 tiles).
 #[test]
 fn projections_sharing_an_input_give_what_each_gives_alone() -> candle_core::Result<()> {
     let dev = Device::Cpu;
     let k = 512;
-    for dtype in [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q8_0] {
+    for dtype in [GgmlDType::Q4K, GgmlDType::Q4_1, GgmlDType::Q6K, GgmlDType::Q8_0] {
         let floats = [96, 64]
             .into_iter()
             .map(|n| Tensor::randn(0f32, 1.0, (n, k), &dev))
@@ -197,6 +198,13 @@ fn projections_sharing_an_input_give_what_each_gives_alone() -> candle_core::Res
                     alone.forward(&x)?.flatten_all()?.to_vec1::<f32>()?,
                     "{dtype:?}, {m} rows: together and alone differ"
                 );
+                for r in 0..m {
+                    assert_eq!(
+                        got.narrow(1, r, 1)?.flatten_all()?.to_vec1::<f32>()?,
+                        alone.forward(&x.narrow(1, r, 1)?)?.flatten_all()?.to_vec1::<f32>()?,
+                        "{dtype:?}, {m} rows: row {r} together and the row alone differ"
+                    );
+                }
             }
         }
     }
