@@ -57,7 +57,7 @@ pub(crate) unsafe fn matmul_amx_q4_1(parts: &[Part<'_>], acts: &Acts, m: usize, 
     let work: Vec<(&[TileQ4_1], usize, usize)> =
         parts.iter().map(|p| (p.tiles, p.n, p.dst as usize)).collect();
     let (a_all, ends, starts, work) = (&a_all, &ends, &starts, &work);
-    crate::utils::barrier_pool().execute_chunked(total, |range| {
+    crate::utils::barrier_pool().execute_chunked_by(total, 1, |range| {
         SCRATCH.with_borrow_mut(|scratch| {
             let (b_tiles, c_scratch) = scratch.take(groups / 2 * B_PAIR, 4 * B_TILE);
             for unit in range {
