@@ -111,6 +111,9 @@ mod xlora_models;
 // Baton: for Baton's tests of the CPU attention kernel (BATON.md, change 11)
 #[doc(hidden)]
 pub use attention::cpu_attention;
+// Baton: for Baton's test of the CPU gated activation (BATON.md, change 13)
+#[doc(hidden)]
+pub use mistralrs_quant::{fused_glu, GluActivationType};
 pub use diagnostics::{
     check_hf_gated_access, collect_system_info, run_doctor, BuildInfo, CpuInfo, DeviceInfo,
     DoctorCheck, DoctorReport, DoctorStatus, HfConnectivityInfo, MemoryInfo, SystemInfo,

@@ -1534,10 +1534,20 @@ pub(crate) mod amx {
         rows: [u8; 16],
     }
 
-    // Baton: every tile 16 rows of 64 bytes. tmm0-3: C (16x16 i32: the high and low scale
-    // halves' sums of two 16-row halves of the activations); tmm4-5: A (16 rows x 64 i8);
-    // tmm6-7: B (16 k-quads x 16 columns, the values times the high and low scale halves).
-    unsafe fn configure() {
+    /// Baton: which layout a thread's tiles are configured for; a kernel asks for its own
+    /// before its first tile instruction, and the configuration is loaded only when it changes.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    pub(crate) enum Layout {
+        /// Every tile 16 rows of 64 bytes. tmm0-3: C (16x16 i32: the high and low scale
+        /// halves' sums of two 16-row halves of the activations); tmm4-5: A (16 rows x 64 i8);
+        /// tmm6-7: B (16 k-quads x 16 columns, the values times the high and low scale halves).
+        Q4K,
+        /// One 32-value group a product: tmm0-3: C (16x16 i32); tmm4-5: A (16 rows x 32 i8);
+        /// tmm6-7: B (8 k-quads x 16 columns).
+        Group32,
+    }
+
+    unsafe fn configure(layout: Layout) {
         let mut cfg = TileCfg {
             palette: 1,
             start_row: 0,
@@ -1550,6 +1560,12 @@ pub(crate) mod amx {
             cfg.colsb[t] = 64;
             cfg.rows[t] = 16;
         }
+        if layout == Layout::Group32 {
+            cfg.colsb[4] = 32;
+            cfg.colsb[5] = 32;
+            cfg.rows[6] = 8;
+            cfg.rows[7] = 8;
+        }
         core::arch::asm!(
             "ldtilecfg [{cfg}]",
             cfg = in(reg) &cfg,
@@ -1558,14 +1574,14 @@ pub(crate) mod amx {
     }
 
     thread_local! {
-        static AMX_READY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+        static AMX_LAYOUT: std::cell::Cell<Option<Layout>> = const { std::cell::Cell::new(None) };
     }
 
-    pub(crate) fn ensure_configured() {
-        AMX_READY.with(|f| {
-            if !f.get() {
-                unsafe { configure() };
-                f.set(true);
+    pub(crate) fn ensure_configured(layout: Layout) {
+        AMX_LAYOUT.with(|f| {
+            if f.get() != Some(layout) {
+                unsafe { configure(layout) };
+                f.set(Some(layout));
             }
         });
     }
@@ -1598,7 +1614,7 @@ pub(crate) mod amx {
         acc: &mut [f32],
         c_scratch: &mut [i32],
     ) {
-        ensure_configured();
+        ensure_configured(Layout::Q4K);
         let m = rows.len();
         let count = tiles.len();
         debug_assert!(c_scratch.len() >= 2 * C_SCRATCH && acc.len() >= m.div_ceil(32) * 1024);

@@ -1,4 +1,4 @@
-//! Baton: a prompt's products with Q4_1 weights on AMX (see ../../../BATON.md, change 13).
+//! Baton: a prompt's products with Q4_1 weights on AMX (see ../../../BATON.md, changes 13 and 15).
 //!
 //! A Q4_1 value is d * q + m with a scale d and offset m for every 32 values of a row, so a
 //! product cannot sum past 32 values in integers: each 32-value group's integer sum is scaled on
@@ -8,18 +8,20 @@
 //! the same order with the same operations, so a row's result is bit for bit what the AVX-512
 //! kernel gives it alone.
 //!
-//! Layout: the tiles are configured as the Q4_K kernel configures them (16 rows of 64 bytes),
-//! so an A tile holds two groups of 16 activation rows. Each group's weights sit in half of a
-//! B tile whose other half is zero, so one product sums one group; that wastes half of each
-//! product, which costs nothing measurable: the scaling, not the tile unit, bounds the kernel.
+//! Layout (`amx::Layout::Group32`): one tile product is one group, 16 activation rows of 32
+//! bytes (A) against 8 k-quads of 16 columns (B), so no tile carries padding. Even and odd
+//! groups use their own tiles, and a group's product is computed two groups ahead of its
+//! scaling and stored one group ahead, so the tile unit, the tile stores and the vector units
+//! work at once. What bounds the kernel is each group's C tile going through memory (AMX has
+//! no move from a tile to a vector register) and its scaling.
 
 use super::repack_x86::{amx, Acts, TileQ4_1, TILE_N};
 use super::k_quants::{QK4_1, QK_K};
 use core::arch::x86_64::*;
 
-// bytes of one B tile (16 k-quads x 16 columns x 4), and of a group pair's two
-const B_TILE: usize = 1024;
-const B_PAIR: usize = 2 * B_TILE;
+// bytes of one group's B tile (8 k-quads x 16 columns x 4), and of one C tile (16 x 16 i32)
+const B_GROUP: usize = 512;
+const C_TILE: usize = 1024;
 
 // What a group's scaling takes from an activation row: its scale, and its scale times its sum.
 type GroupEnd = [f32; 2];
@@ -31,6 +33,10 @@ pub(crate) struct Part<'a> {
     pub(crate) dst: *mut f32,
 }
 
+// Safety: the threads of `matmul_amx_q4_1` write through `dst` only, each to its own column
+// tiles' values (one unit of work a column tile), as that function's contract states.
+unsafe impl Sync for Part<'_> {}
+
 /// The products of `m` activation rows with each part's weight, written whole into each part's
 /// `dst` (every one of its m * n values, so it need not be zeroed first).
 ///
@@ -38,9 +44,15 @@ pub(crate) struct Part<'a> {
 /// Each `dst` must be valid for writes of m * n values, and the parts' results must not overlap.
 pub(crate) unsafe fn matmul_amx_q4_1(parts: &[Part<'_>], acts: &Acts, m: usize, k: usize) {
     let groups = k / QK4_1;
-    debug_assert!(groups.is_multiple_of(2));
+    // what `select` gives AMX; anything else would leave values unwritten
+    assert!(k.is_multiple_of(64), "Q4_1 on AMX needs k a multiple of 64, not {k}");
     for p in parts {
-        debug_assert!(p.n.is_multiple_of(TILE_N) && p.tiles.len() == (p.n / TILE_N) * groups);
+        assert!(
+            p.n.is_multiple_of(TILE_N) && p.tiles.len() == (p.n / TILE_N) * groups,
+            "Q4_1 on AMX: {} tiles do not make {} columns of {k} values",
+            p.tiles.len(),
+            p.n
+        );
     }
     let m_blocks = m.div_ceil(16);
     let (a_all, ends) = rows_as_tiles(acts, m, k);
@@ -53,25 +65,22 @@ pub(crate) unsafe fn matmul_amx_q4_1(parts: &[Part<'_>], acts: &Acts, m: usize, 
         starts.push(total);
         total += p.n / TILE_N;
     }
-    // (tiles, n, dst): raw pointers are not Sync, so the destinations travel as addresses
-    let work: Vec<(&[TileQ4_1], usize, usize)> =
-        parts.iter().map(|p| (p.tiles, p.n, p.dst as usize)).collect();
-    let (a_all, ends, starts, work) = (&a_all, &ends, &starts, &work);
+    let (a_all, ends, starts) = (&a_all, &ends, &starts);
     crate::utils::barrier_pool().execute_chunked_by(total, 1, |range| {
         SCRATCH.with_borrow_mut(|scratch| {
-            let (b_tiles, c_scratch) = scratch.take(groups / 2 * B_PAIR, 4 * B_TILE);
+            let (b_tiles, c_scratch) = scratch.take(groups * B_GROUP, 2 * C_TILE);
             for unit in range {
                 let pi = starts.partition_point(|&s| s <= unit) - 1;
-                let ((tiles, n, dst), nt) = (work[pi], unit - starts[pi]);
-                let dst = dst as *mut f32;
+                let (Part { tiles, n, dst }, nt) = (&parts[pi], unit - starts[pi]);
+                let (n, dst) = (*n, *dst);
                 let col_tiles = &tiles[nt * groups..(nt + 1) * groups];
                 // Safety: AVX-512 and AMX were checked before AMX was chosen (`amx_tiles`);
-                // the scratch holds a column tile's B tiles and four C tiles; the caller gave
+                // the scratch holds a column tile's B tiles and two C tiles; the caller gave
                 // m * n values at each dst
                 unsafe { widen(col_tiles, b_tiles) };
                 for mb in 0..m_blocks {
                     unsafe { rows16(
-                        a_all.as_ptr().add(mb * 16 * k),
+                        a_all.as_ptr().add(mb * 16 * k) as *const i8,
                         k,
                         b_tiles,
                         col_tiles,
@@ -90,40 +99,43 @@ pub(crate) unsafe fn matmul_amx_q4_1(parts: &[Part<'_>], acts: &Acts, m: usize, 
 // The activations as AMX reads them: [row][k] bytes, rows padded with zeros to whole blocks of
 // 16, and each group's scaling terms as [16-row block][group][row in block] (a padded row's
 // are zero, so its sums add nothing). Built by all threads, a block of rows each: on one
-// thread it was a tenth of a small model's prompt, with the other threads waiting.
-fn rows_as_tiles(acts: &Acts, m: usize, k: usize) -> (Vec<i8>, Vec<GroupEnd>) {
+// thread it was a tenth of a small model's prompt, with the other threads waiting. The rows
+// start on cache lines (k is a multiple of 64), so a tile load's row of 32 bytes never spans
+// two lines: with malloc's alignment, half of them did, and the kernel took 1.3x as long.
+fn rows_as_tiles(acts: &Acts, m: usize, k: usize) -> (AlignedBytes, Vec<GroupEnd>) {
+    debug_assert!(k.is_multiple_of(64));
     let kb = k.div_ceil(QK_K);
     let groups = k / QK4_1;
     let m_blocks = m.div_ceil(16);
-    let mut a_all: Vec<i8> = Vec::with_capacity(m_blocks * 16 * k);
+    let mut a_all = AlignedBytes::uninit(m_blocks * 16 * k);
     let mut ends: Vec<GroupEnd> = Vec::with_capacity(m_blocks * groups * 16);
     let (a_ptr, e_ptr) = (a_all.as_mut_ptr() as usize, ends.as_mut_ptr() as usize);
     crate::utils::barrier_pool().execute_chunked(m_blocks, |blocks| {
         for mb in blocks {
             // Safety: block mb writes only its own 16 rows of `a_all` and its own
-            // [groups][16] ends, every value of them.
-            let a = unsafe {
-                std::slice::from_raw_parts_mut((a_ptr as *mut i8).add(mb * 16 * k), 16 * k)
-            };
-            let e = unsafe {
-                std::slice::from_raw_parts_mut(
-                    (e_ptr as *mut GroupEnd).add(mb * groups * 16),
-                    groups * 16,
-                )
-            };
+            // [groups][16] ends, every value of them, through raw pointers (the memory is not
+            // initialised until then).
+            let a = unsafe { (a_ptr as *mut u8).add(mb * 16 * k) };
+            let e = unsafe { (e_ptr as *mut GroupEnd).add(mb * groups * 16) };
             for r in 0..16 {
                 let i = mb * 16 + r;
-                let a_row = &mut a[r * k..(r + 1) * k];
+                let a_row = unsafe { a.add(r * k) };
                 if i >= m {
-                    a_row.fill(0);
+                    unsafe { a_row.write_bytes(0, k) };
                     for g in 0..groups {
-                        e[g * 16 + r] = [0.0; 2];
+                        unsafe { e.add(g * 16 + r).write([0.0; 2]) };
                     }
                     continue;
                 }
                 for (b, block) in acts.q[i * kb..(i + 1) * kb].iter().enumerate() {
                     let len = (k - b * QK_K).min(QK_K);
-                    a_row[b * QK_K..b * QK_K + len].copy_from_slice(&block.qs[..len]);
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            block.qs.as_ptr() as *const u8,
+                            a_row.add(b * QK_K),
+                            len,
+                        )
+                    };
                 }
                 for g in 0..groups {
                     let act = &acts.q[i * kb + g / 8];
@@ -131,21 +143,21 @@ fn rows_as_tiles(acts: &Acts, m: usize, k: usize) -> (Vec<i8>, Vec<GroupEnd>) {
                     // as `kernels_q4_1::q4_1_tile2` computes them, expression for expression
                     let bsum = (act.bsums[blk * 2] as i32 + act.bsums[blk * 2 + 1] as i32) as f32;
                     let da = acts.scales[i * kb * 8 + g];
-                    e[g * 16 + r] = [da, da * bsum];
+                    unsafe { e.add(g * 16 + r).write([da, da * bsum]) };
                 }
             }
         }
     });
     // Safety: the blocks above wrote every value of both
     unsafe {
-        a_all.set_len(m_blocks * 16 * k);
+        a_all.assume_init(m_blocks * 16 * k);
         ends.set_len(m_blocks * groups * 16);
     }
     (a_all, ends)
 }
 
-// A thread's B tiles and C scratch, kept between calls: the B tiles' zero halves are written
-// once, when the buffer grows, and never again (`widen` writes only the weight halves).
+// A thread's B tiles and C scratch, kept between calls so that a unit of work allocates
+// nothing.
 struct Scratch {
     b: AlignedBytes,
     c: AlignedBytes,
@@ -180,6 +192,17 @@ impl AlignedBytes {
     fn zeroed(bytes: usize) -> Self {
         Self(vec![Line([0; 64]); bytes.div_ceil(64)])
     }
+    // room for `bytes`, not initialised: written through `as_mut_ptr`, then `assume_init`
+    fn uninit(bytes: usize) -> Self {
+        Self(Vec::with_capacity(bytes.div_ceil(64)))
+    }
+    // Safety: the first `bytes` of the buffer have been written
+    unsafe fn assume_init(&mut self, bytes: usize) {
+        self.0.set_len(bytes.div_ceil(64))
+    }
+    fn as_ptr(&self) -> *const u8 {
+        self.0.as_ptr() as *const u8
+    }
     fn len(&self) -> usize {
         self.0.len() * 64
     }
@@ -188,15 +211,14 @@ impl AlignedBytes {
     }
 }
 
-// A column tile's groups as B tiles: the pair (2p, 2p + 1) at p * B_PAIR, group 2p in rows 0-7
-// of the first tile, group 2p + 1 in rows 8-15 of the second. Line l of a Q4_1 tile holds
-// k-quads 2l (low nibbles) and 2l + 1 (high nibbles) in the [column][4 values] order a B
-// tile's row wants.
+// A column tile's groups as B tiles (`Layout::Group32`): group g's 8 k-quad rows at g * B_GROUP.
+// Line l of a Q4_1 tile holds k-quads 2l (low nibbles) and 2l + 1 (high nibbles) in the
+// [column][4 values] order a B tile's row wants.
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn widen(col_tiles: &[TileQ4_1], b: *mut u8) {
     let lo4 = _mm512_set1_epi8(0x0F);
     for (g, tile) in col_tiles.iter().enumerate() {
-        let base = b.add((g / 2) * B_PAIR + (g % 2) * (B_TILE + 8 * 64));
+        let base = b.add(g * B_GROUP);
         for l in 0..QK4_1 / 8 {
             let q = _mm512_loadu_si512(tile.qs.as_ptr().add(l * TILE_N * 4) as *const _);
             _mm512_storeu_si512(base.add(2 * l * 64) as *mut _, _mm512_and_si512(q, lo4));
@@ -208,10 +230,56 @@ unsafe fn widen(col_tiles: &[TileQ4_1], b: *mut u8) {
     }
 }
 
+// Group g's tile product for sixteen rows, into C tile tmm0 or tmm1 (by g's parity). Even and
+// odd groups use their own A, B and C tiles, so a group's loads need not wait for the previous
+// group's product to have read its tiles.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn product(a: *const i8, a_stride: usize, b: *const u8, g: usize) {
+    let a0 = a.add(g * QK4_1);
+    let b0 = b.add(g * B_GROUP);
+    if g % 2 == 0 {
+        core::arch::asm!(
+            "tileloadd tmm4, [{a} + {sa}*1]",
+            "tileloadd tmm6, [{b} + {s}*1]",
+            "tilezero tmm0",
+            "tdpbssd tmm0, tmm4, tmm6",
+            a = in(reg) a0,
+            sa = in(reg) a_stride,
+            b = in(reg) b0,
+            s = in(reg) 64usize,
+            options(nostack)
+        );
+    } else {
+        core::arch::asm!(
+            "tileloadd tmm5, [{a} + {sa}*1]",
+            "tileloadd tmm7, [{b} + {s}*1]",
+            "tilezero tmm1",
+            "tdpbssd tmm1, tmm5, tmm7",
+            a = in(reg) a0,
+            sa = in(reg) a_stride,
+            b = in(reg) b0,
+            s = in(reg) 64usize,
+            options(nostack)
+        );
+    }
+}
+
+// Group g's product (`product`) stored as one C tile at c + (g % 2) * 256.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn store(c: *mut i32, g: usize) {
+    let c0 = c.add((g % 2) * 256);
+    if g % 2 == 0 {
+        core::arch::asm!("tilestored [{c} + {s}*1], tmm0", c = in(reg) c0, s = in(reg) 64usize, options(nostack));
+    } else {
+        core::arch::asm!("tilestored [{c} + {s}*1], tmm1", c = in(reg) c0, s = in(reg) 64usize, options(nostack));
+    }
+}
+
 // Sixteen activation rows (`a`, [row][k] bytes, row stride `a_stride`) against one column tile:
-// each group pair is one A tile load and two tile products, stored as two C tiles and scaled
-// into sixteen rows of accumulators. Pairs alternate between C tiles 0-1 and 2-3 (and their
-// halves of `c`), so a pair's products need not wait for the previous pair's stores.
+// each group is one tile product (`product`), stored as one C tile (`store`, into the half of
+// `c` its parity picks) and scaled into sixteen rows of accumulators.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn rows16(
@@ -225,62 +293,32 @@ unsafe fn rows16(
     dst: *mut f32,
     n: usize,
 ) {
-    amx::ensure_configured();
+    amx::ensure_configured(amx::Layout::Group32);
     let groups = col_tiles.len();
     let mut acc = [_mm512_setzero_ps(); 16];
-    for p in 0..groups / 2 {
-        let a0 = a.add(p * 64);
-        let b0 = b.add(p * B_PAIR);
-        let c0 = c.add((p % 2) * 512);
-        if p % 2 == 0 {
-            core::arch::asm!(
-                "tileloadd tmm4, [{a} + {sa}*1]",
-                "tileloadd tmm6, [{b} + {s}*1]",
-                "tileloadd tmm7, [{b} + {s}*1 + 1024]",
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tdpbssd tmm0, tmm4, tmm6",
-                "tdpbssd tmm1, tmm4, tmm7",
-                "tilestored [{c} + {s}*1], tmm0",
-                "tilestored [{c} + {s}*1 + 1024], tmm1",
-                a = in(reg) a0,
-                sa = in(reg) a_stride,
-                b = in(reg) b0,
-                c = in(reg) c0,
-                s = in(reg) 64usize,
-                options(nostack)
-            );
-        } else {
-            core::arch::asm!(
-                "tileloadd tmm5, [{a} + {sa}*1]",
-                "tileloadd tmm6, [{b} + {s}*1]",
-                "tileloadd tmm7, [{b} + {s}*1 + 1024]",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                "tdpbssd tmm2, tmm5, tmm6",
-                "tdpbssd tmm3, tmm5, tmm7",
-                "tilestored [{c} + {s}*1], tmm2",
-                "tilestored [{c} + {s}*1 + 1024], tmm3",
-                a = in(reg) a0,
-                sa = in(reg) a_stride,
-                b = in(reg) b0,
-                c = in(reg) c0,
-                s = in(reg) 64usize,
-                options(nostack)
-            );
+    // three groups in flight: while group g is scaled, g + 1's product is stored and g + 2's
+    // is computed, so no store waits for the product it stores
+    product(a, a_stride, b, 0);
+    store(c, 0);
+    if groups > 1 {
+        product(a, a_stride, b, 1);
+    }
+    for g in 0..groups {
+        if g + 2 < groups {
+            product(a, a_stride, b, g + 2);
         }
-        for half in 0..2 {
-            let g = 2 * p + half;
-            let tile = &col_tiles[g];
-            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(tile.d.as_ptr() as *const _));
-            let mw = _mm512_cvtph_ps(_mm256_loadu_si256(tile.m.as_ptr() as *const _));
-            let e = &ends[g * 16..g * 16 + 16];
-            let cg = c0.add(half * 256);
-            for (i, acc) in acc.iter_mut().enumerate() {
-                let f = _mm512_cvtepi32_ps(_mm512_loadu_si512(cg.add(i * 16) as *const _));
-                *acc = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(e[i][0])), *acc);
-                *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(e[i][1]), *acc);
-            }
+        if g + 1 < groups {
+            store(c, g + 1);
+        }
+        let tile = &col_tiles[g];
+        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(tile.d.as_ptr() as *const _));
+        let mw = _mm512_cvtph_ps(_mm256_loadu_si256(tile.m.as_ptr() as *const _));
+        let e = &ends[g * 16..g * 16 + 16];
+        let cg = c.add((g % 2) * 256);
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let f = _mm512_cvtepi32_ps(_mm512_loadu_si512(cg.add(i * 16) as *const _));
+            *acc = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(e[i][0])), *acc);
+            *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(e[i][1]), *acc);
         }
     }
     for (i, acc) in acc.iter().enumerate().take(rows) {

@@ -2628,6 +2628,70 @@ fn cpu_gelu_erf(x: f32) -> f32 {
     x * (1.0 + candle_core::cpu::erf::erf_f32(x * std::f32::consts::FRAC_1_SQRT_2)) / 2.0
 }
 
+// Baton: SiLU(a) * b in f32 on AVX-512, 16 values at a time. The scalar loop's `expf` was a
+// twentieth of a small model's prompt on CPU. exp is computed as 2^n * e^r with n = round(x /
+// ln 2), r = x - n ln 2 (ln 2 in two parts, so r is exact enough) and e^r a degree-6
+// polynomial on |r| <= ln 2 / 2 (Cephes' expf coefficients), which is within 2 ulp of expf;
+// `scalef` gives 2^n, with infinity and zero past the range of f32, so SiLU goes to x and -0
+// at the ends as the scalar form does. A chunk's last values go through the same vector code
+// under a mask: a value's result does not depend on where a chunk ends, so a prompt's rows
+// give what each row gives alone.
+fn silu_mul_avx512_available(activation: GluActivationType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        matches!(activation, GluActivationType::Silu) && std::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = activation;
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn silu_mul_avx512(a: &[f32], b: &[f32], out: *mut f32) {
+    use core::arch::x86_64::*;
+    #[inline(always)]
+    unsafe fn silu(x: __m512) -> __m512 {
+        // e^-x, with -x held to +-100 (past f32's range either way) so that infinities
+        // give what they give in the scalar form instead of inf - inf
+        let t = _mm512_sub_ps(_mm512_setzero_ps(), x);
+        let t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-100.0)), _mm512_set1_ps(100.0));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(t, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), t);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm512_set1_ps(1.987_569_1e-4);
+        for c in [1.398_2e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        let e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0));
+        let e = _mm512_scalef_ps(e, n);
+        _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0), e))
+    }
+    let len = a.len();
+    let mut i = 0;
+    while i + 16 <= len {
+        let x = _mm512_loadu_ps(a.as_ptr().add(i));
+        let y = _mm512_loadu_ps(b.as_ptr().add(i));
+        _mm512_storeu_ps(out.add(i), _mm512_mul_ps(silu(x), y));
+        i += 16;
+    }
+    if i < len {
+        let k: __mmask16 = (1u32 << (len - i)) as u16 - 1;
+        let x = _mm512_maskz_loadu_ps(k, a.as_ptr().add(i));
+        let y = _mm512_maskz_loadu_ps(k, b.as_ptr().add(i));
+        _mm512_mask_storeu_ps(out.add(i), k, _mm512_mul_ps(silu(x), y));
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn silu_mul_avx512(_: &[f32], _: &[f32], _: *mut f32) {
+    unreachable!("only chosen on x86_64")
+}
+
 fn apply_cpu_activation(x: f32, activation: GluActivationType) -> f32 {
     match activation {
         GluActivationType::Silu => cpu_silu(x),
@@ -2670,8 +2734,14 @@ impl CustomOp2 for FusedGlu {
                 let a = &a_slice[a_offset..a_offset + len];
                 let b = &b_slice[b_offset..b_offset + len];
                 let out_ptr = result.as_mut_ptr() as usize;
+                let silu512 = silu_mul_avx512_available(activation);
                 candle_core::utils::barrier_pool().execute_chunked(len, |range| {
                     let out = out_ptr as *mut f32;
+                    if silu512 {
+                        // Safety: AVX-512F was detected; out has room for len values
+                        unsafe { silu_mul_avx512(&a[range.clone()], &b[range.clone()], out.add(range.start)) };
+                        return;
+                    }
                     for i in range {
                         let v = apply_cpu_activation(a[i], activation) * b[i];
                         unsafe { *out.add(i) = v };
