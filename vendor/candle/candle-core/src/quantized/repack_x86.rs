@@ -1344,7 +1344,8 @@ pub(crate) fn gemv_fused(
 // AVX-512 kernel computes with vpmulld (`kernels::q4k_tile`). Upstream ran a tile product per
 // 32-value subblock and scaled each in floats: the C tiles left the tile registers eight times
 // a superblock, and the kernel waited on those stores and on the float work.
-#[repr(C)]
+// Baton: on a cache line, so that its B tiles' rows each are one (see `AlignedBytes`)
+#[repr(C, align(64))]
 pub(crate) struct TileQ4KAmx {
     pub(crate) d: [f32; TILE_N],
     // Baton: the minimums as the AVX-512 kernel takes them (`kernels::q4k_min_pairs`), and dmin
@@ -1367,6 +1368,52 @@ impl TileQ4KAmx {
         }
     }
 }
+
+// Baton: memory that starts on a cache line, for what the AMX kernels load and store as tiles.
+// A tile row of 64 bytes (or 32) at malloc's 16-byte alignment spans two cache lines (or half
+// of them do); the loads and stores then take about 1.3x as long.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Line([u8; 64]);
+
+pub(crate) struct AlignedBytes(Vec<Line>);
+
+impl AlignedBytes {
+    pub(crate) const fn new() -> Self {
+        Self(Vec::new())
+    }
+    pub(crate) fn zeroed(bytes: usize) -> Self {
+        Self(vec![Line([0; 64]); bytes.div_ceil(64)])
+    }
+    // room for `bytes`, not initialised: written through `as_mut_ptr`, then `assume_init`
+    pub(crate) fn uninit(bytes: usize) -> Self {
+        Self(Vec::with_capacity(bytes.div_ceil(64)))
+    }
+    // Safety: the first `bytes` of the buffer have been written
+    pub(crate) unsafe fn assume_init(&mut self, bytes: usize) {
+        self.0.set_len(bytes.div_ceil(64))
+    }
+    pub(crate) fn len(&self) -> usize {
+        self.0.len() * 64
+    }
+    pub(crate) fn as_ptr(&self) -> *const u8 {
+        self.0.as_ptr() as *const u8
+    }
+    pub(crate) fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.0.as_mut_ptr() as *mut u8
+    }
+    // the initialised bytes as values of an integer type (i8, i32: any bit pattern is one)
+    fn as_mut_slice<T: AnyBits>(&mut self) -> &mut [T] {
+        let len = self.len() / std::mem::size_of::<T>();
+        // Safety: the lines are initialised, 64-byte aligned, and every bit pattern is a T
+        unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr() as *mut T, len) }
+    }
+}
+
+// integer types, for which any bytes are a value
+trait AnyBits: Copy {}
+impl AnyBits for i8 {}
+impl AnyBits for i32 {}
 
 // Baton: the weights that AMX multiplies (Q4_K and Q4_1 tiles, read as they are kept).
 #[derive(Clone, Copy)]
@@ -1725,7 +1772,8 @@ pub(crate) unsafe fn matmul_amx_q4k(
         // Baton: [superblock][32-row block][16-row half][4 k-chunks][16 rows * 64 bytes], so
         // that a superblock's activations are read in order for every block of rows
         const A_BLOCK: usize = 2 * 4 * 16 * 64;
-        let mut a_all = vec![0i8; kb * m_blocks * A_BLOCK];
+        let mut a_buf = AlignedBytes::zeroed(kb * m_blocks * A_BLOCK);
+        let a_all = a_buf.as_mut_slice::<i8>();
         for (i, row) in lhs_q.chunks_exact(kb).take(m).enumerate() {
             for (b, block) in row.iter().enumerate() {
                 let base = (b * m_blocks + i / 32) * A_BLOCK + ((i % 32) / 16) * (A_BLOCK / 2);
@@ -1744,11 +1792,12 @@ pub(crate) unsafe fn matmul_amx_q4k(
             }));
         }
         let dst_ptr = dst as usize;
-        let (a_all, ends) = (&a_all, &ends);
+        let (a_all, ends) = (&*a_all, &ends);
         crate::utils::barrier_pool().execute_chunked(n_tiles.div_ceil(2), |pairs| {
             let dst_ptr = dst_ptr as *mut f32;
             let mut widened: Vec<TileQ4KAmx> = (0..2 * kb).map(|_| TileQ4KAmx::zeroed()).collect();
-            let mut c_scratch = vec![0i32; 2 * amx::C_SCRATCH];
+            let mut c_buf = AlignedBytes::zeroed(2 * amx::C_SCRATCH * 4);
+            let c_scratch = c_buf.as_mut_slice::<i32>();
             // Baton: the pair's 32 output columns for every row, summed a superblock at a
             // time: a superblock's widened tiles (16 KiB) stay in L1 while every block of
             // rows passes them.
@@ -1768,7 +1817,7 @@ pub(crate) unsafe fn matmul_amx_q4k(
                             a_all.as_ptr().add(b * m_blocks * A_BLOCK),
                             &ends[b * m..(b + 1) * m],
                             &mut acc,
-                            &mut c_scratch,
+                            c_scratch,
                         )
                     };
                 }

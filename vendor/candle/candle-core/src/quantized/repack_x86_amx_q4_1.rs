@@ -15,7 +15,7 @@
 //! work at once. What bounds the kernel is each group's C tile going through memory (AMX has
 //! no move from a tile to a vector register) and its scaling.
 
-use super::repack_x86::{amx, Acts, TileQ4_1, TILE_N};
+use super::repack_x86::{amx, Acts, AlignedBytes, TileQ4_1, TILE_N};
 use super::k_quants::{QK4_1, QK_K};
 use core::arch::x86_64::*;
 
@@ -177,38 +177,8 @@ impl Scratch {
 
 thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = const {
-        std::cell::RefCell::new(Scratch { b: AlignedBytes(Vec::new()), c: AlignedBytes(Vec::new()) })
+        std::cell::RefCell::new(Scratch { b: AlignedBytes::new(), c: AlignedBytes::new() })
     };
-}
-
-// 64-byte aligned scratch: tile loads and stores of whole cache lines
-#[repr(C, align(64))]
-#[derive(Clone, Copy)]
-struct Line([u8; 64]);
-
-struct AlignedBytes(Vec<Line>);
-
-impl AlignedBytes {
-    fn zeroed(bytes: usize) -> Self {
-        Self(vec![Line([0; 64]); bytes.div_ceil(64)])
-    }
-    // room for `bytes`, not initialised: written through `as_mut_ptr`, then `assume_init`
-    fn uninit(bytes: usize) -> Self {
-        Self(Vec::with_capacity(bytes.div_ceil(64)))
-    }
-    // Safety: the first `bytes` of the buffer have been written
-    unsafe fn assume_init(&mut self, bytes: usize) {
-        self.0.set_len(bytes.div_ceil(64))
-    }
-    fn as_ptr(&self) -> *const u8 {
-        self.0.as_ptr() as *const u8
-    }
-    fn len(&self) -> usize {
-        self.0.len() * 64
-    }
-    fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.0.as_mut_ptr() as *mut u8
-    }
 }
 
 // A column tile's groups as B tiles (`Layout::Group32`): group g's 8 k-quad rows at g * B_GROUP.
