@@ -1389,9 +1389,11 @@ impl AlignedBytes {
     pub(crate) fn uninit(bytes: usize) -> Self {
         Self(Vec::with_capacity(bytes.div_ceil(64)))
     }
-    // Safety: the first `bytes` of the buffer have been written
+    // Safety: the first `bytes` of the buffer have been written, and `bytes` is a whole number
+    // of lines (so no unwritten byte becomes readable)
     pub(crate) unsafe fn assume_init(&mut self, bytes: usize) {
-        self.0.set_len(bytes.div_ceil(64))
+        debug_assert!(bytes.is_multiple_of(64));
+        self.0.set_len(bytes / 64)
     }
     pub(crate) fn len(&self) -> usize {
         self.0.len() * 64
@@ -1589,8 +1591,8 @@ pub(crate) mod amx {
         /// halves' sums of two 16-row halves of the activations); tmm4-5: A (16 rows x 64 i8);
         /// tmm6-7: B (16 k-quads x 16 columns, the values times the high and low scale halves).
         Q4K,
-        /// One 32-value group a product: tmm0-3: C (16x16 i32); tmm4-5: A (16 rows x 32 i8);
-        /// tmm6-7: B (8 k-quads x 16 columns).
+        /// One 32-value group a product: tmm0-1: C (16x16 i32); tmm4-5: A (16 rows x 32 i8);
+        /// tmm6-7: B (8 k-quads x 16 columns). tmm2-3 are left as in `Q4K`, unused.
         Group32,
     }
 

@@ -267,12 +267,11 @@ unsafe fn rows16(
     let groups = col_tiles.len();
     let mut acc = [_mm512_setzero_ps(); 16];
     // three groups in flight: while group g is scaled, g + 1's product is stored and g + 2's
-    // is computed, so no store waits for the product it stores
+    // is computed, so a store comes a group's scaling after its product (but the first)
+    // (k is a multiple of 64, so there are two groups at least)
     product(a, a_stride, b, 0);
+    product(a, a_stride, b, 1);
     store(c, 0);
-    if groups > 1 {
-        product(a, a_stride, b, 1);
-    }
     for g in 0..groups {
         if g + 2 < groups {
             product(a, a_stride, b, g + 2);
