@@ -1768,6 +1768,12 @@ pub(crate) unsafe fn matmul_amx_q4k(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
+        // Baton: what `select` gives AMX; anything else would leave values unwritten
+        assert!(
+            n.is_multiple_of(TILE_N) && k.is_multiple_of(QK_K) && tiles.len() == (n / TILE_N) * (k / QK_K),
+            "Q4_K on AMX: {} tiles do not make {n} columns of {k} values",
+            tiles.len()
+        );
         let kb = k / QK_K;
         let n_tiles = n / TILE_N;
         let m_blocks = m.div_ceil(32);

@@ -2632,8 +2632,8 @@ fn cpu_gelu_erf(x: f32) -> f32 {
 // twentieth of a small model's prompt on CPU. exp is computed as 2^n * e^r with n = round(x /
 // ln 2), r = x - n ln 2 (ln 2 in two parts, so r is exact enough) and e^r a degree-6
 // polynomial on |r| <= ln 2 / 2 (Cephes' expf coefficients); SiLU times b is within 4 ulp of
-// f64 arithmetic (Baton's test). `scalef` gives 2^n, with infinity and zero past the range of f32, so SiLU goes to x and -0
-// at the ends as the scalar form does. A chunk's last values go through the same vector code
+// f64 arithmetic (Baton's test). `scalef` gives 2^n, with infinity and zero past the range of
+// f32, so SiLU goes to x and -0 at the ends as the scalar form does. A chunk's last values go through the same vector code
 // under a mask: a value's result does not depend on where a chunk ends, so a prompt's rows
 // give what each row gives alone.
 fn silu_mul_avx512_available(activation: GluActivationType) -> bool {
