@@ -57,7 +57,7 @@ pub fn typescript() -> String {
         crate::models::DownloadedModel::decl(&cfg),
         crate::models::ModelCatalog::decl(&cfg),
         crate::models::Download::decl(&cfg),
-        baton_conductor::setup::LoadedModel::decl(&cfg),
+        baton_local::LoadedModel::decl(&cfg),
         baton_store::evaluations::Evaluation::decl(&cfg),
         baton_store::evaluations::EvalResult::decl(&cfg),
         baton_store::figures::WorkerFigures::decl(&cfg),

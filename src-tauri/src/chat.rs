@@ -2,15 +2,17 @@
 //! the run's own IPC channel in order, after the history has recorded it.
 
 use baton_engine::{Executor, Pool, RunEvent, RunRequest, RunStatus, new_run_id};
-use baton_plan::{Limits, Plan};
-use baton_runner::{Conductor, ConductorChoice, LoadNotice, Setup};
+use baton_plan::Plan;
+use baton_runner::run::run_in_conversation;
+use baton_runner::{Ask, Conductor, ConductorChoice, Context, LoadNotice, Recorded};
 use baton_store::Recorder;
 use serde::{Deserialize, Serialize};
 use tauri::ipc::Channel;
 use tauri::{AppHandle, Emitter, Runtime, State};
+use tokio_util::sync::CancellationToken;
 
 use crate::error::{AppError, AppResult, ErrorKind};
-use crate::state::{AppState, Registration};
+use crate::state::AppState;
 use crate::timing::TimingLog;
 
 /// Broadcast to every window while a local model loads (mistral.rs reports no finer progress).
@@ -115,30 +117,22 @@ fn notifier<R: Runtime>(app: &AppHandle<R>) -> impl Fn(LoadNotice<'_>) + Send + 
     }
 }
 
-/// An executor for `pool` with its local workers loaded and, when `planner`, the conductor.
-pub(crate) async fn executor<R: Runtime>(
-    app: &AppHandle<R>,
-    state: &AppState,
-    pool: &Pool,
-    planner: bool,
-) -> AppResult<Executor> {
-    let store = state.store().await?;
-    executor_for(app, state, pool, planner, Some(store)).await
+/// What the app lends the application layer to load models with: the models it keeps loaded,
+/// the pool's own conductor (the app has no override), and load news broadcast to every
+/// window.
+pub(crate) struct Loader {
+    choice: ConductorChoice,
+    notify: Box<dyn Fn(LoadNotice<'_>) + Send + Sync>,
 }
 
-/// [`executor`] with what the pool learned taken from `store` (`None`: nothing learned).
-pub(crate) async fn executor_for<R: Runtime>(
-    app: &AppHandle<R>,
-    state: &AppState,
-    pool: &Pool,
-    planner: bool,
-    store: Option<&baton_store::Store>,
-) -> AppResult<Executor> {
-    let notify = notifier(app);
-    let conductor = if planner { Conductor::Required } else { Conductor::None };
-    let choice = ConductorChoice::default();
-    let setup = Setup { models: &state.models, choice: &choice, conductor, store, notify: &notify };
-    Ok(baton_runner::build(pool.clone(), setup).await?.executor)
+impl Loader {
+    pub(crate) fn new<R: Runtime>(app: &AppHandle<R>) -> Loader {
+        Loader { choice: ConductorChoice::default(), notify: Box::new(notifier(app)) }
+    }
+
+    pub(crate) fn context<'a>(&'a self, state: &'a AppState) -> Context<'a> {
+        Context { models: &state.models, choice: &self.choice, notify: &*self.notify }
+    }
 }
 
 /// Loads the configured local conductor now, so the first question does not wait for it.
@@ -164,20 +158,15 @@ pub async fn ask<R: Runtime>(
     on_event: Channel<RunEvent>,
 ) -> AppResult<AskResult> {
     let registration = state.register(&stop_id)?;
-    let question = request.question.trim().to_owned();
-    if question.is_empty() {
-        return Err(AppError::bad_input("the question is empty"));
-    }
     let pool = subset(state.pool()?, request.workers.as_deref())?;
-    if let Some(plan) = &request.plan {
-        check_plan(plan, &pool)?;
-    }
     // The history opens first, so a damaged database costs no provider calls.
     let store = state.store().await?;
-    let history = baton_runner::conversation_so_far(store, request.conversation_id).await?;
-    let executor = executor(&app, &state, &pool, request.plan.is_none()).await?;
-    let run = RunRequest { run_id: new_run_id(), question, history, plan: request.plan, ..RunRequest::default() };
-    run_recorded(&app, &registration, &executor, store.recorder(request.conversation_id), run, on_event).await
+    let loader = Loader::new(&app);
+    let (show, warn) = on_channel(&app, on_event);
+    let ask = Ask { question: request.question, conversation: request.conversation_id, plan: request.plan };
+    let recorded =
+        baton_runner::ask(pool, loader.context(&state), Some(store), ask, show, warn, &registration.token).await?;
+    Ok(answered(recorded))
 }
 
 /// Re-runs one step of a finished run with another worker (see [`RerunRequest`]) and streams
@@ -192,12 +181,24 @@ pub async fn rerun_step<R: Runtime>(
 ) -> AppResult<AskResult> {
     let registration = state.register(&stop_id)?;
     let store = state.store().await?;
-    // The run first: one that is gone is the answer, whatever the pool file says.
-    let earlier = baton_runner::rerun::Earlier::load(store, request.run_id).await?;
-    let rerun = earlier.rerun(store, &state.pool()?, request.step as usize, &request.worker).await?;
-    let executor = executor(&app, &state, &rerun.pool, rerun.needs_conductor).await?;
-    run_recorded(&app, &registration, &executor, store.recorder(Some(rerun.conversation)), rerun.request, on_event)
-        .await
+    let pool = state.pool()?;
+    let loader = Loader::new(&app);
+    let (show, warn) = on_channel(&app, on_event);
+    let (step, worker) = (request.step as usize, request.worker.as_str());
+    let context = loader.context(&state);
+    let recorded = baton_runner::rerun::rerun_step(
+        &pool,
+        context,
+        store,
+        request.run_id,
+        step,
+        worker,
+        show,
+        warn,
+        &registration.token,
+    )
+    .await?;
+    Ok(answered(recorded))
 }
 
 /// Compare in chat: the same question asked of the conductor and of one worker alone.
@@ -252,8 +253,10 @@ pub async fn ask_compared<R: Runtime>(
     let single_pool = subset(full, Some(&[alone as u32]))?;
     let store = state.store().await?;
     let history = baton_runner::conversation_so_far(store, request.conversation_id).await?;
-    let conductor = executor(&app, &state, &pool, true).await?;
-    let single = executor(&app, &state, &single_pool, false).await?;
+    let loader = Loader::new(&app);
+    let with = |conductor| loader.context(&state).setup(conductor, Some(store));
+    let conductor = baton_runner::build(pool, with(Conductor::Required)).await?.executor;
+    let single = baton_runner::build(single_pool, with(Conductor::None)).await?.executor;
     // Both runs join one conversation, so a new chat's is made before either starts.
     let (conversation, made) = match request.conversation_id {
         Some(id) => (id, false),
@@ -266,16 +269,10 @@ pub async fn ask_compared<R: Runtime>(
         ..RunRequest::default()
     };
     let conductor_run = RunRequest { run_id: new_run_id(), question, history, ..RunRequest::default() };
+    let cancel = &registration.token;
     let (a, b) = tokio::join!(
-        run_recorded(&app, &registration, &conductor, store.recorder(Some(conversation)), conductor_run, on_event),
-        run_recorded(
-            &app,
-            &registration,
-            &single,
-            store.recorder(Some(conversation)).without_messages(),
-            single_run,
-            on_single
-        ),
+        side(&app, &conductor, store.recorder(Some(conversation)), conductor_run, on_event, cancel),
+        side(&app, &single, store.recorder(Some(conversation)).without_messages(), single_run, on_single, cancel),
     );
     // A side that never started (Stop before its first event) ends as cancelled; only when
     // neither started is there nothing to show.
@@ -322,40 +319,52 @@ pub async fn mark_comparison(
     Ok(())
 }
 
-/// Runs `run`, recording each event in the history before sending it on `on_event`; returns
-/// once the run has ended and is recorded. `registration` is how [`cancel_run`] stops it.
-async fn run_recorded<R: Runtime>(
+/// One side of a comparison: `run` recorded by `recorder`, its events on `on_event`; `Err`
+/// (cancelled) when stopped before it started, so nothing was recorded.
+async fn side<R: Runtime>(
     app: &AppHandle<R>,
-    registration: &Registration<'_>,
     executor: &Executor,
     recorder: Recorder,
     run: RunRequest,
     on_event: Channel<RunEvent>,
+    cancel: &CancellationToken,
 ) -> AppResult<AskResult> {
-    // Stopped while the models loaded: nothing has started, so nothing is recorded.
-    if registration.token.is_cancelled() {
+    if cancel.is_cancelled() {
         return Err(AppError::new(ErrorKind::Cancelled, "the run was stopped before it started"));
     }
-    let mut timing = TimingLog::for_run(&run.run_id);
+    let (show, warn) = on_channel(app, on_event);
+    Ok(answered(run_in_conversation(executor, run, Some(recorder), show, warn, cancel).await))
+}
+
+/// Where a run's events go once the history keeps them: its `Channel` (a closed window only
+/// stops the display, never the run or its record), the timing trace, and a warning to every
+/// window when the history fails.
+fn on_channel<R: Runtime>(
+    app: &AppHandle<R>,
+    on_event: Channel<RunEvent>,
+) -> (impl FnMut(RunEvent) + Send + 'static, impl FnOnce(baton_store::StoreError) + Send + 'static) {
+    let mut timing = TimingLog::for_a_run();
     let show = move |event: RunEvent| {
         if let Some(t) = &mut timing {
             t.observe(&event);
         }
-        // A closed window only stops the display, never the run or its record.
         let _ = on_event.send(event);
     };
     let app = app.clone();
     let warn = move |e: baton_store::StoreError| {
         let _ = app.emit(HISTORY_WARNING_EVENT, format!("this run is not fully recorded in the history: {e}"));
     };
-    let recorded = baton_runner::run_recorded(executor, run, Some(recorder), show, warn, &registration.token).await;
-    let outcome = recorded.outcome;
-    let status = match outcome.status {
+    (show, warn)
+}
+
+/// What the window is told of a run that ended.
+fn answered(recorded: Recorded) -> AskResult {
+    let status = match recorded.outcome.status {
         RunStatus::Finished => "finished",
         RunStatus::Failed => "failed",
         RunStatus::Cancelled => "cancelled",
     };
-    Ok(AskResult { run_id: recorded.run_id, conversation_id: recorded.conversation_id, status: status.to_owned() })
+    AskResult { run_id: recorded.run_id, conversation_id: recorded.conversation_id, status: status.to_owned() }
 }
 
 /// Stops a run (calls in flight are dropped and it ends as cancelled) or a plan being drafted,
@@ -371,15 +380,10 @@ pub fn cancel_run(state: State<'_, AppState>, run_id: String) -> bool {
     }
 }
 
-fn check_plan(plan: &Plan, pool: &Pool) -> AppResult<()> {
-    let limits = Limits { max_steps: pool.options.max_steps, pool_size: Some(pool.workers.len()), allow_stop: false };
-    plan.validate(&limits).map_err(|e| AppError::bad_input(e.to_string()))
-}
-
 /// Checks a plan edited in review against the pool (the same rules a run applies).
 #[tauri::command]
 pub fn validate_plan(state: State<'_, AppState>, plan: Plan, workers: Option<Vec<u32>>) -> AppResult<()> {
-    check_plan(&plan, &subset(state.pool()?, workers.as_deref())?)
+    Ok(baton_runner::run::check_plan(&plan, &subset(state.pool()?, workers.as_deref())?)?)
 }
 
 /// The conductor's plan for a question, for review; nothing runs. The conductor's text streams
@@ -398,29 +402,17 @@ pub async fn draft_plan<R: Runtime>(
     // Stoppable from the start; a model still loading finishes loading (mistral.rs cannot stop
     // a load), and the draft stops right after.
     let registration = state.register(&draft_id)?;
-    let mut pool = subset(state.pool()?, workers.as_deref())?;
-    // A reviewed plan runs without its conductor (see `ask`), so the draft may not hand it steps.
-    pool.options.recursion.enabled = false;
+    let pool = subset(state.pool()?, workers.as_deref())?;
     let store = state.store().await?;
-    let history = match conversation_id {
-        Some(id) => store.messages(id).await?,
-        None => Vec::new(),
-    };
     let deltas = Box::new(move |text: &str| {
         // A closed window only stops the display.
         let _ = on_delta.send(text.to_owned());
     });
-    let notify = notifier(&app);
-    let choice = ConductorChoice::default();
-    let setup = Setup {
-        models: &state.models,
-        choice: &choice,
-        conductor: Conductor::Required,
-        store: Some(store),
-        notify: &notify,
-    };
+    let loader = Loader::new(&app);
+    let context = loader.context(&state);
+    let cancel = &registration.token;
     let (planned, pool) =
-        baton_runner::draft::draft(pool, setup, &question, history, deltas, &registration.token).await?;
+        baton_runner::draft::draft(pool, context, Some(store), &question, conversation_id, deltas, cancel).await?;
     Ok(Draft {
         plan: planned.plan,
         raw: planned.raw,
@@ -455,7 +447,9 @@ pub async fn test_worker<R: Runtime>(
         return Err(AppError::not_found(format!("there is no worker {index} in the pool")));
     }
     let pool = subset(pool, Some(&[index]))?;
-    let executor = executor(&app, &state, &pool, false).await?;
+    let loader = Loader::new(&app);
+    let setup = loader.context(&state).setup(Conductor::None, Some(state.store().await?));
+    let executor = baton_runner::build(pool.clone(), setup).await?.executor;
     let checked = baton_engine::calls::check_worker(&executor.workers()[0], &pool.options.retry, &registration.token)
         .await
         .map_err(|e| match e.kind {

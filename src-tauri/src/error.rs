@@ -104,6 +104,15 @@ impl From<baton_runner::RunnerError> for AppError {
             RunnerError::BadInput(m) => AppError::bad_input(m),
             RunnerError::Cancelled(m) => AppError::new(ErrorKind::Cancelled, m),
             RunnerError::Conductor(m) => AppError::new(ErrorKind::Conductor, m),
+            RunnerError::Sandbox(e) => AppError::new(ErrorKind::Io, e.to_string()),
+            RunnerError::Token(e) => match e {
+                baton_serve::TokenError::Keychain(e) => e.into(),
+                baton_serve::TokenError::NoRandom(_) => AppError::new(ErrorKind::Io, e.to_string()),
+                baton_serve::TokenError::VariableUnset(_) | baton_serve::TokenError::FromVariable(_) => {
+                    AppError::bad_input(e.to_string())
+                }
+            },
+            RunnerError::Io(m) => AppError::new(ErrorKind::Io, m),
         }
     }
 }

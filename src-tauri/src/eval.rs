@@ -3,10 +3,9 @@
 //! report and every item's result, export (through the save dialog) and delete. The work is
 //! `baton_eval`'s; this is the shell around it.
 
-use std::sync::Arc;
-
+use baton_eval::Progress;
 use baton_eval::report::{self, Report};
-use baton_eval::{Harness, Progress, Purpose, Spec, Strategy};
+use baton_runner::evaluate::{self, EvalRequest as RunnerRequest};
 use baton_store::evaluations::{EvalResult, Evaluation};
 use serde::{Deserialize, Serialize};
 use tauri::ipc::Channel;
@@ -54,10 +53,25 @@ pub struct EvalRequest {
 #[derive(Debug, Clone, Serialize, ts_rs::TS)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum EvalProgress {
-    Started { id: String },
-    Planned { total: u32, done: u32 },
-    Scored { strategy: String, item: String, correct: bool, cost_usd: f64, spent_usd: f64 },
-    Note { text: String },
+    /// What it asks, in a line.
+    Started {
+        id: String,
+        about: String,
+    },
+    Planned {
+        total: u32,
+        done: u32,
+    },
+    Scored {
+        strategy: String,
+        item: String,
+        correct: bool,
+        cost_usd: f64,
+        spent_usd: f64,
+    },
+    Note {
+        text: String,
+    },
 }
 
 impl From<Progress> for EvalProgress {
@@ -68,6 +82,7 @@ impl From<Progress> for EvalProgress {
                 EvalProgress::Scored { strategy, item, correct, cost_usd, spent_usd }
             }
             Progress::Note(text) => EvalProgress::Note { text },
+            Progress::Started { id, about } => EvalProgress::Started { id, about },
         }
     }
 }
@@ -102,54 +117,32 @@ pub async fn run_evaluation<R: Runtime>(
     on_progress: Channel<EvalProgress>,
 ) -> AppResult<EvalView> {
     let registration = state.register(&stop_id)?;
-    let suite = baton_eval::suite::load(&request.suite).map_err(|e| AppError::bad_input(e.to_string()))?;
     let pool = state.pool()?;
-    let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
-    let strategies = Strategy::parse_list(&request.strategies.join(","), &workers).map_err(AppError::bad_input)?;
-    if request.max_cost_usd.is_some_and(|c| c.is_nan() || c <= 0.0) {
-        return Err(AppError::bad_input("the spending cap must be above $0"));
-    }
-    if request.repeats == Some(0) || request.concurrency == Some(0) {
-        return Err(AppError::bad_input("repeats and runs at once must be at least 1"));
-    }
-    // The history opens first, so a damaged database costs no provider calls.
-    let store = state.store().await?.clone();
-    let wants_conductor = strategies.contains(&Strategy::Conductor);
-    let learned = baton_runner::build::learned_questions(&pool, &store).await;
-    let executor = crate::chat::executor(&app, &state, &pool, wants_conductor).await?;
-    let harness = Harness::new(Arc::new(executor), workers, store.clone(), wants_conductor);
-    let id = request.id.filter(|i| !i.trim().is_empty()).unwrap_or_else(|| {
-        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        format!("{}-{secs}", suite.name)
-    });
-    let spec = Spec {
-        id: id.clone(),
-        suite_source: request.suite.clone(),
-        suite,
-        strategies,
-        repeats: request.repeats.unwrap_or(1),
-        concurrency: request.concurrency.unwrap_or(4) as usize,
+    let defaults = RunnerRequest::new(request.suite);
+    let request = RunnerRequest {
+        strategies: request.strategies.join(","),
+        id: request.id,
+        limit: request.limit.map(|l| l as usize),
+        repeats: request.repeats.unwrap_or(defaults.repeats),
+        concurrency: request.concurrency.map_or(defaults.concurrency, |c| c as usize),
         max_cost_usd: request.max_cost_usd,
         calibration: request.calibration,
-        limit: request.limit.map(|l| l as usize),
-        seed: request.seed.unwrap_or(1),
-        purpose: Purpose::Evaluate { leave_out: learned },
+        seed: request.seed.unwrap_or(defaults.seed),
+        ..defaults
     };
-    let _ = on_progress.send(EvalProgress::Started { id: id.clone() });
+    // The history opens first, so a damaged database costs no provider calls.
+    let store = state.store().await?;
+    let loader = crate::chat::Loader::new(&app);
     let progress = |p: Progress| {
         let _ = on_progress.send(EvalProgress::from(p));
     };
-    tracing::info!(evaluation = %id, "evaluation started");
-    let ended = harness.run(&spec, &progress, &registration.token).await?;
-    tracing::info!(evaluation = %id, ended = ended.as_str(), "evaluation ended");
-    view(&store, &id).await
+    let context = loader.context(&state);
+    let evaluated = evaluate::evaluate(pool, store, &request, context, &progress, &registration.token).await?;
+    view(store, &evaluated.id).await
 }
 
 async fn view(store: &baton_store::Store, id: &str) -> AppResult<EvalView> {
-    let evaluation =
-        store.evaluation(id).await?.ok_or_else(|| AppError::not_found(format!("there is no evaluation {id}")))?;
-    let results = store.eval_results(id).await?;
-    let report = report::summarize(&evaluation, &results);
+    let evaluate::Results { evaluation, report, results } = evaluate::results(store, id).await?;
     Ok(EvalView { evaluation, report, results })
 }
 

@@ -1,13 +1,11 @@
 //! The Workers screen's *Learn this pool*: every worker alone on a suite's items (progress on a
 //! Channel, stopped with `cancel_run`, resumed by learning the same suite again), and the
-//! profiles that came of it. The work is `baton_eval::learn`'s and the history's; this is the
+//! profiles that came of it. The work is `baton_runner::learn`'s; this is the
 //! shell around it.
 
-use std::sync::Arc;
-
 use baton_engine::profile::PoolLearning;
+use baton_eval::Progress;
 use baton_eval::learn::{self, LearnOptions};
-use baton_eval::{Ended, Harness, Progress};
 use serde::{Deserialize, Serialize};
 use tauri::ipc::Channel;
 use tauri::{AppHandle, Runtime, State};
@@ -66,37 +64,18 @@ pub async fn learn_pool<R: Runtime>(
         max_cost_usd: request.max_cost_usd,
         ..defaults
     };
-    let mut spec = learn::spec(&pool, &options)?;
     // One run per learning id: a second would ask every worker the same items again.
-    let _one = state.register(&format!("learning {}", spec.id)).map_err(|_| {
-        AppError::bad_input(format!("the pool is already learning from these items ({}); stop it or wait", spec.id))
+    let id = learn::spec(&pool, &options)?.id;
+    let _one = state.register(&format!("learning {id}")).map_err(|_| {
+        AppError::bad_input(format!("the pool is already learning from these items ({id}); stop it or wait"))
     })?;
     // The history opens first, so a damaged database costs no provider calls.
-    let store = state.store().await?.clone();
-    let left_out = learn::leave_out_learned(&mut spec, &pool, &store).await?;
-    let started = || {
-        let _ = on_progress.send(EvalProgress::Started { id: spec.id.clone() });
-        for w in &left_out {
-            let _ = on_progress.send(EvalProgress::from(Progress::Note(learn::left_out_note(w))));
-        }
-    };
-    if spec.strategies.is_empty() {
-        started();
-        let learning = baton_runner::build::pool_learning(&pool, &store).await?;
-        return Ok(Learned { id: spec.id, ended: Ended::Finished.as_str().to_owned(), learning });
-    }
-    // As `baton pool learn`: the conductor samples, and what was learned before stays out.
-    let plans = learn::plan_samples(&spec) > 0;
-    let executor = crate::chat::executor_for(&app, &state, &learn::sampling_pool(&pool), plans, None).await?;
-    let workers = pool.workers.iter().map(|w| w.name.clone()).collect();
-    let harness = Harness::new(Arc::new(executor), workers, store.clone(), plans);
-    started();
+    let store = state.store().await?;
+    let loader = crate::chat::Loader::new(&app);
     let progress = |p: Progress| {
         let _ = on_progress.send(EvalProgress::from(p));
     };
-    tracing::info!(learning = %spec.id, items = learn::items(&spec), "learning started");
-    let ended = harness.run(&spec, &progress, &registration.token).await?;
-    tracing::info!(learning = %spec.id, ended = ended.as_str(), "learning ended");
-    let learning = baton_runner::build::pool_learning(&pool, &store).await?;
-    Ok(Learned { id: spec.id, ended: ended.as_str().to_owned(), learning })
+    let context = loader.context(&state);
+    let learned = baton_runner::learn::learn(&pool, store, &options, context, &progress, &registration.token).await?;
+    Ok(Learned { id: learned.id, ended: learned.ended.as_str().to_owned(), learning: learned.learning })
 }

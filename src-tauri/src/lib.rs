@@ -43,8 +43,8 @@ fn app_info() -> AppInfo {
         local_models: cfg!(feature = "local"),
         gpu: cfg!(any(feature = "cuda", feature = "metal")),
         log_dir: baton_engine::logs::log_dir().display().to_string(),
-        build_device: baton_conductor::setup::BUILD_DEVICE.to_owned(),
-        gpu_advice: baton_models::catalog::Machine::detect(baton_conductor::setup::BUILD_DEVICE != "cpu").gpu_advice(),
+        build_device: baton_local::BUILD_DEVICE.to_owned(),
+        gpu_advice: baton_models::catalog::Machine::detect(baton_local::BUILD_DEVICE != "cpu").gpu_advice(),
     }
 }
 

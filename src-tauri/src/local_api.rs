@@ -9,11 +9,9 @@
 //! runs shows as `stale` and applies on a restart (a restart cancels the runs in flight, so
 //! it is the user's choice, not automatic).
 
-use std::sync::Arc;
-
 use baton_engine::pool::edit;
 use baton_engine::{Pool, ServeSpec};
-use baton_serve::{ServeOptions, Service};
+use baton_runner::serve::ServeRequest;
 use serde::Serialize;
 use tauri::{AppHandle, Runtime, State};
 use tokio_util::sync::CancellationToken;
@@ -51,16 +49,15 @@ pub struct LocalApiStatus {
     pub error: Option<String>,
 }
 
-const DEFAULT_PORT: u16 = 8765;
-
 fn form_of(spec: &ServeSpec) -> LocalApiForm {
-    let defaults = ServeOptions::default();
+    // What the server would be started with: the table's settings, else the server's defaults.
+    let options = baton_runner::serve::options(spec, &ServeRequest::default());
     LocalApiForm {
         enabled: spec.app,
-        host: spec.host.clone().unwrap_or(defaults.host),
-        port: spec.port.unwrap_or(DEFAULT_PORT),
-        max_concurrent_runs: spec.max_concurrent_runs.unwrap_or(defaults.max_concurrent_runs) as u32,
-        daily_max_cost_usd: spec.daily_max_cost_usd,
+        host: options.host,
+        port: options.port,
+        max_concurrent_runs: options.max_concurrent_runs as u32,
+        daily_max_cost_usd: options.daily_max_cost_usd,
         allow_origins: spec.allow_origins.clone(),
     }
 }
@@ -75,11 +72,7 @@ fn token_source(spec: &ServeSpec) -> String {
 /// The token clients must send: `[serve] token_env`'s variable, else the keychain's, made the
 /// first time (or anew when `new`). The CLI's `baton serve token` keeps the same entry.
 fn token(spec: &ServeSpec, new: bool) -> AppResult<String> {
-    baton_serve::token(spec.token_env.as_deref(), new).map_err(|e| match e {
-        baton_serve::TokenError::Keychain(e) => e.into(),
-        baton_serve::TokenError::NoRandom(_) => AppError::new(ErrorKind::Io, e.to_string()),
-        _ => AppError::bad_input(e.to_string()),
-    })
+    baton_serve::token(spec.token_env.as_deref(), new).map_err(|e| baton_runner::RunnerError::Token(e).into())
 }
 
 fn read_pool(state: &AppState) -> AppResult<(String, Pool)> {
@@ -94,44 +87,15 @@ fn read_pool(state: &AppState) -> AppResult<(String, Pool)> {
 /// any server before).
 async fn start<R: Runtime>(app: &AppHandle<R>, state: &AppState) -> AppResult<Running> {
     let (pool_text, pool) = read_pool(state)?;
-    let spec = pool.options.serve.clone();
-    let form = form_of(&spec);
-    baton_serve::guard::check_bind(&form.host, true).map_err(AppError::bad_input)?;
-    let token = token(&spec, false)?;
-    let store = state.store().await?.clone();
-    // The pool answers as `baton` when a conductor plans, or when it routes every question by
-    // what it learned and needs none.
-    let conductor = pool.options.conductor.model.is_some()
-        || pool.options.conductor.url.is_some()
-        || baton_runner::build::routes_every_question(&pool);
-    let executor = crate::chat::executor(app, state, &pool, conductor).await?;
-    let listener = tokio::net::TcpListener::bind((form.host.as_str(), form.port)).await.map_err(|e| {
-        AppError::new(
-            ErrorKind::Io,
-            format!(
-                "cannot listen on {}:{}: {e}; choose another port (0 picks a free one), or stop what uses it (a `baton serve`?)",
-                form.host, form.port
-            ),
-        )
-    })?;
-    let port = listener.local_addr().map_or(form.port, |a| a.port());
-    let options = ServeOptions {
-        host: form.host.clone(),
-        port,
-        token: Some(token),
-        allow_origins: form.allow_origins.clone(),
-        max_concurrent_runs: form.max_concurrent_runs as usize,
-        max_queued_runs: pool.options.serve.max_queued_runs.unwrap_or(baton_serve::DEFAULT_QUEUE),
-        daily_max_cost_usd: form.daily_max_cost_usd,
-        ..ServeOptions::default()
-    };
-    let service =
-        Arc::new(Service::new(Arc::new(executor), conductor, Some(store), options).map_err(AppError::bad_input)?);
+    let store = state.store().await?;
+    let loader = crate::chat::Loader::new(app);
+    let serving =
+        baton_runner::serve::start(pool, Some(store), &ServeRequest::default(), loader.context(state)).await?;
     let shutdown = CancellationToken::new();
-    let task = tokio::spawn(baton_serve::serve(listener, service.clone(), shutdown.clone()));
-    let host = if form.host.contains(':') { format!("[{}]", form.host) } else { form.host.clone() };
-    tracing::info!("the Local API serves on http://{host}:{port}/v1");
-    Ok(Running { service, shutdown, task, url: format!("http://{host}:{port}/v1"), pool_text })
+    let service = serving.service;
+    let task = tokio::spawn(baton_serve::serve(serving.listener, service.clone(), shutdown.clone()));
+    tracing::info!("the Local API serves on {}", serving.url);
+    Ok(Running { service, shutdown, task, url: serving.url, pool_text })
 }
 
 /// Stops the server: runs in flight are cancelled (and recorded so), then the port is free.

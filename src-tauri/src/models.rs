@@ -101,7 +101,7 @@ fn parse(reference: &str) -> AppResult<ModelRef> {
 }
 
 fn machine() -> Machine {
-    Machine::detect(baton_conductor::setup::BUILD_DEVICE != "cpu")
+    Machine::detect(baton_local::BUILD_DEVICE != "cpu")
 }
 
 /// The curated conductor models for this computer and what is downloaded.
@@ -150,7 +150,7 @@ pub async fn model_catalog(state: State<'_, AppState>) -> AppResult<ModelCatalog
         ModelCatalog {
             models: choices,
             machine: line,
-            build_device: baton_conductor::setup::BUILD_DEVICE.to_owned(),
+            build_device: baton_local::BUILD_DEVICE.to_owned(),
             gpu_advice: machine.gpu_advice(),
             models_dir: cache.root().display().to_string(),
             hub: String::new(),
@@ -293,6 +293,6 @@ pub async fn delete_model(state: State<'_, AppState>, reference: String) -> AppR
 
 /// The local models loaded now: device, memory, and the speed of their latest generation.
 #[tauri::command]
-pub fn loaded_models(state: State<'_, AppState>) -> Vec<baton_conductor::setup::LoadedModel> {
+pub fn loaded_models(state: State<'_, AppState>) -> Vec<baton_local::LoadedModel> {
     state.models.loaded()
 }

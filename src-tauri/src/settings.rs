@@ -4,6 +4,7 @@
 //! written unless the result parses as a pool, except a pool with no workers yet (a new user
 //! sets the conductor first). Here are the forms as the UI sees them.
 
+use baton_conductor::setup::KeepForPool;
 use baton_engine::Pool;
 use baton_engine::pool::edit::{self, EditError};
 use serde::Serialize;

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use baton_conductor::setup::LocalModels;
 use baton_engine::Pool;
+use baton_local::LocalModels;
 use baton_store::Store;
 use tokio_util::sync::CancellationToken;
 

@@ -16,19 +16,23 @@ pub const TIMING_LOG_VAR: &str = "BATON_TIMING_LOG";
 #[derive(Debug)]
 pub struct TimingLog {
     path: PathBuf,
+    /// The run's id, from its `run_started` event.
     run: String,
     seen: HashSet<(u32, usize)>,
 }
 
 impl TimingLog {
-    /// The trace for run `run`, if the environment asks for one.
-    pub fn for_run(run: &str) -> Option<TimingLog> {
+    /// The trace for a run, if the environment asks for one.
+    pub fn for_a_run() -> Option<TimingLog> {
         let path = std::env::var_os(TIMING_LOG_VAR)?;
-        Some(TimingLog { path: path.into(), run: run.to_owned(), seen: HashSet::new() })
+        Some(TimingLog { path: path.into(), run: String::new(), seen: HashSet::new() })
     }
 
     /// Notes `event` as it leaves the engine (only a step's first delta is written).
     pub fn observe(&mut self, event: &RunEvent) {
+        if let RunEvent::RunStarted { run_id, .. } = event {
+            self.run.clone_from(run_id);
+        }
         let RunEvent::StepDelta { round, step, .. } = event else { return };
         if !self.seen.insert((*round, *step)) {
             return;

@@ -788,7 +788,7 @@ calibration: number | null,
  */
 seed: number | null, };
 
-export type EvalProgress = { "type": "started", id: string, } | { "type": "planned", total: number, done: number, } | { "type": "scored", strategy: string, item: string, correct: boolean, cost_usd: number, spent_usd: number, } | { "type": "note", text: string, };
+export type EvalProgress = { "type": "started", id: string, about: string, } | { "type": "planned", total: number, done: number, } | { "type": "scored", strategy: string, item: string, correct: boolean, cost_usd: number, spent_usd: number, } | { "type": "note", text: string, };
 
 export type EvalView = { evaluation: Evaluation, report: Report, results: Array<EvalResult>, };
 

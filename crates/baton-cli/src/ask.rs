@@ -3,12 +3,11 @@
 
 use std::path::PathBuf;
 
-use baton_engine::{RunEvent, RunRequest, RunStatus, new_run_id};
+use baton_engine::{RunEvent, RunStatus};
 use baton_plan::Limits;
-use baton_runner::{Conductor, LocalModels};
-use tokio_util::sync::CancellationToken;
+use baton_runner::{Ask, LocalModels};
 
-use crate::conductor_setup::Build;
+use crate::conductor_setup::Loader;
 use crate::io::{Io, errln, outln};
 use crate::progress::Progress;
 use crate::{Failure, Outcome, PoolArg};
@@ -73,37 +72,20 @@ pub async fn run(args: Args, io: &Io, models: &LocalModels) -> Outcome {
     } else {
         args.question.clone()
     };
-    if question.trim().is_empty() {
-        return Err(Failure::BadInput("the question is empty".into()));
-    }
 
     if pool.options.budget.max_cost_usd.is_some() {
         crate::warn_unpriced(&pool, "budget.max_cost_usd", io);
     }
     // The history opens before anything runs, so a database problem costs no provider calls.
     let store = if args.no_history { None } else { Some(args.db.open().await?) };
-    let history = match &store {
-        Some(store) => baton_runner::conversation_so_far(store, args.conversation).await.map_err(|e| match e {
-            baton_runner::RunnerError::NotFound(m) => Failure::BadInput(m),
-            e => Failure::Failed(e.to_string()),
-        })?,
-        None => Vec::new(),
-    };
-    let conductor = if plan.is_none() { Conductor::Required } else { Conductor::None };
-    let build = Build { args: &args.conductor, conductor, store: store.as_ref(), quiet: args.json, io };
-    let built = build.executor(pool, models).await?;
-    let cancel: &CancellationToken = &io.cancel;
     let ctrl_c = io.watch_ctrl_c();
-
     let json = args.json;
-    let names: Vec<String> = built.pool.workers.iter().map(|w| w.name.clone()).collect();
+    let names: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
     let mut progress = Progress::new(names, io.clone());
     let out = io.clone();
     let show = move |event: RunEvent| {
         if json {
-            if let Ok(line) = serde_json::to_string(&event) {
-                outln!(out, "{line}");
-            }
+            outln!(out, "{}", crate::json::line(&event));
         } else {
             progress.show(&event);
         }
@@ -111,15 +93,17 @@ pub async fn run(args: Args, io: &Io, models: &LocalModels) -> Outcome {
     let to = io.clone();
     let warn =
         move |e: baton_store::StoreError| errln!(to, "warning: this run is not fully recorded in the history: {e}");
-    let recorder = store.as_ref().map(|s| s.recorder(args.conversation));
-    let request = RunRequest { run_id: new_run_id(), question, plan, history, ..RunRequest::default() };
-    let recorded = baton_runner::run_recorded(&built.executor, request, recorder, show, warn, cancel).await;
+    let loader = Loader::new(&args.conductor, json, io);
+    let context = loader.context(&pool, models);
+    let ask = Ask { question, conversation: args.conversation, plan };
+    let recorded = baton_runner::ask(pool, context, store.as_ref(), ask, show, warn, &io.cancel).await;
     if let Some(ctrl_c) = ctrl_c {
         ctrl_c.abort();
     }
     if let Some(store) = &store {
         store.close().await;
     }
+    let recorded = recorded?;
     if let (Some(run), Some(conversation), false) = (recorded.run_id, recorded.conversation_id, json) {
         errln!(io, "recorded as run {run} in conversation {conversation} (baton history show {run})");
     }

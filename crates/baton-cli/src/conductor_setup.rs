@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use baton_engine::Pool;
 use baton_providers::ServerGrammar;
-use baton_runner::{Built, Conductor, ConductorChoice, LoadNotice, LocalModels, Setup, SetupError};
+use baton_runner::{Built, Conductor, ConductorChoice, Context, KeepForPool, LoadNotice, LocalModels, RunnerError};
 
 use crate::Failure;
 use crate::io::{Io, errln};
@@ -59,65 +59,46 @@ impl ConductorArgs {
     }
 }
 
-/// Load progress on `io`'s error stream, unless `quiet` (JSON output).
-fn progress(quiet: bool, io: &Io) -> impl Fn(LoadNotice<'_>) + Send + Sync + use<> {
-    let io = io.clone();
-    move |notice| {
-        if quiet {
-            return;
-        }
-        match notice {
-            LoadNotice::Loading { what, path } => io.err(&format!("loading {what} {} … ", path.display())),
-            LoadNotice::Loaded { seconds, device, .. } => errln!(io, "loaded in {seconds:.2} s on {device}"),
-            LoadNotice::Failed { .. } => errln!(io, "failed"),
-        }
+/// What a command lends the application layer to load models with: the user's conductor
+/// choice and load progress on `io`'s error stream (none when `quiet`: JSON output).
+pub struct Loader {
+    choice: ConductorChoice,
+    notify: Box<dyn Fn(LoadNotice<'_>) + Send + Sync>,
+}
+
+impl std::fmt::Debug for Loader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loader").field("choice", &self.choice).finish_non_exhaustive()
     }
 }
 
-/// What a command builds its executor from: the pool, these arguments, and the history (which
-/// picks the fallback worker). `quiet` keeps load progress off stderr (JSON output); `io` is
-/// where it goes, and what interrupts a plan.
-#[derive(Debug)]
-pub struct Build<'a> {
-    pub args: &'a ConductorArgs,
-    pub conductor: Conductor,
-    pub store: Option<&'a baton_store::Store>,
-    pub quiet: bool,
-    pub io: &'a Io,
-}
-
-impl Build<'_> {
-    /// The executor for `pool` through the runner, loading local models into `models`.
-    pub async fn executor(&self, pool: Pool, models: &LocalModels) -> Result<Built, Failure> {
-        let choice = self.args.choice();
-        let notify = progress(self.quiet, self.io);
-        // Models a warm helper loaded for an earlier question with another pool are let go.
-        models.keep_only_with(&pool, &choice);
-        let setup = Setup { models, choice: &choice, conductor: self.conductor, store: self.store, notify: &notify };
-        baton_runner::build(pool, setup).await.map_err(failure)
+impl Loader {
+    pub fn new(args: &ConductorArgs, quiet: bool, io: &Io) -> Loader {
+        let io = io.clone();
+        let notify = move |notice: LoadNotice<'_>| {
+            if quiet {
+                return;
+            }
+            match notice {
+                LoadNotice::Loading { what, path } => io.err(&format!("loading {what} {} … ", path.display())),
+                LoadNotice::Loaded { seconds, device, .. } => errln!(io, "loaded in {seconds:.2} s on {device}"),
+                LoadNotice::Failed { .. } => errln!(io, "failed"),
+            }
+        };
+        Loader { choice: args.choice(), notify: Box::new(notify) }
     }
 
-    /// A plan for `question`, through the executor's own planning round; nothing runs.
-    pub async fn draft(
-        &self,
-        pool: Pool,
-        models: &LocalModels,
-        question: &str,
-        deltas: baton_engine::PlanDeltas<'_>,
-    ) -> Result<baton_engine::Planned, Failure> {
-        let choice = self.args.choice();
-        let notify = progress(self.quiet, self.io);
-        models.keep_only_with(&pool, &choice);
-        let setup = Setup { models, choice: &choice, conductor: self.conductor, store: self.store, notify: &notify };
-        match baton_runner::draft::draft(pool, setup, question, Vec::new(), deltas, &self.io.cancel).await {
-            Ok((planned, _)) => Ok(planned),
-            Err(baton_runner::RunnerError::Setup(e)) => Err(failure(e)),
-            Err(baton_runner::RunnerError::Cancelled(_)) => Err(Failure::Interrupted),
-            Err(e) => Err(Failure::Failed(e.to_string())),
-        }
+    /// The context for work on `pool`, loading local models into `models`. Models a warm
+    /// helper loaded for an earlier question with another pool are let go.
+    pub fn context<'a>(&'a self, pool: &Pool, models: &'a LocalModels) -> Context<'a> {
+        models.keep_only_with(pool, &self.choice);
+        Context { models, choice: &self.choice, notify: &*self.notify }
     }
-}
 
-fn failure(e: SetupError) -> Failure {
-    Failure::BadInput(e.to_string())
+    /// The executor for `pool` through the application layer, with a conductor as `conductor`
+    /// says and nothing learned put in (`baton pool check`: the workers alone).
+    pub async fn executor(&self, pool: Pool, models: &LocalModels, conductor: Conductor) -> Result<Built, Failure> {
+        let context = self.context(&pool, models);
+        Ok(baton_runner::build(pool, context.setup(conductor, None)).await.map_err(RunnerError::from)?)
+    }
 }

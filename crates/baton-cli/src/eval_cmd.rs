@@ -3,16 +3,17 @@
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use baton_eval::report::{self, Report};
-use baton_eval::{Ended, Harness, Progress, Purpose, Spec, Strategy};
-use baton_runner::{Conductor, LocalModels};
+use baton_eval::{Ended, Progress};
+use baton_runner::LocalModels;
+use baton_runner::evaluate::{self, EvalRequest};
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio_util::sync::CancellationToken;
 
-use crate::conductor_setup::Build;
+use crate::conductor_setup::Loader;
 use crate::{Failure, Outcome, PoolArg};
 
 #[derive(Debug, clap::Args)]
@@ -93,7 +94,7 @@ struct RunArgs {
     conductor: crate::conductor_setup::ConductorArgs,
     /// Comma-separated: conductor, single:WORKER (all-singles for every worker), moa,
     /// router:lookup, router:random, best-of-n:WORKER[:N], oracle.
-    #[arg(long, default_value = "conductor,all-singles,router:lookup,oracle")]
+    #[arg(long, default_value = evaluate::DEFAULT_STRATEGIES)]
     strategies: String,
     /// Names the evaluation; running again with the same id resumes it (default: the suite's
     /// name and the time).
@@ -137,7 +138,7 @@ pub async fn run(args: Args) -> Outcome {
             let list = store.evaluations().await.map_err(|e| Failure::Failed(e.to_string()))?;
             for e in &list {
                 if json {
-                    println!("{}", serde_json::to_string(e).unwrap_or_default());
+                    println!("{}", crate::json::line(e));
                 } else {
                     let strategies = e.config["strategies"]
                         .as_array()
@@ -155,7 +156,7 @@ pub async fn run(args: Args) -> Outcome {
             let store = args.db.open().await?;
             let report = load_report(&store, &id).await?;
             if json {
-                println!("{}", serde_json::to_string(&report).unwrap_or_default());
+                println!("{}", crate::json::line(&report));
             } else {
                 print!("{}", report::table(&report));
             }
@@ -349,13 +350,7 @@ fn safe_name(id: &str) -> String {
 }
 
 async fn load_report(store: &baton_store::Store, id: &str) -> Result<Report, Failure> {
-    let evaluation = store
-        .evaluation(id)
-        .await
-        .map_err(|e| Failure::Failed(e.to_string()))?
-        .ok_or_else(|| Failure::BadInput(format!("there is no evaluation {id:?} (baton eval list)")))?;
-    let results = store.eval_results(id).await.map_err(|e| Failure::Failed(e.to_string()))?;
-    Ok(report::summarize(&evaluation, &results))
+    Ok(evaluate::results(store, id).await?.report)
 }
 
 /// The suite a `--from-hf DATASET[:CONFIG[:SPLIT]]` names, as a JSONL file in the cache
@@ -429,59 +424,41 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
         args.suite = Some(hf_suite(spec, args.json).await?);
     }
     let source = args.suite.clone().unwrap_or_default();
-    let suite = baton_eval::suite::load(&source).map_err(|e| Failure::BadInput(e.to_string()))?;
     let pool = args.pool.load()?;
-    let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
-    let strategies = Strategy::parse_list(&args.strategies, &workers).map_err(Failure::BadInput)?;
-    if args.repeats == 0 || args.concurrency == 0 {
-        return Err(Failure::BadInput("--repeats and --concurrency must be at least 1".into()));
-    }
-    if args.max_cost_usd.is_some_and(|c| c.is_nan() || c <= 0.0) {
-        return Err(Failure::BadInput("--max-cost-usd must be above 0".into()));
-    }
-    if args.max_cost_usd.is_some() {
-        crate::warn_unpriced(&pool, "--max-cost-usd", &crate::io::Io::terminal());
-    }
-    let id = args.id.clone().unwrap_or_else(|| {
-        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        format!("{}-{secs}", suite.name)
-    });
-    // The history opens before anything runs, so a database problem costs no calls.
-    let store = db.open().await?;
-    let models = LocalModels::default();
-    let wants_conductor = strategies.contains(&Strategy::Conductor);
-    let conductor = if wants_conductor { Conductor::Required } else { Conductor::None };
-    let learned = baton_runner::build::learned_questions(&pool, &store).await;
-    let io = crate::io::Io::terminal();
-    let build = Build { args: &args.conductor, conductor, store: Some(&store), quiet: args.json, io: &io };
-    let executor = build.executor(pool, &models).await?.executor;
-    let harness = Harness::new(Arc::new(executor), workers, store.clone(), wants_conductor);
-
-    let spec = Spec {
-        id: id.clone(),
-        suite,
-        suite_source: source.clone(),
-        strategies,
+    let request = EvalRequest {
+        suite: source.clone(),
+        strategies: args.strategies.clone(),
+        id: args.id.clone(),
+        limit: args.limit,
         repeats: args.repeats,
         concurrency: args.concurrency,
         max_cost_usd: args.max_cost_usd,
         calibration: args.calibration,
-        limit: args.limit,
         seed: args.seed,
-        purpose: Purpose::Evaluate { leave_out: learned },
     };
-    eprintln!(
-        "evaluation {id}: {} items of {} ({})",
-        args.limit.map_or(spec.suite.items.len(), |l| l.min(spec.suite.items.len())),
-        spec.suite.name,
-        spec.suite.provenance
-    );
-    let ended = run_with_bar(&harness, &spec, args.json).await?;
-    let report = load_report(&store, &id).await?;
+    // The history opens before anything runs, so a database problem costs no calls.
+    let store = db.open().await?;
+    let io = crate::io::Io::terminal();
+    let loader = Loader::new(&args.conductor, args.json, &io);
+    let models = LocalModels::default();
+    let context = loader.context(&pool, &models);
+    let watch = Watch::new(args.json);
+    let evaluated = evaluate::evaluate(pool, &store, &request, context, &|p| watch.show(p), &watch.cancel).await;
+    watch.finish();
+    let evaluated = match evaluated {
+        Ok(evaluated) => evaluated,
+        Err(e) => {
+            store.close().await;
+            return Err(e.into());
+        }
+    };
+    let id = evaluated.id;
+    let report = evaluate::results(&store, &id).await.map(|r| r.report);
     store.close().await;
+    let report = report?;
     if args.json {
         let mut out = std::io::stdout().lock();
-        let _ = writeln!(out, "{}", serde_json::to_string(&report).unwrap_or_default());
+        let _ = writeln!(out, "{}", crate::json::line(&report));
     } else {
         print!("{}", report::table(&report));
     }
@@ -490,7 +467,7 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
         Some(spec) => format!("--from-hf {spec}"),
         None => source.clone(),
     };
-    match ended {
+    match evaluated.ended {
         Ended::Finished => Ok(()),
         Ended::Stopped => {
             eprintln!("stopped; `baton eval run {named} --id {id}` with the same settings goes on");
@@ -502,19 +479,30 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
     }
 }
 
-/// Runs `spec` with a progress bar (none when `quiet`) until it ends or Ctrl-C stops it.
-pub(crate) async fn run_with_bar(harness: &Harness, spec: &Spec, quiet: bool) -> Result<Ended, Failure> {
-    let cancel = CancellationToken::new();
-    let ctrl_c = crate::cancel_on_ctrl_c(&cancel);
-    let bar = Bar::new(quiet);
-    let progress = |p: Progress| bar.show(p);
-    let ended = harness.run(spec, &progress, &cancel).await;
-    bar.finish();
-    ctrl_c.abort();
-    ended.map_err(|e| match e {
-        baton_eval::EvalError::Settings(m) => Failure::BadInput(m),
-        other => Failure::Failed(other.to_string()),
-    })
+/// Watching a long run from the terminal: its progress bar (none when `quiet`: JSON on
+/// stdout), and a stop on the first Ctrl-C.
+pub(crate) struct Watch {
+    bar: Bar,
+    pub(crate) cancel: CancellationToken,
+    ctrl_c: tokio::task::JoinHandle<()>,
+}
+
+impl Watch {
+    pub(crate) fn new(quiet: bool) -> Watch {
+        let cancel = CancellationToken::new();
+        let ctrl_c = crate::cancel_on_ctrl_c(&cancel);
+        Watch { bar: Bar::new(quiet), cancel, ctrl_c }
+    }
+
+    pub(crate) fn show(&self, p: Progress) {
+        self.bar.show(p);
+    }
+
+    /// Once the run has ended.
+    pub(crate) fn finish(self) {
+        self.bar.finish();
+        self.ctrl_c.abort();
+    }
 }
 
 /// The progress bar: runs done, ETA, accuracy so far per strategy, and spend.
@@ -540,8 +528,10 @@ impl Bar {
     fn show(&self, p: Progress) {
         let Some(bar) = &self.bar else {
             // Quiet (JSON on stdout): notes still go to stderr.
-            if let Progress::Note(note) = p {
-                eprintln!("{note}");
+            match p {
+                Progress::Started { id, about } => eprintln!("{id}: {about}"),
+                Progress::Note(note) => eprintln!("{note}"),
+                Progress::Planned { .. } | Progress::Scored { .. } => {}
             }
             return;
         };
@@ -566,6 +556,7 @@ impl Bar {
                     eprintln!("[{}/{}] {}", bar.position(), bar.length().unwrap_or(0), bar.message());
                 }
             }
+            Progress::Started { id, about } => bar.suspend(|| eprintln!("{id}: {about}")),
             Progress::Note(note) => bar.suspend(|| eprintln!("{note}")),
         }
     }

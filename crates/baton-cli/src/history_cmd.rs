@@ -303,12 +303,14 @@ fn first_line(s: &str) -> String {
     }
 }
 
+/// An export, with the version of the command line's JSON (docs/json.md).
 fn pretty(value: &serde_json::Value) -> String {
-    serde_json::to_string_pretty(value).unwrap_or_default() + "\n"
+    crate::json::pretty(value)
 }
 
+/// One object of a `--json` output, with its version (docs/json.md).
 fn line(out: &mut impl Write, value: &serde_json::Value) -> Outcome {
-    write_out(out, &value.to_string())
+    write_out(out, &crate::json::line(value))
 }
 
 /// A closed stdout (`| head`) ends the listing quietly.

@@ -173,7 +173,7 @@ fn list(pool: &PoolArg, json: bool) -> Outcome {
                 "last4": status.last4,
                 "overridden_by": by,
             });
-            println!("{line}");
+            println!("{}", crate::json::line(&line));
             continue;
         }
         let mut text = match (status.stored, &status.last4) {

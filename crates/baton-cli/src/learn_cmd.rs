@@ -2,15 +2,13 @@
 //! per category, with its cost and time: the workers' profiles. Runs then send each kind of
 //! question to the cheapest worker that is as good at it (see `baton_engine::profile`).
 
-use std::sync::Arc;
-
 use baton_engine::Route;
 use baton_engine::profile::{Freshness, PoolLearning, RouteHow};
+use baton_eval::Ended;
 use baton_eval::learn::{self, LearnOptions};
-use baton_eval::{Ended, Harness};
-use baton_runner::{Conductor, LocalModels};
+use baton_runner::LocalModels;
 
-use crate::conductor_setup::Build;
+use crate::conductor_setup::{ConductorArgs, Loader};
 use crate::history_cmd::DbArg;
 use crate::{Failure, Outcome, PoolArg};
 
@@ -56,51 +54,18 @@ pub async fn learn(args: LearnArgs) -> Outcome {
         max_cost_usd: args.max_cost_usd,
         plans: args.plans,
     };
-    let mut spec = learn::spec(&pool, &options).map_err(|e| Failure::BadInput(e.to_string()))?;
-    let plans = learn::plan_samples(&spec);
-    if args.plans > 0 && plans == 0 {
-        eprintln!("note: the pool has no conductor, so only the workers alone are learned (no plans)");
-    }
-    if args.max_cost_usd.is_some() {
-        crate::warn_unpriced(&pool, "--max-cost-usd", &crate::io::Io::terminal());
-    }
     let store = args.db.open().await?;
-    let left_out =
-        learn::leave_out_learned(&mut spec, &pool, &store).await.map_err(|e| Failure::Failed(e.to_string()))?;
-    for w in &left_out {
-        eprintln!("note: {}", learn::left_out_note(w));
-    }
-    if spec.strategies.is_empty() {
-        eprintln!("every worker is already learned on these items; nothing to ask");
-        let learning =
-            baton_runner::build::pool_learning(&pool, &store).await.map_err(|e| Failure::Failed(e.to_string()))?;
-        store.close().await;
-        print!("{}", profiles_table(&learning));
-        return Ok(());
-    }
-    let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
-    // What was learned before stays out: the samples show what the conductor does on its own.
-    let conductor_args = crate::conductor_setup::ConductorArgs::default();
-    let conductor = if plans > 0 { Conductor::Required } else { Conductor::None };
     let io = crate::io::Io::terminal();
-    let build = Build { args: &conductor_args, conductor, store: None, quiet: false, io: &io };
+    let loader = Loader::new(&ConductorArgs::default(), false, &io);
     let models = LocalModels::default();
-    let executor = build.executor(learn::sampling_pool(&pool), &models).await?.executor;
-    let harness = Harness::new(Arc::new(executor), workers.clone(), store.clone(), plans > 0);
-    let sampled = if plans > 0 { format!(", and {plans} conductor plans per item") } else { String::new() };
-    eprintln!(
-        "learning {}: each of {} workers alone on {} items of {}{sampled}",
-        spec.id,
-        workers.len() - left_out.len(),
-        learn::items(&spec),
-        spec.suite.name
-    );
-    let ended = crate::eval_cmd::run_with_bar(&harness, &spec, false).await?;
-    let learning =
-        baton_runner::build::pool_learning(&pool, &store).await.map_err(|e| Failure::Failed(e.to_string()))?;
+    let context = loader.context(&pool, &models);
+    let watch = crate::eval_cmd::Watch::new(false);
+    let learned = baton_runner::learn::learn(&pool, &store, &options, context, &|p| watch.show(p), &watch.cancel).await;
+    watch.finish();
     store.close().await;
-    print!("{}", profiles_table(&learning));
-    match ended {
+    let learned = learned?;
+    print!("{}", profiles_table(&learned.learning));
+    match learned.ended {
         Ended::Finished => Ok(()),
         Ended::Stopped => {
             eprintln!("stopped; what was measured is kept, and the same command goes on from there");

@@ -10,6 +10,7 @@ mod conductor_setup;
 mod eval_cmd;
 mod history_cmd;
 mod io;
+mod json;
 mod keys_cmd;
 mod learn_cmd;
 mod models_cmd;
@@ -114,14 +115,29 @@ impl PoolArg {
 /// Says that a spending cap (`cap`, as the user set it) cannot count the workers without a
 /// price: their calls pass it as $0.
 pub fn warn_unpriced(pool: &baton_engine::Pool, cap: &str, io: &io::Io) {
-    let unpriced: Vec<&str> =
-        pool.workers.iter().filter(|w| !w.pricing().is_known()).map(|w| w.name.as_str()).collect();
-    if !unpriced.is_empty() {
-        io::errln!(
-            io,
-            "warning: {cap} does not count workers without a price ({}); set price_in and price_out for them",
-            unpriced.join(", ")
-        );
+    if let Some(warning) = baton_runner::unpriced_warning(pool, cap) {
+        io::errln!(io, "{warning}");
+    }
+}
+
+impl From<baton_runner::RunnerError> for Failure {
+    /// Exit 2 for what the user can change in their input or settings, 1 for work that failed,
+    /// 130 for a stop.
+    fn from(e: baton_runner::RunnerError) -> Failure {
+        use baton_runner::RunnerError;
+        match e {
+            RunnerError::Setup(e) => Failure::BadInput(e.to_string()),
+            RunnerError::NotFound(m) | RunnerError::BadInput(m) => Failure::BadInput(m),
+            RunnerError::Cancelled(_) => Failure::Interrupted,
+            RunnerError::Token(
+                e @ (baton_serve::TokenError::VariableUnset(_) | baton_serve::TokenError::FromVariable(_)),
+            ) => Failure::BadInput(e.to_string()),
+            RunnerError::Io(m) => Failure::BadInput(m),
+            e @ (RunnerError::Store(_)
+            | RunnerError::Conductor(_)
+            | RunnerError::Sandbox(_)
+            | RunnerError::Token(_)) => Failure::Failed(e.to_string()),
+        }
     }
 }
 
@@ -135,13 +151,13 @@ pub fn cancel_on_ctrl_c(cancel: &tokio_util::sync::CancellationToken) -> tokio::
     })
 }
 
-baton_conductor::check_cpu_before_anything!();
+baton_local::check_cpu_before_anything!();
 
 fn main() -> ExitCode {
     // Before anything else: the rest of the binary may use instructions this CPU lacks. `main`
     // stays this small so that the compiler has nothing to put before the check: with the work
     // inlined here, its prologue zeroed locals with an AVX instruction and died of SIGILL first.
-    baton_conductor::cpu::exit_unless_supported();
+    baton_local::cpu::exit_unless_supported();
     run()
 }
 
@@ -151,7 +167,7 @@ fn run() -> ExitCode {
     // SAFETY: before the async runtime or any other thread exists.
     #[allow(unsafe_code)]
     unsafe {
-        baton_conductor::setup::set_engine_environment();
+        baton_local::set_engine_environment();
     }
     if let Command::Logs(LogsCommand::Path) = cli.command {
         println!("{}", baton_engine::logs::log_dir().display());

@@ -145,7 +145,7 @@ async fn pull(cache: &Cache, reference: &ModelRef, json: bool) -> Outcome {
             };
             eprintln!("{reference}: {} ({how}; {check})", human_bytes(pulled.size));
             if json {
-                println!("{}", serde_json::to_string(&pulled).unwrap_or_default());
+                println!("{}", crate::json::line(&pulled));
             } else {
                 println!("{}", pulled.path.display());
             }
@@ -169,7 +169,7 @@ fn list(cache: &Cache, json: bool) -> Outcome {
         .map_err(|e| Failure::Failed(format!("cannot read the model folder {}: {e}", cache.root().display())))?;
     if json {
         for e in &entries {
-            println!("{}", serde_json::to_string(e).unwrap_or_default());
+            println!("{}", crate::json::line(e));
         }
         return Ok(());
     }
@@ -195,7 +195,7 @@ fn list(cache: &Cache, json: bool) -> Outcome {
 
 fn catalog(cache: &Cache, json: bool) -> Outcome {
     let models = baton_models::catalog::catalog();
-    let machine = Machine::detect(baton_conductor::setup::BUILD_DEVICE != "cpu");
+    let machine = Machine::detect(baton_local::BUILD_DEVICE != "cpu");
     let recommended = machine.recommend(&models).map(|m| m.id.clone());
     for m in &models {
         let fit = machine.fit(m);
@@ -205,7 +205,7 @@ fn catalog(cache: &Cache, json: bool) -> Outcome {
                 "model": m, "fit": fit, "recommended": recommended.as_deref() == Some(m.id.as_str()),
                 "path": downloaded,
             });
-            println!("{line}");
+            println!("{}", crate::json::line(&line));
             continue;
         }
         let fit = match fit {

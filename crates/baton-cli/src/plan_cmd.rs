@@ -1,5 +1,5 @@
 //! `baton plan "question"`: the conductor's plan, without running it. `baton plan parse`:
-//! read a conductor's answer, print the normalized plan as JSON.
+//! read a conductor's answer (or a plan printed as JSON), print the normalized plan as JSON.
 
 use std::path::PathBuf;
 
@@ -31,9 +31,10 @@ pub struct Args {
 
 #[derive(Debug, clap::Subcommand)]
 pub enum Command {
-    /// Parse and validate a plan; print `{"model_id":[…],"subtasks":[…],"access_list":[…]}`.
+    /// Parse and validate a plan; print
+    /// `{"version":1,"model_id":[…],"subtasks":[…],"access_list":[…]}` (docs/json.md).
     Parse {
-        /// The conductor's text (stdin when omitted or `-`).
+        /// The conductor's text, or a plan as `plan --json` prints it (stdin when omitted or `-`).
         file: Option<PathBuf>,
         /// Also check model ids against this pool file.
         #[arg(long, value_name = "FILE")]
@@ -90,18 +91,17 @@ async fn write(question: &str, from: &Sources<'_>, json: bool, io: &Io, models: 
             to.out(t);
         }
     });
-    let build = crate::conductor_setup::Build {
-        args: from.conductor,
-        conductor: baton_runner::Conductor::Required,
-        store: store.as_ref(),
-        quiet: json,
-        io,
-    };
-    let planned = build.draft(pool, models, question, deltas).await?;
+    let loader = crate::conductor_setup::Loader::new(from.conductor, json, io);
+    let context = loader.context(&pool, models);
+    let drafted = baton_runner::draft::draft(pool, context, store.as_ref(), question, None, deltas, &io.cancel).await;
+    if let Some(store) = &store {
+        store.close().await;
+    }
+    let (planned, _) = drafted?;
     if let Some(why) = &planned.routed {
         // Nothing was written: say where the question goes instead, as `ask` would send it.
         if json {
-            outln!(io, "{}", planned.plan.to_json());
+            outln!(io, "{}", crate::json::plan_line(&planned.plan));
         } else {
             outln!(io, "No plan: {why}.\n{}", planned.plan.to_json());
         }
@@ -109,7 +109,7 @@ async fn write(question: &str, from: &Sources<'_>, json: bool, io: &Io, models: 
         return Ok(());
     }
     if json {
-        outln!(io, "{}", planned.plan.to_json());
+        outln!(io, "{}", crate::json::plan_line(&planned.plan));
     } else {
         outln!(io);
     }
@@ -139,7 +139,7 @@ fn parse_command(cmd: Command, io: &Io) -> Outcome {
                 allow_stop: true,
             };
             let plan = baton_plan::parse(&text, &limits).map_err(|e| Failure::BadInput(format!("{source}: {e}")))?;
-            outln!(io, "{}", plan.to_json());
+            outln!(io, "{}", crate::json::plan_line(&plan));
             Ok(())
         }
     }

@@ -95,12 +95,10 @@ async fn check(pool: &Pool, json: bool, timeout: Option<Duration>) -> Outcome {
         w.timeout = timeout.unwrap_or(w.timeout);
     }
     // Local workers are loaded and asked too, as the app's *Test connection* does.
-    let args = crate::conductor_setup::ConductorArgs::default();
     let io = crate::io::Io::terminal();
-    let build =
-        crate::conductor_setup::Build { args: &args, conductor: Conductor::None, store: None, quiet: json, io: &io };
+    let loader = crate::conductor_setup::Loader::new(&Default::default(), json, &io);
     let models = LocalModels::default();
-    let executor = build.executor(pool.clone(), &models).await?.executor;
+    let executor = loader.executor(pool.clone(), &models, Conductor::None).await?.executor;
     let stop = tokio_util::sync::CancellationToken::new();
     let checks = executor.workers().iter().map(|worker| {
         let (retry, stop) = (&pool.options.retry, &stop);
@@ -122,7 +120,7 @@ async fn check(pool: &Pool, json: bool, timeout: Option<Duration>) -> Outcome {
                 Err(e) => serde_json::json!({"worker": worker.info.index, "name": worker.info.name, "ok": false,
                     "latency_ms": ms, "error": {"kind": e.kind, "message": e.message, "status": e.status}}),
             };
-            println!("{line}");
+            println!("{}", crate::json::line(&line));
         } else {
             match &result {
                 Ok(_) => println!("ok      {:<16} {:<24} {ms} ms", worker.info.name, worker.info.model),

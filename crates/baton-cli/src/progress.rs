@@ -88,7 +88,7 @@ impl Progress {
             }
             RunEvent::PlanReady { round, plan, fallback, .. } => {
                 match fallback {
-                    Some(why) if baton_engine::fallback::is_routed(why) => self.line(why.clone()),
+                    Some(why) if baton_engine::routing::is_routed(why) => self.line(why.clone()),
                     Some(why) => self.line(self.paint("33", &format!("fallback: {why}"))),
                     None => {}
                 }

@@ -1,13 +1,11 @@
 //! `baton serve`: the pool as one OpenAI-compatible model on this machine (see `baton-serve`).
 //! `baton serve token` prints the token clients send, made once and kept in the keychain.
 
-use std::sync::Arc;
-
-use baton_runner::{Conductor, LocalModels};
-use baton_serve::{ServeOptions, Service};
+use baton_runner::LocalModels;
+use baton_runner::serve::{self, ServeRequest};
 use tokio_util::sync::CancellationToken;
 
-use crate::conductor_setup::Build;
+use crate::conductor_setup::Loader;
 use crate::{Failure, Outcome, PoolArg};
 
 #[derive(Debug, clap::Args)]
@@ -92,69 +90,41 @@ pub async fn run(args: Args) -> Outcome {
         baton_serve::guard::check_bind(host, !args.no_token).map_err(Failure::BadInput)?;
     }
     let pool = args.pool.load()?;
-    let spec = pool.options.serve.clone();
-    let host = args.host.clone().or(spec.host).unwrap_or_else(|| "127.0.0.1".to_owned());
-    let port = args.port.or(spec.port).unwrap_or(8765);
-    baton_serve::guard::check_bind(&host, !args.no_token).map_err(Failure::BadInput)?;
-    let token_env = args.token_env.clone().or(spec.token_env);
-    let token = if args.no_token {
+    let request = ServeRequest {
+        host: args.host.clone(),
+        port: args.port,
+        token_env: args.token_env.clone(),
+        no_token: args.no_token,
+        allow_origins: args.allow_origin.clone(),
+        max_concurrent_runs: args.max_concurrent_runs,
+        max_queued_runs: args.max_queued_runs,
+        daily_max_cost_usd: args.daily_max_cost_usd,
+    };
+    if args.no_token {
         eprintln!(
             "warning: no token: any program of any user on this machine can use this server and spend your provider keys"
         );
-        None
-    } else {
-        Some(baton_serve::token(token_env.as_deref(), false).map_err(token_failure)?)
-    };
-
+    }
+    let token_from = serve::token_source(&pool.options.serve, &request);
     let store = if args.no_history { None } else { Some(args.db.open().await?) };
-    let models = LocalModels::default();
     let io = crate::io::Io::terminal();
-    let build = Build {
-        args: &args.conductor,
-        conductor: Conductor::IfConfigured,
-        store: store.as_ref(),
-        quiet: false,
-        io: &io,
-    };
-    let built = build.executor(pool, &models).await?;
-    let (pool_served, conductor) = (built.answers_as_pool(), built.conductor);
-
-    let listener = tokio::net::TcpListener::bind((host.as_str(), port))
-        .await
-        .map_err(|e| Failure::BadInput(format!("cannot listen on {host}:{port}: {e}")))?;
-    let port = listener.local_addr().map_or(port, |a| a.port());
-    let defaults = ServeOptions::default();
-    let options = ServeOptions {
-        host: host.clone(),
-        port,
-        token,
-        allow_origins: [args.allow_origin.clone(), spec.allow_origins].concat(),
-        max_concurrent_runs: args
-            .max_concurrent_runs
-            .or(spec.max_concurrent_runs)
-            .unwrap_or(defaults.max_concurrent_runs),
-        max_queued_runs: args.max_queued_runs.or(spec.max_queued_runs).unwrap_or(defaults.max_queued_runs),
-        daily_max_cost_usd: args.daily_max_cost_usd.or(spec.daily_max_cost_usd),
-        ..defaults
-    };
-    let service =
-        Service::new(Arc::new(built.executor), pool_served, store.clone(), options).map_err(Failure::BadInput)?;
-    let shown = if host.contains(':') { format!("[{host}]") } else { host.clone() };
-    eprintln!("serving on http://{shown}:{port}/v1 as {}", service.model_ids().join(", "));
-    if !pool_served {
+    let loader = Loader::new(&args.conductor, false, &io);
+    let models = LocalModels::default();
+    let serving = serve::start(pool.clone(), store.as_ref(), &request, loader.context(&pool, &models)).await?;
+    eprintln!("serving on {} as {}", serving.url, serving.service.model_ids().join(", "));
+    if !serving.answers_as_pool {
         eprintln!("the pool names no conductor: only the workers alone are served (baton/<worker>)");
-    } else if !conductor {
+    } else if !serving.conductor {
         eprintln!(
             "the pool names no conductor: `baton` sends each question to one worker, without a plan (route = \"always\")"
         );
     }
     if !args.no_token {
-        let from = token_env.as_ref().map_or("`baton serve token` prints it".to_owned(), |v| format!("from ${v}"));
-        eprintln!("clients send Authorization: Bearer TOKEN ({from}); Ctrl-C stops");
+        eprintln!("clients send Authorization: Bearer TOKEN (from {token_from}); Ctrl-C stops");
     }
     let shutdown = CancellationToken::new();
     let ctrl_c = crate::cancel_on_ctrl_c(&shutdown);
-    let served = baton_serve::serve(listener, Arc::new(service), shutdown).await;
+    let served = baton_serve::serve(serving.listener, serving.service, shutdown).await;
     ctrl_c.abort();
     if let Some(store) = &store {
         store.close().await;

@@ -7,6 +7,10 @@ use baton_tests::{Output, TEST_KEY, W, fixture, write_pool};
 use baton_testserver::{Options, TestServer};
 use serde_json::Value;
 
+/// Every `--json` output against docs/json.md.
+#[path = "cli/json.rs"]
+mod json;
+
 async fn server() -> TestServer {
     TestServer::start_with(Options { key: Some(TEST_KEY.into()), ..Options::default() }).await.expect("server")
 }
@@ -32,7 +36,7 @@ async fn plan_parse_prints_normalized_json_and_rejects_bad_plans_with_exit_2() {
 
     let stdin = baton(&["plan", "parse"], Some("model_id=[1]\nsubtasks=['x']\naccess_list=[[]]"), "").await;
     assert_eq!(stdin.code, Some(0));
-    assert_eq!(stdin.stdout.trim(), r#"{"model_id":[1],"subtasks":["x"],"access_list":[[]]}"#);
+    assert_eq!(stdin.stdout.trim(), r#"{"version":1,"model_id":[1],"subtasks":["x"],"access_list":[[]]}"#);
 
     let bad = baton(&["plan", "parse", path(&fixture("bad-plan.txt"))], None, "").await;
     assert_eq!(bad.code, Some(2));
@@ -408,7 +412,10 @@ async fn a_remote_conductor_gets_the_plan_grammar_its_server_reads() {
     let args = ["plan", "--pool", path(&pool), "--conductor-grammar", "llama.cpp", "--json", "What is 2+2?"];
     let out = baton(&args, None, TEST_KEY).await;
     assert_eq!(out.code, Some(0), "{}", out.stderr);
-    assert_eq!(out.stdout.trim(), r#"{"model_id":[0,1],"subtasks":["Answer.","Check."],"access_list":[[],"all"]}"#);
+    assert_eq!(
+        out.stdout.trim(),
+        r#"{"version":1,"model_id":[0,1],"subtasks":["Answer.","Check."],"access_list":[[],"all"]}"#
+    );
     let last = s.requests().into_iter().last().expect("a request");
     assert!(last.body["grammar"].as_str().is_some_and(|g| g.starts_with("root ::= ")), "{}", last.body);
     assert!(last.body.get("structured_outputs").is_none());

@@ -279,7 +279,7 @@ async fn a_run_in_progress_cannot_be_deleted_and_a_stopped_one_keeps_its_partial
 /// The history keeps each text once, yet gives back exactly what happened: for a run with a
 /// retried step and a round of its own (a step given to the conductor, whose round is sent the
 /// work before it), `history show --json` has the very events `ask --json` printed, deltas
-/// aside, field for field and in order.
+/// and the version of each printed line aside, field for field and in order.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_history_gives_back_the_events_a_run_printed() {
     let s = server(TEST_KEY).await;
@@ -300,7 +300,10 @@ async fn the_history_gives_back_the_events_a_run_printed() {
     let printed: Vec<String> = json_lines(&out)
         .into_iter()
         .filter(|e| e["type"] != "step_delta" && e["type"] != "plan_delta")
-        .map(|e| e.to_string())
+        .map(|mut e| {
+            assert_eq!(e.as_object_mut().and_then(|e| e.remove("version")), Some(1.into()), "{e}");
+            e.to_string()
+        })
         .collect();
     assert!(printed.iter().any(|e| e.contains("\"step_retrying\"")), "a retry");
     assert!(printed.iter().any(|e| e.contains("\"round\":1")), "a second round");

@@ -31,7 +31,7 @@ pub struct ConductorOptions {
     /// Which prompt the conductor is given (`[conductor] prompt`).
     pub prompt_version: PromptVersion,
     /// Plans that were right when the pool learned: examples for the questions they fit.
-    pub learned: Vec<baton_engine::pool::LearnedPlan>,
+    pub learned: Vec<baton_engine::learned::LearnedPlan>,
     /// Longest a plan may take, from the request to its last token (retries included).
     pub plan_time_limit: Duration,
     /// A remote conductor's time limit per request and its retries: the workers' policy.
@@ -102,7 +102,7 @@ const MIN_BUDGETED_PLAN_TOKENS: usize = 256;
 /// A conductor running in process on a local model, constrained to valid plans.
 #[cfg(feature = "local")]
 pub struct LocalConductor {
-    model: Arc<crate::local::LocalModel>,
+    model: Arc<baton_local::LocalModel>,
     prompts: PromptBuilder,
     options: ConductorOptions,
 }
@@ -116,7 +116,7 @@ impl std::fmt::Debug for LocalConductor {
 
 #[cfg(feature = "local")]
 impl LocalConductor {
-    pub fn new(model: Arc<crate::local::LocalModel>, workers: Vec<WorkerInfo>, options: ConductorOptions) -> Self {
+    pub fn new(model: Arc<baton_local::LocalModel>, workers: Vec<WorkerInfo>, options: ConductorOptions) -> Self {
         LocalConductor { model, prompts: options.prompts(workers), options }
     }
 
@@ -127,7 +127,7 @@ impl LocalConductor {
         ctx: &PlanningContext,
         on_text: &mut (dyn FnMut(&str) + Send),
         meter: Meter<'_>,
-    ) -> Result<(Planned, crate::local::Generated), PlannerError> {
+    ) -> Result<(Planned, baton_local::Generated), PlannerError> {
         self.model.check_can_end_a_grammar().map_err(PlannerError::new)?;
         let grammar = grammar_for(ctx, &self.options);
         let system = self.prompts.system(ctx);
@@ -147,7 +147,7 @@ impl LocalConductor {
             Some(room) => full.min(usize::try_from(room).unwrap_or(usize::MAX).max(MIN_BUDGETED_PLAN_TOKENS)),
             None => full,
         };
-        let options = crate::local::GenerateOptions {
+        let options = baton_local::GenerateOptions {
             grammar: Some(grammar.to_lark()),
             max_tokens,
             temperature: self.options.temperature,

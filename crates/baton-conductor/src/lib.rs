@@ -4,18 +4,13 @@
 //! - [`prompt`]: the versioned prompt (task, format, "Model 0 … Model k", few-shot workflows).
 //! - [`grammar`]: the Lark grammar that makes a local conductor's output a valid plan for the
 //!   current pool, always.
-//! - [`conductor`]: the [`Planner`](baton_engine::Planner)s: [`LocalConductor`] on mistral.rs
-//!   and [`RemoteConductor`] on any OpenAI-compatible endpoint.
-//! - [`local`]: loading GGUF/safetensors models in process, for the conductor and `local` workers.
-//! - [`cpu`]: the SIMD level the binary was built for, and a check at start-up that the CPU has it.
-//! - [`setup`]: from a pool (and overrides) to a planner and in-process workers, shared by the
-//!   command line and the desktop app.
+//! - [`conductor`]: the [`Planner`](baton_engine::Planner)s: [`LocalConductor`] on a local model
+//!   (`baton-local`) and [`RemoteConductor`] on any OpenAI-compatible endpoint.
+//! - [`setup`]: from a pool (and overrides) to a planner and the models of its `local` workers,
+//!   shared by the command line and the desktop app.
 
 pub mod conductor;
-pub mod cpu;
 pub mod grammar;
-#[cfg(feature = "local")]
-pub mod local;
 pub mod prompt;
 pub mod setup;
 

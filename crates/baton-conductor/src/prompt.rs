@@ -14,7 +14,7 @@
 //! conversation and the question. Every question asked of the same pool shares the prompt up to
 //! its examples (v2: the whole system prompt).
 
-use baton_engine::pool::LearnedPlan;
+use baton_engine::learned::LearnedPlan;
 use baton_engine::{PlanningContext, ShownExample, WorkerInfo};
 use baton_providers::{Message, Role};
 
@@ -385,7 +385,7 @@ fn split_bank(bank: &str) -> (&str, Vec<Example<'_>>) {
 fn question_tags(question: &str) -> Vec<&'static str> {
     let lower = question.to_lowercase();
     let mut tags = Vec::new();
-    let lettered = baton_engine::fallback::has_lettered_options(question);
+    let lettered = baton_engine::routing::has_lettered_options(question);
     if lettered {
         tags.push("choice");
     }
@@ -503,7 +503,7 @@ mod tests {
             // subtasks, and adapting one to the question ("Factor 196; …") is not a copy.
             for step in &plan.steps {
                 let words = step.subtask.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()).count();
-                assert!(words < baton_engine::fallback::COPY_WORDS, "{words} words: {}", step.subtask);
+                assert!(words < baton_engine::plan_check::COPY_WORDS, "{words} words: {}", step.subtask);
             }
         }
     }

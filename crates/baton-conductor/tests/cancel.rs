@@ -4,9 +4,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use baton_conductor::local::{LocalModel, LocalModelConfig};
 use baton_conductor::{ConductorOptions, LocalConductor};
 use baton_engine::{Planner, PlanningContext, WorkerInfo};
+use baton_local::{LocalModel, LocalModelConfig};
 use baton_providers::ProviderKind;
 use tokio::sync::mpsc;
 

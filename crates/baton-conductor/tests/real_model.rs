@@ -8,9 +8,9 @@
 use baton_engine::accounting::unmetered;
 use std::sync::Arc;
 
-use baton_conductor::local::{Generated, LocalModel, LocalModelConfig, LocalWorker};
 use baton_conductor::{ConductorOptions, LocalConductor};
 use baton_engine::{PlanningContext, WorkerInfo};
+use baton_local::{Generated, LocalModel, LocalModelConfig, LocalWorker};
 use baton_providers::{ChatEvent, ChatModel, ChatRequest, Message, ProviderKind};
 use futures::StreamExt;
 use tokio::sync::OnceCell;

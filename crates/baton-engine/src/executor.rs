@@ -26,7 +26,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use baton_plan::Plan;
-use baton_providers::{ChatModel, HttpModel, KeySource, Message};
+use baton_providers::{
+    ChatModel, ChatRequest, ChatStream, ErrorKind, HttpModel, KeySource, Message, ProviderError, ProviderKind,
+};
+use futures::future::BoxFuture;
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
@@ -35,6 +38,7 @@ use self::planning::NoPlan;
 use crate::accounting::{Budget, Ledger};
 use crate::event::{RerunOf, RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, Totals};
 use crate::keys;
+use crate::learned::Measured;
 use crate::planner::Planner;
 use crate::pool::{Pool, PoolOptions, WorkerInfo, WorkerSpec};
 use crate::prices::Pricing;
@@ -64,9 +68,22 @@ impl std::fmt::Debug for Worker {
     }
 }
 
+/// The model of a `local` worker built without one: the engine runs no model itself, so every
+/// call fails, naming the worker.
+struct NotLoaded(String);
+
+impl ChatModel for NotLoaded {
+    fn stream(&self, _request: ChatRequest) -> BoxFuture<'static, Result<ChatStream, ProviderError>> {
+        let message = format!("worker \"{}\" runs a model in process, and none was loaded for it", self.0);
+        Box::pin(async move { Err(ProviderError::new(ErrorKind::BadRequest, message)) })
+    }
+}
+
 pub struct Executor {
     workers: Vec<Worker>,
     options: PoolOptions,
+    /// What the pool learned ([`Pool::learned`]): routing and the fallback worker read it.
+    learned: Measured,
     limits: HashMap<String, Arc<Semaphore>>,
     planner: Option<Arc<dyn Planner>>,
 }
@@ -76,6 +93,7 @@ impl std::fmt::Debug for Executor {
         f.debug_struct("Executor")
             .field("workers", &self.workers)
             .field("options", &self.options)
+            .field("learned", &self.learned)
             .field("planner", &self.planner.as_ref().map(|p| p.describe()))
             .finish()
     }
@@ -138,23 +156,52 @@ impl Executor {
                 .entry(w.endpoint.clone())
                 .or_insert_with(|| Arc::new(Semaphore::new(options.max_concurrency_per_provider)));
         }
-        Executor { workers, options, limits, planner: None }
+        Executor { workers, options, learned: Measured::default(), limits, planner: None }
     }
 
     /// Workers over HTTP for every pool entry, with keys from the environment variables the
-    /// pool names, else from the OS keychain (see [`keys::key_source`]).
+    /// pool names, else from the OS keychain (see [`keys::key_source`]). A `local` worker gets
+    /// no model here: each of its calls fails (see [`Executor::from_pool_with_local`]).
     pub fn from_pool(pool: &Pool) -> Self {
         Self::from_pool_with_keys(pool, keys::key_source)
     }
 
+    /// Like [`Executor::from_pool`], with each `local` worker on the model `local` holds under
+    /// its index in the pool. The engine runs no model itself: whoever builds the executor loads
+    /// them first, so each is built once, as what it is.
+    pub fn from_pool_with_local(pool: &Pool, local: HashMap<usize, Arc<dyn ChatModel>>) -> Self {
+        Self::with_models(pool, keys::key_source, local)
+    }
+
     /// Like [`Executor::from_pool`], with each worker's key source chosen by `keys`.
     pub fn from_pool_with_keys(pool: &Pool, keys: impl Fn(&WorkerSpec) -> KeySource) -> Self {
+        Self::with_models(pool, keys, HashMap::new())
+    }
+
+    fn with_models(
+        pool: &Pool,
+        keys: impl Fn(&WorkerSpec) -> KeySource,
+        mut local: HashMap<usize, Arc<dyn ChatModel>>,
+    ) -> Self {
         let http = HttpModel::http_client();
         let workers = pool
             .workers
             .iter()
             .zip(pool.infos())
-            .map(|(spec, info)| {
+            .enumerate()
+            .map(|(index, (spec, info))| {
+                if spec.provider == ProviderKind::Local {
+                    let model = local.remove(&index).unwrap_or_else(|| Arc::new(NotLoaded(spec.name.clone())));
+                    return Worker {
+                        info,
+                        model,
+                        pricing: spec.pricing(),
+                        output_cap: spec.max_tokens,
+                        timeout: spec.timeout,
+                        // One local engine runs its sequences itself; share one limit per model file.
+                        endpoint: format!("local {}", spec.model),
+                    };
+                }
                 let base_url = spec.effective_base_url().to_owned();
                 let model = HttpModel::new(spec.provider, &base_url, spec.settings(), keys(spec), http.clone());
                 Worker {
@@ -167,23 +214,13 @@ impl Executor {
                 }
             })
             .collect();
-        Executor::new(workers, pool.options.clone())
+        Executor { learned: pool.learned.clone(), ..Executor::new(workers, pool.options.clone()) }
     }
 
     /// Lets the executor ask `planner` for plans (and, on recursive pools, hand work back to it).
     pub fn with_planner(mut self, planner: Arc<dyn Planner>) -> Self {
         self.planner = Some(planner);
         self
-    }
-
-    /// Replaces worker `index` (e.g. with a local model).
-    pub fn replace_worker(&mut self, index: usize, worker: Worker) {
-        if let Some(slot) = self.workers.get_mut(index) {
-            self.limits
-                .entry(worker.endpoint.clone())
-                .or_insert_with(|| Arc::new(Semaphore::new(self.options.max_concurrency_per_provider)));
-            *slot = worker;
-        }
     }
 
     pub fn workers(&self) -> &[Worker] {

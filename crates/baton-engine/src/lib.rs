@@ -10,13 +10,17 @@ pub mod event;
 pub mod executor;
 pub mod fallback;
 pub mod keys;
+pub mod learned;
 pub mod logs;
+pub mod plan_check;
 pub mod planner;
 pub mod pool;
 pub mod prices;
 pub mod profile;
 pub mod progress;
 pub mod rerun;
+pub mod routing;
+mod words;
 
 pub use accounting::Budget;
 pub use event::{RerunOf, RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, StepRef, Totals};

@@ -6,12 +6,14 @@
 //! The file's format is defined here once, for every reader and writer: `pool/format.rs` holds
 //! its serde types, [`Pool::parse`] (`pool/read.rs`) reads and checks them, and [`edit`]
 //! rewrites a file for the app's settings forms, keeping what they do not show.
+//!
+//! A [`Pool`] also holds what it learned of its workers ([`Pool::learned`]), which comes from
+//! the history, never from the file.
 
 pub mod edit;
 mod format;
 mod read;
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -20,16 +22,21 @@ use baton_plan::DEFAULT_MAX_STEPS;
 use baton_providers::{ModelSettings, ProviderKind, RetryPolicy, ServerGrammar};
 use serde::{Deserialize, Serialize};
 
+use crate::learned::Measured;
 use crate::prices::{self, Price, Pricing};
 
 // The caps are the ledger's type (the pool file only sets them); kept here under its old path.
 pub use crate::accounting::Budget;
 
-/// A pool file, parsed and checked.
+/// A pool file, parsed and checked, and what the pool learned of its workers.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Pool {
     pub workers: Vec<WorkerSpec>,
     pub options: PoolOptions,
+    /// What the pool learned of its workers (`baton pool learn`): filled from the history's
+    /// profiles when a run is built, never read from the pool file, and empty until then.
+    /// Routing, the fallback worker and the conductor's prompt read it.
+    pub learned: Measured,
 }
 
 /// Run-wide settings, all optional in the file.
@@ -81,24 +88,20 @@ pub struct ServeSpec {
 /// When the conductor's plan for a question cannot be used (it failed, loops, copies an
 /// example, or keeps the question from the workers), it is asked once more, and then (or when
 /// the run's caps leave no room for a second attempt) the question goes to one worker alone.
-/// See [`crate::fallback`].
+/// See [`crate::plan_check`] and [`crate::fallback`]; what the pool learned may also route a
+/// question to one worker ([`crate::routing`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct FallbackOptions {
     /// Off: the conductor's plan runs as written, and a plan that fails fails the run.
     pub enabled: bool,
-    /// The worker that answers alone: `[conductor] fallback_worker` when the pool names one,
-    /// else the best worker the pool learned (set from the history), else the first.
-    /// [`crate::fallback::fallback_worker`] prefers the choice for the question's category.
+    /// `[conductor] fallback_worker`: the worker that answers alone, when the pool names one.
+    /// Else [`crate::fallback::fallback_worker`] chooses by what the pool learned
+    /// ([`Pool::learned`]).
     pub worker: Option<usize>,
     /// Whether `worker` is the user's choice (`fallback_worker`), which what was learned does
     /// not replace: it turns routing by measurement off (with `route = "always"`, every
     /// question goes to it).
     pub chosen: bool,
-    /// What the pool learned of each worker alone, per category (`baton pool learn`), so the
-    /// question can go to the cheapest worker as good for its kind (set by the application
-    /// layer from the history's profiles; empty otherwise). When the user chose the worker,
-    /// only what the conductor is told of the workers comes from it.
-    pub measured: Measured,
     /// When a question goes straight to the worker its kind's profile names, with no plan.
     pub route: Route,
 }
@@ -131,80 +134,9 @@ impl Route {
 
 impl Default for FallbackOptions {
     fn default() -> Self {
-        FallbackOptions {
-            enabled: true,
-            worker: None,
-            chosen: false,
-            measured: Default::default(),
-            route: Route::default(),
-        }
+        FallbackOptions { enabled: true, worker: None, chosen: false, route: Route::default() }
     }
 }
-
-/// What the pool learned of its workers alone (see [`crate::profile::measure`]): the best one
-/// overall, the choices per category and per kind, and the category of each question it
-/// learned from, so a new question can be placed by the learned questions nearest to it.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct Measured {
-    /// The best worker alone over every test item.
-    pub best: Option<usize>,
-    /// Per category (only categories with at least [`MIN_CATEGORY_ITEMS`] runs of every
-    /// worker).
-    pub by_category: Choices,
-    /// Per kind (`number`, `choice`, `code`, `exact`) over every category, for a question no
-    /// category places.
-    pub by_kind: Choices,
-    /// Each learned question with its category.
-    pub questions: Vec<(String, String)>,
-    /// Worker → what it did alone per category when the pool learned, in words, for the
-    /// conductor's prompt (workers with a current profile only).
-    pub strengths: BTreeMap<usize, String>,
-    /// Plans the conductor wrote while the pool learned whose answers were right, their
-    /// workers renumbered into this pool (plans naming a worker that changed since are left
-    /// out); the conductor's examples for similar questions.
-    pub plans: Vec<LearnedPlan>,
-}
-
-/// What the profiles choose for each category (or each kind) of question: its worker, and
-/// whether that worker answers without a plan and why.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct Choices {
-    /// Key → the cheapest worker alone as good as the best on its items.
-    pub best: BTreeMap<String, usize>,
-    /// Key → why its worker may answer without a plan: its choice is clear (its interval above
-    /// every worker that is not as good).
-    pub clear: BTreeMap<String, String>,
-    /// Key → why its worker answers without a plan though its choice is not clear: the
-    /// conductor's plans were measured, and not shown to do better than that worker alone
-    /// ([`crate::profile::weigh_plans`]).
-    pub no_gain: BTreeMap<String, String>,
-}
-
-impl Choices {
-    /// Why `key`'s worker answers alone, without a plan; `None` where a plan is written.
-    pub fn alone(&self, key: &str) -> Option<&String> {
-        self.clear.get(key).or_else(|| self.no_gain.get(key))
-    }
-}
-
-/// A plan the conductor wrote while the pool learned, whose answer was right: an example it
-/// is shown for similar questions, so it plans from what worked in this pool.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LearnedPlan {
-    pub question: String,
-    /// The learning item's category.
-    pub category: String,
-    /// Its steps, on this pool's workers.
-    pub plan: baton_plan::Plan,
-    /// What the run cost (and how many calls it made): of two plans that were right for
-    /// similar questions, the cheaper one is shown.
-    pub cost_usd: f64,
-    pub calls: u64,
-}
-
-/// The fewest items a category needs before its own best worker is trusted over the best
-/// overall.
-pub const MIN_CATEGORY_ITEMS: usize = 4;
 
 /// Which model writes plans, and how. Either `model` is a local path (a `.gguf` file or a
 /// safetensors directory), or `url` names an OpenAI-compatible endpoint serving `model`.
@@ -458,11 +390,11 @@ pub struct WorkerInfo {
 
 impl Pool {
     /// The workers as the conductor is told of them: each one's description, then what the
-    /// pool learned of it ([`Measured::strengths`]). Measured figures say more than a line of
-    /// description; they change only when the pool learns again, so every question shares them
-    /// and a local conductor's prefix cache keeps serving them.
+    /// pool learned of it ([`Measured::strengths`], in [`Pool::learned`]). Measured figures say
+    /// more than a line of description; they change only when the pool learns again, so every
+    /// question shares them and a local conductor's prefix cache keeps serving them.
     pub fn conductor_infos(&self) -> Vec<WorkerInfo> {
-        let strengths = &self.options.fallback.measured.strengths;
+        let strengths = &self.learned.strengths;
         let mut infos = self.infos();
         for info in &mut infos {
             if let Some(learned) = strengths.get(&info.index) {

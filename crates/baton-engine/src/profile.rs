@@ -5,12 +5,15 @@
 //! A [`Profile`] belongs to a worker as its [`identity`](crate::WorkerSpec::identity) defines it
 //! (provider, model, endpoint and the settings that shape its answers). A worker whose identity
 //! changed since it was measured has a stale profile: shown, never used.
+//!
+//! What the profiles choose is a [`Measured`] ([`measure`]): a pool holds it, filled from the
+//! history, as [`crate::Pool::learned`].
 
 use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::pool::{Choices, MIN_CATEGORY_ITEMS, Measured};
+use crate::learned::{Choices, MIN_CATEGORY_ITEMS, Measured};
 
 /// What a worker did alone on one category's items while the pool learned.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, ts_rs::TS)]

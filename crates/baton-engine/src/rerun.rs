@@ -136,7 +136,7 @@ pub fn prepare(source: Source<'_>, pool: &Pool, step: usize, worker: &str) -> Re
     // A kept step must see only kept steps; a step that failed before runs again, and so must
     // the steps that see it.
     let reuse = keep_consistent(&plan, Reuse { from_run: source.run_id.to_owned(), step, outputs });
-    Ok(Rerun { pool: Pool { workers, options: pool.options.clone() }, plan, reuse })
+    Ok(Rerun { pool: Pool { workers, options: pool.options.clone(), learned: pool.learned.clone() }, plan, reuse })
 }
 
 /// Drops kept outputs of steps that see a step which runs again.

@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 
 use baton_engine::ShownExample;
-use baton_engine::fallback::check;
+use baton_engine::plan_check::check;
 use baton_plan::{Access, Plan, Step};
 
 #[derive(serde::Deserialize)]

@@ -147,6 +147,8 @@ impl Config {
 /// Progress, for a bar.
 #[derive(Debug, Clone)]
 pub enum Progress {
+    /// The evaluation or learning run `id` begins: `about` says what it asks, in a line.
+    Started { id: String, about: String },
     /// The work ahead: runs to make (`total`), of which `done` were made before (a resume).
     Planned { total: usize, done: usize },
     /// One run scored.

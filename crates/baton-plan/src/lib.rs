@@ -9,8 +9,9 @@
 //! ```
 //!
 //! [`parse`] finds them, reads them with Python literal syntax, and validates the result into a
-//! [`Plan`]. [`Plan::to_python`] prints a plan back in the same format and [`Plan`]'s serde form
-//! is the three lists as JSON.
+//! [`Plan`]; it also reads the JSON object `baton plan --json` prints, so that a plan printed can
+//! be given back. [`Plan::to_python`] prints a plan back in the same format and [`Plan`]'s serde
+//! form is the three lists as JSON.
 
 mod literal;
 mod parse;
@@ -19,7 +20,7 @@ mod plan;
 use std::fmt;
 
 pub use parse::parse;
-pub use plan::{Access, DEFAULT_MAX_STEPS, Limits, Plan, Step};
+pub use plan::{Access, DEFAULT_MAX_STEPS, JSON_VERSION, Limits, Plan, Step};
 
 /// One of the three lists of a plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -7,8 +7,14 @@
 use crate::literal::{Literal, Spanned, SyntaxError, is_ident_continue, parse_literal, pos_at};
 use crate::{Access, Limits, List, Plan, PlanError, Step};
 
-/// Parses and validates a plan from a conductor's answer.
+/// Parses and validates a plan from a conductor's answer, or from the JSON object `baton plan
+/// --json` prints (a text that is one JSON object and nothing else).
 pub fn parse(text: &str, limits: &Limits) -> Result<Plan, PlanError> {
+    if let Some(plan) = json_plan(text) {
+        let plan = plan?;
+        plan.validate(limits)?;
+        return Ok(plan);
+    }
     let parsed = parse_unchecked(text)?;
     match parsed.plan.validate(limits) {
         Ok(()) => Ok(parsed.plan),
@@ -21,6 +27,16 @@ pub fn parse(text: &str, limits: &Limits) -> Result<Plan, PlanError> {
         }
         Err(other) => Err(other),
     }
+}
+
+/// The plan in `text` when `text` is a JSON object (no conductor answers with JSON alone), with
+/// serde's message and position when that object is not a plan; `None` for any other text.
+fn json_plan(text: &str) -> Option<Result<Plan, PlanError>> {
+    let text = text.trim();
+    if !text.starts_with('{') || serde_json::from_str::<serde::de::IgnoredAny>(text).is_err() {
+        return None;
+    }
+    Some(serde_json::from_str(text).map_err(|e| PlanError::invalid(None, None, format!("a plan in JSON: {e}"))))
 }
 
 /// A plan straight from the text, before range checks, with where each element was written.
@@ -311,6 +327,23 @@ mod tests {
             plan.to_json(),
             r#"{"model_id":[2,0,1],"subtasks":["Solve ...","Check the solution above for errors; if ...","Write the final ..."],"access_list":[[],"all",[0,1]]}"#
         );
+    }
+
+    #[test]
+    fn the_json_the_command_line_prints_reads_back() {
+        let plan = ok("model_id = [2, 0]\nsubtasks = ['a', 'b']\naccess_list = [[], 'all']");
+        let printed = format!("{{\"version\":{},{}", crate::JSON_VERSION, &plan.to_json()[1..]);
+        assert_eq!(ok(&format!("  {printed}\n")), plan);
+        assert_eq!(ok(&plan.to_json()), plan, "without a version, as the history keeps plans");
+        // Checked as a written plan is: against the pool and the limits.
+        let e = fail(r#"{"version":1,"model_id":[3],"subtasks":["x"],"access_list":[[]]}"#);
+        assert!(e.to_string().contains("model_id[0]: model 3 is not in the pool"), "{e}");
+        let e = fail(r#"{"version":2,"model_id":[0],"subtasks":["x"],"access_list":[[]]}"#);
+        assert!(e.to_string().contains("the plan is JSON version 2, newer than this Baton reads"), "{e}");
+        let e = fail(r#"{"model_id":[0],"subtasks":["x"],"access_list":[[]],"steps":1}"#);
+        assert!(e.to_string().starts_with("a plan in JSON: unknown field `steps`"), "{e}");
+        // Not JSON: the conductor's text, read as before.
+        assert_eq!(ok("{model_id = [0]\nsubtasks = ['x']\naccess_list = [[]]}").steps.len(), 1);
     }
 
     #[test]

@@ -9,10 +9,15 @@ use crate::{List, PlanError};
 /// The paper's default cap on workflow length.
 pub const DEFAULT_MAX_STEPS: usize = 5;
 
+/// The version of the plan's JSON shape that `baton plan --json` and `baton plan parse` print
+/// (`{"version":1,"model_id":[…],…}`, see docs/json.md). Reading accepts it, or no version at
+/// all (the plan's own serde form, as the history and events carry it), and refuses any other.
+pub const JSON_VERSION: u32 = 1;
+
 /// A workflow: the conductor's three lists, zipped into steps.
 ///
 /// Serializes as the three lists (`{"model_id":[…],"subtasks":[…],"access_list":[…]}`), the
-/// stable JSON shape of `baton plan parse`.
+/// stable JSON shape of `baton plan parse` (which adds `"version"`: [`JSON_VERSION`]).
 #[derive(Debug, Clone, PartialEq, Eq, Default, ts_rs::TS)]
 #[ts(type = "{ model_id: Array<number>, subtasks: Array<string>, access_list: Array<Access> }")]
 pub struct Plan {
@@ -193,6 +198,10 @@ impl fmt::Display for Plan {
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Lists {
+    /// Present in what the command line prints; a plan never writes it itself, so that stored
+    /// plans and events keep their shape.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    version: Option<u32>,
     model_id: Vec<usize>,
     subtasks: Vec<String>,
     access_list: Vec<Access>,
@@ -201,6 +210,7 @@ struct Lists {
 impl Serialize for Plan {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         Lists {
+            version: None,
             model_id: self.steps.iter().map(|s| s.model_id).collect(),
             subtasks: self.steps.iter().map(|s| s.subtask.clone()).collect(),
             access_list: self.steps.iter().map(|s| s.access.clone()).collect(),
@@ -212,6 +222,19 @@ impl Serialize for Plan {
 impl<'de> Deserialize<'de> for Plan {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let lists = Lists::deserialize(deserializer)?;
+        match lists.version {
+            None | Some(JSON_VERSION) => {}
+            Some(v) if v > JSON_VERSION => {
+                return Err(serde::de::Error::custom(format!(
+                    "the plan is JSON version {v}, newer than this Baton reads (version {JSON_VERSION}): upgrade Baton"
+                )));
+            }
+            Some(v) => {
+                return Err(serde::de::Error::custom(format!(
+                    "the plan's JSON version {v} does not exist (versions start at 1)"
+                )));
+            }
+        }
         let (a, b, c) = (lists.model_id.len(), lists.subtasks.len(), lists.access_list.len());
         if a != b || b != c {
             return Err(serde::de::Error::custom(format!(

@@ -2,8 +2,9 @@
 //! into it (the fallback worker, the routes), the conductor loaded (when the run needs one), the `local`
 //! workers loaded in process.
 
-use baton_conductor::setup::{self, ConductorChoice, LocalModels, Notify, SetupError};
+use baton_conductor::setup::{self, ConductorChoice, SetupError};
 use baton_engine::{Executor, Pool, Route};
+use baton_local::{LocalModels, Notify};
 use baton_store::{Store, StoreError};
 
 /// Whether the executor gets a conductor.
@@ -16,6 +17,30 @@ pub enum Conductor {
     IfConfigured,
     /// The plan is given (a written plan, a worker alone): no conductor is loaded.
     None,
+}
+
+/// What a front end lends the application layer for work that may load models: the local
+/// models it keeps between calls, the user's conductor choice (the command line's
+/// `--conductor…` flags; the app's is the pool's own) and where model loads are told.
+#[derive(Clone, Copy)]
+pub struct Context<'a> {
+    pub models: &'a LocalModels,
+    pub choice: &'a ConductorChoice,
+    pub notify: Notify<'a>,
+}
+
+impl std::fmt::Debug for Context<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context").field("choice", &self.choice).finish_non_exhaustive()
+    }
+}
+
+impl<'a> Context<'a> {
+    /// The setup of an executor that gets a conductor as `conductor` says, and what the pool
+    /// learned from `store`.
+    pub fn setup(self, conductor: Conductor, store: Option<&'a Store>) -> Setup<'a> {
+        Setup { models: self.models, choice: self.choice, conductor, store, notify: self.notify }
+    }
 }
 
 /// What an executor is built from.
@@ -69,7 +94,6 @@ pub fn routes_every_question(pool: &Pool) -> bool {
 /// Builds the executor `setup` describes for `pool`.
 pub async fn build(pool: Pool, setup: Setup<'_>) -> Result<Built, SetupError> {
     let pool = with_what_was_learned(pool, setup.store).await;
-    let mut executor = Executor::from_pool(&pool);
     let needed = match setup.conductor {
         Conductor::Required if routes_every_question(&pool) => Conductor::IfConfigured,
         other => other,
@@ -83,12 +107,12 @@ pub async fn build(pool: Pool, setup: Setup<'_>) -> Result<Built, SetupError> {
             Err(e) => return Err(e),
         },
     };
+    let local = setup::load_local_workers(&pool, setup.models, forces_cpu(&pool, setup.choice), setup.notify).await?;
+    let mut executor = Executor::from_pool_with_local(&pool, local);
     let conductor = planner.is_some();
     if let Some(planner) = planner {
         executor = executor.with_planner(planner);
     }
-    setup::attach_local_workers(&mut executor, &pool, setup.models, forces_cpu(&pool, setup.choice), setup.notify)
-        .await?;
     Ok(Built { executor, pool, conductor })
 }
 
@@ -139,7 +163,7 @@ pub async fn learned_questions(pool: &Pool, store: &Store) -> Vec<String> {
     })
 }
 
-/// Gives `pool` what its workers' current profiles say (see
+/// Fills `pool.learned` with what its workers' current profiles say (see
 /// [`baton_engine::profile::measure`]): the fallback worker and the plan's lead for the
 /// question's kind, where a question may skip the plan (a clear margin, or plans measured to do
 /// no better than the worker alone), what the conductor is told of each
@@ -154,10 +178,7 @@ pub async fn learned_into(pool: &mut Pool, store: &Store) {
                 baton_engine::profile::weigh_plans(&mut measured, &learned.profiles, planned);
             }
             measured.plans = learned.plans;
-            if !pool.options.fallback.chosen {
-                pool.options.fallback.worker = measured.best;
-            }
-            pool.options.fallback.measured = measured;
+            pool.learned = measured;
         }
         Err(e) => tracing::warn!("what the pool learned cannot be read, so it is not used: {e}"),
     }

@@ -1,22 +1,36 @@
-//! Running questions on a pool, the one way the command line, the desktop app and the server
-//! do it: building an executor from a pool and the user's settings ([`build`]), running a
-//! question with its history recorded ([`run`]), drafting a plan for review through the
-//! executor's own planning round ([`draft`]), and continuing a conversation or re-running a
-//! step of an earlier run ([`rerun`]).
+//! The application layer: what a user does with a pool, written once for every front end. The
+//! command line, the desktop app and the server's front ends parse their input, make one call
+//! here, and render the progress and the result that come back:
 //!
-//! The front ends only turn their input into these calls and the [`baton_engine::RunEvent`]s
-//! that come back into their output.
+//! - [`ask`]: a question (or a written plan) run with its history recorded, and
+//!   [`run::run_in_conversation`], the same for a run a front end composes itself (the app's
+//!   compare in chat);
+//! - [`draft`]: a plan for review through the executor's own planning round;
+//! - [`rerun`]: one step of an earlier run again, with another worker;
+//! - [`learn`]: every worker (and the conductor's sampled plans) on a suite's items, kept as
+//!   what the pool learned;
+//! - [`evaluate`]: strategies side by side on a suite, with their report;
+//! - [`serve`]: the pool as an OpenAI-compatible server, from the pool's `[serve]` table and
+//!   what the front end overrides;
+//! - [`build`]: the executor every one of these runs on, with what the pool learned put in.
+//!
+//! Workflow search and conductor training belong here too, beside learning.
 
 pub mod build;
 pub mod draft;
+pub mod evaluate;
+pub mod learn;
 pub mod rerun;
 pub mod run;
+pub mod serve;
 
-pub use baton_conductor::setup::{ConductorChoice, LoadNotice, LocalModels, Notify, SetupError};
-pub use build::{Built, Conductor, Setup, build};
-pub use run::{Recorded, conversation_so_far, run_recorded};
+pub use baton_conductor::setup::{ConductorChoice, KeepForPool, SetupError};
+pub use baton_local::{LoadNotice, LocalModels, Notify};
+pub use build::{Built, Conductor, Context, Setup, build};
+pub use run::{Ask, Recorded, ask, conversation_so_far};
 
-/// Why a question could not be run (a run that starts and then fails is a [`Recorded`] run).
+/// Why work could not be done (a run that starts and then fails is a [`Recorded`] run; an
+/// evaluation that stops says so in its [`baton_eval::Ended`]).
 #[derive(Debug, thiserror::Error)]
 pub enum RunnerError {
     /// The conductor or a local worker could not be set up.
@@ -36,4 +50,36 @@ pub enum RunnerError {
     /// The conductor failed to write a plan.
     #[error("{0}")]
     Conductor(String),
+    /// Model-written code could not be run in the sandbox.
+    #[error(transparent)]
+    Sandbox(#[from] baton_eval::sandbox::SandboxError),
+    /// The token a server's clients send could not be had.
+    #[error(transparent)]
+    Token(#[from] baton_serve::TokenError),
+    /// The operating system refused (a port to listen on); the message says what to do.
+    #[error("{0}")]
+    Io(String),
+}
+
+impl From<baton_eval::EvalError> for RunnerError {
+    fn from(e: baton_eval::EvalError) -> Self {
+        match e {
+            baton_eval::EvalError::Settings(m) => RunnerError::BadInput(m),
+            baton_eval::EvalError::Store(e) => RunnerError::Store(e),
+            baton_eval::EvalError::Sandbox(e) => RunnerError::Sandbox(e),
+        }
+    }
+}
+
+/// What to tell a user whose cost cap (`cap`, as they know it) cannot count some workers: they
+/// have no price, so their calls count as $0.
+pub fn unpriced_warning(pool: &baton_engine::Pool, cap: &str) -> Option<String> {
+    let unpriced: Vec<&str> =
+        pool.workers.iter().filter(|w| !w.pricing().is_known()).map(|w| w.name.as_str()).collect();
+    (!unpriced.is_empty()).then(|| {
+        format!(
+            "warning: {cap} does not count workers without a price ({}); set price_in and price_out for them",
+            unpriced.join(", ")
+        )
+    })
 }

@@ -4,10 +4,39 @@
 use std::collections::BTreeMap;
 
 use baton_engine::rerun::{self, RerunError, Source};
-use baton_engine::{Pool, RunRequest, new_run_id};
-use baton_store::Store;
+use baton_engine::{Pool, RunEvent, RunRequest, new_run_id};
+use baton_store::{Store, StoreError};
+use tokio_util::sync::CancellationToken;
 
-use crate::RunnerError;
+use crate::build::{Conductor, Context};
+use crate::{Recorded, RunnerError};
+
+/// Re-runs `step` of history run `run_id` with `pool`'s worker named `worker`, as a new run in
+/// the same conversation: every step that sees it runs again, the rest keep their output.
+/// Events go to `show` once kept, as for [`crate::ask`].
+#[allow(clippy::too_many_arguments)]
+pub async fn rerun_step(
+    pool: &Pool,
+    context: Context<'_>,
+    store: &Store,
+    run_id: i64,
+    step: usize,
+    worker: &str,
+    show: impl FnMut(RunEvent) + Send + 'static,
+    on_history_error: impl FnOnce(StoreError) + Send + 'static,
+    cancel: &CancellationToken,
+) -> Result<Recorded, RunnerError> {
+    // The run first: one that is gone is the answer, whatever the pool file says.
+    let earlier = Earlier::load(store, run_id).await?;
+    let rerun = earlier.rerun(store, pool, step, worker).await?;
+    let conductor = if rerun.needs_conductor { Conductor::Required } else { Conductor::None };
+    let built = crate::build(rerun.pool, context.setup(conductor, Some(store))).await?;
+    if cancel.is_cancelled() {
+        return Err(RunnerError::Cancelled("the run was stopped before it started".into()));
+    }
+    let recorder = Some(store.recorder(Some(rerun.conversation)));
+    Ok(crate::run::run_in_conversation(&built.executor, rerun.request, recorder, show, on_history_error, cancel).await)
+}
 
 /// A re-run ready to go: the pool it runs on, its request, and where it is recorded.
 #[derive(Debug)]

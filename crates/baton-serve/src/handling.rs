@@ -165,7 +165,7 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
     tokio::spawn(async move {
         // The run's place under the concurrency limit is free once it has ended.
         let _permit = permit;
-        let forward = |event: RunEvent| {
+        let forward = move |event: RunEvent| {
             if let Some(totals) = event.final_totals() {
                 service.spend(totals.cost_usd);
             }

@@ -66,7 +66,7 @@ impl Default for ServeOptions {
     fn default() -> Self {
         ServeOptions {
             host: "127.0.0.1".into(),
-            port: 8765,
+            port: DEFAULT_PORT,
             token: None,
             allow_origins: Vec::new(),
             max_body_bytes: 4 << 20,
@@ -332,6 +332,9 @@ impl Service {
 /// requests from one client all finish on the default 8 slots, as a local model server's
 /// queue lets them (Ollama queues 512).
 pub const DEFAULT_QUEUE: usize = 256;
+
+/// The port served on when neither the pool's `[serve]` table nor the user names one.
+pub const DEFAULT_PORT: u16 = 8765;
 
 /// The fewest runs that may wait for the history (ended, not yet recorded) before new runs are
 /// refused with 429; more with a larger `max_concurrent_runs` (twice it).

@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use baton_engine::pool::LearnedPlan;
+use baton_engine::learned::LearnedPlan;
 use baton_engine::profile::{CategoryFigures, ChatMarks, Freshness, Profile};
 use sqlx::Row;
 

@@ -27,31 +27,33 @@ impl EventLog for Recorder {
     }
 }
 
-/// Runs `request` on `executor`, keeping each event in `log` before handing it to `forward`.
+/// Runs `request` on `executor`, keeping each event in `log` before handing it to `forward`:
+/// the one way every surface runs a question with its history kept.
 ///
-/// The first history error goes to `on_error` and ends the keeping; the run and `forward` go on.
-/// Returns the run's outcome and the log, `None` if it failed (or there was none), whose
-/// [`Recorder::run_id`] says where the run was kept.
-pub async fn run_kept<L: EventLog>(
+/// Keeping and handing on happen on a task of their own, so a `forward` that blocks (a terminal
+/// piped into a pager) holds up only itself, never the run's calls. The first history error goes
+/// to `on_error` and ends the keeping; the run and `forward` go on. Returns the run's outcome
+/// and the log, `None` if it failed (or there was none), whose [`Recorder::run_id`] says where
+/// the run was kept.
+pub async fn run_kept<L: EventLog + 'static>(
     executor: &Executor,
     request: RunRequest,
     cancel: &CancellationToken,
     log: Option<L>,
-    forward: impl FnMut(RunEvent) + Send,
-    on_error: impl FnOnce(StoreError) + Send,
+    forward: impl FnMut(RunEvent) + Send + 'static,
+    on_error: impl FnOnce(StoreError) + Send + 'static,
 ) -> (RunOutcome, Option<L>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let run = async {
-        let outcome = executor.run(request, &tx, cancel).await;
-        // The relay ends once the last sender is gone.
-        drop(tx);
-        outcome
-    };
-    tokio::join!(run, relay(log, rx, forward, on_error))
+    let relay = tokio::spawn(relay(log, rx, forward, on_error));
+    let outcome = executor.run(request, &tx, cancel).await;
+    // The relay ends once the last sender is gone.
+    drop(tx);
+    // A relay that panicked (in `forward`) has kept what it kept; the run's outcome stands.
+    (outcome, relay.await.ok().flatten())
 }
 
 /// Keeps and hands on every event until the channel closes (see [`run_kept`]).
-pub async fn relay<L: EventLog>(
+async fn relay<L: EventLog>(
     mut log: Option<L>,
     mut events: mpsc::UnboundedReceiver<RunEvent>,
     mut forward: impl FnMut(RunEvent) + Send,

@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
 import type { Report, StrategySummary } from "../bindings";
-import { addProgress, chartData, defaultStrategy, emptyTally, strategyChoices } from "./evaluate";
+import { addProgress, chartData, defaultStrategy, emptyTally, strategyChoices, strategyName } from "./evaluate";
 
 function usage(input_tokens: number, output_tokens: number) {
   return { input_tokens, output_tokens, cached_input_tokens: 0, cache_write_input_tokens: 0 };
@@ -30,9 +30,19 @@ describe("evaluate", () => {
     expect(defaultStrategy("conductor", false)).toBe(false);
   });
 
+  it("names strategies in words, and keeps an id it does not know", () => {
+    expect(
+      ["conductor", "single:alpha", "moa", "router:lookup", "router:random", "best-of-n:beta", "best-of-n:beta:5", "oracle", "router:x", "new"].map(
+        strategyName,
+      ),
+    ).toEqual([
+      "Conductor", "alpha alone", "Mixture of agents", "Lookup router", "Random router", "beta, best of n", "beta, best of 5", "Oracle", "router:x", "new",
+    ]);
+  });
+
   it("keeps a running tally per strategy", () => {
     let t = emptyTally();
-    t = addProgress(t, { type: "started", id: "e1" });
+    t = addProgress(t, { type: "started", id: "e1", about: "3 items of mmlu" });
     t = addProgress(t, { type: "planned", total: 4, done: 1 });
     t = addProgress(t, { type: "scored", strategy: "conductor", item: "x", correct: true, cost_usd: 0.1, spent_usd: 0.1 });
     t = addProgress(t, { type: "scored", strategy: "conductor", item: "y", correct: false, cost_usd: 0.1, spent_usd: 0.2 });

@@ -17,6 +17,25 @@ export function strategyChoices(workers: string[]): Array<{ id: string; label: s
   return out;
 }
 
+/** A strategy id as the table and the chart name it: `single:alpha` is "alpha alone". */
+export function strategyName(id: string): string {
+  const colon = id.indexOf(":");
+  const kind = colon < 0 ? id : id.slice(0, colon);
+  const rest = colon < 0 ? "" : id.slice(colon + 1);
+  if (kind === "conductor" && !rest) return "Conductor";
+  if (kind === "moa" && !rest) return "Mixture of agents";
+  if (kind === "oracle" && !rest) return "Oracle";
+  if (kind === "single" && rest) return `${rest} alone`;
+  if (id === "router:lookup") return "Lookup router";
+  if (id === "router:random") return "Random router";
+  if (kind === "best-of-n" && rest) {
+    // `best-of-n:W` or `best-of-n:W:N`.
+    const [, worker, n] = /^(.*?)(?::(\d+))?$/.exec(rest) ?? [];
+    return `${worker}, best of ${n ?? "n"}`;
+  }
+  return id;
+}
+
 /** Ticked until the user says otherwise: the conductor (when one is configured), every worker
  * alone, the lookup router and the oracle: the comparison the screen exists for. */
 export function defaultStrategy(id: string, hasConductor: boolean): boolean {

@@ -64,9 +64,9 @@ describe("workerRecord", () => {
     expect(r.parts).toEqual([
       "10 calls",
       "30.0% failed",
-      "p50 850 ms · p95 2.4 s",
-      "$0.25",
-      "40.0% right alone on mmlu (20, evaluation e1)",
+      "850 ms typical (p50), 2.4 s for the slowest 5%",
+      "$0.25 spent",
+      "40.0% right alone on mmlu (20 answers, evaluation e1)",
     ]);
     expect(r).toMatchObject({ unreliable: true, poor: true });
   });
@@ -83,7 +83,7 @@ describe("workerRecord", () => {
       cost_usd: 0,
       evaluation: null,
     });
-    expect(r.parts).toEqual(["2 calls", "100.0% failed", "$0"]);
+    expect(r.parts).toEqual(["2 calls", "100.0% failed", "$0 spent"]);
     expect(r).toMatchObject({ unreliable: false, poor: false });
   });
 });

@@ -44,11 +44,11 @@ export function workerRecord(f: WorkerFigures): { parts: string[]; unreliable: b
   const parts = [`${f.calls} call${f.calls === 1 ? "" : "s"}`];
   if (f.failure_rate !== null) parts.push(`${(f.failure_rate * 100).toFixed(1)}% failed`);
   if (f.latency_p50_ms !== null && f.latency_p95_ms !== null) {
-    parts.push(`p50 ${ms(f.latency_p50_ms)} · p95 ${ms(f.latency_p95_ms)}`);
+    parts.push(`${ms(f.latency_p50_ms)} typical (p50), ${ms(f.latency_p95_ms)} for the slowest 5%`);
   }
-  parts.push(formatCost(f.cost_usd, f.cost_complete));
+  parts.push(`${formatCost(f.cost_usd, f.cost_complete)} spent`);
   const e = f.evaluation;
-  if (e) parts.push(`${(e.accuracy * 100).toFixed(1)}% right alone on ${e.suite} (${e.n}, evaluation ${e.evaluation_id})`);
+  if (e) parts.push(`${(e.accuracy * 100).toFixed(1)}% right alone on ${e.suite} (${e.n} answers, evaluation ${e.evaluation_id})`);
   const unreliable = f.failure_rate !== null && f.calls >= 5 && f.failure_rate >= 0.2;
   const poor = e !== null && e.accuracy < 0.5;
   return { parts, unreliable, poor };

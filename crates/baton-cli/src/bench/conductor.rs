@@ -3,9 +3,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use baton_conductor::local::{GenerateOptions, Generated, LocalModel, LocalModelConfig};
 use baton_conductor::{ConductorOptions, LocalConductor, PromptBuilder};
 use baton_engine::{PlanningContext, WorkerInfo};
+use baton_local::{GenerateOptions, Generated, LocalModel, LocalModelConfig};
 use baton_providers::ProviderKind;
 
 use super::{ConductorArgs, median_max};
@@ -177,15 +177,15 @@ pub async fn run(a: ConductorArgs) -> Outcome {
     // once (as tiles within 3% of the file's bytes); of the rest, the program's code read in
     // to load it is backed by its file, and what remains is the engine's working memory.
     // On a GPU the weights are in its memory, not the process's.
-    let weights = (model.device == "cpu").then(|| baton_conductor::local::weights_bytes(&a.model)).flatten();
+    let weights = (model.device == "cpu").then(|| baton_local::weights_bytes(&a.model)).flatten();
     let engine =
         model.memory_bytes.zip(weights).map(|(m, w)| m.saturating_sub(w).saturating_sub(model.code_bytes.unwrap_or(0)));
     if a.json {
         println!(
             "{}",
-            serde_json::json!({
+            crate::json::line(&serde_json::json!({
                 "model": a.model.display().to_string(), "device": model.device,
-                "simd": baton_conductor::cpu::simd_level(), "threads": threads(), "runs": a.runs,
+                "simd": baton_local::cpu::simd_level(), "threads": threads(), "runs": a.runs,
                 "load_s": model.load_time.as_secs_f64(),
                 "prompt_tokens": cold.prompt_tokens, "prompt_tokens_per_s_cold": prompt_tps_cold,
                 "cached_prompt_tokens_warm": cached_warm,
@@ -198,12 +198,12 @@ pub async fn run(a: ConductorArgs) -> Outcome {
                 "model_memory_mb": model.memory_bytes.map(mib), "peak_rss_mb": peak_rss_bytes().map(mib),
                 "weights_mb": weights.map(mib), "code_memory_mb": model.code_bytes.map(mib),
                 "engine_memory_mb": engine.map(mib),
-            })
+            }))
         );
     } else {
         let na = |v: f64| if v.is_nan() { "n/a (one run)".to_owned() } else { format!("{v:.2} s") };
         println!("model        {} on {}", a.model.display(), model.device);
-        println!("build        {}, {} threads", baton_conductor::cpu::simd_level(), threads());
+        println!("build        {}, {} threads", baton_local::cpu::simd_level(), threads());
         println!("load         {:.2} s", model.load_time.as_secs_f64());
         println!(
             "prompt       {} tokens, {prompt_tps_cold:.0} tokens/s cold; {cached_warm:.0} cached when warm (median)",

@@ -61,12 +61,12 @@ pub(super) async fn run(latency_ms: u64, runs: usize, json: bool) -> Outcome {
         if json {
             println!(
                 "{}",
-                serde_json::json!({
+                crate::json::line(&serde_json::json!({
                     "plan": name, "steps": plan.steps.len(), "runs": runs, "latency_ms": latency_ms,
                     "critical_path_ms": crit_med * 1e3, "wall_ms": wall_med * 1e3,
                     "ratio_median": ratio_med, "ratio_max": ratio_max,
                     "overhead_per_step_us_median": over_med, "overhead_per_step_us_max": over_max,
-                })
+                }))
             );
         } else {
             println!(

@@ -59,7 +59,10 @@ pub(super) async fn run(db: &std::path::Path, runs: u32, steps: u32, repeat: usi
             .into_iter()
             .map(|(label, median, max, n)| serde_json::json!({"query": label, "median_ms": median, "max_ms": max, "results": n}))
             .collect();
-        println!("{}", serde_json::json!({"runs_in_db": newest, "fill_s": fill_s, "queries": figures}));
+        println!(
+            "{}",
+            crate::json::line(&serde_json::json!({"runs_in_db": newest, "fill_s": fill_s, "queries": figures}))
+        );
     }
     Ok(())
 }

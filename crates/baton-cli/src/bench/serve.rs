@@ -187,7 +187,7 @@ pub(super) async fn run(
     if json {
         println!(
             "{}",
-            serde_json::json!({
+            crate::json::line(&serde_json::json!({
                 "requests": requests, "bursts": bursts, "latency_ms": latency_ms, "ok": overhead.len(), "errors": errors,
                 "history": history, "slots": slots, "queue_depth": queue, "pinned_threads": pinned, "recorded_finished": finished, "runs": runs, "overhead_ms_p50": p50,
                 "overhead_ms_p99": p99, "overhead_ms_max": max, "head_ms_p50": head_p50, "head_ms_p99": head_p99,
@@ -195,7 +195,7 @@ pub(super) async fn run(
                 "new_connections": {
                     "ok": cold.len(), "overhead_ms_p50": cold_p50, "overhead_ms_p99": cold_p99, "total_s": cold_s,
                 },
-            })
+            }))
         );
     } else {
         println!(

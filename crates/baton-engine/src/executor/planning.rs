@@ -55,7 +55,9 @@ impl Executor {
         deltas: PlanDeltas<'_>,
         cancel: &CancellationToken,
     ) -> Result<Planned, PlannerError> {
-        if let Some((worker, why)) = crate::fallback::route(&self.options.fallback, self.workers.len(), question) {
+        if let Some((worker, why)) =
+            crate::routing::route(&self.options.fallback, &self.learned, self.workers.len(), question)
+        {
             let plan = crate::fallback::alone_plan(worker, &history, question);
             return Ok(Planned { routed: Some(why), ..Planned::bare(String::new(), plan) });
         }
@@ -136,7 +138,7 @@ impl Executor {
             question: question.to_owned(),
             history,
             instructions,
-            lead: crate::fallback::fallback_worker(&self.options.fallback, self.workers.len(), question).0,
+            lead: self.fallback_worker(question).0,
             work: Vec::new(),
             depth: 0,
             allow_self: self.allows_self(0),
@@ -159,7 +161,7 @@ impl Executor {
     /// copies an example or keeps the question from the workers is asked for once more (the
     /// conductor writes the second attempt differently), and if that one is no better, or the
     /// run's caps leave no room for an attempt, the question goes to one worker alone (see
-    /// [`crate::fallback`]). Each rejected attempt is reported with
+    /// [`crate::plan_check`] and [`crate::fallback`]). Each rejected attempt is reported with
     /// `PlanRejected`; the plan that runs instead says why in `PlanReady::fallback`.
     ///
     /// Under caps, the room of that one worker's answer is held while the conductor writes,
@@ -176,7 +178,7 @@ impl Executor {
         // is written (a plan costs seconds to minutes on a CPU). Only for the question's round.
         if depth == 0
             && let Some((worker, why)) =
-                crate::fallback::route(&self.options.fallback, self.workers.len(), &ctx.question)
+                crate::routing::route(&self.options.fallback, &self.learned, self.workers.len(), &ctx.question)
         {
             let round = ctx.rounds.fetch_add(1, Ordering::SeqCst);
             let plan = crate::fallback::alone_plan(worker, &ctx.history, &ctx.question);
@@ -247,7 +249,7 @@ impl Executor {
                         Err(e) => Some(format!("the conductor's plan is not usable: {e}")),
                         Ok(()) if checked => {
                             let pool_gives_it = self.options.show_question || self.options.question_to_answer_step;
-                            crate::fallback::check(&planned.plan, &shown, &ctx.question, pool_gives_it)
+                            crate::plan_check::check(&planned.plan, &shown, &ctx.question, pool_gives_it)
                                 .map(|u| u.to_string())
                         }
                         Ok(()) => None,
@@ -283,7 +285,7 @@ impl Executor {
             }
             break;
         }
-        let (worker, why) = self.fallback_for(ctx);
+        let (worker, why) = self.fallback_worker(&ctx.question);
         let plan = crate::fallback::alone_plan(worker, &ctx.history, &ctx.question);
         let reason = format!(
             "{}; the question went to {} alone{}",
@@ -306,15 +308,15 @@ impl Executor {
         Ok(Written { round, plan, spent })
     }
 
-    /// The worker that answers alone when no plan can be used, and why that one.
-    fn fallback_for(&self, ctx: &RunCtx<'_>) -> (usize, Option<String>) {
-        crate::fallback::fallback_worker(&self.options.fallback, self.workers.len(), &ctx.question)
+    /// The worker that answers `question` alone when no plan can be used, and why that one.
+    fn fallback_worker(&self, question: &str) -> (usize, Option<String>) {
+        crate::fallback::fallback_worker(&self.options.fallback, &self.learned, self.workers.len(), question)
     }
 
     /// Holds the room of the fallback's call (the question to one worker alone, its request
     /// built as the step would build it), or refuses the run when even that cannot fit.
     async fn hold_fallback<'c>(&self, ctx: &'c RunCtx<'_>) -> Result<Hold<'c>, StepFailure> {
-        let (worker, _) = self.fallback_for(ctx);
+        let (worker, _) = self.fallback_worker(&ctx.question);
         let plan = crate::fallback::alone_plan(worker, &ctx.history, &ctx.question);
         let (system, messages) = self.step_conversation(ctx, &plan, 0, 0, &[], &[]);
         let (_, worst) = self.step_request(ctx, worker, system, messages, true).await;

@@ -64,8 +64,9 @@ impl Executor {
         let replies = answers && depth == 0 && worker < self.workers.len();
         // The step that replies is asked the question itself, its subtask being its part, so a
         // narrowed subtask cannot drop what was asked.
-        let asked =
-            replies && self.options.question_to_answer_step && !crate::fallback::holds_question(subtask, &ctx.question);
+        let asked = replies
+            && self.options.question_to_answer_step
+            && !crate::plan_check::holds_question(subtask, &ctx.question);
         let system = worker_system(self.options.show_question, asked.then_some(subtask.as_str()), ctx);
         messages.push(Message::user(if asked {
             crate::fallback::alone_subtask(&ctx.history, &ctx.question)

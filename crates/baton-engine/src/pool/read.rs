@@ -8,6 +8,7 @@ use baton_providers::{ProviderKind, ServerGrammar};
 
 use super::format::{self, ConductorFile, FieldError, NonNegative, PoolFile, Text, WorkerFile};
 use super::{ConductorSpec, Device, Pool, PoolError, PoolOptions, Route, WorkerSpec};
+use crate::learned::Measured;
 
 impl Pool {
     pub fn load(path: &Path) -> Result<Pool, PoolError> {
@@ -146,7 +147,7 @@ impl Pool {
             options.fallback.worker = Some(index);
             options.fallback.chosen = true;
         }
-        Ok(Pool { workers, options })
+        Ok(Pool { workers, options, learned: Measured::default() })
     }
 }
 

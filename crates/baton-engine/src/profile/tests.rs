@@ -306,7 +306,7 @@ fn what_was_learned_is_shown_with_intervals_and_where_each_kind_goes() {
     // The conductor reads each worker's description, then what was measured of it.
     let mut described = pool("");
     described.workers[0].description = Some("Fast".into());
-    described.options.fallback.measured = measure(&profiles, Vec::new());
+    described.learned = measure(&profiles, Vec::new());
     let infos = described.conductor_infos();
     assert_eq!(
         infos[0].description.as_deref(),

@@ -2,59 +2,17 @@
 //! left before it starts, so the caps of the runs in flight never add up past the evaluation's.
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
-use super::run_one::run_one;
-use super::{Ended, EvalError, Harness, Progress};
-use crate::sandbox::Sandbox;
+use super::run_one::{Job, RunCtx, run_one};
+use super::{Ended, EvalError, Progress};
 use crate::suite::Item;
-
-/// One run to make.
-#[derive(Debug, Clone)]
-pub(super) struct Job {
-    /// The strategy's key, as results are stored under.
-    pub(super) strategy: String,
-    pub(super) what: Run,
-    /// Index into the evaluation's items.
-    pub(super) item: usize,
-    pub(super) repeat: u32,
-    pub(super) calibration: bool,
-}
-
-/// What a job sends to the executor (workers by their index in the pool).
-#[derive(Debug, Clone)]
-pub(super) enum Run {
-    Conductor,
-    Single(usize),
-    Moa { aggregator: usize },
-    BestOfN { worker: usize, n: u32 },
-}
-
-/// The shared state of the runs in flight: what has been spent and what is promised to runs
-/// still going, so their caps never add up past the evaluation's.
-pub(super) struct Purse {
-    pub(super) cap: Option<f64>,
-    pub(super) spent: f64,
-    pub(super) promised: f64,
-    pub(super) over: bool,
-}
 
 /// The jobs whose result is not recorded yet (a resume pays for nothing twice).
 pub(super) fn not_done(jobs: Vec<Job>, done: &HashSet<(String, String, u32)>, items: &[Item]) -> Vec<Job> {
     jobs.into_iter().filter(|j| !done.contains(&(j.strategy.clone(), items[j.item].id.clone(), j.repeat))).collect()
-}
-
-/// What every run of one evaluation shares.
-pub(super) struct RunCtx<'p> {
-    pub(super) harness: Harness,
-    /// The evaluation's id.
-    pub(super) id: String,
-    pub(super) items: Vec<Item>,
-    pub(super) sandbox: Option<Arc<Sandbox>>,
-    pub(super) purse: Mutex<Purse>,
-    pub(super) progress: &'p (dyn Fn(Progress) + Send + Sync),
 }
 
 /// Runs `jobs`, `concurrency` at a time. `Some(end)` when stopped early.

@@ -8,7 +8,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::derived::{derive, lookup_table, matched_n};
 use super::items::{select, split};
-use super::jobs::{Job, Purse, Run, RunCtx, not_done, run_jobs};
+use super::jobs::{not_done, run_jobs};
+use super::run_one::{Job, Purse, Run, RunCtx};
 use super::{Config, Ended, EvalError, Harness, Progress, Spec};
 use crate::sandbox::Sandbox;
 use crate::strategy::Strategy;

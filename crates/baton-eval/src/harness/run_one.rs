@@ -1,7 +1,11 @@
 //! One run: the item worded as every strategy asks it, sent through the executor by the job's
-//! plan, recorded in the history like any other run, scored, and its result kept.
+//! plan, recorded in the history like any other run, scored, and its result kept. What a run is
+//! given is here too (its `Job`, and the `RunCtx` every run of an evaluation shares, with the
+//! `Purse` it spends from), so that `jobs.rs`, which makes many at once, depends on this module
+//! and not the other way round.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 use baton_engine::{Budget, Executor, RunEvent, RunOutcome, RunRequest, RunStatus, new_run_id};
 use baton_plan::{Access, Plan, Step};
@@ -9,10 +13,52 @@ use baton_store::Store;
 use baton_store::evaluations::EvalResult;
 use tokio_util::sync::CancellationToken;
 
-use super::jobs::{Job, Run, RunCtx};
 use super::scoring::{score, vote};
 use super::{EvalError, Harness, Progress};
+use crate::sandbox::Sandbox;
 use crate::suite::{Item, Kind};
+
+/// One run to make.
+#[derive(Debug, Clone)]
+pub(super) struct Job {
+    /// The strategy's key, as results are stored under.
+    pub(super) strategy: String,
+    pub(super) what: Run,
+    /// Index into the evaluation's items.
+    pub(super) item: usize,
+    pub(super) repeat: u32,
+    pub(super) calibration: bool,
+}
+
+/// What a job sends to the executor (workers by their index in the pool).
+#[derive(Debug, Clone)]
+pub(super) enum Run {
+    Conductor,
+    Single(usize),
+    Moa { aggregator: usize },
+    BestOfN { worker: usize, n: u32 },
+}
+
+/// The shared state of the runs in flight: what has been spent and what is promised to runs
+/// still going, so their caps never add up past the evaluation's. `jobs::run_jobs` promises each
+/// run its share; the run adds what it spent.
+pub(super) struct Purse {
+    pub(super) cap: Option<f64>,
+    pub(super) spent: f64,
+    pub(super) promised: f64,
+    pub(super) over: bool,
+}
+
+/// What every run of one evaluation shares.
+pub(super) struct RunCtx<'p> {
+    pub(super) harness: Harness,
+    /// The evaluation's id.
+    pub(super) id: String,
+    pub(super) items: Vec<Item>,
+    pub(super) sandbox: Option<Arc<Sandbox>>,
+    pub(super) purse: Mutex<Purse>,
+    pub(super) progress: &'p (dyn Fn(Progress) + Send + Sync),
+}
 
 /// The question as every strategy sends it: the item, then how to write the answer.
 pub fn prompt(item: &Item) -> String {
@@ -96,8 +142,7 @@ pub(super) async fn run_one(
     // the history saying at least what it may have spent; the difference is settled after.
     let promised = share.unwrap_or(0.0);
     h.store.add_evaluation_spend(&ctx.id, promised).await?;
-    let mut seen = Seen::default();
-    let outcome = run_recorded(&h.store, &h.executor, conversation, request, cancel, |event| seen.note(event)).await;
+    let (outcome, seen) = run_noting(&h.store, &h.executor, conversation, request, cancel).await;
     let Seen { outputs, planned, steps, budget_hit, refused_key } = seen;
     let totals = &outcome.totals;
     {
@@ -195,18 +240,23 @@ impl Seen {
 }
 
 /// Makes the run through the executor, recording it in the history (in `conversation`) as its
-/// events arrive, and relays each event to `relay` once recorded.
-async fn run_recorded(
+/// events arrive, and notes what the harness reads from them once each is recorded.
+async fn run_noting(
     store: &Store,
     executor: &Executor,
     conversation: i64,
     request: RunRequest,
     cancel: &CancellationToken,
-    mut relay: impl FnMut(&RunEvent) + Send,
-) -> RunOutcome {
+) -> (RunOutcome, Seen) {
     let recorder = Some(store.recorder(Some(conversation)));
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let noted = seen.clone();
+    let note = move |event: RunEvent| noted.lock().unwrap_or_else(|e| e.into_inner()).note(&event);
     // A history write that fails must not lose the run's result: it is noted, and no more of
     // this run is recorded.
     let warn = |e: baton_store::StoreError| tracing::warn!("evaluation run not fully recorded: {e}");
-    baton_store::relay::run_kept(executor, request, cancel, recorder, |event| relay(&event), warn).await.0
+    let (outcome, _) = baton_store::relay::run_kept(executor, request, cancel, recorder, note, warn).await;
+    // `run_kept` returns once the relay has ended: every event is noted.
+    let seen = std::mem::take(&mut *seen.lock().unwrap_or_else(|e| e.into_inner()));
+    (outcome, seen)
 }

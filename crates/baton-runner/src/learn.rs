@@ -1,0 +1,84 @@
+//! Learning a pool: every worker alone on a suite's items (and, where the pool has a
+//! conductor, its sampled plans), kept in the history as what the pool learned; runs then send
+//! each kind of question to the cheapest worker that is as good at it (see
+//! [`baton_engine::profile`]). `baton pool learn` and the app's *Learn this pool* are this one
+//! call.
+
+use std::sync::Arc;
+
+use baton_engine::Pool;
+use baton_engine::profile::PoolLearning;
+use baton_eval::learn::{self, LearnOptions};
+use baton_eval::{Ended, Harness, Progress};
+use baton_store::Store;
+use tokio_util::sync::CancellationToken;
+
+use crate::RunnerError;
+use crate::build::{Conductor, Context};
+
+/// How a learning run ended, and what the pool knows now.
+#[derive(Debug)]
+pub struct Learned {
+    /// The learning run's id: the same request goes on with it.
+    pub id: String,
+    pub ended: Ended,
+    /// What the pool learned of each worker, and where each kind of question goes now.
+    pub learning: PoolLearning,
+}
+
+/// Learns `options.suite` on `pool`, keeping what was measured in `store`; `progress` hears
+/// the run start (its id and what it asks), notes (workers not asked again, a cap that cannot
+/// see a worker's cost) and each item scored. Stopped by `cancel` or the spending cap, it says
+/// so in [`Learned::ended`], and the same request goes on where it ended.
+///
+/// A worker measured on the same items as it is defined now is not asked again. The
+/// conductor samples its plans without what the pool learned before, so they show what it does
+/// on its own.
+pub async fn learn(
+    pool: &Pool,
+    store: &Store,
+    options: &LearnOptions,
+    context: Context<'_>,
+    progress: &(dyn Fn(Progress) + Send + Sync),
+    cancel: &CancellationToken,
+) -> Result<Learned, RunnerError> {
+    let mut spec = learn::spec(pool, options)?;
+    let plans = learn::plan_samples(&spec);
+    let left_out = learn::leave_out_learned(&mut spec, pool, store).await?;
+    let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
+    let sampled = if plans > 0 { format!(", and {plans} conductor plans per item") } else { String::new() };
+    let about = format!(
+        "each of {} workers alone on {} items of {}{sampled}",
+        workers.len() - left_out.len(),
+        learn::items(&spec),
+        spec.suite.name
+    );
+    progress(Progress::Started { id: spec.id.clone(), about });
+    if options.plans > 0 && plans == 0 {
+        progress(Progress::Note("the pool has no conductor, so only the workers alone are learned (no plans)".into()));
+    }
+    if options.max_cost_usd.is_some()
+        && let Some(note) = crate::unpriced_warning(pool, "the spending cap")
+    {
+        progress(Progress::Note(note));
+    }
+    for w in &left_out {
+        progress(Progress::Note(learn::left_out_note(w)));
+    }
+    let ended = if spec.strategies.is_empty() {
+        progress(Progress::Note("every worker is already learned on these items; nothing to ask".into()));
+        Ended::Finished
+    } else {
+        let conductor = if plans > 0 { Conductor::Required } else { Conductor::None };
+        // What was learned before stays out (no history to the build): the samples show what
+        // the conductor does on its own.
+        let built = crate::build(learn::sampling_pool(pool), context.setup(conductor, None)).await?;
+        let harness = Harness::new(Arc::new(built.executor), workers, store.clone(), plans > 0);
+        tracing::info!(learning = %spec.id, items = learn::items(&spec), "learning started");
+        let ended = harness.run(&spec, progress, cancel).await?;
+        tracing::info!(learning = %spec.id, ended = ended.as_str(), "learning ended");
+        ended
+    };
+    let learning = crate::build::pool_learning(pool, store).await?;
+    Ok(Learned { id: spec.id, ended, learning })
+}
