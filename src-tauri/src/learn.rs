@@ -43,7 +43,7 @@ pub struct Learned {
 #[tauri::command]
 pub async fn pool_learning(state: State<'_, AppState>) -> AppResult<PoolLearning> {
     let pool = state.pool()?;
-    Ok(baton_runner::build::pool_learning(&pool, state.store().await?).await?)
+    Ok(baton_runner::learned::pool_learning(&pool, state.store().await?).await?)
 }
 
 /// Runs (or resumes) a learning run over the pool as it is saved now; resolves once it ends.

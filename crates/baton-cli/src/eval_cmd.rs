@@ -442,7 +442,7 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
     let loader = Loader::new(&args.conductor, args.json, &io);
     let models = LocalModels::default();
     let context = loader.context(&pool, &models);
-    let watch = Watch::new(args.json);
+    let watch = Watch::new("evaluation", args.json);
     let evaluated = evaluate::evaluate(pool, &store, &request, context, &|p| watch.show(p), &watch.cancel).await;
     watch.finish();
     let evaluated = match evaluated {
@@ -482,20 +482,25 @@ async fn run_eval(mut args: RunArgs, db: &crate::history_cmd::DbArg) -> Outcome 
 /// Watching a long run from the terminal: its progress bar (none when `quiet`: JSON on
 /// stdout), and a stop on the first Ctrl-C.
 pub(crate) struct Watch {
+    /// What is watched ("evaluation", "learning"), as its first line names it.
+    what: &'static str,
     bar: Bar,
     pub(crate) cancel: CancellationToken,
     ctrl_c: tokio::task::JoinHandle<()>,
 }
 
 impl Watch {
-    pub(crate) fn new(quiet: bool) -> Watch {
+    pub(crate) fn new(what: &'static str, quiet: bool) -> Watch {
         let cancel = CancellationToken::new();
         let ctrl_c = crate::cancel_on_ctrl_c(&cancel);
-        Watch { bar: Bar::new(quiet), cancel, ctrl_c }
+        Watch { what, bar: Bar::new(quiet), cancel, ctrl_c }
     }
 
     pub(crate) fn show(&self, p: Progress) {
-        self.bar.show(p);
+        match p {
+            Progress::Started { id, about } => self.bar.note(format!("{} {id}: {about}", self.what)),
+            p => self.bar.show(p),
+        }
     }
 
     /// Once the run has ended.
@@ -528,10 +533,8 @@ impl Bar {
     fn show(&self, p: Progress) {
         let Some(bar) = &self.bar else {
             // Quiet (JSON on stdout): notes still go to stderr.
-            match p {
-                Progress::Started { id, about } => eprintln!("{id}: {about}"),
-                Progress::Note(note) => eprintln!("{note}"),
-                Progress::Planned { .. } | Progress::Scored { .. } => {}
+            if let Progress::Started { about: note, .. } | Progress::Note(note) = p {
+                eprintln!("{note}");
             }
             return;
         };
@@ -556,9 +559,13 @@ impl Bar {
                     eprintln!("[{}/{}] {}", bar.position(), bar.length().unwrap_or(0), bar.message());
                 }
             }
-            Progress::Started { id, about } => bar.suspend(|| eprintln!("{id}: {about}")),
-            Progress::Note(note) => bar.suspend(|| eprintln!("{note}")),
+            Progress::Started { about: note, .. } | Progress::Note(note) => bar.suspend(|| eprintln!("{note}")),
         }
+    }
+
+    /// A line for the user, above the bar.
+    fn note(&self, note: String) {
+        self.show(Progress::Note(note));
     }
 
     fn finish(&self) {

@@ -59,7 +59,7 @@ pub async fn learn(args: LearnArgs) -> Outcome {
     let loader = Loader::new(&ConductorArgs::default(), false, &io);
     let models = LocalModels::default();
     let context = loader.context(&pool, &models);
-    let watch = crate::eval_cmd::Watch::new(false);
+    let watch = crate::eval_cmd::Watch::new("learning", false);
     let learned = baton_runner::learn::learn(&pool, &store, &options, context, &|p| watch.show(p), &watch.cancel).await;
     watch.finish();
     store.close().await;

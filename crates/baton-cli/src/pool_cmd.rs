@@ -50,7 +50,7 @@ pub async fn run(cmd: Command) -> Outcome {
             // The history is read only when it is there: showing a pool creates nothing.
             if db.path().exists() {
                 let store = db.open().await?;
-                let learning = baton_runner::build::pool_learning(&pool, &store)
+                let learning = baton_runner::learned::pool_learning(&pool, &store)
                     .await
                     .map_err(|e| Failure::Failed(e.to_string()))?;
                 store.close().await;

@@ -56,7 +56,7 @@ fn stamp(path: &Path) -> Option<FileStamp> {
 
 impl std::fmt::Debug for LocalModels {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut d = f.debug_struct("LocalModels");
+        let d = &mut f.debug_struct("LocalModels");
         #[cfg(feature = "engine")]
         d.field("loaded", &self.loaded_paths());
         d.finish()

@@ -5,7 +5,7 @@
 use baton_conductor::setup::{self, ConductorChoice, SetupError};
 use baton_engine::{Executor, Pool, Route};
 use baton_local::{LocalModels, Notify};
-use baton_store::{Store, StoreError};
+use baton_store::Store;
 
 /// Whether the executor gets a conductor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,61 +134,12 @@ pub async fn build_planning(pool: Pool, setup: Setup<'_>) -> Result<Built, Setup
     Ok(Built { executor, pool, conductor })
 }
 
-/// The pool with what it learned ([`learned_into`]), when there is a history.
+/// The pool with what it learned ([`crate::learned::learned_into`]), when there is a history.
 async fn with_what_was_learned(mut pool: Pool, store: Option<&Store>) -> Pool {
     if let Some(store) = store {
-        learned_into(&mut pool, store).await;
+        crate::learned::learned_into(&mut pool, store).await;
     }
     pool
-}
-
-/// Each worker's name and identity, as its learned profile is kept.
-pub fn identities(pool: &Pool) -> Vec<(String, String)> {
-    pool.workers.iter().map(|w| (w.name.clone(), w.identity())).collect()
-}
-
-/// The conductor's identity, which its plans' measured figures are kept under; `None` for a
-/// pool without a conductor model.
-pub fn conductor_identity(pool: &Pool) -> Option<String> {
-    let conductor = &pool.options.conductor;
-    conductor.is_set().then(|| conductor.identity())
-}
-
-/// The questions the pool's current profiles were learned from, which an evaluation leaves
-/// out; none when the history cannot be read (said in the log).
-pub async fn learned_questions(pool: &Pool, store: &Store) -> Vec<String> {
-    store.learned_questions(&identities(pool)).await.unwrap_or_else(|e| {
-        tracing::warn!("what the pool learned cannot be read: {e}");
-        Vec::new()
-    })
-}
-
-/// Fills `pool.learned` with what its workers' current profiles say (see
-/// [`baton_engine::profile::measure`]): the fallback worker and the plan's lead for the
-/// question's kind, where a question may skip the plan (a clear margin, or plans measured to do
-/// no better than the worker alone), what the conductor is told of each
-/// worker, and the plans that were right, as its examples. A worker the pool names (`fallback_worker`) is kept, and then nothing is routed by
-/// measurement (the conductor is still told what was measured). A history that cannot be read
-/// leaves the pool as it is: what was learned helps a run, and is no reason to fail one.
-pub async fn learned_into(pool: &mut Pool, store: &Store) {
-    match store.learned(&identities(pool), conductor_identity(pool).as_deref()).await {
-        Ok(learned) => {
-            let mut measured = baton_engine::profile::measure(&learned.profiles, learned.questions);
-            if let Some(planned) = &learned.planned {
-                baton_engine::profile::weigh_plans(&mut measured, &learned.profiles, planned);
-            }
-            measured.plans = learned.plans;
-            pool.learned = measured;
-        }
-        Err(e) => tracing::warn!("what the pool learned cannot be read, so it is not used: {e}"),
-    }
-}
-
-/// What the pool learned of each worker and where each kind of question goes because of it,
-/// as `baton pool show` and the Workers screen show it.
-pub async fn pool_learning(pool: &Pool, store: &Store) -> Result<baton_engine::profile::PoolLearning, StoreError> {
-    let learned = store.learned(&identities(pool), conductor_identity(pool).as_deref()).await?;
-    Ok(baton_engine::profile::learning(pool, &learned.profiles, learned.planned.as_ref()))
 }
 
 /// Whether local models run on the CPU whatever the machine has: the user's choice, or the

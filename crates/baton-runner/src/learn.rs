@@ -79,6 +79,6 @@ pub async fn learn(
         tracing::info!(learning = %spec.id, ended = ended.as_str(), "learning ended");
         ended
     };
-    let learning = crate::build::pool_learning(pool, store).await?;
+    let learning = crate::learned::pool_learning(pool, store).await?;
     Ok(Learned { id: spec.id, ended, learning })
 }

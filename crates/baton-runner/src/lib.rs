@@ -20,6 +20,7 @@ pub mod build;
 pub mod draft;
 pub mod evaluate;
 pub mod learn;
+pub mod learned;
 pub mod rerun;
 pub mod run;
 pub mod serve;

@@ -179,7 +179,7 @@ async fn what_the_pool_learned_goes_into_the_pool_it_builds_unless_the_user_chos
     let server = TestServer::start().await.expect("server");
     let (_dir, store) = store().await;
     let pool = pool(&server, "");
-    let identities = baton_runner::build::identities(&pool);
+    let identities = baton_runner::learned::identities(&pool);
     let config = serde_json::json!({
         "workers": ["first", "second"], "learn": true, "identities": [&identities[0].1, &identities[1].1],
     });
@@ -205,7 +205,7 @@ async fn what_the_pool_learned_goes_into_the_pool_it_builds_unless_the_user_chos
     }
 
     let mut learned = pool.clone();
-    baton_runner::build::learned_into(&mut learned, &store).await;
+    baton_runner::learned::learned_into(&mut learned, &store).await;
     let measured = &learned.learned;
     assert_eq!(measured.best, Some(1), "second was right on all 8, first on none");
     assert_eq!(learned.options.fallback.worker, None, "what was learned is not the pool file's choice");
@@ -213,7 +213,7 @@ async fn what_the_pool_learned_goes_into_the_pool_it_builds_unless_the_user_chos
     assert!(measured.by_category.clear["geography"].contains("8 of 8"), "{:?}", measured.by_category.clear);
 
     let mut chosen = self::pool(&server, "[conductor]\nfallback_worker = \"first\"\n");
-    baton_runner::build::learned_into(&mut chosen, &store).await;
+    baton_runner::learned::learned_into(&mut chosen, &store).await;
     assert_eq!(chosen.options.fallback.worker, Some(0), "the user's choice stands");
     let fallback = &chosen.options.fallback;
     let question = "What is the capital of Peru? (geography)";
