@@ -178,8 +178,8 @@ fn distinctive(text: &str) -> HashSet<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::learned::Choices;
     use crate::fallback::fallback_worker;
+    use crate::learned::Choices;
 
     #[test]
     fn a_question_routes_only_where_the_profile_is_clear_unless_routing_is_always() {
