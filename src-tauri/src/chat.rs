@@ -181,13 +181,12 @@ pub async fn rerun_step<R: Runtime>(
 ) -> AppResult<AskResult> {
     let registration = state.register(&stop_id)?;
     let store = state.store().await?;
-    let pool = state.pool()?;
     let loader = Loader::new(&app);
     let (show, warn) = on_channel(&app, on_event);
     let (step, worker) = (request.step as usize, request.worker.as_str());
     let context = loader.context(&state);
     let recorded = baton_runner::rerun::rerun_step(
-        &pool,
+        || Pool::load(&state.paths.pool),
         context,
         store,
         request.run_id,

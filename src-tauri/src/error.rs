@@ -100,6 +100,7 @@ impl From<baton_runner::RunnerError> for AppError {
         match e {
             RunnerError::Setup(e) => e.into(),
             RunnerError::Store(e) => e.into(),
+            RunnerError::Pool(e) => e.into(),
             RunnerError::NotFound(m) => AppError::not_found(m),
             RunnerError::BadInput(m) => AppError::bad_input(m),
             RunnerError::Cancelled(m) => AppError::new(ErrorKind::Cancelled, m),

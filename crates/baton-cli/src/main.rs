@@ -134,6 +134,7 @@ impl From<baton_runner::RunnerError> for Failure {
             ) => Failure::BadInput(e.to_string()),
             RunnerError::Io(m) => Failure::BadInput(m),
             e @ (RunnerError::Store(_)
+            | RunnerError::Pool(_)
             | RunnerError::Conductor(_)
             | RunnerError::Sandbox(_)
             | RunnerError::Token(_)) => Failure::Failed(e.to_string()),

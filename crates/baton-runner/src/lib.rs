@@ -39,6 +39,9 @@ pub enum RunnerError {
     Setup(#[from] SetupError),
     #[error(transparent)]
     Store(#[from] baton_store::StoreError),
+    /// The pool file could not be read or is not valid.
+    #[error(transparent)]
+    Pool(#[from] baton_engine::PoolError),
     /// The run, conversation or worker asked for does not exist.
     #[error("{0}")]
     NotFound(String),

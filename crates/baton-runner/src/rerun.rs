@@ -11,12 +11,14 @@ use tokio_util::sync::CancellationToken;
 use crate::build::{Conductor, Context};
 use crate::{Recorded, RunnerError};
 
-/// Re-runs `step` of history run `run_id` with `pool`'s worker named `worker`, as a new run in
+/// Re-runs `step` of history run `run_id` with the pool's worker named `worker`, as a new run in
 /// the same conversation: every step that sees it runs again, the rest keep their output.
-/// Events go to `show` once kept, as for [`crate::ask`].
+/// Events go to `show` once kept, as for [`crate::ask`]. `pool` reads the pool file; it is
+/// called only once the run is found, so a run that is gone is the answer even where the pool
+/// file is broken.
 #[allow(clippy::too_many_arguments)]
 pub async fn rerun_step(
-    pool: &Pool,
+    pool: impl FnOnce() -> Result<Pool, baton_engine::PoolError>,
     context: Context<'_>,
     store: &Store,
     run_id: i64,
@@ -28,7 +30,8 @@ pub async fn rerun_step(
 ) -> Result<Recorded, RunnerError> {
     // The run first: one that is gone is the answer, whatever the pool file says.
     let earlier = Earlier::load(store, run_id).await?;
-    let rerun = earlier.rerun(store, pool, step, worker).await?;
+    let pool = pool()?;
+    let rerun = earlier.rerun(store, &pool, step, worker).await?;
     let conductor = if rerun.needs_conductor { Conductor::Required } else { Conductor::None };
     let built = crate::build(rerun.pool, context.setup(conductor, Some(store))).await?;
     if cancel.is_cancelled() {

@@ -154,18 +154,24 @@ async fn a_rerun_runs_the_step_and_those_that_see_it_again_in_the_same_conversat
     assert_eq!(Some(rerun.conversation), first.conversation_id);
     assert!(!rerun.needs_conductor);
     let requests_before = server.requests().len();
-    let again = baton_runner::rerun::rerun_step(&pool, context, &store, run, 1, "first", |_| {}, failed, &cancel)
-        .await
-        .expect("re-runs");
+    let again =
+        baton_runner::rerun::rerun_step(|| Ok(pool.clone()), context, &store, run, 1, "first", |_| {}, failed, &cancel)
+            .await
+            .expect("re-runs");
     assert_eq!(again.outcome.status, RunStatus::Finished, "{:?}", again.outcome.error);
     assert_eq!(server.requests().len() - requests_before, 1, "only the re-run step calls a worker");
     assert_eq!(again.conversation_id, first.conversation_id);
 
     let unknown = earlier.rerun(&store, &pool, 1, "nobody").await;
     assert!(matches!(unknown, Err(RunnerError::NotFound(_))), "{unknown:?}");
+    // A run that is gone is the answer before a broken pool file; a run that is there needs it.
+    let broken = || baton_engine::Pool::parse("[[worker]\n", "pool.toml");
     let no_run =
-        baton_runner::rerun::rerun_step(&pool, context, &store, run + 100, 1, "first", |_| {}, failed, &cancel).await;
+        baton_runner::rerun::rerun_step(broken, context, &store, run + 100, 1, "first", |_| {}, failed, &cancel).await;
     assert!(matches!(no_run, Err(RunnerError::NotFound(_))), "{no_run:?}");
+    let no_pool =
+        baton_runner::rerun::rerun_step(broken, context, &store, run, 1, "first", |_| {}, failed, &cancel).await;
+    assert!(matches!(no_pool, Err(RunnerError::Pool(_))), "{no_pool:?}");
 }
 
 /// What the history's learning runs measured goes into the pool the runner builds: the best
