@@ -467,27 +467,46 @@ fn crate_files(root_file: &Path) -> Vec<(PathBuf, Vec<String>, Scan)> {
     out
 }
 
-/// The imports between the top-level modules of the crate whose root is `root_file` (a module
-/// and its children count as one), each with where it is made (`file:line`). A path counts when
-/// it reaches into a top-level module, or to a name the crate root takes from one
-/// (`crate::Executor` from `pub use executor::Executor`).
-fn module_edges(root_file: &Path) -> BTreeMap<String, BTreeMap<String, Vec<String>>> {
+/// The imports between the children of module `parent` (`[]`: the top-level modules) in the
+/// crate whose root is `root_file`, a child and its own children counting as one, each with
+/// where it is made (`file:line`). A path counts when it reaches into a child, or to a name
+/// `parent` takes from one (`crate::Executor` from `pub use executor::Executor` at the root,
+/// `super::LoadError` from the parent's `pub use load::LoadError`).
+fn module_edges(root_file: &Path, parent: &[String]) -> BTreeMap<String, BTreeMap<String, Vec<String>>> {
     let files = crate_files(root_file);
-    let top: BTreeSet<String> =
-        files.iter().flat_map(|(_, _, s)| s.files.iter().chain(&s.inline)).filter_map(|m| m.first().cloned()).collect();
-    let root_names: BTreeMap<String, String> = files
+    sibling_edges(&files, parent)
+}
+
+/// Every module of the crate that has modules of its own, the root (`[]`) included.
+fn parents(files: &[(PathBuf, Vec<String>, Scan)]) -> BTreeSet<Vec<String>> {
+    files
+        .iter()
+        .flat_map(|(_, _, s)| s.files.iter().chain(&s.inline))
+        .flat_map(|m| (0..m.len()).map(|n| m[..n].to_vec()))
+        .collect()
+}
+
+/// [`module_edges`] over files already read.
+fn sibling_edges(
+    files: &[(PathBuf, Vec<String>, Scan)],
+    parent: &[String],
+) -> BTreeMap<String, BTreeMap<String, Vec<String>>> {
+    let child_of = |path: &[String]| path.strip_prefix(parent).and_then(|rest| rest.first().cloned());
+    let children: BTreeSet<String> =
+        files.iter().flat_map(|(_, _, s)| s.files.iter().chain(&s.inline)).filter_map(|m| child_of(m)).collect();
+    let parent_names: BTreeMap<String, String> = files
         .iter()
         .flat_map(|(_, _, s)| &s.names)
-        .filter(|(from, _, _)| from.is_empty())
-        .filter_map(|(_, name, path)| Some((name.clone(), path.first().filter(|m| top.contains(*m))?.clone())))
+        .filter(|(from, _, _)| from == parent)
+        .filter_map(|(_, name, path)| Some((name.clone(), child_of(path).filter(|m| children.contains(m))?)))
         .collect();
     let mut edges: BTreeMap<String, BTreeMap<String, Vec<String>>> = BTreeMap::new();
-    for (file, _, scanned) in &files {
+    for (file, _, scanned) in files {
         let place = file.strip_prefix(root()).unwrap_or(file).display().to_string();
         for r in &scanned.references {
-            let (Some(from), Some(first)) = (r.from.first(), r.to.first()) else { continue };
-            let Some(to) = top.get(first).or_else(|| root_names.get(first)) else { continue };
-            if to != from {
+            let (Some(from), Some(first)) = (child_of(&r.from), child_of(&r.to)) else { continue };
+            let Some(to) = children.get(&first).or_else(|| parent_names.get(&first)) else { continue };
+            if *to != from {
                 let places = edges.entry(from.clone()).or_default().entry(to.clone()).or_default();
                 let here = format!("{place}:{}", r.line);
                 // One line may name several paths into the module (`use crate::a::{B, C};`).
@@ -565,17 +584,21 @@ fn crate_roots() -> Vec<PathBuf> {
 fn no_crate_has_an_import_circle_between_its_modules() {
     let mut circles = Vec::new();
     for root_file in crate_roots() {
-        let edges = module_edges(&root_file);
-        let names: BTreeMap<String, BTreeSet<String>> =
-            edges.iter().map(|(from, to)| (from.clone(), to.keys().cloned().collect())).collect();
-        if let Some(circle) = find_circle(&names) {
-            let mut report =
-                format!("{}: {}", root_file.strip_prefix(root()).unwrap_or(&root_file).display(), circle.join(" → "));
-            for pair in circle.windows(2) {
-                let places = &edges[&pair[0]][&pair[1]];
-                report.push_str(&format!("\n  {} → {}: {}", pair[0], pair[1], places.join(", ")));
+        let files = crate_files(&root_file);
+        for parent in parents(&files) {
+            let edges = sibling_edges(&files, &parent);
+            let names: BTreeMap<String, BTreeSet<String>> =
+                edges.iter().map(|(from, to)| (from.clone(), to.keys().cloned().collect())).collect();
+            if let Some(circle) = find_circle(&names) {
+                let under = if parent.is_empty() { String::new() } else { format!(" (in {})", parent.join("::")) };
+                let shown = root_file.strip_prefix(root()).unwrap_or(&root_file).display();
+                let mut report = format!("{shown}{under}: {}", circle.join(" → "));
+                for pair in circle.windows(2) {
+                    let places = &edges[&pair[0]][&pair[1]];
+                    report.push_str(&format!("\n  {} → {}: {}", pair[0], pair[1], places.join(", ")));
+                }
+                circles.push(report);
             }
-            circles.push(report);
         }
     }
     assert!(circles.is_empty(), "import circles between modules:\n{}", circles.join("\n"));
@@ -697,7 +720,7 @@ fn the_circle_check_finds_a_circle_through_groups_super_and_root_names() {
         std::fs::create_dir_all(path.parent().expect("a folder")).expect("the folder is made");
         std::fs::write(path, text).expect("the file is written");
     }
-    let edges = module_edges(&dir.path().join("lib.rs"));
+    let edges = module_edges(&dir.path().join("lib.rs"), &[]);
     let names: BTreeMap<String, BTreeSet<String>> =
         edges.iter().map(|(from, to)| (from.clone(), to.keys().cloned().collect())).collect();
     assert_eq!(
@@ -710,6 +733,40 @@ fn the_circle_check_finds_a_circle_through_groups_super_and_root_names() {
     );
     assert!(edges["c"]["a"][0].ends_with("c.rs:2"), "{:?}", edges["c"]["a"]);
     assert_eq!(find_circle(&names).expect("a circle"), ["a", "b", "c", "a"]);
+}
+
+#[test]
+fn the_circle_check_finds_a_circle_between_the_children_of_a_module() {
+    let dir = tempfile::tempdir().expect("a temporary folder");
+    let files = [
+        ("lib.rs", "mod engine;\nmod other;"),
+        ("engine.rs", "mod load;\nmod memory;\npub use load::Config;\npub struct Model;"),
+        // `load` reaches `memory`; `memory` reaches back through the name its parent re-exports.
+        ("engine/load.rs", "pub struct Config;\nuse super::memory::need;\nuse super::Model;"),
+        ("engine/memory.rs", "pub fn need(c: &super::Config) {}"),
+        ("other.rs", "use crate::engine::Model;"),
+    ];
+    for (name, text) in files {
+        let path = dir.path().join(name);
+        std::fs::create_dir_all(path.parent().expect("a folder")).expect("the folder is made");
+        std::fs::write(path, text).expect("the file is written");
+    }
+    let crate_files = crate_files(&dir.path().join("lib.rs"));
+    assert_eq!(parents(&crate_files), BTreeSet::from([vec![], vec!["engine".to_owned()]]));
+    let top = module_edges(&dir.path().join("lib.rs"), &[]);
+    assert_eq!(top.keys().collect::<Vec<_>>(), ["other"], "{top:?}");
+    let edges = module_edges(&dir.path().join("lib.rs"), &["engine".to_owned()]);
+    let names: BTreeMap<String, BTreeSet<String>> =
+        edges.iter().map(|(from, to)| (from.clone(), to.keys().cloned().collect())).collect();
+    // `load` naming its parent's own `Model` is not an edge between siblings.
+    assert_eq!(
+        names,
+        BTreeMap::from([
+            ("load".to_owned(), BTreeSet::from(["memory".to_owned()])),
+            ("memory".to_owned(), BTreeSet::from(["load".to_owned()])),
+        ])
+    );
+    assert_eq!(find_circle(&names).expect("a circle"), ["load", "memory", "load"]);
 }
 
 #[test]

@@ -92,7 +92,6 @@ pub fn subset(mut pool: Pool, workers: Option<&[u32]>) -> AppResult<Pool> {
     // the conversation, it is no one's choice any more and what was learned chooses.
     let fallback = &mut pool.options.fallback;
     fallback.worker = fallback.worker.and_then(|w| chosen.iter().position(|&i| i as usize == w));
-    fallback.chosen &= fallback.worker.is_some();
     Ok(pool)
 }
 
@@ -480,9 +479,9 @@ mod tests {
         let kept = subset(named.clone(), Some(&[0, 2])).expect("subset");
         let names: Vec<&str> = kept.workers.iter().map(|w| w.name.as_str()).collect();
         assert_eq!(names, ["a", "c"]);
-        assert_eq!((kept.options.fallback.worker, kept.options.fallback.chosen), (Some(1), true), "c, renumbered");
+        assert_eq!(kept.options.fallback.worker, Some(1), "c, renumbered");
         let without = subset(named, Some(&[0, 1])).expect("subset");
-        assert_eq!((without.options.fallback.worker, without.options.fallback.chosen), (None, false), "c left out");
+        assert_eq!(without.options.fallback.worker, None, "c left out");
         assert!(subset(pool(""), Some(&[])).is_err());
     }
 }

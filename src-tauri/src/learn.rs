@@ -5,12 +5,12 @@
 
 use baton_engine::profile::PoolLearning;
 use baton_eval::Progress;
-use baton_eval::learn::{self, LearnOptions};
+use baton_eval::learn::LearnOptions;
 use serde::{Deserialize, Serialize};
 use tauri::ipc::Channel;
 use tauri::{AppHandle, Runtime, State};
 
-use crate::error::{AppError, AppResult};
+use crate::error::AppResult;
 use crate::eval::EvalProgress;
 use crate::state::AppState;
 
@@ -64,11 +64,6 @@ pub async fn learn_pool<R: Runtime>(
         max_cost_usd: request.max_cost_usd,
         ..defaults
     };
-    // One run per learning id: a second would ask every worker the same items again.
-    let id = learn::spec(&pool, &options)?.id;
-    let _one = state.register(&format!("learning {id}")).map_err(|_| {
-        AppError::bad_input(format!("the pool is already learning from these items ({id}); stop it or wait"))
-    })?;
     // The history opens first, so a damaged database costs no provider calls.
     let store = state.store().await?;
     let loader = crate::chat::Loader::new(&app);

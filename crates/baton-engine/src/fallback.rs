@@ -20,9 +20,7 @@ pub fn fallback_worker(
     workers: usize,
     question: &str,
 ) -> (usize, Option<String>) {
-    if options.chosen
-        && let Some(w) = options.worker.filter(|w| *w < workers)
-    {
+    if let Some(w) = options.worker.filter(|w| *w < workers) {
         return (w, None);
     }
     learned_worker(learned, workers, question).map_or((0, None), |(w, why)| (w, Some(why)))
@@ -87,7 +85,6 @@ mod tests {
         assert_eq!(fallback_worker(&options, &measured, 2, acid).0, 0);
         // The user's choice wins over any measurement.
         options.worker = Some(1);
-        options.chosen = true;
         assert_eq!(fallback_worker(&options, &measured, 3, acid), (1, None));
         // Nothing measured, nothing chosen: the first worker.
         assert_eq!(fallback_worker(&FallbackOptions::default(), &Measured::default(), 3, acid), (0, None));

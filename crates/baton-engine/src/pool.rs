@@ -95,13 +95,10 @@ pub struct FallbackOptions {
     /// Off: the conductor's plan runs as written, and a plan that fails fails the run.
     pub enabled: bool,
     /// `[conductor] fallback_worker`: the worker that answers alone, when the pool names one.
-    /// Else [`crate::fallback::fallback_worker`] chooses by what the pool learned
-    /// ([`Pool::learned`]).
+    /// It is the user's choice, which what was learned does not replace: it turns routing by
+    /// measurement off (with `route = "always"`, every question goes to it). Else
+    /// [`crate::fallback::fallback_worker`] chooses by what the pool learned ([`Pool::learned`]).
     pub worker: Option<usize>,
-    /// Whether `worker` is the user's choice (`fallback_worker`), which what was learned does
-    /// not replace: it turns routing by measurement off (with `route = "always"`, every
-    /// question goes to it).
-    pub chosen: bool,
     /// When a question goes straight to the worker its kind's profile names, with no plan.
     pub route: Route,
 }
@@ -134,7 +131,7 @@ impl Route {
 
 impl Default for FallbackOptions {
     fn default() -> Self {
-        FallbackOptions { enabled: true, worker: None, chosen: false, route: Route::default() }
+        FallbackOptions { enabled: true, worker: None, route: Route::default() }
     }
 }
 

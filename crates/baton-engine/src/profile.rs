@@ -449,7 +449,7 @@ pub fn learning(pool: &crate::Pool, profiles: &[Profile], planned: Option<&Profi
     let plans = planned.map(|p| shown(p, pool.options.conductor.identity(), priced));
     let fallback = &pool.options.fallback;
     let name = |w: usize| pool.workers.get(w).map_or_else(|| "?".to_owned(), |w| w.name.clone());
-    if fallback.chosen {
+    if fallback.worker.is_some() {
         let named = fallback.worker.map(name);
         return PoolLearning { workers, plans, routes: Vec::new(), named_fallback: named, route: fallback.route };
     }

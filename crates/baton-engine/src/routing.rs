@@ -68,10 +68,11 @@ pub fn is_routed(reason: &str) -> bool {
 /// The reason starts with [`ROUTED`]: a routed run is told apart from one whose plans failed by
 /// its `PlanReady::fallback` reason ([`is_routed`]).
 pub fn route(options: &FallbackOptions, learned: &Measured, workers: usize, question: &str) -> Option<(usize, String)> {
-    if options.chosen {
-        let valid = options.worker.filter(|w| *w < workers);
-        return match (options.route, valid) {
-            (Route::Always, Some(w)) => Some((w, format!("{ROUTED} to the pool's fallback_worker (route = always)"))),
+    if let Some(w) = options.worker {
+        return match options.route {
+            Route::Always if w < workers => {
+                Some((w, format!("{ROUTED} to the pool's fallback_worker (route = always)")))
+            }
             _ => None,
         };
     }
@@ -211,7 +212,6 @@ mod tests {
         assert_eq!(route(&options, &measured, 3, acid), None);
         // The user's worker: no routing by measurement, but `always` sends everything to it.
         options.worker = Some(1);
-        options.chosen = true;
         options.route = Route::Auto;
         assert_eq!(route(&options, &measured, 3, acid), None);
         options.route = Route::Always;

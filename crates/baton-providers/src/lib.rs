@@ -445,9 +445,11 @@ impl ChatModel for HttpModel {
                 }
                 ProviderKind::OpenAi => openai::stream(call, &request, true).await,
                 ProviderKind::OpenAiCompatible => openai::stream(call, &request, false).await,
+                // The executor builds local workers from their loaded model and never as an HTTP
+                // model; this answers a library caller that asks for one over HTTP.
                 ProviderKind::Local => Err(ProviderError::new(
                     ErrorKind::BadRequest,
-                    "a local worker runs in process; this build of baton did not load it (it needs the `local` feature)",
+                    "a local worker runs in process, not over HTTP: load it with baton-local's LocalWorker",
                 )),
                 ProviderKind::Anthropic => anthropic::stream(call, &request).await,
                 ProviderKind::Gemini => gemini::stream(call, &request).await,

@@ -4,7 +4,8 @@
 //! [`baton_engine::profile`]). `baton pool learn` and the app's *Learn this pool* are this one
 //! call.
 
-use std::sync::Arc;
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
 
 use baton_engine::Pool;
 use baton_engine::profile::PoolLearning;
@@ -33,7 +34,8 @@ pub struct Learned {
 ///
 /// A worker measured on the same items as it is defined now is not asked again. The
 /// conductor samples its plans without what the pool learned before, so they show what it does
-/// on its own.
+/// on its own. One learning run per id at a time in this process: a second would ask every
+/// worker the same items again, so it is refused.
 pub async fn learn(
     pool: &Pool,
     store: &Store,
@@ -43,6 +45,7 @@ pub async fn learn(
     cancel: &CancellationToken,
 ) -> Result<Learned, RunnerError> {
     let mut spec = learn::spec(pool, options)?;
+    let _one = Running::claim(&spec.id)?;
     let plans = learn::plan_samples(&spec);
     let left_out = learn::leave_out_learned(&mut spec, pool, store).await?;
     let workers: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
@@ -81,4 +84,44 @@ pub async fn learn(
     };
     let learning = crate::learned::pool_learning(pool, store).await?;
     Ok(Learned { id: spec.id, ended, learning })
+}
+
+/// The learning ids running in this process (the app can start one from two windows).
+static RUNNING: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+
+/// A learning id claimed until dropped, however the run ends.
+struct Running(String);
+
+impl Running {
+    fn claim(id: &str) -> Result<Running, RunnerError> {
+        let mut running = RUNNING.lock().unwrap_or_else(|p| p.into_inner());
+        if !running.insert(id.to_owned()) {
+            return Err(RunnerError::BadInput(format!(
+                "the pool is already learning from these items ({id}); stop it or wait"
+            )));
+        }
+        Ok(Running(id.to_owned()))
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        RUNNING.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_learning_id_runs_once_at_a_time_and_is_free_again_when_its_run_ends() {
+        let first = Running::claim("mmlu-pool-a").expect("free");
+        let again = Running::claim("mmlu-pool-a").err().expect("refused while running");
+        assert!(again.to_string().contains("already learning from these items (mmlu-pool-a)"), "{again}");
+        let other = Running::claim("mmlu-pool-b").expect("another id runs beside it");
+        drop(first);
+        Running::claim("mmlu-pool-a").expect("free once the first ended");
+        drop(other);
+    }
 }

@@ -145,7 +145,6 @@ impl Pool {
                 ));
             };
             options.fallback.worker = Some(index);
-            options.fallback.chosen = true;
         }
         Ok(Pool { workers, options, learned: Measured::default() })
     }

@@ -103,7 +103,9 @@ impl LocalModel {
             });
         }
         let device = if config.force_cpu { "cpu".to_owned() } else { device_name() };
-        memory::check_free_memory(&path, config, device == "cpu")?;
+        if let Some((need, free_bytes)) = memory::shortfall(&path, config.isq.is_some(), device == "cpu") {
+            return Err(LoadError::TooBig { path: path.display().to_string(), need, free_bytes });
+        }
         let started = Instant::now();
         let resident_before = memory::Resident::now();
         let template = match &config.chat_template {

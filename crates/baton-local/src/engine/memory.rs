@@ -3,8 +3,6 @@
 
 use std::path::Path;
 
-use super::{LoadError, LocalModelConfig};
-
 /// Set to `1` to load a model that the free memory looks too small for.
 pub const IGNORE_FREE_MEMORY: &str = "BATON_IGNORE_FREE_MEMORY";
 
@@ -61,22 +59,17 @@ pub fn free_memory_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Refuses, before loading, a model the free memory cannot hold: a failed load takes
-/// minutes and can push the whole machine into swap first. Models that go to a GPU, and
-/// safetensors models quantized while loading (their peak depends on the engine's order of
-/// work), are not checked.
-pub(super) fn check_free_memory(path: &Path, config: &LocalModelConfig, on_cpu: bool) -> Result<(), LoadError> {
-    if !on_cpu || config.isq.is_some() || std::env::var(IGNORE_FREE_MEMORY).is_ok_and(|v| v == "1") {
-        return Ok(());
+/// What a model loaded on the CPU needs and the free memory, where the free memory cannot hold
+/// it: a failed load takes minutes and can push the whole machine into swap first, so the
+/// loader refuses it beforehand. Models that go to a GPU, and safetensors models quantized
+/// while loading (their peak depends on the engine's order of work), are not checked.
+pub(super) fn shortfall(path: &Path, quantized_while_loading: bool, on_cpu: bool) -> Option<(MemoryNeed, u64)> {
+    if !on_cpu || quantized_while_loading || std::env::var(IGNORE_FREE_MEMORY).is_ok_and(|v| v == "1") {
+        return None;
     }
-    let (Some(weights), Some(free)) = (weights_bytes(path), free_memory_bytes()) else {
-        return Ok(());
-    };
+    let (weights, free) = (weights_bytes(path)?, free_memory_bytes()?);
     let need = MemoryNeed::of_weights(weights);
-    if need.fits(free) {
-        return Ok(());
-    }
-    Err(LoadError::TooBig { path: path.display().to_string(), need, free_bytes: free })
+    (!need.fits(free)).then_some((need, free))
 }
 
 /// The process's resident memory, and the part of it backed by files (Linux; `None` elsewhere).
