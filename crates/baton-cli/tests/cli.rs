@@ -245,7 +245,7 @@ async fn pool_check_reports_each_worker() {
 async fn interrupting_a_run_exits_130() {
     let s = server().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let pool = write_pool(dir.path(), &s, "", &[W("slow", "openai", "slow;latency=20000;chunks=40")]);
+    let pool = write_pool(dir.path(), &s, "", &[W("slow", "openai", "slow;latency=60000;chunks=120")]);
     let plan = "model_id = [0]\nsubtasks = ['take your time']\naccess_list = [[]]";
     let plan_path = dir.path().join("plan.txt");
     std::fs::write(&plan_path, plan).expect("write");
@@ -263,8 +263,9 @@ async fn interrupting_a_run_exits_130() {
     assert!(status.success());
     let started = Instant::now();
     let out =
-        tokio::time::timeout(Duration::from_secs(10), child.wait_with_output()).await.expect("exits").expect("output");
-    assert!(started.elapsed() < Duration::from_secs(3), "stops promptly");
+        tokio::time::timeout(Duration::from_secs(30), child.wait_with_output()).await.expect("exits").expect("output");
+    // The answer would take a minute: well under it is prompt, on a busy machine too.
+    assert!(started.elapsed() < Duration::from_secs(15), "stops promptly");
     assert_eq!(out.status.code(), Some(130));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("cancelled"), "{stderr}");

@@ -62,6 +62,11 @@ impl ApiError {
         }
     }
 
+    /// 405: the route exists, but not for this method (axum adds the `Allow` header).
+    pub fn method_not_allowed(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", message)
+    }
+
     /// 422: an `Idempotency-Key` sent again with another request.
     pub fn unprocessable(message: impl Into<String>) -> Self {
         Self::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request_error", message)

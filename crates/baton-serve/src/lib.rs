@@ -353,6 +353,11 @@ pub fn router(service: Arc<Service>) -> Router {
                 "no such route; this server serves /v1/models, /v1/chat/completions and /v1/responses",
             )
         })
+        .method_not_allowed_fallback(|method: axum::http::Method| async move {
+            ApiError::method_not_allowed(format!(
+                "{method} is not served here; /v1/models takes GET, /v1/chat/completions and /v1/responses take POST"
+            ))
+        })
         // Inside the guard: only a caller with the token has its responses kept.
         .layer(axum::middleware::from_fn_with_state(service.clone(), idempotency::replay))
         .layer(axum::middleware::from_fn_with_state(service.clone(), guard::check))
@@ -360,7 +365,10 @@ pub fn router(service: Arc<Service>) -> Router {
         .with_state(service)
 }
 
-/// Counts every request and every error answer (outside the guard, so refusals count too).
+/// Counts every request and every error answer (outside the guard, so refusals count too), and
+/// makes sure each error answer says whether to retry: one that axum or a layer makes itself,
+/// not Baton's [`ApiError`], gets `x-should-retry: false`, since the official SDKs otherwise
+/// retry 408, 409, 429 and 5xx.
 async fn count(
     axum::extract::State(service): axum::extract::State<Arc<Service>>,
     request: axum::extract::Request,
@@ -368,9 +376,14 @@ async fn count(
 ) -> axum::response::Response {
     use std::sync::atomic::Ordering::Relaxed;
     service.requests.fetch_add(1, Relaxed);
-    let response = next.run(request).await;
+    let mut response = next.run(request).await;
     if response.status().is_client_error() || response.status().is_server_error() {
         service.failed.fetch_add(1, Relaxed);
+        let headers = response.headers_mut();
+        let retry = axum::http::HeaderName::from_static("x-should-retry");
+        if !headers.contains_key(&retry) {
+            headers.insert(retry, axum::http::HeaderValue::from_static("false"));
+        }
     }
     response
 }

@@ -438,6 +438,47 @@ async fn what_baton_cannot_honour_is_refused_by_name_in_openais_error_shape() {
     assert!(s.providers.requests().len() == 3, "only the last request ran");
 }
 
+/// Every error answer, whichever part of the server makes it (a handler, the guard, the router
+/// itself), is in OpenAI's error shape and says whether to retry: the official SDKs retry 408,
+/// 409, 429 and 5xx unless told not to, and a retried run spends again.
+#[tokio::test]
+async fn every_error_the_router_gives_says_whether_to_retry() {
+    let s = serve_with(&[("a", "alpha")], |o| o.max_body_bytes = 1024).await;
+    let url = |path: &str| format!("{}{path}", s.url);
+    let with_token = |r: reqwest::RequestBuilder| r.bearer_auth(TOKEN);
+    let chat = |body: &str| {
+        with_token(client().post(url("/v1/chat/completions")))
+            .header("content-type", "application/json")
+            .body(body.to_owned())
+    };
+    let cases: Vec<(&str, reqwest::RequestBuilder, u16)> = vec![
+        ("GET on the chat route", with_token(client().get(url("/v1/chat/completions"))), 405),
+        ("GET on the responses route", with_token(client().get(url("/v1/responses"))), 405),
+        ("POST on the models route", with_token(client().post(url("/v1/models"))), 405),
+        ("DELETE on a model", with_token(client().delete(url("/v1/models/baton"))), 405),
+        ("no such route", with_token(client().get(url("/v1/embeddings"))), 404),
+        ("no token", client().get(url("/v1/models")), 401),
+        ("another host", with_token(client().get(url("/v1/models"))).header("host", "evil.example:1"), 403),
+        ("not JSON", chat("{"), 400),
+        ("JSON of the wrong shape", chat("[1, 2]"), 400),
+        ("over the body limit", chat(&format!("{{\"model\": \"baton\", \"pad\": \"{}\"}}", "x".repeat(2048))), 413),
+        ("no such model", chat(r#"{"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi?"}]}"#), 404),
+    ];
+    for (what, request, status) in cases {
+        let response = request.send().await.unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(response.status().as_u16(), status, "{what}");
+        let retry = response.headers().get("x-should-retry").map(|v| v.to_str().unwrap_or("").to_owned());
+        assert!(matches!(retry.as_deref(), Some("true" | "false")), "{what}: x-should-retry is {retry:?}");
+        if status == 405 {
+            assert!(response.headers().contains_key("allow"), "{what}: a 405 names the methods the route takes");
+        }
+        let body: Value = response.json().await.unwrap_or_else(|e| panic!("{what}: the body is not JSON: {e}"));
+        assert!(body["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{what}: {body}");
+        assert!(body["error"]["type"].is_string(), "{what}: {body}");
+    }
+    assert!(s.providers.requests().is_empty(), "no refused request ran");
+}
+
 #[tokio::test]
 async fn the_token_the_host_and_the_origin_guard_every_request() {
     let s = serve().await;
