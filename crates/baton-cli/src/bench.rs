@@ -103,7 +103,7 @@ pub struct ConductorArgs {
     #[arg(long)]
     max_reasoning_chars: Option<usize>,
     /// Sampling temperature of the plans (0 is greedy); default the conductor's.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::numbers::temperature)]
     temperature: Option<f64>,
     /// Run on the CPU even when a GPU is available.
     #[arg(long)]

@@ -110,7 +110,7 @@ struct RunArgs {
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
     /// Spend at most this much in total (resumes included); unpriced calls count as $0.
-    #[arg(long, value_name = "USD")]
+    #[arg(long, value_name = "USD", value_parser = crate::numbers::cost_usd)]
     max_cost_usd: Option<f64>,
     /// Share of items kept to calibrate the lookup router and choose MoA's aggregator
     /// (default 0.3 when one of them is asked for).

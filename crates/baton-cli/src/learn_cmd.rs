@@ -32,7 +32,7 @@ pub struct LearnArgs {
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
     /// Spend at most this much in total (resumes included); unpriced calls count as $0.
-    #[arg(long, value_name = "USD")]
+    #[arg(long, value_name = "USD", value_parser = crate::numbers::cost_usd)]
     max_cost_usd: Option<f64>,
     /// Seed for drawing `--limit` items.
     #[arg(long, default_value_t = 1)]

@@ -14,6 +14,7 @@ mod json;
 mod keys_cmd;
 mod learn_cmd;
 mod models_cmd;
+mod numbers;
 mod plan_cmd;
 mod pool_cmd;
 mod progress;

@@ -47,7 +47,7 @@ pub struct Args {
     max_queued_runs: Option<usize>,
     /// The most the server spends in a day (UTC), all requests together (default: the pool's
     /// [serve] daily_max_cost_usd, else no cap).
-    #[arg(long, value_name = "USD")]
+    #[arg(long, value_name = "USD", value_parser = crate::numbers::cost_usd)]
     daily_max_cost_usd: Option<f64>,
     /// Do not record runs in the history.
     #[arg(long)]

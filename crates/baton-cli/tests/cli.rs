@@ -205,6 +205,31 @@ async fn exit_codes_say_what_went_wrong() {
     assert!(out.stderr.contains("no such file"), "{}", out.stderr);
 }
 
+/// A number out of its range stops a command before it starts (exit 2), naming the flag and the
+/// range: NaN or infinity would cap nothing, and 0 or less would refuse everything.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_flag_out_of_range_is_refused_before_anything_runs() {
+    let s = server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = write_pool(dir.path(), &s, "", &[W("a", "openai", "a"), W("b", "openai", "b")]);
+    let cases: [(&[&str], &str); 7] = [
+        (&["serve", "--pool", path(&pool), "--daily-max-cost-usd=nan"], "--daily-max-cost-usd"),
+        (&["serve", "--pool", path(&pool), "--daily-max-cost-usd=-1"], "--daily-max-cost-usd"),
+        (&["serve", "--pool", path(&pool), "--daily-max-cost-usd=inf"], "--daily-max-cost-usd"),
+        (&["eval", "run", "mmlu", "--pool", path(&pool), "--max-cost-usd", "inf"], "--max-cost-usd"),
+        (&["eval", "run", "mmlu", "--pool", path(&pool), "--max-cost-usd", "0"], "--max-cost-usd"),
+        (&["pool", "learn", "mmlu", "--pool", path(&pool), "--max-cost-usd", "NaN"], "--max-cost-usd"),
+        (&["bench", "conductor", "--temperature", "7"], "--temperature"),
+    ];
+    for (args, flag) in cases {
+        let out = baton(args, None, TEST_KEY).await;
+        assert_eq!(out.code, Some(2), "{args:?}: {}", out.stderr);
+        assert!(out.stderr.contains(flag) && out.stderr.contains("must be a number"), "{args:?}: {}", out.stderr);
+        assert!(out.stderr.contains("at most"), "the range is named: {}", out.stderr);
+    }
+    assert!(s.requests().is_empty(), "nothing ran");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn pool_check_reports_each_worker() {
     let s = server().await;

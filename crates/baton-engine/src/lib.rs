@@ -11,6 +11,7 @@ pub mod executor;
 pub mod fallback;
 pub mod keys;
 pub mod learned;
+pub mod limits;
 pub mod logs;
 pub mod plan_check;
 pub mod planner;

@@ -80,8 +80,11 @@ pub fn spec(pool: &Pool, options: &LearnOptions) -> Result<Spec, EvalError> {
             "the pool has one worker ({only}): learning finds which worker to send each kind of question to, so it needs two or more"
         )));
     }
-    if options.concurrency == 0 || options.max_cost_usd.is_some_and(|c| c.is_nan() || c <= 0.0) {
-        return Err(EvalError::Settings("runs at once must be at least 1, and a spending cap above $0".into()));
+    if options.concurrency == 0 {
+        return Err(EvalError::Settings("runs at once must be at least 1".into()));
+    }
+    if let Some(cap) = options.max_cost_usd {
+        baton_engine::limits::COST_USD.check("the spending cap", cap).map_err(EvalError::Settings)?;
     }
     if options.limit == Some(0) {
         return Err(EvalError::Settings("learn from at least one item".into()));

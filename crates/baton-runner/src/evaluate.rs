@@ -85,8 +85,8 @@ pub async fn evaluate(
     if request.repeats == 0 || request.concurrency == 0 {
         return Err(RunnerError::BadInput("the repeats and the runs at once must each be at least 1".into()));
     }
-    if request.max_cost_usd.is_some_and(|c| c.is_nan() || c <= 0.0) {
-        return Err(RunnerError::BadInput("the spending cap must be above $0".into()));
+    if let Some(cap) = request.max_cost_usd {
+        baton_engine::limits::COST_USD.check("the spending cap", cap).map_err(RunnerError::BadInput)?;
     }
     let id = request.id.clone().filter(|i| !i.trim().is_empty()).unwrap_or_else(|| {
         let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());

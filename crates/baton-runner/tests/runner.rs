@@ -261,8 +261,9 @@ async fn an_evaluation_refuses_what_it_cannot_run_before_a_call_is_made() {
     let cases = [
         (EvalRequest { repeats: 0, ..singles.clone() }, "at least 1"),
         (EvalRequest { concurrency: 0, ..singles.clone() }, "at least 1"),
-        (EvalRequest { max_cost_usd: Some(f64::NAN), ..singles.clone() }, "above $0"),
-        (EvalRequest { max_cost_usd: Some(0.0), ..singles.clone() }, "above $0"),
+        (EvalRequest { max_cost_usd: Some(f64::NAN), ..singles.clone() }, "spending cap must be a number above 0"),
+        (EvalRequest { max_cost_usd: Some(0.0), ..singles.clone() }, "above 0"),
+        (EvalRequest { max_cost_usd: Some(f64::INFINITY), ..singles.clone() }, "at most 1000000"),
         (EvalRequest { strategies: "single:nobody".into(), ..singles.clone() }, "nobody"),
         (EvalRequest { suite: "no-such-suite.jsonl".into(), ..singles.clone() }, "no-such-suite"),
     ];

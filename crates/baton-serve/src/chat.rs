@@ -108,11 +108,9 @@ pub(crate) fn parse(service: &Service, headers: &HeaderMap, bytes: &[u8]) -> Res
     }
     let (question, history, instructions) =
         sorted.split("messages", "the last user or assistant message must be the user's question, and not empty")?;
-    let max_tokens = match (request::number(&body, "max_completion_tokens")?, request::number(&body, "max_tokens")?) {
-        (Some(m), _) | (None, Some(m)) if m >= 1.0 => Some(m as u32),
-        (None, None) => None,
-        _ => return Err(ApiError::bad_field("max_tokens", "`max_tokens` must be at least 1")),
-    };
+    // The newer name wins where a client sends both.
+    let newer = request::output_tokens(&body, "max_completion_tokens")?;
+    let max_tokens = newer.or(request::output_tokens(&body, "max_tokens")?);
     let answer = request::answer(&body, max_tokens)?;
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let include_usage =

@@ -136,6 +136,12 @@ impl Service {
         options: ServeOptions,
     ) -> Result<Service, String> {
         guard::check_bind(&options.host, options.token.is_some())?;
+        // NaN or infinity would cap nothing (every comparison with NaN is false), 0 or less
+        // would refuse every request: a server never starts with either.
+        if let Some(cap) = options.daily_max_cost_usd {
+            baton_engine::limits::COST_USD
+                .check("the day's spending cap (--daily-max-cost-usd, or [serve] daily_max_cost_usd)", cap)?;
+        }
         let guard = Guard {
             token: options.token.clone(),
             hosts: guard::allowed_hosts(&options.host, options.port),

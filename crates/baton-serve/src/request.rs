@@ -4,6 +4,7 @@
 //! in its module (`chat`, `responses`).
 
 use axum::http::HeaderMap;
+use baton_engine::limits;
 use baton_engine::{AnswerSettings, Budget};
 use baton_providers::{Message, Role};
 use serde_json::{Map, Value};
@@ -180,6 +181,21 @@ pub(crate) fn within_limit(service: &Service, list: &str, count: usize, noun: &s
     Ok(())
 }
 
+/// The most output tokens a request may ask for: the pool file's bound for a worker's `max_tokens`.
+pub(crate) const MAX_OUTPUT_TOKENS: u32 = 10_000_000;
+
+/// A token count in the body, from 1 to [`MAX_OUTPUT_TOKENS`].
+pub(crate) fn output_tokens(body: &Map<String, Value>, name: &str) -> Result<Option<u32>, ApiError> {
+    match number(body, name)? {
+        None => Ok(None),
+        Some(n) if n.fract() == 0.0 && (1.0..=MAX_OUTPUT_TOKENS as f64).contains(&n) => Ok(Some(n as u32)),
+        Some(n) => Err(ApiError::bad_field(
+            name,
+            format!("`{name}` must be a whole number from 1 to {MAX_OUTPUT_TOKENS}; got {n}"),
+        )),
+    }
+}
+
 pub(crate) fn number(body: &Map<String, Value>, name: &str) -> Result<Option<f64>, ApiError> {
     match body.get(name) {
         None | Some(Value::Null) => Ok(None),
@@ -187,24 +203,48 @@ pub(crate) fn number(body: &Map<String, Value>, name: &str) -> Result<Option<f64
     }
 }
 
-/// The answer's settings: `max_tokens` as the format reads it, then `temperature` and `top_p`.
+/// The answer's settings: `max_tokens` as the format reads it, then `temperature` and `top_p`,
+/// each in the range the providers take ([`limits`]).
 pub(crate) fn answer(body: &Map<String, Value>, max_tokens: Option<u32>) -> Result<AnswerSettings, ApiError> {
-    let temperature = number(body, "temperature")?.map(|t| t as f32);
-    let top_p = number(body, "top_p")?.map(|t| t as f32);
+    let in_range = |name: &str, range: limits::Range| -> Result<Option<f32>, ApiError> {
+        let Some(value) = number(body, name)? else { return Ok(None) };
+        let value = range.check(&format!("`{name}`"), value).map_err(|m| ApiError::bad_field(name, m))?;
+        Ok(Some(value as f32))
+    };
+    let temperature = in_range("temperature", limits::TEMPERATURE)?;
+    let top_p = in_range("top_p", limits::TOP_P)?;
     Ok(AnswerSettings { max_tokens, temperature, top_p })
 }
 
-fn header_number(headers: &HeaderMap, name: &str) -> Result<Option<f64>, ApiError> {
+/// The header `name`'s text, if the request has it.
+fn header_text<'h>(headers: &'h HeaderMap, name: &str) -> Result<Option<&'h str>, ApiError> {
     let Some(value) = headers.get(name) else { return Ok(None) };
-    let parsed = value.to_str().ok().and_then(|v| v.trim().parse::<f64>().ok()).filter(|v| *v > 0.0);
-    parsed.map(Some).ok_or_else(|| ApiError::bad_request(format!("the header {name} must be a number above 0")))
+    value.to_str().map(|v| Some(v.trim())).map_err(|_| ApiError::bad_request(format!("the header {name} is not text")))
 }
+
+/// A whole-number header from 1 to `max` (`inf`, `nan`, fractions and signs refused).
+fn header_whole(headers: &HeaderMap, name: &str, max: u64) -> Result<Option<u64>, ApiError> {
+    let Some(text) = header_text(headers, name)? else { return Ok(None) };
+    match text.parse::<u64>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(Some(n)),
+        _ => Err(ApiError::bad_request(format!(
+            "the header {name} must be a whole number from 1 to {max}; got {text:?}"
+        ))),
+    }
+}
+
+/// The most tokens a request may cap itself at: the pool file's own bound for `max_tokens`.
+const MAX_TOKENS_CAP: u64 = i64::MAX as u64;
 
 /// A request's own caps (`x-baton-max-cost-usd`, `x-baton-max-tokens`): the executor applies
 /// the tighter of these and the pool's, so a request can lower a cap and never raise it.
 pub(crate) fn budget(headers: &HeaderMap) -> Result<Option<Budget>, ApiError> {
-    let cost = header_number(headers, "x-baton-max-cost-usd")?;
-    let tokens = header_number(headers, "x-baton-max-tokens")?.map(|t| t as u64);
+    let name = "x-baton-max-cost-usd";
+    let cost = header_text(headers, name)?
+        .map(|text| limits::COST_USD.parse(&format!("the header {name}"), text))
+        .transpose()
+        .map_err(ApiError::bad_request)?;
+    let tokens = header_whole(headers, "x-baton-max-tokens", MAX_TOKENS_CAP)?;
     Ok((cost.is_some() || tokens.is_some()).then_some(Budget {
         max_calls: None,
         max_tokens: tokens,
@@ -214,5 +254,5 @@ pub(crate) fn budget(headers: &HeaderMap) -> Result<Option<Budget>, ApiError> {
 
 /// `x-baton-conversation`: the history's conversation a request continues, if it names one.
 pub(crate) fn conversation(headers: &HeaderMap) -> Result<Option<i64>, ApiError> {
-    Ok(header_number(headers, "x-baton-conversation")?.map(|c| c as i64))
+    Ok(header_whole(headers, "x-baton-conversation", i64::MAX as u64)?.map(|c| c as i64))
 }

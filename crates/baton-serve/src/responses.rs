@@ -94,11 +94,7 @@ fn parse(service: &Service, headers: &HeaderMap, bytes: &[u8]) -> Result<(Call, 
     }
     let (question, history, instructions) =
         sorted.split("input", "the last input message must be the user's question, and not empty")?;
-    let max_tokens = match request::number(&body, "max_output_tokens")? {
-        Some(m) if m >= 1.0 => Some(m as u32),
-        Some(_) => return Err(ApiError::bad_field("max_output_tokens", "`max_output_tokens` must be at least 1")),
-        None => None,
-    };
+    let max_tokens = request::output_tokens(&body, "max_output_tokens")?;
     let call = Call {
         model,
         worker,

@@ -438,6 +438,59 @@ async fn what_baton_cannot_honour_is_refused_by_name_in_openais_error_shape() {
     assert!(s.providers.requests().len() == 3, "only the last request ran");
 }
 
+/// Every number a client or the user gives is in its range: a server does not start with a
+/// day's cap that would cap nothing (NaN, infinity) or refuse everything (0 or less), and a
+/// request's headers and settings out of range are refused by name before anything runs.
+#[tokio::test]
+async fn numbers_out_of_range_are_refused_by_name() {
+    let pool =
+        Pool::parse("[[worker]]\nname = \"a\"\nprovider = \"openai\"\nmodel = \"m\"\n", "pool.toml").expect("pool");
+    for cap in [f64::NAN, f64::INFINITY, 0.0, -1.0] {
+        let executor = Arc::new(Executor::from_pool(&pool));
+        let options =
+            ServeOptions { daily_max_cost_usd: Some(cap), token: Some(TOKEN.into()), ..ServeOptions::default() };
+        let e = Service::new(executor, false, None, options).expect_err("refused at start-up");
+        assert!(e.contains("--daily-max-cost-usd") && e.contains("above 0 and at most 1000000"), "{cap}: {e}");
+    }
+
+    let s = serve().await;
+    let ask = |header: (&'static str, &'static str), extra: Value| {
+        let mut body = json!({ "model": "baton/a", "messages": question("Hi?") });
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let request = client().post(format!("{}/v1/chat/completions", s.url)).bearer_auth(TOKEN).json(&body);
+        async move {
+            let request = if header.0.is_empty() { request } else { request.header(header.0, header.1) };
+            let r = request.send().await.expect("sent");
+            (r.status().as_u16(), r.json::<Value>().await.expect("json"))
+        }
+    };
+    let none = ("", "");
+    for (header, says) in [
+        (("x-baton-max-cost-usd", "inf"), "x-baton-max-cost-usd must be a number above 0"),
+        (("x-baton-max-cost-usd", "NaN"), "x-baton-max-cost-usd must be a number above 0"),
+        (("x-baton-max-cost-usd", "-0.5"), "x-baton-max-cost-usd must be a number above 0"),
+        (("x-baton-max-tokens", "inf"), "x-baton-max-tokens must be a whole number from 1"),
+        (("x-baton-max-tokens", "2.5"), "x-baton-max-tokens must be a whole number from 1"),
+        (("x-baton-conversation", "-3"), "x-baton-conversation must be a whole number from 1"),
+    ] {
+        let (status, r) = ask(header, json!({})).await;
+        assert_eq!(status, 400, "{header:?}: {r}");
+        assert!(r["error"]["message"].as_str().unwrap().contains(says), "{header:?}: {r}");
+    }
+    for (field, value, says) in [
+        ("temperature", json!(3), "at most 2"),
+        ("top_p", json!(1.5), "at most 1"),
+        ("max_tokens", json!(1e12), "from 1 to 10000000"),
+        ("max_tokens", json!(2.5), "a whole number"),
+        ("max_completion_tokens", json!(0), "from 1"),
+    ] {
+        let (status, r) = ask(none, json!({ field: value })).await;
+        assert_eq!((status, r["error"]["param"].as_str()), (400, Some(field)), "{field}: {r}");
+        assert!(r["error"]["message"].as_str().unwrap().contains(says), "{field}: {r}");
+    }
+    assert!(s.providers.requests().is_empty(), "nothing out of range ran");
+}
+
 /// Every error answer, whichever part of the server makes it (a handler, the guard, the router
 /// itself), is in OpenAI's error shape and says whether to retry: the official SDKs retry 408,
 /// 409, 429 and 5xx unless told not to, and a retried run spends again.
@@ -888,7 +941,7 @@ async fn the_daily_cap_goes_on_counting_the_day_after_a_restart() {
     let providers = TestServer::start().await.expect("providers");
     // A dear worker, so that one call costs something.
     let text = format!(
-        "[[worker]]\nname = \"dear\"\nprovider = \"openai\"\nmodel = \"dear\"\nbase_url = \"{}\"\nprice_in = 100000.0\nprice_out = 100000.0\n",
+        "[[worker]]\nname = \"dear\"\nprovider = \"openai\"\nmodel = \"dear\"\nbase_url = \"{}\"\nprice_in = 1000.0\nprice_out = 1000.0\n",
         providers.base_url(Wire::OpenAi)
     );
     let pool = Pool::parse(&text, "pool.toml").expect("pool");

@@ -11,9 +11,12 @@
 //! struct's field names to the deserializer in declaration order.
 
 use std::fmt;
+use std::marker::PhantomData;
 
 use serde::de::{self, DeserializeOwned, DeserializeSeed, Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, forward_to_deserialize_any};
+
+use crate::limits::{self, Range};
 
 /// The whole file.
 #[derive(Deserialize)]
@@ -36,7 +39,7 @@ pub(super) struct PoolFile {
 pub(super) struct BudgetFile {
     pub max_calls: Option<Whole<1, { u32::MAX as i64 }>>,
     pub max_tokens: Option<Whole<1, { i64::MAX }>>,
-    pub max_cost_usd: Option<NonNegative>,
+    pub max_cost_usd: Option<Number<Cost>>,
 }
 
 /// `[retry]`.
@@ -66,7 +69,7 @@ pub(super) struct ServeFile {
     pub allow_origins: Option<Texts>,
     pub max_concurrent_runs: Option<Whole<1, 10_000>>,
     pub max_queued_runs: Option<Whole<0, 100_000>>,
-    pub daily_max_cost_usd: Option<NonNegative>,
+    pub daily_max_cost_usd: Option<Number<Cost>>,
 }
 
 /// `[conductor]`. `url`, `grammar` and `device` are read as text and checked in `read.rs`, in
@@ -82,7 +85,7 @@ pub(super) struct ConductorFile {
     pub device: Option<Text>,
     pub isq: Option<Text>,
     pub dtype: Option<Text>,
-    pub temperature: Option<NonNegative>,
+    pub temperature: Option<Number<Temperature>>,
     pub max_reasoning_chars: Option<Whole<0, 100_000>>,
     pub max_subtask_chars: Option<Whole<1, 100_000>>,
     pub plan_time_limit_secs: Option<Whole<1, 86_400>>,
@@ -103,16 +106,16 @@ pub(super) struct WorkerFile {
     pub base_url: Option<Text>,
     pub api_key_env: Option<Text>,
     pub max_tokens: Option<Whole<1, 10_000_000>>,
-    pub temperature: Option<NonNegative>,
-    pub top_p: Option<NonNegative>,
+    pub temperature: Option<Number<Temperature>>,
+    pub top_p: Option<Number<TopP>>,
     pub reasoning_effort: Option<Text>,
     pub thinking_budget: Option<Whole<0, 10_000_000>>,
     pub stream: Option<Flag>,
     pub timeout_secs: Option<Whole<1, 86_400>>,
     pub idle_timeout_secs: Option<Whole<1, 86_400>>,
-    pub price_in: Option<NonNegative>,
-    pub price_out: Option<NonNegative>,
-    pub price_cached_in: Option<NonNegative>,
+    pub price_in: Option<Number<Price>>,
+    pub price_out: Option<Number<Price>>,
+    pub price_cached_in: Option<Number<Price>>,
     pub prompt_cache: Option<Flag>,
     pub description: Option<Text>,
 }
@@ -129,8 +132,33 @@ pub(super) struct Texts(pub Vec<String>);
 /// A whole number from `MIN` to `MAX`.
 pub(super) struct Whole<const MIN: i64, const MAX: i64>(pub i64);
 
-/// A finite number, at least 0; a whole number is read as one.
-pub(super) struct NonNegative(pub f64);
+/// A number in `B`'s range ([`crate::limits`]); a whole number is read as one.
+pub(super) struct Number<B>(pub f64, PhantomData<B>);
+
+/// Which range a [`Number`] takes.
+pub(super) trait Bounds {
+    const RANGE: Range;
+}
+
+/// A spending cap.
+pub(super) struct Cost;
+/// A price per million tokens.
+pub(super) struct Price;
+pub(super) struct Temperature;
+pub(super) struct TopP;
+
+impl Bounds for Cost {
+    const RANGE: Range = limits::COST_USD;
+}
+impl Bounds for Price {
+    const RANGE: Range = limits::PRICE_PER_MILLION;
+}
+impl Bounds for Temperature {
+    const RANGE: Range = limits::TEMPERATURE;
+}
+impl Bounds for TopP {
+    const RANGE: Range = limits::TOP_P;
+}
 
 /// The `[[worker]]` tables, unread.
 pub(super) struct WorkerList(pub Vec<toml::Value>);
@@ -191,20 +219,19 @@ impl<'de, const MIN: i64, const MAX: i64> Deserialize<'de> for Whole<MIN, MAX> {
     }
 }
 
-impl<'de> Deserialize<'de> for NonNegative {
+impl<'de, B: Bounds> Deserialize<'de> for Number<B> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        const MIN: f64 = 0.0;
         checked(deserializer, |v| {
             let value = match v {
                 toml::Value::Float(f) => f,
                 toml::Value::Integer(n) => n as f64,
                 v => return Err(wrong_type("a number", &v)),
             };
-            if value.is_finite() && value >= MIN {
-                Ok(NonNegative(value))
-            } else {
-                Err(format!("{value} is out of range (at least {})", MIN))
-            }
+            // The key is named by the table's error; the message says the range.
+            B::RANGE
+                .check("it", value)
+                .map(|n| Number(n, PhantomData))
+                .map_err(|_| format!("{value} is out of range: it must be {}", B::RANGE))
         })
     }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use baton_providers::{ProviderKind, ServerGrammar};
 
-use super::format::{self, ConductorFile, FieldError, NonNegative, PoolFile, Text, WorkerFile};
+use super::format::{self, Bounds, ConductorFile, FieldError, Number, PoolFile, Text, WorkerFile};
 use super::{ConductorSpec, Device, Pool, PoolError, PoolOptions, Route, WorkerSpec};
 use crate::learned::Measured;
 
@@ -164,7 +164,7 @@ fn string(value: Option<Text>) -> Option<String> {
     value.map(|t| t.0)
 }
 
-fn number(value: Option<NonNegative>) -> Option<f64> {
+fn number<B: Bounds>(value: Option<Number<B>>) -> Option<f64> {
     value.map(|x| x.0)
 }
 
@@ -399,6 +399,26 @@ mod tests {
         assert!(e.contains("serve.allow_origins") && e.contains("a list of strings"), "{e}");
         let e = Pool::parse(&format!("[serve]\nport = 70000\n{worker}"), "pool.toml").unwrap_err().to_string();
         assert!(e.contains("out of range"), "{e}");
+        // Every number has a range with two ends, named in the error.
+        for (table, field, says) in [
+            ("[serve]\ndaily_max_cost_usd = 0", "serve.daily_max_cost_usd", "above 0 and at most 1000000"),
+            ("[serve]\ndaily_max_cost_usd = nan", "serve.daily_max_cost_usd", "above 0"),
+            ("[serve]\ndaily_max_cost_usd = inf", "serve.daily_max_cost_usd", "at most 1000000"),
+            ("[budget]\nmax_cost_usd = -1.0", "budget.max_cost_usd", "above 0"),
+            ("[conductor]\ntemperature = 3.0", "conductor.temperature", "at least 0 and at most 2"),
+        ] {
+            let e = Pool::parse(&format!("{table}\n{worker}"), "pool.toml").unwrap_err().to_string();
+            assert!(e.contains(field) && e.contains(says), "{table}: {e}");
+        }
+        for (line, field, says) in [
+            ("price_in = 1e9\nprice_out = 1.0", "price_in", "at most 10000"),
+            ("price_in = 1.0\nprice_out = -2.0", "price_out", "at least 0"),
+            ("temperature = 2.5", "temperature", "at most 2"),
+            ("top_p = 1.5", "top_p", "at most 1"),
+        ] {
+            let e = Pool::parse(&format!("{worker}{line}\n"), "pool.toml").unwrap_err().to_string();
+            assert!(e.contains(field) && e.contains(says), "{line}: {e}");
+        }
     }
 
     const GOOD: &str = r#"
