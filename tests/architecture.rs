@@ -839,7 +839,7 @@ fn front_ends_learn_evaluate_serve_and_record_only_through_the_application_layer
         "leave_out_learned",
         "sampling_pool",
         "run_kept",
-        "learned_questions",
+        "learned_items",
         "Strategy::parse_list",
     ];
     for needle in needles {

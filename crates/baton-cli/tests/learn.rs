@@ -438,6 +438,89 @@ async fn learning_again_after_one_worker_changed_asks_only_that_worker() {
     assert_eq!((asked("a;"), asked("b;")), (4, 8), "nothing changed, nobody is asked: {}", out.stderr);
 }
 
+/// Items pinned `test` are the held-out set: learning never asks them, and says how many it left
+/// out; an evaluation of the same suite then leaves out what was learned, by item id (the same
+/// question in another file, by its text), and scores the held-out items.
+#[tokio::test(flavor = "multi_thread")]
+async fn learning_never_sees_items_pinned_test_and_an_evaluation_leaves_out_what_was_learned() {
+    let s = server().await;
+    let setup = Setup::new();
+    let items: Vec<(Value, String, String)> = (0..8)
+        .map(|i| {
+            let (mut item, needle, reply) = number(&format!("sp{i}"));
+            item["split"] = json!(if i < 4 { "calibration" } else { "test" });
+            (item, needle, reply)
+        })
+        .collect();
+    let all: Vec<_> = items.iter().collect();
+    let knows = setup.knows("k", &all);
+    let suite = setup.suite("pinned.jsonl", &all);
+    let pool = setup.pool(&s, &[("a", &knows, 1.0), ("b", &knows, 1.0)]);
+    let out =
+        baton(&["pool", "learn", path(&suite), "--pool", path(&pool), "--db", path(&setup.db), "--plans", "0"]).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(out.stderr.contains("4 items of pinned are pinned to the `test` split and held out"), "{}", out.stderr);
+    let asked = |needle: &str| s.requests().iter().any(|r| r.body.to_string().contains(needle));
+    for i in 0..8 {
+        let needle = format!("<sp{i}>");
+        assert_eq!(asked(&needle), i < 4, "{needle}: learned from calibration items only");
+    }
+
+    // An evaluation scores the held-out items.
+    let before = s.requests().len();
+    let by = setup.eval(&suite, &pool, "after", "single:a").await;
+    assert_eq!(by["single:a"]["n"], 4, "the held-out items only: {:?}", by["single:a"]);
+    let evaluated: Vec<String> = s.requests()[before..].iter().map(|r| r.body.to_string()).collect();
+    for i in 0..8 {
+        let needle = format!("<sp{i}>");
+        assert_eq!(evaluated.iter().any(|b| b.contains(&needle)), i >= 4, "{needle}");
+    }
+
+    // Every item pinned `test`: nothing is left to learn from, said before any call.
+    let held: Vec<_> = items[4..].iter().collect();
+    let only_test = setup.suite("only-test.jsonl", &held);
+    let before = s.requests().len();
+    let out = baton(&["pool", "learn", path(&only_test), "--pool", path(&pool), "--db", path(&setup.db)]).await;
+    assert_eq!(out.code, Some(2), "{}", out.stderr);
+    assert!(out.stderr.contains("held out from learning"), "{}", out.stderr);
+    assert_eq!(s.requests().len(), before, "nothing was asked");
+}
+
+/// An evaluation leaves out the items the pool learned from by the suite and the item's id, so
+/// they stay out when the history no longer has their runs' questions (deleted runs).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_evaluation_leaves_out_learned_items_by_id_when_their_runs_are_deleted() {
+    let s = server().await;
+    let setup = Setup::new();
+    let items: Vec<_> = (0..8).map(|i| number(&format!("id{i}"))).collect();
+    let all: Vec<_> = items.iter().collect();
+    let knows = setup.knows("k", &all);
+    let suite = setup.suite("plain.jsonl", &all);
+    let pool = setup.pool(&s, &[("a", &knows, 1.0), ("b", &knows, 1.0)]);
+    let db = path(&setup.db);
+    let out =
+        baton(&["pool", "learn", path(&suite), "--pool", path(&pool), "--db", db, "--plans", "0", "--limit", "4"])
+            .await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let needles: Vec<String> = (0..8).map(|i| format!("<id{i}>")).collect();
+    let learned: Vec<&String> =
+        needles.iter().filter(|n| s.requests().iter().any(|r| r.body.to_string().contains(n.as_str()))).collect();
+    assert_eq!(learned.len(), 4, "{learned:?}");
+    // The learning runs are gone from the history: 4 items by 2 workers, the first 8 runs.
+    for run in 1..=8 {
+        let out = baton(&["history", "delete", &run.to_string(), "--db", db]).await;
+        assert_eq!(out.code, Some(0), "run {run}: {}", out.stderr);
+    }
+    let before = s.requests().len();
+    let by = setup.eval(&suite, &pool, "after-deleting", "single:a").await;
+    assert_eq!(by["single:a"]["n"], 4, "{:?}", by["single:a"]);
+    let evaluated: Vec<String> = s.requests()[before..].iter().map(|r| r.body.to_string()).collect();
+    for needle in &needles {
+        let asked = evaluated.iter().any(|b| b.contains(needle.as_str()));
+        assert_eq!(asked, !learned.contains(&needle), "{needle}: only what was not learned is scored");
+    }
+}
+
 /// What cannot be learned is said before anything runs.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pool_of_one_worker_and_a_suite_without_answers_are_refused() {

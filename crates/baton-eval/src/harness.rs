@@ -68,14 +68,16 @@ pub struct Spec {
 /// Why the items run: to score the strategies, or to teach the pool its workers' strengths.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Purpose {
-    /// An evaluation. Items whose question is in `leave_out` (what the pool learned from) are
-    /// left out, and said so: a pool is never scored on what it was taught with.
-    Evaluate { leave_out: Vec<String> },
+    /// An evaluation. Items the pool learned from (`leave_out`: this suite's items by id, and
+    /// any suite's by their question's text) are left out, and said so: a pool is never scored
+    /// on what it was taught with.
+    Evaluate { leave_out: baton_store::profiles::LearnedItems },
     /// A learning run (`baton pool learn`): `identities` are the workers' identities, in the
     /// pool's order, which the profiles are kept under; with the conductor among the
     /// strategies, it writes `plan_samples` plans for each item (sampled), which are run;
-    /// `conductor` is then its identity, which the plans' figures are kept under.
-    Learn { identities: Vec<String>, plan_samples: u32, conductor: Option<String> },
+    /// `conductor` is then its identity, which the plans' figures are kept under. The suite's
+    /// items pinned `test` are not among its items: `held_out` says how many were left out.
+    Learn { identities: Vec<String>, plan_samples: u32, conductor: Option<String>, held_out: usize },
 }
 
 /// The settings an evaluation is resumed with must be these; stored as its config.

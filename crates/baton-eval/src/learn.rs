@@ -73,7 +73,18 @@ pub fn sampling_pool(pool: &Pool) -> Pool {
 /// any call, for a pool of one worker (there is nothing to choose between), a suite that cannot
 /// be read or has an item without an answer, and settings that cannot run.
 pub fn spec(pool: &Pool, options: &LearnOptions) -> Result<Spec, EvalError> {
-    let suite = suite::load(&options.suite).map_err(|e| EvalError::Settings(e.to_string()))?;
+    let mut suite = suite::load(&options.suite).map_err(|e| EvalError::Settings(e.to_string()))?;
+    // Items pinned `test` are the held-out set that evaluations and conductor training score
+    // on: learning never sees them.
+    let before = suite.items.len();
+    suite.items.retain(|i| i.split.as_deref() != Some("test"));
+    let held_out = before - suite.items.len();
+    if suite.items.is_empty() {
+        return Err(EvalError::Settings(format!(
+            "every item of {} is pinned to the `test` split, which is held out from learning; learn from items pinned `calibration`, or without a split",
+            suite.name
+        )));
+    }
     if pool.workers.len() < 2 {
         let only = pool.workers.first().map_or("none", |w| w.name.as_str());
         return Err(EvalError::Settings(format!(
@@ -110,7 +121,7 @@ pub fn spec(pool: &Pool, options: &LearnOptions) -> Result<Spec, EvalError> {
         calibration: None,
         limit: options.limit,
         seed: options.seed,
-        purpose: Purpose::Learn { identities, plan_samples, conductor },
+        purpose: Purpose::Learn { identities, plan_samples, conductor, held_out },
     })
 }
 
@@ -170,6 +181,17 @@ pub fn left_out_note((worker, run): &(String, String)) -> String {
 /// How many items a learning run of `spec` asks each worker.
 pub fn items(spec: &Spec) -> usize {
     spec.limit.map_or(spec.suite.items.len(), |l| l.min(spec.suite.items.len()))
+}
+
+/// What to tell the user of the items a learning run of `spec` held out (pinned `test`), if any.
+pub fn held_out_note(spec: &Spec) -> Option<String> {
+    match spec.purpose {
+        Purpose::Learn { held_out, .. } if held_out > 0 => Some(format!(
+            "{held_out} items of {} are pinned to the `test` split and held out: learning never sees them, evaluations score on them",
+            spec.suite.name
+        )),
+        _ => None,
+    }
 }
 
 /// How many plans a learning run of `spec` samples for each item (0: none).

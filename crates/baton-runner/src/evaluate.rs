@@ -93,7 +93,7 @@ pub async fn evaluate(
         format!("{}-{secs}", suite.name)
     });
     let wants_conductor = strategies.contains(&Strategy::Conductor);
-    let learned = crate::learned::learned_questions(&pool, store).await;
+    let learned = crate::learned::learned_items(&pool, store).await?;
     let warning = request.max_cost_usd.and_then(|_| crate::unpriced_warning(&pool, "the spending cap"));
     let conductor = if wants_conductor { Conductor::Required } else { Conductor::None };
     let built = crate::build(pool, context.setup(conductor, Some(store))).await?;

@@ -57,6 +57,9 @@ pub async fn learn(
         spec.suite.name
     );
     progress(Progress::Started { id: spec.id.clone(), about });
+    if let Some(note) = learn::held_out_note(&spec) {
+        progress(Progress::Note(note));
+    }
     if options.plans > 0 && plans == 0 {
         progress(Progress::Note("the pool has no conductor, so only the workers alone are learned (no plans)".into()));
     }

@@ -1,7 +1,7 @@
 //! What the pool learned, read from the history: the workers' profiles from learning runs
 //! (found by each worker's identity), put into a pool before it runs ([`learned_into`]), shown
 //! as `baton pool show` and the Workers screen show it ([`pool_learning`]), and the questions an
-//! evaluation leaves out ([`learned_questions`]).
+//! evaluation leaves out ([`learned_items`]).
 
 use baton_engine::Pool;
 use baton_store::{Store, StoreError};
@@ -18,13 +18,10 @@ pub fn conductor_identity(pool: &Pool) -> Option<String> {
     conductor.is_set().then(|| conductor.identity())
 }
 
-/// The questions the pool's current profiles were learned from, which an evaluation leaves
-/// out; none when the history cannot be read (said in the log).
-pub async fn learned_questions(pool: &Pool, store: &Store) -> Vec<String> {
-    store.learned_questions(&identities(pool)).await.unwrap_or_else(|e| {
-        tracing::warn!("what the pool learned cannot be read: {e}");
-        Vec::new()
-    })
+/// The items the pool's current profiles were learned from, which an evaluation leaves out. A
+/// history that cannot be read is an error: leaving nothing out would score what was taught.
+pub async fn learned_items(pool: &Pool, store: &Store) -> Result<baton_store::profiles::LearnedItems, StoreError> {
+    store.learned_items(&identities(pool)).await
 }
 
 /// Fills `pool.learned` with what its workers' current profiles say (see

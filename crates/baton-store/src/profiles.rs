@@ -6,7 +6,7 @@
 //! and exports. A profile is found by identity, not by name: renaming a worker keeps its
 //! profile, changing its model or settings makes it stale.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use baton_engine::learned::LearnedPlan;
 use baton_engine::profile::{CategoryFigures, ChatMarks, Freshness, Profile};
@@ -26,6 +26,16 @@ pub struct Learned {
     pub planned: Option<Profile>,
     pub questions: Vec<(String, String)>,
     pub plans: Vec<LearnedPlan>,
+}
+
+/// The items a pool learned from ([`Store::learned_items`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LearnedItems {
+    /// `(suite_sha256, item_id)`: each item by the suite file it came from and its id there.
+    pub items: BTreeSet<(String, String)>,
+    /// Their questions as they were sent: the same question in another suite file is left out
+    /// by its text.
+    pub questions: Vec<String>,
 }
 
 /// Whether a plan that answered right says what each step is for (its `subtasks`), and so is
@@ -308,10 +318,25 @@ impl Store {
         Ok(marks)
     }
 
-    /// The question texts the pool's current profiles were learned from: an evaluation leaves
-    /// these out, so that it never scores what the pool was taught with.
-    pub async fn learned_questions(&self, workers: &[(String, String)]) -> Result<Vec<String>, StoreError> {
-        Ok(self.learned(workers, None).await?.questions.into_iter().map(|(q, _)| q).collect())
+    /// The items the pool's current profiles were learned from: an evaluation leaves these out,
+    /// so that it never scores what the pool was taught with. An error when the history cannot
+    /// be read: an empty answer would let an evaluation score what was taught.
+    pub async fn learned_items(&self, workers: &[(String, String)]) -> Result<LearnedItems, StoreError> {
+        let learned = self.learned(workers, None).await?;
+        let runs: BTreeSet<&str> = learned.profiles.iter().flat_map(|p| &p.learned_in).map(String::as_str).collect();
+        let suites: BTreeMap<String, String> =
+            self.evaluations().await?.into_iter().map(|e| (e.id, e.suite_sha256)).collect();
+        let mut items = BTreeSet::new();
+        for run in runs {
+            let Some(suite) = suites.get(run) else { continue };
+            let ids: Vec<String> =
+                sqlx::query_scalar("SELECT DISTINCT item_id FROM eval_results WHERE evaluation_id = ?1")
+                    .bind(run)
+                    .fetch_all(&self.pool)
+                    .await?;
+            items.extend(ids.into_iter().map(|id| (suite.clone(), id)));
+        }
+        Ok(LearnedItems { items, questions: learned.questions.into_iter().map(|(q, _)| q).collect() })
     }
 
     /// Adds the results of worker `name` alone in learning run `evaluation` to `tallies` (by

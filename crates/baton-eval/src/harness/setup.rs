@@ -19,10 +19,16 @@ impl Harness {
         progress: &(dyn Fn(Progress) + Send + Sync),
     ) -> Result<Spec, EvalError> {
         let Purpose::Evaluate { leave_out: learned } = &spec.purpose else { return Ok(spec.clone()) };
-        let learned: std::collections::HashSet<&str> = learned.iter().map(|q| q.trim()).collect();
+        let questions: std::collections::HashSet<&str> = learned.questions.iter().map(|q| q.trim()).collect();
+        let suite = &spec.suite.sha256;
         let mut kept = spec.clone();
-        // The history keeps each question as the item's prompt was sent.
-        kept.suite.items.retain(|i| !learned.contains(i.question.trim()) && !learned.contains(super::prompt(i).trim()));
+        // By id within the suite learned from; by text for the same question in another file
+        // (the history keeps each question as the item's prompt was sent).
+        kept.suite.items.retain(|i| {
+            !learned.items.contains(&(suite.clone(), i.id.clone()))
+                && !questions.contains(i.question.trim())
+                && !questions.contains(super::prompt(i).trim())
+        });
         let left_out = spec.suite.items.len() - kept.suite.items.len();
         if left_out > 0 && kept.suite.items.is_empty() {
             return Err(EvalError::Settings(format!(
