@@ -125,6 +125,18 @@ pub(crate) fn unreadable(e: baton_store::StoreError) -> ApiError {
 /// client that reads keeps this near empty.
 pub(crate) const EVENTS_AHEAD: usize = 16_384;
 
+/// Set when a run's client fell [`EVENTS_AHEAD`] events behind and its run was stopped: the
+/// stream then ends early, and is not kept for an `Idempotency-Key`'s replay (a retry runs
+/// anew). It rides on the streamed response as an extension.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct FellBehind(pub(crate) Arc<std::sync::atomic::AtomicBool>);
+
+impl FellBehind {
+    pub(crate) fn get(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
 /// A run in flight: its events, and the token that stops it.
 pub(crate) struct Running {
     pub(crate) run_id: String,
@@ -135,6 +147,7 @@ pub(crate) struct Running {
     pub(crate) cancel: CancellationToken,
     pub(crate) created: u64,
     pub(crate) workers: Vec<String>,
+    pub(crate) fell_behind: FellBehind,
 }
 
 /// Starts the run on its own task, which records every event in the history and passes it on;
@@ -155,6 +168,8 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
     let (to_client, events) = mpsc::channel(EVENTS_AHEAD);
     let cancel = CancellationToken::new();
     let behind = cancel.clone();
+    let fell_behind = FellBehind::default();
+    let mark = fell_behind.clone();
     let executor = service.executor.clone();
     let (created, workers) = (service.created, service.workers.clone());
     let recording = service.recording.enter();
@@ -171,6 +186,7 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
             }
             // A client this far behind has stopped reading: its run stops, as if it had gone.
             if let Err(mpsc::error::TrySendError::Full(_)) = to_client.try_send(event) {
+                mark.0.store(true, std::sync::atomic::Ordering::Release);
                 behind.cancel();
             }
         };
@@ -187,6 +203,7 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
         cancel,
         created,
         workers,
+        fell_behind,
     }
 }
 
@@ -369,6 +386,7 @@ pub(crate) trait StreamFormat: Send + 'static {
 /// head goes out first (`x-baton-run-id` is in it); the body's end is the stream's.
 pub(crate) async fn stream<F: StreamFormat>(mut run: Running, mut format: F, opening: String) -> Response {
     let run_id = run.run_id.clone();
+    let fell_behind = run.fell_behind.clone();
     // The body owns this guard: a client that disconnects drops the body, which stops the run
     // (or, before there is a body, this future, which drops it here).
     let stop = run.cancel.clone().drop_guard();
@@ -393,6 +411,7 @@ pub(crate) async fn stream<F: StreamFormat>(mut run: Running, mut format: F, ope
         })
         .boxed();
     let mut response = Response::new(Body::from_stream(body));
+    response.extensions_mut().insert(fell_behind);
     let h = response.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));

@@ -1,11 +1,17 @@
 //! `Idempotency-Key`: a client that sends a request again with the same key (its retry after a
 //! dropped connection or a timeout) gets the first request's response, not a second run. A
 //! repeat that arrives while the first still runs waits for it. Responses are kept in memory
-//! for [`KEPT_FOR`] (at most [`KEPT_AT_MOST`] of them); a restart forgets them.
+//! for [`KEPT_FOR`], at most [`KEPT_AT_MOST`] of them and [`KEPT_BYTES_AT_MOST`] bytes, the
+//! oldest answered going first; a request still running is never forgotten, so its retry never
+//! runs it twice. A restart forgets them.
+//!
+//! A key belongs to the route and the token it came with: two callers never share one. A key
+//! sent again with another request (another body, or other `x-baton-*` headers, which change
+//! what a run may spend) is refused with 422.
 //!
 //! What is not kept: a response that says a retry may succeed (`x-should-retry: true`: nothing
-//! ran), and one whose client hung up before its end (the run was cancelled). A repeat of either
-//! runs anew.
+//! ran), one whose client hung up before its end (the run was cancelled), and a stream whose
+//! client fell behind (its run was stopped). A repeat of any of them runs anew.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -22,13 +28,18 @@ use futures::Stream;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 
+use crate::handling::FellBehind;
 use crate::{ApiError, Service};
 
 /// How long a response is kept for a repeat of its request.
 pub const KEPT_FOR: Duration = Duration::from_secs(60 * 60);
 
-/// The most responses kept at once; past it, the oldest go first.
+/// The most responses kept at once; past it, the oldest answered go first.
 pub const KEPT_AT_MOST: usize = 1000;
+
+/// The most bytes of responses kept at once (bodies and headers); past it, the oldest answered
+/// go first.
+pub const KEPT_BYTES_AT_MOST: usize = 64 << 20;
 
 const KEY: HeaderName = HeaderName::from_static("idempotency-key");
 const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
@@ -39,6 +50,12 @@ struct Kept {
     status: StatusCode,
     headers: HeaderMap,
     body: Bytes,
+}
+
+impl Kept {
+    fn bytes(&self) -> usize {
+        self.body.len() + self.headers.iter().map(|(k, v)| k.as_str().len() + v.len()).sum::<usize>()
+    }
 }
 
 /// Where the first request of a key is.
@@ -69,12 +86,21 @@ impl Responses {
         self.entries.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Forgets what is older than [`KEPT_FOR`], then the oldest beyond [`KEPT_AT_MOST`].
+    /// Forgets what is older than [`KEPT_FOR`], then the oldest beyond [`KEPT_AT_MOST`] or
+    /// [`KEPT_BYTES_AT_MOST`]; never a request still running (a retry of it would run again).
     fn prune(entries: &mut HashMap<String, Entry>) {
-        entries.retain(|_, e| e.at.elapsed() < KEPT_FOR);
-        while entries.len() >= KEPT_AT_MOST {
-            let Some(oldest) = entries.iter().min_by_key(|(_, e)| e.at).map(|(k, _)| k.clone()) else { break };
-            entries.remove(&oldest);
+        fn running(e: &Entry) -> bool {
+            matches!(*e.slot.borrow(), Slot::Answering) && e.slot.has_changed().is_ok()
+        }
+        fn bytes(e: &Entry) -> usize {
+            if let Slot::Answered(kept) = &*e.slot.borrow() { kept.bytes() } else { 0 }
+        }
+        entries.retain(|_, e| running(e) || e.at.elapsed() < KEPT_FOR);
+        let mut kept: usize = entries.values().map(bytes).sum();
+        while entries.len() >= KEPT_AT_MOST || kept > KEPT_BYTES_AT_MOST {
+            let oldest = entries.iter().filter(|(_, e)| !running(e)).min_by_key(|(_, e)| e.at).map(|(k, _)| k.clone());
+            let Some(gone) = oldest.and_then(|k| entries.remove(&k)) else { break };
+            kept -= bytes(&gone);
         }
     }
 }
@@ -96,13 +122,36 @@ pub(crate) async fn replay(State(service): State<Arc<Service>>, request: Request
         ))
         .into_response();
     };
+    // The key's scope: the token it came with (hashed; past the guard it is this server's, or
+    // none on a loopback server without one) and the route.
+    let scope: [u8; 32] = {
+        let mut h = Sha256::new();
+        h.update(parts.headers.get(axum::http::header::AUTHORIZATION).map_or(&b""[..], |v| v.as_bytes()));
+        h.update([0]);
+        h.update(parts.uri.path());
+        h.finalize().into()
+    };
+    let key = format!("{}\0{key}", scope.iter().map(|b| format!("{b:02x}")).collect::<String>());
+    // What the request asks: its method, body and every `x-baton-*` header (caps, the
+    // conversation), in name order.
     let digest: [u8; 32] = {
         let mut h = Sha256::new();
         h.update(parts.method.as_str());
         h.update([0]);
-        h.update(parts.uri.path());
-        h.update([0]);
         h.update(&bytes);
+        let mut baton: Vec<(&str, &[u8])> = parts
+            .headers
+            .iter()
+            .filter(|(name, _)| name.as_str().starts_with("x-baton-"))
+            .map(|(name, value)| (name.as_str(), value.as_bytes()))
+            .collect();
+        baton.sort();
+        for (name, value) in baton {
+            h.update([0]);
+            h.update(name);
+            h.update([0]);
+            h.update(value);
+        }
         h.finalize().into()
     };
     let responses = &service.idempotent;
@@ -169,6 +218,7 @@ fn first(response: Response, tx: watch::Sender<Slot>) -> Response {
         headers: parts.headers.clone(),
         body: Vec::new(),
         tx: Some(tx),
+        fell_behind: parts.extensions.get::<FellBehind>().cloned(),
     };
     Response::from_parts(parts, Body::from_stream(tee))
 }
@@ -181,6 +231,8 @@ struct Tee {
     headers: HeaderMap,
     body: Vec<u8>,
     tx: Option<watch::Sender<Slot>>,
+    /// A stream whose client fell behind ends early, its run stopped: not kept.
+    fell_behind: Option<FellBehind>,
 }
 
 impl Stream for Tee {
@@ -190,6 +242,11 @@ impl Stream for Tee {
         let polled = self.inner.as_mut().poll_next(cx);
         match &polled {
             Poll::Ready(Some(Ok(chunk))) => self.body.extend_from_slice(chunk),
+            Poll::Ready(None) if self.fell_behind.as_ref().is_some_and(FellBehind::get) => {
+                if let Some(tx) = self.tx.take() {
+                    let _ = tx.send(Slot::Dropped);
+                }
+            }
             Poll::Ready(None) => {
                 if let Some(tx) = self.tx.take() {
                     let kept = Kept {
@@ -211,5 +268,53 @@ impl Drop for Tee {
         if let Some(tx) = self.tx.take() {
             let _ = tx.send(Slot::Dropped);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(slot: Slot, age: Duration) -> (watch::Sender<Slot>, Entry) {
+        let (tx, rx) = watch::channel(slot);
+        (tx, Entry { digest: [0; 32], at: Instant::now() - age, slot: rx })
+    }
+
+    fn answered(bytes: usize) -> Slot {
+        Slot::Answered(Arc::new(Kept {
+            status: StatusCode::OK,
+            headers: HeaderMap::new(),
+            body: Bytes::from(vec![0; bytes]),
+        }))
+    }
+
+    #[test]
+    fn the_oldest_answers_go_past_the_byte_bound_and_a_running_request_never_goes() {
+        let mut entries = HashMap::new();
+        let mut senders = Vec::new();
+        // A request still running, older than everything (and than KEPT_FOR).
+        let (tx, e) = entry(Slot::Answering, KEPT_FOR + Duration::from_secs(1));
+        senders.push(tx);
+        entries.insert("running".to_owned(), e);
+        for (i, age) in [30, 20, 10].into_iter().enumerate() {
+            let (tx, e) = entry(answered(30 << 20), Duration::from_secs(age));
+            senders.push(tx);
+            entries.insert(format!("answer-{i}"), e);
+        }
+        Responses::prune(&mut entries);
+        let mut left: Vec<&str> = entries.keys().map(String::as_str).collect();
+        left.sort();
+        assert_eq!(left, ["answer-1", "answer-2", "running"], "90 MiB kept is over 64: the oldest answer went");
+
+        // Past the count, the oldest answered go; the running one stays.
+        for i in 0..KEPT_AT_MOST {
+            let (tx, e) = entry(answered(1), Duration::from_millis(i as u64));
+            senders.push(tx);
+            entries.insert(format!("small-{i}"), e);
+        }
+        Responses::prune(&mut entries);
+        assert!(entries.len() < KEPT_AT_MOST, "{}", entries.len());
+        assert!(entries.contains_key("running"));
+        assert!(!entries.contains_key("answer-1"), "the oldest answered went first");
     }
 }

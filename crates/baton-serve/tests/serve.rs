@@ -398,6 +398,56 @@ async fn a_repeated_idempotency_key_gets_the_first_response_and_runs_nothing_twi
     assert_eq!((status, worker_calls(&s).len()), (200, 4));
 }
 
+/// A key is one request: the same body with other `x-baton-*` headers (another cap) is another
+/// request (422); the same key on another route is another key; and a request still running
+/// is never forgotten, however many keyed requests come after it, so its retry never runs it
+/// twice.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_idempotency_key_holds_its_headers_its_route_and_a_running_request() {
+    // The first request runs for 20 s: far longer than the keyed requests after it take.
+    let s = serve_with(&[("slow", "slow;latency=20000;chunks=4")], |_| {}).await;
+    let send = |path: &'static str, key: String, body: Value, cap: Option<&'static str>| {
+        let url = s.url.clone();
+        async move {
+            let mut r = client().post(format!("{url}{path}")).bearer_auth(TOKEN).header("idempotency-key", key);
+            if let Some(cap) = cap {
+                r = r.header("x-baton-max-cost-usd", cap);
+            }
+            let r = r.json(&body).send().await.expect("sent");
+            let replayed = r.headers().get("idempotent-replayed").is_some();
+            (r.status().as_u16(), replayed, r.text().await.expect("body"))
+        }
+    };
+    let ask = json!({ "model": "baton/slow", "messages": question("Once?") });
+    let first = tokio::spawn(send("/v1/chat/completions", "long".into(), ask.clone(), Some("5")));
+    // The first has started once its worker is asked.
+    while worker_calls(&s).is_empty() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let other_cap = send("/v1/chat/completions", "long".into(), ask.clone(), Some("0.5")).await;
+    assert_eq!(other_cap.0, 422, "another cap is another request: {}", other_cap.2);
+    let no_cap = send("/v1/chat/completions", "long".into(), ask.clone(), None).await;
+    assert_eq!(no_cap.0, 422, "{}", no_cap.2);
+    // A thousand and more keyed requests (each a 404, kept) while the first still runs.
+    let unknown = json!({ "model": "gpt-4o", "messages": question("Who?") });
+    let flood = futures::stream::iter(0..1100)
+        .map(|i| send("/v1/chat/completions", format!("flood-{i}"), unknown.clone(), None))
+        .buffer_unordered(16)
+        .collect::<Vec<_>>()
+        .await;
+    assert!(flood.iter().all(|(status, _, _)| *status == 404));
+    let retry = send("/v1/chat/completions", "long".into(), ask.clone(), Some("5")).await;
+    let first = first.await.expect("joined");
+    assert_eq!((first.0, retry.0, retry.1), (200, 200, true), "the retry waited for the first: {}", retry.2);
+    assert_eq!(retry.2, first.2, "the same response");
+    assert_eq!(worker_calls(&s).len(), 1, "one run, however many keys came between");
+
+    // The same key on another route is another request's key, not a mismatch.
+    let responses = json!({ "model": "baton/slow", "input": "Once?" });
+    let elsewhere = send("/v1/responses", "long".into(), responses, Some("5")).await;
+    assert_eq!((elsewhere.0, elsewhere.1), (200, false), "{}", elsewhere.2);
+}
+
 #[tokio::test]
 async fn what_baton_cannot_honour_is_refused_by_name_in_openais_error_shape() {
     let s = serve().await;
