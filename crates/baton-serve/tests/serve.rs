@@ -405,7 +405,7 @@ async fn a_repeated_idempotency_key_gets_the_first_response_and_runs_nothing_twi
 #[tokio::test(flavor = "multi_thread")]
 async fn an_idempotency_key_holds_its_headers_its_route_and_a_running_request() {
     // The first request runs for 20 s: far longer than the keyed requests after it take.
-    let s = serve_with(&[("slow", "slow;latency=20000;chunks=4")], |_| {}).await;
+    let s = serve_with(&[("slow", "slow;latency=20000;chunks=4"), ("fast", "fast")], |_| {}).await;
     let send = |path: &'static str, key: String, body: Value, cap: Option<&'static str>| {
         let url = s.url.clone();
         async move {
@@ -443,7 +443,7 @@ async fn an_idempotency_key_holds_its_headers_its_route_and_a_running_request() 
     assert_eq!(worker_calls(&s).len(), 1, "one run, however many keys came between");
 
     // The same key on another route is another request's key, not a mismatch.
-    let responses = json!({ "model": "baton/slow", "input": "Once?" });
+    let responses = json!({ "model": "baton/fast", "input": "Once?" });
     let elsewhere = send("/v1/responses", "long".into(), responses, Some("5")).await;
     assert_eq!((elsewhere.0, elsewhere.1), (200, false), "{}", elsewhere.2);
 }
