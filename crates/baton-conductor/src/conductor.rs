@@ -313,6 +313,8 @@ impl RemoteConductor {
                 reservation.received(t.len());
                 write(t);
             };
+            // From here the request goes out: its input counts even if nothing comes back.
+            reservation.sent(false);
             let answer = read_answer(self.model.as_ref(), request.clone(), on_text, reservation.reported()).await;
             let (usage, cost_usd) = match &answer {
                 Ok(a) => {
@@ -320,7 +322,7 @@ impl RemoteConductor {
                     reservation.settle(a.usage, cost);
                     (a.usage, cost)
                 }
-                Err(e) => reservation.settle_cut(e.usage),
+                Err(e) => reservation.settle_failed(e),
             };
             spent.lock().unwrap_or_else(std::sync::PoisonError::into_inner).add(usage, cost_usd);
             answer.map(Ok)

@@ -492,6 +492,16 @@ impl Reservation<'_> {
         self.settle_estimate()
     }
 
+    /// Settles a failed call: as [`Reservation::settle_cut`] where the provider may bill for it
+    /// (the request went out, and no error status refused it), else for what it reported
+    /// alone (a connection never made, an error answer: nothing of the prompt counts).
+    pub fn settle_failed(self, error: &baton_providers::ProviderError) -> (Usage, Option<f64>) {
+        if !error.may_be_billed() {
+            self.progress.sent.store(false, Ordering::SeqCst);
+        }
+        self.settle_cut(error.usage)
+    }
+
     /// Where the call keeps the usage its provider reports as it goes (for
     /// `baton_providers::read_answer`).
     pub fn reported(&self) -> &Mutex<Usage> {

@@ -326,6 +326,41 @@ async fn a_slow_first_byte_times_out_and_is_retried() {
     );
 }
 
+/// A call cut before its first byte (a server that accepts the request and never answers)
+/// counts the request's input bound, marked estimated, and is priced: the provider read the
+/// prompt and may bill it, and a retried attempt would otherwise escape every cap. A
+/// connection never made, and an error answer, count nothing of the prompt.
+#[tokio::test]
+async fn a_call_cut_before_its_first_byte_counts_its_input_and_one_never_made_does_not() {
+    let server = TestServer::start().await.expect("server");
+    let mut p =
+        pool(&server, "", &[compat("silent", "silent;slow=30000x9"), compat("refusing", "refusing;fail=500x9")]);
+    p.options.retry.max_retries = 1;
+    for w in &mut p.workers {
+        (w.price_in, w.price_out) = (Some(1.0), Some(2.0));
+    }
+    p.workers[0].timeout = Duration::from_millis(300);
+    let (outcome, _) = run(&executor(&p), "model_id = [0]\nsubtasks = ['a']\naccess_list = [[]]", None).await;
+    assert_eq!(outcome.status, RunStatus::Failed);
+    let t = &outcome.totals;
+    assert_eq!(t.calls, 2, "both attempts count");
+    assert!(t.usage.input_tokens > 0 && t.usage.estimated, "{t:?}");
+    assert_eq!(t.usage.output_tokens, 0, "{t:?}");
+    assert!(t.cost_usd > 0.0 && t.cost_complete, "priced: {t:?}");
+    let one = t.usage.input_tokens / 2;
+
+    // An error answer (500) is not billed: its attempts count as calls and nothing more.
+    let (outcome, _) = run(&executor(&p), "model_id = [1]\nsubtasks = ['a']\naccess_list = [[]]", None).await;
+    assert_eq!((outcome.status, outcome.totals.calls, outcome.totals.usage.input_tokens), (RunStatus::Failed, 2, 0));
+
+    // No server at all: the request never went out.
+    p.workers[0].base_url = Some("http://127.0.0.1:9/v1".into());
+    let (outcome, _) = run(&executor(&p), "model_id = [0]\nsubtasks = ['a']\naccess_list = [[]]", None).await;
+    assert_eq!(outcome.status, RunStatus::Failed);
+    assert_eq!(outcome.totals.usage.input_tokens, 0, "{:?}", outcome.totals);
+    assert!(one > 0);
+}
+
 #[tokio::test]
 async fn a_failed_step_fails_its_dependents_and_only_them() {
     let server = TestServer::start().await.expect("server");

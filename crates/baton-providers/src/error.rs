@@ -74,11 +74,14 @@ pub struct ProviderError {
     /// Tokens the provider reported before the call failed (a stream that broke after its
     /// usage arrived), which it may bill; `None` when it reported none.
     pub usage: Option<Usage>,
+    /// The request never reached the server (no connection could be made), so nothing of it
+    /// can be billed.
+    pub not_sent: bool,
 }
 
 impl ProviderError {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        ProviderError { kind, message: message.into(), status: None, retry_after: None, usage: None }
+        ProviderError { kind, message: message.into(), status: None, retry_after: None, usage: None, not_sent: false }
     }
 
     pub fn with_usage(mut self, usage: Option<Usage>) -> Self {
@@ -125,7 +128,14 @@ impl ProviderError {
             message.push_str(&s.to_string());
             source = s.source();
         }
-        ProviderError::new(kind, message)
+        ProviderError { not_sent: err.is_connect(), ..ProviderError::new(kind, message) }
+    }
+
+    /// Whether the provider may bill for this failed call: the request reached it and it did
+    /// not refuse it with an error status (an error answer is not billed; a connection cut or a
+    /// time-out after the request went out may be).
+    pub fn may_be_billed(&self) -> bool {
+        !self.not_sent && self.status.is_none()
     }
 }
 

@@ -319,7 +319,7 @@ impl Executor {
         let (worker, _) = self.fallback_worker(&ctx.question);
         let plan = crate::fallback::alone_plan(worker, &ctx.history, &ctx.question);
         let (system, messages) = self.step_conversation(ctx, &plan, 0, 0, &[], &[]);
-        let (_, worst) = self.step_request(ctx, worker, system, messages, true).await;
+        let (_, worst, _) = self.step_request(ctx, worker, system, messages, true).await;
         let name = &self.workers[worker].info.name;
         ctx.ledger.hold(name, worst).map_err(|e| {
             StepFailure::Budget(format!(

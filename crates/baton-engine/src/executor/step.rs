@@ -76,9 +76,10 @@ impl Executor {
         (system, messages)
     }
 
-    /// The request a step sends its worker, and the most it can use: the same for every
-    /// attempt, since the messages do not change between retries. The step that answers takes
-    /// the run's answer settings.
+    /// The request a step sends its worker, the most it can use, and whether that worst case's
+    /// input is the prompt's exact token count (a local model's): the same for every attempt,
+    /// since the messages do not change between retries. The step that answers takes the run's
+    /// answer settings.
     pub(super) async fn step_request(
         &self,
         ctx: &RunCtx<'_>,
@@ -86,7 +87,7 @@ impl Executor {
         system: Option<String>,
         messages: Vec<Message>,
         answers: bool,
-    ) -> (ChatRequest, WorstCase) {
+    ) -> (ChatRequest, WorstCase, bool) {
         let worker = &self.workers[worker_index];
         let mut request = ChatRequest { system, messages, ..ChatRequest::default() };
         let mut output_cap = worker.output_cap;
@@ -98,11 +99,11 @@ impl Executor {
         }
         // A model that counts its input exactly (a local one) is reserved for that, not for
         // its bytes.
-        let worst = match worker.model.input_tokens(&request).await {
-            Some(input) => WorstCase::of_size(input, u64::from(output_cap), &worker.pricing),
-            None => WorstCase::of(request.system.as_deref(), &request.messages, output_cap, &worker.pricing),
+        let (worst, exact) = match worker.model.input_tokens(&request).await {
+            Some(input) => (WorstCase::of_size(input, u64::from(output_cap), &worker.pricing), true),
+            None => (WorstCase::of(request.system.as_deref(), &request.messages, output_cap, &worker.pricing), false),
         };
-        (request, worst)
+        (request, worst, exact)
     }
 
     /// A step given to a worker: wait for a slot at its endpoint, then call with retries.
@@ -134,7 +135,7 @@ impl Executor {
             messages: messages.clone(),
         });
         let started = Instant::now();
-        let (request, worst) = self.step_request(ctx, worker_index, system, messages, answers).await;
+        let (request, worst, exact) = self.step_request(ctx, worker_index, system, messages, answers).await;
         // Every attempt's usage, failed ones included: the step's figures are what it cost.
         let mut spent = Usage::default();
         let mut cost = Some(0.0);
@@ -148,6 +149,9 @@ impl Executor {
                 };
             // The reservation keeps what the provider reported and the text that came: a call
             // cut short (an error, the timeout below, a stop) is billed for what it read and sent.
+            // From here the request goes out, so its input counts even if nothing comes back
+            // (a server may bill a prompt it read); a connection never made does not.
+            reservation.sent(exact);
             let attempt = tokio::time::timeout(
                 worker.timeout,
                 attempt(worker.model.as_ref(), request.clone(), round, step, ctx.events, &reservation),
@@ -172,7 +176,7 @@ impl Executor {
                     reservation.settle(*usage, call_cost);
                     (*usage, call_cost)
                 }
-                Err(error) => reservation.settle_cut(error.usage),
+                Err(error) => reservation.settle_failed(error),
             };
             spent += usage;
             cost = cost.zip(call_cost).map(|(a, b)| a + b);
