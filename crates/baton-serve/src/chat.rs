@@ -137,11 +137,13 @@ pub async fn completions(
     let started = async {
         let bytes = handling::read_body(&service, body).await?;
         let mut call = parse(&service, &headers, &bytes)?;
-        let permit = handling::admit(&service, &mut call).await?;
+        let permit = handling::admit(&service).await?;
         if let Some(store) = &service.store {
             call.conversation = handling::continued(&service, store, &call).await?;
         }
-        Ok::<_, ApiError>(handling::start(&service, call, permit))
+        // Held once the run's conversation is known: what it sends is part of its worst case.
+        let hold = service.hold_for_run(&mut call)?;
+        Ok::<_, ApiError>(handling::start(&service, call, permit, hold))
     };
     let run = match started.await {
         Ok(run) => run,

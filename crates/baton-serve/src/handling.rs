@@ -34,7 +34,7 @@ pub(crate) async fn read_body(service: &Service, body: Body) -> Result<axum::bod
 /// A run slot for `call`, with its cost capped at what is left of the day's cap. A request
 /// waits its turn while every slot is taken; 429 when the queue is full too, when the history
 /// has fallen a whole set of runs behind, or when the day's cap is spent.
-pub(crate) async fn admit(service: &Service, call: &mut Call) -> Result<OwnedSemaphorePermit, ApiError> {
+pub(crate) async fn admit(service: &Service) -> Result<OwnedSemaphorePermit, ApiError> {
     let most = service.options.max_concurrent_runs.max(1);
     // Runs going, and runs that ended but wait for the history. The wait is usually a few
     // milliseconds, but one commit can take tens on a busy disk, and a client asking one
@@ -47,7 +47,7 @@ pub(crate) async fn admit(service: &Service, call: &mut Call) -> Result<OwnedSem
         ));
     }
     // Refused before it waits: a spent cap will not be less spent after the wait.
-    service.limit_to_today(call)?;
+    service.check_today()?;
     let permit = match service.runs.clone().try_acquire_owned() {
         Ok(permit) => permit,
         Err(_) => {
@@ -65,7 +65,7 @@ pub(crate) async fn admit(service: &Service, call: &mut Call) -> Result<OwnedSem
         }
     };
     // What is left of the day may have shrunk while it waited.
-    service.limit_to_today(call)?;
+    service.check_today()?;
     Ok(permit)
 }
 
@@ -152,7 +152,14 @@ pub(crate) struct Running {
 
 /// Starts the run on its own task, which records every event in the history and passes it on;
 /// the run goes on to its end (or its cancellation) whatever the client does.
-pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePermit) -> Running {
+/// `hold` is the run's hold on the day's cap, if the server has one (see `day.rs`): freed when
+/// the run ends.
+pub(crate) fn start(
+    service: &Arc<Service>,
+    call: Call,
+    permit: OwnedSemaphorePermit,
+    hold: Option<crate::day::DayHold>,
+) -> Running {
     let run_id = new_run_id();
     let plan = call.worker.map(|w| baton_engine::fallback::alone_plan(w, &call.history, &call.question));
     let request = RunRequest {
@@ -178,8 +185,10 @@ pub(crate) fn start(service: &Arc<Service>, call: Call, permit: OwnedSemaphorePe
     let stop = cancel.clone();
     let service = service.clone();
     tokio::spawn(async move {
-        // The run's place under the concurrency limit is free once it has ended.
+        // The run's place under the concurrency limit, and its hold on the day, are free once
+        // it has ended (its cost is spent by then).
         let _permit = permit;
+        let _hold = hold;
         let forward = move |event: RunEvent| {
             if let Some(totals) = event.final_totals() {
                 service.spend(totals.cost_usd);

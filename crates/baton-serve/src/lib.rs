@@ -10,6 +10,7 @@
 //! they already loaded.
 
 mod chat;
+mod day;
 mod error;
 pub mod guard;
 mod handling;
@@ -55,9 +56,9 @@ pub struct ServeOptions {
     /// How long a write to a client may wait (a client that stopped reading) before the
     /// connection is closed and its run cancelled, as a disconnect would.
     pub write_stall: std::time::Duration,
-    /// The most the server spends in a day (UTC), all requests together; each run gets at
-    /// most what is left as its cost cap, and once it is spent requests get 429 until
-    /// midnight. Runs already in flight may together pass it by what they spend. The day's
+    /// The most the server spends in a day (UTC), all requests together: each run holds its
+    /// worst case of what is left and is capped at it, so the runs in flight together never
+    /// pass it (see `day.rs`); once it is spent requests get 429 until midnight. The day's
     /// count is kept in the history, so it survives a restart.
     pub daily_max_cost_usd: Option<f64>,
 }
@@ -101,8 +102,9 @@ pub struct Service {
     recording: Arc<InFlight>,
     /// The history's writer, started with the first run (on the runtime that serves).
     writer: std::sync::OnceLock<history::Writer>,
-    /// What the server spent on the day it is counting (days since 1970, UTC; dollars).
-    spent_today: std::sync::Mutex<(u64, f64)>,
+    /// What the server spent on the day it is counting (days since 1970, UTC; dollars), and
+    /// what the runs in flight hold of it.
+    day: day::Day,
     /// Unix seconds the server started: the models' `created`.
     created: u64,
     /// Requests seen, and those answered with an error (refused by the guard included).
@@ -158,7 +160,7 @@ impl Service {
             idempotent: idempotency::Responses::default(),
             recording: Arc::default(),
             writer: std::sync::OnceLock::new(),
-            spent_today: std::sync::Mutex::new((0, 0.0)),
+            day: day::Day::default(),
             guard,
             options,
             created: now_secs(),
@@ -170,7 +172,7 @@ impl Service {
     /// What the server has done since it started.
     pub fn stats(&self) -> Stats {
         use std::sync::atomic::Ordering::Relaxed;
-        let spent_today_usd = self.today().1;
+        let spent_today_usd = self.today().spent;
         Stats {
             requests: self.requests.load(Relaxed),
             failed: self.failed.load(Relaxed),
@@ -257,44 +259,61 @@ fn now_secs() -> u64 {
 }
 
 impl Service {
-    /// What the server spent today (UTC), as `(day, dollars)`; a new day starts at 0.
-    fn today(&self) -> std::sync::MutexGuard<'_, (u64, f64)> {
-        let day = now_secs() / 86_400;
-        let mut spent = self.spent_today.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if spent.0 != day {
-            *spent = (day, 0.0);
-        }
-        spent
+    /// What the server spent today (UTC) and what its runs hold; a new day starts at 0 spent.
+    fn today(&self) -> std::sync::MutexGuard<'_, day::Today> {
+        self.day.today(now_secs() / 86_400)
     }
 
-    /// What is left of the daily cap (`None`: no cap), or a 429 once it is spent.
-    fn left_today(&self) -> Result<Option<f64>, ApiError> {
+    /// A 429 once the day's cap is spent (nothing to do on a server without one).
+    pub(crate) fn check_today(&self) -> Result<(), ApiError> {
+        let Some(cap) = self.options.daily_max_cost_usd else { return Ok(()) };
+        let spent = self.today().spent;
+        if spent < cap {
+            return Ok(());
+        }
+        let until_midnight = 86_400 - now_secs() % 86_400;
+        Err(ApiError {
+            code: Some("daily_cap_reached"),
+            ..ApiError::capped(
+                format!(
+                    "this server's daily spending cap of ${cap:.2} is reached (spent ${spent:.4} today, UTC); it resets at midnight UTC"
+                ),
+                Some(until_midnight),
+            )
+        })
+    }
+
+    /// Holds `call`'s worst case of what is free of the day's cap (the cap less what was spent
+    /// and what the runs in flight hold), and caps the run at what it holds (see `day.rs`).
+    /// `None` on a server without a daily cap; a 429 when nothing is free.
+    pub(crate) fn hold_for_run(&self, call: &mut request::Call) -> Result<Option<day::DayHold>, ApiError> {
         let Some(cap) = self.options.daily_max_cost_usd else { return Ok(None) };
-        let spent = self.today();
-        let left = cap - spent.1;
-        if left <= 0.0 {
-            let until_midnight = 86_400 - now_secs() % 86_400;
+        self.check_today()?;
+        // The run's own cap where it has one (the request's, else the pool's; the executor
+        // applies the tighter), else its worst case at the dearest prices.
+        let own = [call.budget.and_then(|b| b.max_cost_usd), self.executor.options().budget.max_cost_usd]
+            .into_iter()
+            .flatten()
+            .reduce(f64::min);
+        let worst = own.unwrap_or_else(|| day::worst_run_cost(&self.executor, call));
+        let mut today = self.today();
+        let free = cap - today.spent - today.held;
+        if free <= 0.0 {
             return Err(ApiError {
                 code: Some("daily_cap_reached"),
                 ..ApiError::capped(
                     format!(
-                        "this server's daily spending cap of ${cap:.2} is reached (spent ${:.4} today, UTC); it resets at midnight UTC",
-                        spent.1
+                        "what is left of this server's daily spending cap of ${cap:.2} (spent ${:.4} today, UTC) is held by the runs in flight (${:.4}); try again once they end",
+                        today.spent, today.held
                     ),
-                    Some(until_midnight),
+                    Some(5),
                 )
             });
         }
-        Ok(Some(left))
-    }
-
-    /// Caps `call`'s cost at what is left of the day's cap (refused once it is spent).
-    pub(crate) fn limit_to_today(&self, call: &mut request::Call) -> Result<(), ApiError> {
-        if let Some(left) = self.left_today()? {
-            let budget = call.budget.get_or_insert_with(Default::default);
-            budget.max_cost_usd = Some(budget.max_cost_usd.map_or(left, |c| c.min(left)));
-        }
-        Ok(())
+        let hold = self.day.hold(&mut today, worst.min(free));
+        let budget = call.budget.get_or_insert_with(Default::default);
+        budget.max_cost_usd = Some(budget.max_cost_usd.map_or(hold.amount(), |c| c.min(hold.amount())));
+        Ok(Some(hold))
     }
 
     /// Takes up what servers on this history spent today (UTC), so a server that restarts goes
@@ -303,7 +322,10 @@ impl Service {
         let Some(store) = &self.store else { return };
         let day = now_secs() / 86_400;
         match store.serve_spend(day).await {
-            Ok(usd) => *self.today() = (day, usd),
+            Ok(usd) => {
+                let mut today = self.day.today(day);
+                today.spent = usd;
+            }
             Err(e) => tracing::warn!("today's spending so far could not be read from the history: {e}"),
         }
     }
@@ -324,7 +346,7 @@ impl Service {
 
     /// Counts a finished run's cost against the day.
     fn spend(&self, usd: f64) {
-        self.today().1 += usd;
+        self.today().spent += usd;
     }
 
     /// Waits until the history has recorded every run so far (a server that stops calls it
@@ -421,30 +443,45 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_daily_cap_caps_each_run_at_what_is_left_then_refuses_until_midnight() {
+    fn each_run_holds_its_worst_case_of_what_is_left_and_the_day_refuses_once_spent() {
         let executor = Arc::new(Executor::new(Vec::new(), baton_engine::PoolOptions::default()));
         let options =
             ServeOptions { token: Some("t".into()), daily_max_cost_usd: Some(1.0), ..ServeOptions::default() };
         let service = Service::new(executor, false, None, options).expect("service");
-        let mut call = request::Call::for_tests();
-        service.limit_to_today(&mut call).expect("nothing spent yet");
-        assert_eq!(call.budget.and_then(|b| b.max_cost_usd), Some(1.0));
-        service.spend(0.75);
-        let mut call = request::Call::for_tests();
-        call.budget = Some(baton_engine::Budget { max_cost_usd: Some(0.5), ..Default::default() });
-        service.limit_to_today(&mut call).expect("a quarter is left");
-        assert_eq!(call.budget.and_then(|b| b.max_cost_usd), Some(0.25), "the tighter of the request's and the day's");
-        service.spend(0.3);
-        let refused = service.limit_to_today(&mut request::Call::for_tests()).unwrap_err();
+        let capped = |usd: f64| {
+            let mut call = request::Call::for_tests();
+            call.budget = Some(baton_engine::Budget { max_cost_usd: Some(usd), ..Default::default() });
+            call
+        };
+        // Runs capped at 0.4 each: two fit, the third holds what is free and is capped at it.
+        let (mut a, mut b, mut c) = (capped(0.4), capped(0.4), capped(0.4));
+        let hold_a = service.hold_for_run(&mut a).expect("fits").expect("a hold");
+        let hold_b = service.hold_for_run(&mut b).expect("fits").expect("a hold");
+        let hold_c = service.hold_for_run(&mut c).expect("what is free").expect("a hold");
+        assert_eq!((hold_a.amount(), hold_b.amount()), (0.4, 0.4));
+        assert!((hold_c.amount() - 0.2).abs() < 1e-9, "{}", hold_c.amount());
+        assert_eq!(c.budget.and_then(|b| b.max_cost_usd), Some(hold_c.amount()), "the run is capped at its hold");
+        let refused = service.hold_for_run(&mut capped(0.4)).unwrap_err();
+        assert_eq!((refused.status.as_u16(), refused.retry), (429, false));
+        assert!(refused.message.contains("held by the runs in flight"), "{}", refused.message);
+        // A run ends having spent 0.1 of its 0.4: 0.3 is free again.
+        service.spend(0.1);
+        drop(hold_a);
+        let mut d = capped(1.0);
+        let hold_d = service.hold_for_run(&mut d).expect("fits").expect("a hold");
+        assert!((hold_d.amount() - 0.3).abs() < 1e-9, "{}", hold_d.amount());
+        drop((hold_b, hold_c, hold_d));
+        service.spend(0.95);
+        let refused = service.hold_for_run(&mut request::Call::for_tests()).unwrap_err();
         assert_eq!((refused.status.as_u16(), refused.code), (429, Some("daily_cap_reached")));
         assert!(refused.retry_after.is_some_and(|s| (1..=86_400).contains(&s)), "{refused:?}");
-        // Without a cap nothing is added.
+        // Without a cap nothing is held or added.
         let executor = Arc::new(Executor::new(Vec::new(), baton_engine::PoolOptions::default()));
         let free =
             Service::new(executor, false, None, ServeOptions { token: Some("t".into()), ..ServeOptions::default() })
                 .expect("service");
         let mut call = request::Call::for_tests();
-        free.limit_to_today(&mut call).expect("no cap");
+        assert!(free.hold_for_run(&mut call).expect("no cap").is_none());
         assert_eq!(call.budget, None);
     }
 }

@@ -119,7 +119,7 @@ pub async fn create(
     let started = async {
         let bytes = handling::read_body(&service, body).await?;
         let (mut call, echo) = parse(&service, &headers, &bytes)?;
-        let permit = handling::admit(&service, &mut call).await?;
+        let permit = handling::admit(&service).await?;
         if let Some(store) = &service.store {
             if let Some(previous) = &echo.previous {
                 continue_response(&service, store, previous, &mut call).await?;
@@ -129,7 +129,9 @@ pub async fn create(
         } else if echo.previous.is_some() {
             return Err(ApiError::bad_field("previous_response_id", "this server keeps no history (--no-history)"));
         }
-        Ok::<_, ApiError>((handling::start(&service, call, permit), echo))
+        // Held once the run's conversation is known: what it sends is part of its worst case.
+        let hold = service.hold_for_run(&mut call)?;
+        Ok::<_, ApiError>((handling::start(&service, call, permit, hold), echo))
     };
     let (run, echo) = match started.await {
         Ok(started) => started,

@@ -983,6 +983,40 @@ async fn a_follow_up_sent_the_moment_the_answer_arrives_finds_its_run() {
     assert_eq!(conversations.len(), 11, "each follow-up joins its question's conversation");
 }
 
+/// The day's cap holds under concurrency: eight requests at once to a priced worker whose worst
+/// case is about $0.004 each, on a day capped at $0.01. Each run holds its worst case of what
+/// is left, so those in flight can never together spend past the cap; the rest are refused with
+/// 429, told not to retry. (Before, each run was capped at the whole remainder, and all eight
+/// ran: $0.03, three times the cap.)
+#[tokio::test(flavor = "multi_thread")]
+async fn the_days_cap_holds_when_requests_crowd_in() {
+    // $0.1 per million input tokens, $1,000 per million output tokens, 4 output tokens a call.
+    let priced = "dear\nmax_tokens = 4\nprice_in = 0.1\nprice_out = 1000.0";
+    let s = serve_with(&[("dear", priced)], |o| o.daily_max_cost_usd = Some(0.01)).await;
+    let ask = || {
+        let url = format!("{}/v1/chat/completions", s.url);
+        async move {
+            let body = json!({ "model": "baton/dear", "messages": question("How much?") });
+            let r = client().post(url).bearer_auth(TOKEN).json(&body).send().await.expect("sent");
+            let retry = r.headers().get("x-should-retry").map(|v| v.to_str().unwrap_or("").to_owned());
+            let cost = r.headers().get("x-baton-cost-usd").and_then(|v| v.to_str().ok()?.parse::<f64>().ok());
+            (r.status().as_u16(), retry, cost, r.text().await.expect("body"))
+        }
+    };
+    let answers = futures::future::join_all((0..8).map(|_| ask())).await;
+    let spent: f64 = answers.iter().filter(|a| a.0 == 200).map(|a| a.2.expect("an answer's cost")).sum();
+    let ok = answers.iter().filter(|a| a.0 == 200).count();
+    assert!(ok >= 1, "{answers:?}");
+    assert!(spent <= 0.01 + 1e-12, "spent ${spent} of a $0.01 day: {answers:?}");
+    for (status, retry, _, body) in answers.iter().filter(|a| a.0 != 200) {
+        assert_eq!(*status, 429, "{body}");
+        assert_eq!(retry.as_deref(), Some("false"), "{body}");
+    }
+    assert!(s.service.stats().spent_today_usd <= 0.01 + 1e-12, "{:?}", s.service.stats());
+    // What the worker was asked is what was spent: no call beyond the admitted runs.
+    assert_eq!(worker_calls(&s).len(), ok, "{answers:?}");
+}
+
 /// The daily cap counts what the servers on this history spent today, across a restart (the
 /// app restarts its Local API when the pool changes): a server started again on a day whose cap
 /// is spent refuses at once.
