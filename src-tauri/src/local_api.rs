@@ -95,6 +95,9 @@ async fn start<R: Runtime>(app: &AppHandle<R>, state: &AppState) -> AppResult<Ru
     let service = serving.service;
     let task = tokio::spawn(baton_serve::serve(serving.listener, service.clone(), shutdown.clone()));
     tracing::info!("the Local API serves on {}", serving.url);
+    if let Some(warning) = &serving.warning {
+        tracing::warn!("{warning}");
+    }
     Ok(Running { service, shutdown, task, url: serving.url, pool_text })
 }
 

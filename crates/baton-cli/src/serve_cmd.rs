@@ -112,6 +112,9 @@ pub async fn run(args: Args) -> Outcome {
     let models = LocalModels::default();
     let serving = serve::start(pool.clone(), store.as_ref(), &request, loader.context(&pool, &models)).await?;
     eprintln!("serving on {} as {}", serving.url, serving.service.model_ids().join(", "));
+    if let Some(warning) = &serving.warning {
+        eprintln!("{warning}");
+    }
     if !serving.answers_as_pool {
         eprintln!("the pool names no conductor: only the workers alone are served (baton/<worker>)");
     } else if !serving.conductor {

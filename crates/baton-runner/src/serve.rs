@@ -67,6 +67,8 @@ pub struct Serving {
     pub answers_as_pool: bool,
     /// Whether a conductor was loaded.
     pub conductor: bool,
+    /// What to tell the user of a day's cap that cannot count some workers (no price).
+    pub warning: Option<String>,
 }
 
 /// Prepares the server `request` asks for over `pool`, recording runs in `store` (none: not
@@ -86,6 +88,7 @@ pub async fn start(
     } else {
         Some(baton_serve::token(request.token_env.as_deref().or(spec.token_env.as_deref()), false)?)
     };
+    let warning = options.daily_max_cost_usd.and_then(|_| crate::unpriced_warning(&pool, "the day's spending cap"));
     let built = crate::build(pool, context.setup(Conductor::IfConfigured, store)).await?;
     let (answers_as_pool, conductor) = (built.answers_as_pool(), built.conductor);
     let listener = tokio::net::TcpListener::bind((options.host.as_str(), options.port)).await.map_err(|e| {
@@ -99,5 +102,5 @@ pub async fn start(
     let url = format!("http://{host}:{}/v1", options.port);
     let service = Service::new(Arc::new(built.executor), answers_as_pool, store.cloned(), options)
         .map_err(RunnerError::BadInput)?;
-    Ok(Serving { service: Arc::new(service), listener, url, answers_as_pool, conductor })
+    Ok(Serving { service: Arc::new(service), listener, url, answers_as_pool, conductor, warning })
 }
