@@ -8,7 +8,9 @@ use baton_engine::accounting::{Figures, Meter, WorstCase};
 use baton_engine::calls::{CallPolicy, with_retries};
 use baton_engine::prices::Pricing;
 use baton_engine::{PlanDeltas, Planned, Planner, PlannerError, PlanningContext, WorkerInfo};
-use baton_providers::{ChatModel, ChatRequest, Constraint, Message, ServerGrammar, Usage, read_answer};
+use baton_providers::{
+    ChatModel, ChatRequest, Constraint, ErrorKind, Message, ProviderError, ServerGrammar, Usage, read_answer,
+};
 use futures::future::BoxFuture;
 
 use crate::grammar::PlanGrammar;
@@ -223,6 +225,11 @@ impl Planner for LocalConductor {
 /// grammar admits, and what bounds the call's worst case for the run's budget.
 pub const REMOTE_MAX_TOKENS: u32 = 4096;
 
+/// The most text a remote conductor's answer may have: its output cap at 16 bytes a token,
+/// far above any token's length. A server that ignores `max_tokens` would otherwise be read
+/// without end (only the plan time limit stops it), the whole text kept in memory.
+pub const REMOTE_MAX_PLAN_BYTES: usize = REMOTE_MAX_TOKENS as usize * 16;
+
 /// A conductor behind an OpenAI-compatible endpoint (vLLM, SGLang, Ollama, llama.cpp).
 pub struct RemoteConductor {
     model: Arc<dyn ChatModel>,
@@ -309,13 +316,40 @@ impl RemoteConductor {
             };
             // A call cut short (an error here, or a time-out or stop that drops this future)
             // counts what the server reported and the text that came, as a worker's does.
+            let received = std::sync::atomic::AtomicUsize::new(0);
+            let too_long = tokio::sync::Notify::new();
             let on_text = &mut |t: &str| {
                 reservation.received(t.len());
-                write(t);
+                let so_far = received.fetch_add(t.len(), std::sync::atomic::Ordering::Relaxed) + t.len();
+                if so_far > REMOTE_MAX_PLAN_BYTES {
+                    too_long.notify_one();
+                } else {
+                    write(t);
+                }
             };
             // From here the request goes out: its input counts even if nothing comes back.
             reservation.sent(false);
-            let answer = read_answer(self.model.as_ref(), request.clone(), on_text, reservation.reported()).await;
+            let reading = read_answer(self.model.as_ref(), request.clone(), on_text, reservation.reported());
+            let cut = || {
+                ProviderError::new(
+                    ErrorKind::MalformedResponse,
+                    format!(
+                        "the answer ran past {REMOTE_MAX_PLAN_BYTES} bytes, far beyond a plan's length (the server does not honour max_tokens = {REMOTE_MAX_TOKENS}); it was cut off"
+                    ),
+                )
+            };
+            let answer = tokio::select! {
+                answer = reading => answer,
+                () = too_long.notified() => Err(cut()),
+            };
+            // The last piece may have come with the end of the answer.
+            let answer = answer.and_then(|a| {
+                if received.load(std::sync::atomic::Ordering::Relaxed) > REMOTE_MAX_PLAN_BYTES {
+                    Err(cut())
+                } else {
+                    Ok(a)
+                }
+            });
             let (usage, cost_usd) = match &answer {
                 Ok(a) => {
                     let cost = self.pricing.cost(&a.usage);

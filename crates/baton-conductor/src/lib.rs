@@ -16,6 +16,6 @@ pub mod setup;
 
 #[cfg(feature = "local")]
 pub use conductor::LocalConductor;
-pub use conductor::{ConductorOptions, RemoteConductor, grammar_for};
+pub use conductor::{ConductorOptions, REMOTE_MAX_PLAN_BYTES, RemoteConductor, grammar_for};
 pub use grammar::PlanGrammar;
 pub use prompt::{PROMPT_VERSION, PromptBuilder, PromptVersion};
