@@ -34,7 +34,8 @@ pub(crate) async fn read_body(service: &Service, body: Body) -> Result<axum::bod
 /// A run slot for `call`, with its cost capped at what is left of the day's cap. A request
 /// waits its turn while every slot is taken; 429 when the queue is full too, when the history
 /// has fallen a whole set of runs behind, or when the day's cap is spent.
-pub(crate) async fn admit(service: &Service) -> Result<OwnedSemaphorePermit, ApiError> {
+/// `body_bytes` is the request's body, which it holds (with its parsed copy) while it waits.
+pub(crate) async fn admit(service: &Service, body_bytes: usize) -> Result<OwnedSemaphorePermit, ApiError> {
     let most = service.options.max_concurrent_runs.max(1);
     // Runs going, and runs that ended but wait for the history. The wait is usually a few
     // milliseconds, but one commit can take tens on a busy disk, and a client asking one
@@ -56,6 +57,16 @@ pub(crate) async fn admit(service: &Service) -> Result<OwnedSemaphorePermit, Api
                     format!(
                         "all {} of this server's run slots are busy and {} requests wait already; try again shortly",
                         service.options.max_concurrent_runs, service.options.max_queued_runs
+                    ),
+                    Some(1),
+                ));
+            };
+            let Some(_bytes) = QueuedBytes::join(&service.queued_bytes, body_bytes) else {
+                return Err(ApiError::busy(
+                    format!(
+                        "all {} of this server's run slots are busy and the requests waiting hold {} MiB already; try again shortly",
+                        service.options.max_concurrent_runs,
+                        crate::MAX_QUEUED_BYTES >> 20
                     ),
                     Some(1),
                 ));
@@ -83,6 +94,26 @@ impl Queued {
 impl Drop for Queued {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The bytes of a waiting request's body, counted against [`crate::MAX_QUEUED_BYTES`] until
+/// it leaves the queue.
+struct QueuedBytes(Arc<AtomicUsize>, usize);
+
+impl QueuedBytes {
+    /// A place for `bytes` more, unless the waiting bodies would pass the bound (a body alone
+    /// always fits in an empty queue).
+    fn join(queued: &Arc<AtomicUsize>, bytes: usize) -> Option<QueuedBytes> {
+        let fits = |held: usize| (held == 0 || held + bytes <= crate::MAX_QUEUED_BYTES).then_some(held + bytes);
+        queued.fetch_update(Ordering::AcqRel, Ordering::Acquire, fits).ok()?;
+        Some(QueuedBytes(queued.clone(), bytes))
+    }
+}
+
+impl Drop for QueuedBytes {
+    fn drop(&mut self) {
+        self.0.fetch_sub(self.1, Ordering::AcqRel);
     }
 }
 

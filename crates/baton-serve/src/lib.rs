@@ -96,6 +96,8 @@ pub struct Service {
     runs: Arc<Semaphore>,
     /// Requests waiting for a run slot.
     queued: Arc<std::sync::atomic::AtomicUsize>,
+    /// The bytes of the waiting requests' bodies.
+    queued_bytes: Arc<std::sync::atomic::AtomicUsize>,
     /// The responses of requests sent with an `Idempotency-Key`.
     idempotent: idempotency::Responses,
     /// Runs whose events the history is still recording (it records beside the answer).
@@ -157,6 +159,7 @@ impl Service {
             store,
             runs: Arc::new(Semaphore::new(options.max_concurrent_runs.max(1))),
             queued: Arc::default(),
+            queued_bytes: Arc::default(),
             idempotent: idempotency::Responses::default(),
             recording: Arc::default(),
             writer: std::sync::OnceLock::new(),
@@ -361,6 +364,16 @@ impl Service {
 /// queue lets them (Ollama queues 512).
 pub const DEFAULT_QUEUE: usize = 256;
 
+/// The most bytes of request bodies that may wait for a run slot, all together (each waits
+/// with its parsed copy, about as many bytes again): past it, a request that would wait gets
+/// 429 with `Retry-After`, as with a full queue.
+pub const MAX_QUEUED_BYTES: usize = 64 << 20;
+
+/// The most connections a server holds open at once; past them it accepts no more until one
+/// closes. Each holds a little memory even idle; 1,024 is far above what the run slots and the
+/// queue can use.
+pub const MAX_CONNECTIONS: usize = 1024;
+
 /// The port served on when neither the pool's `[serve]` table nor the user names one.
 pub const DEFAULT_PORT: u16 = 8765;
 
@@ -431,7 +444,8 @@ pub async fn serve(
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
         let _ = tcp.set_nodelay(true);
     });
-    let listener = stall::Stalling { inner: listener, stall: service.options.write_stall };
+    let connections = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let listener = stall::Stalling { inner: listener, stall: service.options.write_stall, connections };
     let served =
         axum::serve(listener, router(service.clone())).with_graceful_shutdown(shutdown.cancelled_owned()).await;
     service.settle().await;

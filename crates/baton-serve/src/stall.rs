@@ -12,11 +12,15 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
 
-/// A listener whose connections fail a write that waits longer than `stall`.
+/// A listener whose connections fail a write that waits longer than `stall`, and that holds
+/// at most as many connections open as `connections` has permits: past them it accepts no
+/// more until one closes (new ones wait in the system's backlog), so a flood of idle
+/// connections cannot take memory without end.
 #[derive(Debug)]
 pub(crate) struct Stalling<L> {
     pub(crate) inner: L,
     pub(crate) stall: Duration,
+    pub(crate) connections: std::sync::Arc<tokio::sync::Semaphore>,
 }
 
 impl<L: axum::serve::Listener> axum::serve::Listener for Stalling<L> {
@@ -24,9 +28,11 @@ impl<L: axum::serve::Listener> axum::serve::Listener for Stalling<L> {
     type Addr = L::Addr;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        // The semaphore is never closed, so a permit always comes.
+        let permit = self.connections.clone().acquire_owned().await.ok();
         let (io, addr) = self.inner.accept().await;
         let timer = Box::pin(tokio::time::sleep(self.stall));
-        (StallingIo { inner: io, stall: self.stall, timer, armed: false }, addr)
+        (StallingIo { inner: io, stall: self.stall, timer, armed: false, _open: permit }, addr)
     }
 
     fn local_addr(&self) -> io::Result<Self::Addr> {
@@ -42,6 +48,8 @@ pub(crate) struct StallingIo<T> {
     /// One per connection, reset when a write starts to wait: armed while one waits.
     timer: Pin<Box<Sleep>>,
     armed: bool,
+    /// The connection's place under the listener's bound, freed when it closes.
+    _open: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl<T> StallingIo<T> {
