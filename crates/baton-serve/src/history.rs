@@ -212,6 +212,9 @@ async fn write(store: Store, mut from: mpsc::UnboundedReceiver<Entry>) {
             }
             Err(e) => {
                 tracing::warn!("{} served runs are not fully recorded in the history: {e}", parts.len());
+                // The runs are given up, not what they spent: the day's spending goes again
+                // with the next commit, so a restart still counts it.
+                again.cost_usd = cost_usd;
                 vec![false; parts.len()]
             }
         };
