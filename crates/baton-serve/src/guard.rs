@@ -66,6 +66,23 @@ pub fn check_bind(host: &str, token: bool) -> Result<(), String> {
     Ok(())
 }
 
+/// The fewest characters a token must have on a server that others can reach (off loopback):
+/// the keychain's own token has 43 (32 random bytes); a short one chosen by hand could be
+/// guessed by anyone who reaches the server.
+pub const MIN_TOKEN_CHARS: usize = 32;
+
+/// Refuses a token shorter than [`MIN_TOKEN_CHARS`] on `host` when it is not loopback.
+pub fn check_token(host: &str, token: &str) -> Result<(), String> {
+    if !is_loopback(host) && token.chars().count() < MIN_TOKEN_CHARS {
+        return Err(format!(
+            "refusing to serve on {host} with a token of {} characters: off this machine a token needs at least {MIN_TOKEN_CHARS}, or anyone who reaches it could guess it and spend your provider keys. \
+             Use the keychain's token (leave out --token-env and [serve] token_env; `baton serve token` prints it), or put a longer one in the variable",
+            token.chars().count()
+        ));
+    }
+    Ok(())
+}
+
 /// Tokens compared in time that depends neither on where they differ nor on their lengths:
 /// their digests are compared, every byte.
 fn same(a: &str, b: &str) -> bool {

@@ -140,6 +140,9 @@ impl Service {
         options: ServeOptions,
     ) -> Result<Service, String> {
         guard::check_bind(&options.host, options.token.is_some())?;
+        if let Some(token) = &options.token {
+            guard::check_token(&options.host, token)?;
+        }
         // NaN or infinity would cap nothing (every comparison with NaN is false), 0 or less
         // would refuse every request: a server never starts with either.
         if let Some(cap) = options.daily_max_cost_usd {

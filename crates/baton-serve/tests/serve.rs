@@ -503,6 +503,17 @@ async fn numbers_out_of_range_are_refused_by_name() {
         assert!(e.contains("--daily-max-cost-usd") && e.contains("above 0 and at most 1000000"), "{cap}: {e}");
     }
 
+    // A short token is refused off this machine, where others could guess it; on loopback it
+    // may be anything.
+    for (host, token, refused) in
+        [("0.0.0.0", "short-token", true), ("0.0.0.0", &"t".repeat(32)[..], false), ("127.0.0.1", "t", false)]
+    {
+        let executor = Arc::new(Executor::from_pool(&pool));
+        let options = ServeOptions { host: host.into(), token: Some(token.into()), ..ServeOptions::default() };
+        let made = Service::new(executor, false, None, options);
+        assert_eq!(made.is_err(), refused, "{host} {token}: {:?}", made.err());
+    }
+
     let s = serve().await;
     let ask = |header: (&'static str, &'static str), extra: Value| {
         let mut body = json!({ "model": "baton/a", "messages": question("Hi?") });
