@@ -208,7 +208,7 @@ async fn a_cut_or_timed_out_answer_counts_what_was_sent_and_received() {
 
     let ledger = baton_engine::accounting::Ledger::new(baton_engine::accounting::Budget::default());
     let meter = baton_engine::accounting::Meter { ledger: &ledger, stop: &stop };
-    let slow = ConductorOptions { plan_time_limit: std::time::Duration::from_millis(700), ..once };
+    let slow = ConductorOptions { plan_time_limit: std::time::Duration::from_millis(700), ..once.clone() };
     server.queue_replies("slow", [GOOD]);
     let mut streamed = String::new();
     let e = conductor_with(&server, "slow;latency=4000;chunks=40", &slow)
