@@ -79,6 +79,11 @@ pub fn spec(pool: &Pool, options: &LearnOptions) -> Result<Spec, EvalError> {
     let before = suite.items.len();
     suite.items.retain(|i| i.split.as_deref() != Some("test"));
     let held_out = before - suite.items.len();
+    // What is left is all learned from: an evaluation's calibration split means nothing here
+    // (learning runs every item, none held back for a router).
+    for item in &mut suite.items {
+        item.split = None;
+    }
     if suite.items.is_empty() {
         return Err(EvalError::Settings(format!(
             "every item of {} is pinned to the `test` split, which is held out from learning; learn from items pinned `calibration`, or without a split",
@@ -294,7 +299,7 @@ mod tests {
         let broke = LearnOptions { concurrency: 0, ..LearnOptions::new("mmlu") };
         assert!(refused(&pool("m-2"), broke).contains("at least 1"));
         let capped = LearnOptions { max_cost_usd: Some(0.0), ..LearnOptions::new("mmlu") };
-        assert!(refused(&pool("m-2"), capped).contains("above $0"));
+        assert!(refused(&pool("m-2"), capped).contains("spending cap must be a number above 0"));
         let none = LearnOptions { limit: Some(0), ..LearnOptions::new("mmlu") };
         assert!(refused(&pool("m-2"), none).contains("at least one item"));
     }
