@@ -223,7 +223,7 @@ impl Planner for LocalConductor {
 
 /// The output cap of a remote conductor's calls: far above the longest plan the default
 /// grammar admits, and what bounds the call's worst case for the run's budget.
-pub const REMOTE_MAX_TOKENS: u32 = 4096;
+pub const REMOTE_MAX_TOKENS: u32 = baton_engine::planner::REMOTE_PLAN_MAX_TOKENS;
 
 /// The most text a remote conductor's answer may have: its output cap at 16 bytes a token,
 /// far above any token's length. A server that ignores `max_tokens` would otherwise be read

@@ -7,6 +7,11 @@ use futures::future::BoxFuture;
 
 use crate::accounting::{Meter, Refused};
 
+/// The output cap of a remote conductor's calls: far above the longest plan the default
+/// grammar admits, and what bounds the call's worst case for a run's budget and for the
+/// server's day (`baton_conductor::REMOTE_MAX_TOKENS` is this).
+pub const REMOTE_PLAN_MAX_TOKENS: u32 = 4096;
+
 /// What a conductor is asked to plan.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlanningContext {

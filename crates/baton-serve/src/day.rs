@@ -111,16 +111,13 @@ pub(crate) fn worst_run_cost(executor: &Executor, call: &Call) -> f64 {
         && let (Some(url), Some(model)) = (&conductor.url, &conductor.model)
     {
         let pricing = baton_engine::prices::lookup(ProviderKind::OpenAiCompatible, url, model);
-        let plan = pricing.worst_case(input0 + CONDUCTOR_PROMPT_TOKENS, u64::from(REMOTE_PLAN_TOKENS));
+        let plan = pricing
+            .worst_case(input0 + CONDUCTOR_PROMPT_TOKENS, u64::from(baton_engine::planner::REMOTE_PLAN_MAX_TOKENS));
         // The question's plan, and a second one where the first cannot be used.
         total += 2.0 * plan.unwrap_or(0.0);
     }
     total * attempts
 }
-
-/// A remote conductor's output cap per plan (`baton_conductor::REMOTE_MAX_TOKENS`, a layer up
-/// from the server).
-const REMOTE_PLAN_TOKENS: u32 = 4_096;
 
 #[cfg(test)]
 mod tests {

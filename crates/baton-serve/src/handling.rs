@@ -75,8 +75,8 @@ pub(crate) async fn admit(service: &Service, body_bytes: usize) -> Result<OwnedS
             service.runs.clone().acquire_owned().await.map_err(|_| ApiError::internal("the server is stopping"))?
         }
     };
-    // What is left of the day may have shrunk while it waited.
-    service.check_today()?;
+    // What is left of the day may have shrunk while it waited: `Service::hold_for_run`
+    // checks it again once the run's conversation is known.
     Ok(permit)
 }
 
