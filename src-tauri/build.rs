@@ -15,6 +15,7 @@ const COMMANDS: &[&str] = &[
     "list_keys",
     "set_key",
     "delete_key",
+    "allow_env_key",
     "test_worker",
     "draft_plan",
     "ask",

@@ -37,6 +37,7 @@ pub fn typescript() -> String {
         baton_store::StepRecord::decl(&cfg),
         baton_store::SentRequest::decl(&cfg),
         crate::error::ErrorKind::decl(&cfg),
+        crate::error::KeyConsent::decl(&cfg),
         crate::error::AppError::decl(&cfg),
         crate::settings::WorkerForm::decl(&cfg),
         crate::settings::ConductorForm::decl(&cfg),

@@ -27,6 +27,20 @@ pub enum ErrorKind {
     /// A model download failed: the hub refused or could not be reached, the file was corrupt,
     /// or the disk is full (the message says which, and what to do).
     Download,
+    /// The pool would send an environment variable's key to a host the user has not allowed it
+    /// to go to; `consent` names both, for the dialog that asks.
+    KeyNotAllowed,
+}
+
+/// What a [`ErrorKind::KeyNotAllowed`] error asks the user to allow (`allow_env_key`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ts_rs::TS)]
+pub struct KeyConsent {
+    /// The environment variable the pool names (`api_key_env`).
+    pub var: String,
+    /// Where its key would go: scheme, host and port.
+    pub origin: String,
+    /// Who sends it: `worker "gpt"`, `the conductor`.
+    pub owner: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, ts_rs::TS, thiserror::Error)]
@@ -34,6 +48,10 @@ pub enum ErrorKind {
 pub struct AppError {
     pub kind: ErrorKind,
     pub message: String,
+    /// Set only for [`ErrorKind::KeyNotAllowed`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[ts(optional)]
+    pub consent: Option<KeyConsent>,
 }
 
 impl AppError {
@@ -42,7 +60,7 @@ impl AppError {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
         let message = message.into();
         tracing::info!(?kind, "a command refused or failed: {message}");
-        AppError { kind, message }
+        AppError { kind, message, consent: None }
     }
 
     pub fn bad_input(message: impl Into<String>) -> Self {
@@ -90,7 +108,23 @@ impl From<baton_engine::PoolError> for AppError {
 
 impl From<baton_conductor::setup::SetupError> for AppError {
     fn from(e: baton_conductor::setup::SetupError) -> Self {
-        AppError::new(ErrorKind::Conductor, e.to_string())
+        match e {
+            baton_conductor::setup::SetupError::KeyNotAllowed(refused) => refused.into(),
+            e => AppError::new(ErrorKind::Conductor, e.to_string()),
+        }
+    }
+}
+
+impl From<baton_engine::keys::KeyNotAllowed> for AppError {
+    fn from(e: baton_engine::keys::KeyNotAllowed) -> Self {
+        // The Chat screen asks in a dialog (from `consent`); other screens show the message.
+        let message = format!(
+            "{} would send the key in the environment variable {} to {}, and you have not allowed that \
+             variable to go there. Allow it when the Chat screen asks, or run `baton keys allow-env {} {}`",
+            e.owner, e.var, e.origin, e.var, e.origin
+        );
+        let consent = KeyConsent { var: e.var, origin: e.origin, owner: e.owner };
+        AppError { consent: Some(consent), ..AppError::new(ErrorKind::KeyNotAllowed, message) }
     }
 }
 

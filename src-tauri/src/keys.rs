@@ -121,3 +121,29 @@ pub async fn delete_key(provider: ProviderKind, base_url: Option<String>) -> App
         .map_err(|e| AppError::new(crate::error::ErrorKind::Keychain, e.to_string()))??;
     Ok(())
 }
+
+/// Records the user's consent, given in the dialog a [`KeyNotAllowed`](crate::error::ErrorKind::KeyNotAllowed)
+/// error opens, that the key in environment variable `var` may go to `origin`. Only a pairing
+/// the current pool names is accepted: the window cannot allow a variable to go anywhere the
+/// pool does not already send it.
+#[tauri::command]
+pub async fn allow_env_key(state: State<'_, AppState>, var: String, origin: String) -> AppResult<()> {
+    let pool = state.pool()?;
+    let conductor = &pool.options.conductor;
+    let named = pool
+        .workers
+        .iter()
+        .filter(|w| w.provider != ProviderKind::Local)
+        .map(|w| (w.api_key_env.as_deref(), w.effective_base_url()))
+        .chain(std::iter::once((conductor.api_key_env.as_deref(), conductor.url.as_deref().unwrap_or_default())))
+        .any(|(env, url)| env == Some(var.as_str()) && baton_secrets::origin(url).as_deref() == Some(origin.as_str()));
+    if !named {
+        return Err(AppError::bad_input(format!(
+            "the pool sends no environment variable {var} to {origin}; there is nothing to allow"
+        )));
+    }
+    tokio::task::spawn_blocking(move || KeyStore::open()?.allow_env(&var, &origin))
+        .await
+        .map_err(|e| AppError::new(crate::error::ErrorKind::Keychain, e.to_string()))??;
+    Ok(())
+}

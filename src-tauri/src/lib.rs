@@ -91,6 +91,7 @@ pub fn builder<R: Runtime>(base: tauri::Builder<R>, state: AppState) -> tauri::B
             keys::list_keys,
             keys::set_key,
             keys::delete_key,
+            keys::allow_env_key,
             history::list_conversations,
             history::set_conversation_choices,
             history::get_conversation,

@@ -87,7 +87,26 @@ fn a_script_in_the_window_cannot_send_a_key_elsewhere_or_write_where_it_likes() 
         invoke(&h, "delete_key", json!({ "provider": "openai", "baseUrl": null })).unwrap();
     }
 
-    // 4. Export the history over the user's SSH keys: the window cannot name a path; the export
+    // 4. Allow a variable to go where the pool sends none: refused, whatever the variable. The
+    //    pool's own pairing (PATH to the user's server) stops every run until the user allows
+    //    it; the error names both for the dialog that asks.
+    let evil_origin = baton_secrets::origin(&evil).unwrap();
+    for var in ["AWS_SECRET_ACCESS_KEY", "PATH"] {
+        let err = invoke(&h, "allow_env_key", json!({ "var": var, "origin": evil_origin })).unwrap_err();
+        assert_eq!(err["kind"], "bad_input", "{err}");
+    }
+    let plan = json!({ "model_id": [0], "subtasks": ["x"], "access_list": [[]] });
+    let request = json!({ "question": "q", "conversation_id": null, "workers": null, "plan": plan });
+    let asked = |id: &str| invoke(&h, "ask", json!({ "request": request, "stopId": id, "onEvent": "__CHANNEL__:1" }));
+    let err = asked("consent-1").unwrap_err();
+    assert_eq!(err["kind"], "key_not_allowed", "{err}");
+    assert_eq!(err["consent"], json!({ "var": "PATH", "origin": "http://127.0.0.1:9", "owner": "worker \"mine\"" }));
+    if keychain {
+        invoke(&h, "allow_env_key", json!({ "var": "PATH", "origin": "http://127.0.0.1:9" })).unwrap();
+        asked("consent-2").expect("allowed, the run goes ahead");
+    }
+
+    // 5. Export the history over the user's SSH keys: the window cannot name a path; the export
     //    goes only where the save dialog (the user) said.
     let plan = json!({ "model_id": [0], "subtasks": ["x"], "access_list": [[]] });
     let mut f = form(&h);

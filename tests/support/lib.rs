@@ -38,6 +38,23 @@ pub fn write_pool(dir: &Path, server: &TestServer, extra: &str, workers: &[W<'_>
     path
 }
 
+/// The consent a user who wrote the pool named by `args`' `--pool` gives: each variable the pool
+/// names (`api_key_env`) may go to each server it names, as `BATON_ALLOW_KEY_ENV` says it.
+/// Binaries run by these helpers get it, as their user would have allowed; the tests of that
+/// consent remove the variable to see the refusal.
+pub fn consent(args: &[&str]) -> Option<String> {
+    let pool = args.iter().position(|a| *a == "--pool").and_then(|i| args.get(i + 1))?;
+    let text = std::fs::read_to_string(pool).ok()?;
+    let value = |line: &str, key: &str| -> Option<String> {
+        let (name, rest) = line.split_once('=')?;
+        (name.trim() == key).then(|| rest.trim().trim_matches('"').to_owned())
+    };
+    let vars: Vec<String> = text.lines().filter_map(|l| value(l, "api_key_env")).collect();
+    let urls: Vec<String> = text.lines().filter_map(|l| value(l, "base_url").or_else(|| value(l, "url"))).collect();
+    let pairs: Vec<String> = vars.iter().flat_map(|v| urls.iter().map(move |u| format!("{v}={u}"))).collect();
+    (!pairs.is_empty()).then(|| pairs.join(" "))
+}
+
 /// A history database shared by the tests of one test binary, in a temporary directory of its
 /// own (a static is never dropped, so the directory outlives the binary in the system temp dir).
 fn test_history() -> PathBuf {
@@ -79,7 +96,11 @@ pub fn spawn_quiet(bin: &Path, args: &[&str]) -> tokio::process::Child {
 /// As [`spawn_quiet`], with its standard output going to `stdout` (`Stdio::piped()` to read
 /// it as it comes); its errors are still thrown away.
 pub fn spawn_with_stdout(bin: &Path, args: &[&str], stdout: std::process::Stdio) -> tokio::process::Child {
-    tokio::process::Command::new(bin)
+    let mut command = tokio::process::Command::new(bin);
+    if let Some(allowed) = consent(args) {
+        command.env("BATON_ALLOW_KEY_ENV", allowed);
+    }
+    command
         .args(args)
         .env("BATON_E2E_KEY", TEST_KEY)
         .env("BATON_KEEP_WARM", "0")
@@ -113,6 +134,9 @@ pub async fn run_within(
     // Each command runs in its own process, as a test of the command expects (what it loads,
     // what it says while loading); the warm helper's own tests turn it on.
     command.env("BATON_KEEP_WARM", "0");
+    if let Some(allowed) = consent(args) {
+        command.env("BATON_ALLOW_KEY_ENV", allowed);
+    }
     for (name, value) in env {
         match value {
             Some(value) => command.env(name, value),
@@ -170,6 +194,9 @@ pub async fn serve(bin: &Path, args: &[&str], env: &[(&str, &str)], limit: Durat
     use tokio::io::AsyncBufReadExt;
     let mut command = tokio::process::Command::new(bin);
     command.env("BATON_DB", test_history()).env("BATON_LOG_DIR", test_history().with_file_name("logs"));
+    if let Some(allowed) = consent(args) {
+        command.env("BATON_ALLOW_KEY_ENV", allowed);
+    }
     for (name, value) in env {
         command.env(name, value);
     }

@@ -245,6 +245,19 @@ api_key_env = "BATON_E2E_CONDUCTOR_KEY"
       const composer = await find("composer");
       await composer.sendKeys("A question to stop");
       await click(await find("send"));
+      // The conductor's key comes from a variable the user never allowed to go to that server:
+      // nothing is sent until they say so, and the dialog names both.
+      const consent = await find("key-consent");
+      assert.equal(await textOf(await find("consent-var")), "$BATON_E2E_CONDUCTOR_KEY");
+      assert.equal(await textOf(await find("consent-origin")), serverAddress);
+      assert.ok(
+        !requests().some((r) => String(r.body.model).startsWith("conductor;")),
+        "no request went to the conductor before the user allowed its key to go there",
+      );
+      await shot("09-key-consent-asked");
+      await click(await find("consent-allow"));
+      await driver.wait(async () => (await driver.findElements(byTest("key-consent"))).length === 0, 10000);
+      assert.ok(consent, "the dialog was shown");
       await driver.wait(async () => (await driver.findElements(byTest("draft-text"))).length > 0, 20000);
       assert.ok(
         requests().some((r) => String(r.body.model).startsWith("conductor;")),

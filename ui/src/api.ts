@@ -60,6 +60,8 @@ export const api = {
   setKey: (provider: ProviderKind, baseUrl: string | null, key: string) =>
     invoke<null>("set_key", { provider, baseUrl, key }),
   deleteKey: (provider: ProviderKind, baseUrl: string | null) => invoke<null>("delete_key", { provider, baseUrl }),
+  /** The user allows the key in environment variable `var` to go to `origin` (a pairing the pool names). */
+  allowEnvKey: (variable: string, origin: string) => invoke<null>("allow_env_key", { var: variable, origin }),
   /** A tiny request to worker `index` with a run's timeout and retries; `cancelRun(stopId)` stops it. */
   testWorker: (index: number, stopId: string) => invoke<ConnectionCheck>("test_worker", { index, stopId }),
   /** The conductor's plan for review; its text streams to `onDelta`; `cancelRun(draftId)` stops it. */

@@ -293,9 +293,27 @@ reused_from: string | null, };
 
 export type SentRequest = { system: string | null, messages: Array<Message>, };
 
-export type ErrorKind = "bad_input" | "pool" | "conductor" | "keychain" | "history" | "provider" | "not_found" | "io" | "cancelled" | "download";
+export type ErrorKind = "bad_input" | "pool" | "conductor" | "keychain" | "history" | "provider" | "not_found" | "io" | "cancelled" | "download" | "key_not_allowed";
 
-export type AppError = { kind: ErrorKind, message: string, };
+export type KeyConsent = { 
+/**
+ * The environment variable the pool names (`api_key_env`).
+ */
+var: string, 
+/**
+ * Where its key would go: scheme, host and port.
+ */
+origin: string, 
+/**
+ * Who sends it: `worker "gpt"`, `the conductor`.
+ */
+owner: string, };
+
+export type AppError = { kind: ErrorKind, message: string, 
+/**
+ * Set only for [`ErrorKind::KeyNotAllowed`].
+ */
+consent?: KeyConsent, };
 
 export type WorkerForm = { 
 /**

@@ -27,6 +27,37 @@ pub enum Command {
     },
     /// Remove a provider's key from the keychain.
     Delete(Target),
+    /// Allow the key in an environment variable that a pool names (`api_key_env`) to be sent to
+    /// a server. OPENAI_API_KEY, ANTHROPIC_API_KEY and GEMINI_API_KEY go to their provider's
+    /// official host without asking; any other pairing needs this, once.
+    AllowEnv(EnvPairing),
+    /// Withdraw what `allow-env` allowed.
+    ForbidEnv(EnvPairing),
+}
+
+/// An environment variable and the server its key would go to.
+#[derive(Debug, clap::Args)]
+pub struct EnvPairing {
+    /// The variable's name, as the pool's api_key_env gives it.
+    #[arg(value_name = "VAR")]
+    var: String,
+    /// The server's URL; its scheme, host and port are what is allowed.
+    #[arg(value_name = "URL")]
+    url: String,
+}
+
+impl EnvPairing {
+    /// The variable and the origin its key may go to, or why they name none.
+    fn checked(&self) -> Result<(&str, String), Failure> {
+        if !baton_engine::pool::is_env_var_name(&self.var) {
+            return Err(Failure::BadInput(
+                "VAR must be the NAME of an environment variable (letters, digits and _), not a key".to_owned(),
+            ));
+        }
+        let origin = baton_secrets::origin(&self.url)
+            .ok_or_else(|| Failure::BadInput(format!("\"{}\" is not an http:// or https:// URL", self.url)))?;
+        Ok((&self.var, origin))
+    }
 }
 
 /// Whose key: a provider, and for OpenAI-compatible servers the server.
@@ -59,6 +90,25 @@ pub async fn run(cmd: Command) -> Outcome {
             Ok(())
         }
         Command::List { pool, json } => list(&pool, json),
+        Command::AllowEnv(pairing) => {
+            let (var, origin) = pairing.checked()?;
+            if baton_secrets::is_well_known_pairing(var, &origin) {
+                println!("${var} already goes to {origin}, its provider's official host; nothing to allow");
+                return Ok(());
+            }
+            open()?.allow_env(var, &origin).map_err(failed)?;
+            println!("allowed: a pool's api_key_env = \"{var}\" may now send ${var} to {origin}");
+            Ok(())
+        }
+        Command::ForbidEnv(pairing) => {
+            let (var, origin) = pairing.checked()?;
+            if open()?.forbid_env(var, &origin).map_err(failed)? {
+                println!("${var} may no longer be sent to {origin}");
+            } else {
+                println!("${var} was not allowed to go to {origin}; nothing changed");
+            }
+            Ok(())
+        }
         Command::Delete(target) => {
             let account = target.account()?;
             if open()?.delete(&account).map_err(failed)? {
@@ -150,6 +200,8 @@ struct Override {
     account: String,
     worker: String,
     var: String,
+    /// Whether the variable may go to the worker's server (see `allow-env`).
+    allowed: Result<(), baton_engine::keys::KeyNotAllowed>,
 }
 
 fn list(pool: &PoolArg, json: bool) -> Outcome {
@@ -165,7 +217,14 @@ fn list(pool: &PoolArg, json: bool) -> Outcome {
         if json {
             let by: Vec<_> = overridden
                 .iter()
-                .map(|o| json!({"worker": o.worker, "env": o.var, "env_set": std::env::var_os(&o.var).is_some()}))
+                .map(|o| {
+                    json!({
+                        "worker": o.worker,
+                        "env": o.var,
+                        "env_set": std::env::var_os(&o.var).is_some(),
+                        "env_allowed": o.allowed.is_ok(),
+                    })
+                })
                 .collect();
             let line = json!({
                 "account": status.account,
@@ -183,7 +242,14 @@ fn list(pool: &PoolArg, json: bool) -> Outcome {
         };
         for o in overridden {
             let set = if std::env::var_os(&o.var).is_some() { "set" } else { "not set in this shell" };
-            text.push_str(&format!("; worker \"{}\" uses ${} instead ({set})", o.worker, o.var));
+            let allowed = match &o.allowed {
+                Ok(()) => String::new(),
+                Err(refused) => format!(
+                    ", not allowed to go to {}: `baton keys allow-env {} {}`",
+                    refused.origin, refused.var, refused.origin
+                ),
+            };
+            text.push_str(&format!("; worker \"{}\" uses ${} instead ({set}{allowed})", o.worker, o.var));
         }
         println!("{:width$}  {text}", status.account);
     }
@@ -204,7 +270,8 @@ fn accounts(pool: Option<&Pool>) -> (Vec<String>, Vec<Override>) {
             accounts.push(account.clone());
         }
         if let Some(var) = &w.api_key_env {
-            overrides.push(Override { account, worker: w.name.clone(), var: var.clone() });
+            let allowed = baton_engine::keys::check_env_key(var, w.effective_base_url(), &w.name);
+            overrides.push(Override { account, worker: w.name.clone(), var: var.clone(), allowed });
         }
     }
     (accounts, overrides)

@@ -115,7 +115,7 @@ async fn a_piped_key_is_stored_listed_by_its_last_four_characters_and_deleted() 
     assert_eq!(lines.len(), 4, "{lines:?}");
     assert_eq!(
         entry(&lines, "openai")["overridden_by"],
-        serde_json::json!([{"worker": "gpt", "env": "BATON_KEYS_TEST_UNSET", "env_set": false}])
+        serde_json::json!([{"worker": "gpt", "env": "BATON_KEYS_TEST_UNSET", "env_set": false, "env_allowed": false}])
     );
     assert_eq!(entry(&lines, "openai-compatible:http://127.0.0.1:9/v1")["stored"], false);
     let text = baton(&["keys", "list", "--pool", path(&pool)], None, &[]).await;
@@ -200,4 +200,102 @@ async fn a_worker_without_api_key_env_gets_its_key_from_the_keychain() {
         out.stderr
     );
     assert_eq!(s.requests().len(), 3, "no request went out without a key");
+}
+
+/// A pool file (often someone else's) names a variable and a server: the variable's key goes
+/// there only once the user has allowed that pairing, for workers and the conductor alike. The
+/// refusal prints the one command that allows it; the keychain keeps the consent; without a
+/// keychain, `BATON_ALLOW_KEY_ENV` says it instead.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pool_s_variable_goes_only_to_a_server_the_user_allowed() {
+    if !private_keychain() {
+        return;
+    }
+    let s = TestServer::start_with(Options { key: Some(TEST_KEY.into()), ..Options::default() }).await.expect("server");
+    let url = s.base_url(Wire::OpenAi);
+    let origin = url.trim_end_matches("/v1").to_owned();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pool = dir.path().join("pool.toml");
+    std::fs::write(
+        &pool,
+        format!(
+            "[[worker]]\nname = \"theirs\"\nprovider = \"openai-compatible\"\nmodel = \"m\"\nbase_url = \"{url}\"\n\
+             api_key_env = \"BATON_E2E_KEY\"\n"
+        ),
+    )
+    .expect("write pool");
+    let plan = dir.path().join("plan.txt");
+    std::fs::write(&plan, "model_id = [0]\nsubtasks = ['Answer.']\naccess_list = [[]]\n").expect("plan");
+    let ask = ["ask", "--pool", path(&pool), "--plan", path(&plan), "What is 2+2?"];
+    // The consent the test helpers give as the user would is taken away: this user never gave it.
+    let unallowed: &[(&str, Option<&str>)] = &[("BATON_E2E_KEY", Some(TEST_KEY)), ("BATON_ALLOW_KEY_ENV", None)];
+    let command = format!("`baton keys allow-env BATON_E2E_KEY {origin}`");
+
+    let refused = baton(&ask, None, unallowed).await;
+    assert_eq!(refused.code, Some(2), "{}", refused.stderr);
+    assert!(refused.stderr.contains("worker \"theirs\" would send the key in the environment variable BATON_E2E_KEY"));
+    assert!(refused.stderr.contains(&command), "{}", refused.stderr);
+    assert_eq!(s.requests().len(), 0, "nothing went to the server");
+    let listed = baton(&["keys", "list", "--json", "--pool", path(&pool)], None, unallowed).await;
+    let lines = json_lines(&listed.stdout);
+    assert_eq!(entry(&lines, &format!("openai-compatible:{url}"))["overridden_by"][0]["env_allowed"], false);
+
+    // A conductor of theirs is held to the same.
+    let conducted = dir.path().join("conducted.toml");
+    std::fs::write(
+        &conducted,
+        format!(
+            "[conductor]\nurl = \"{url}\"\nmodel = \"planner\"\napi_key_env = \"BATON_E2E_KEY\"\n\n\
+             [[worker]]\nname = \"w\"\nprovider = \"openai-compatible\"\nmodel = \"m\"\nbase_url = \"{url}\"\n"
+        ),
+    )
+    .expect("write pool");
+    let plan_only = baton(&["plan", "--pool", path(&conducted), "Q"], None, unallowed).await;
+    assert_eq!(plan_only.code, Some(2), "{}", plan_only.stderr);
+    assert!(plan_only.stderr.contains("the conductor would send the key") && plan_only.stderr.contains(&command));
+    assert_eq!(s.requests().len(), 0, "nothing went to the conductor's server");
+
+    // The printed command, run as printed, allows exactly that pairing.
+    let allow = baton(&["keys", "allow-env", "BATON_E2E_KEY", &url], None, &[]).await;
+    assert_eq!(allow.code, Some(0), "{}", allow.stderr);
+    let answered = baton(&ask, None, unallowed).await;
+    assert_eq!(answered.code, Some(0), "{}", answered.stderr);
+    assert_eq!(s.requests().len(), 1);
+    let listed = baton(&["keys", "list", "--json", "--pool", path(&pool)], None, unallowed).await;
+    let lines = json_lines(&listed.stdout);
+    assert_eq!(entry(&lines, &format!("openai-compatible:{url}"))["overridden_by"][0]["env_allowed"], true);
+    // Another variable, or another port on the same host, is another pairing.
+    let other = std::fs::read_to_string(&pool).expect("pool").replace("BATON_E2E_KEY", "PATH");
+    std::fs::write(&pool, other).expect("write pool");
+    let refused = baton(&ask, None, unallowed).await;
+    assert!(refused.stderr.contains("allow-env PATH"), "{}", refused.stderr);
+    let moved = std::fs::read_to_string(&pool)
+        .expect("pool")
+        .replace("PATH", "BATON_E2E_KEY")
+        .replace(&origin, &format!("http://127.0.0.1:{}", s.addr().port().wrapping_add(1).max(1)));
+    std::fs::write(&pool, &moved).expect("write pool");
+    let refused = baton(&ask, None, unallowed).await;
+    assert_eq!(refused.code, Some(2), "{}", refused.stderr);
+    assert_eq!(s.requests().len(), 1, "nothing more was sent");
+
+    // Withdrawn, it is refused again; the environment can say it where there is no keychain.
+    let back = moved.replace(&format!("http://127.0.0.1:{}", s.addr().port().wrapping_add(1).max(1)), &origin);
+    std::fs::write(&pool, back).expect("write pool");
+    let forbid = baton(&["keys", "forbid-env", "BATON_E2E_KEY", &origin], None, &[]).await;
+    assert_eq!(forbid.code, Some(0), "{}", forbid.stderr);
+    assert_eq!(baton(&ask, None, unallowed).await.code, Some(2));
+    let allowed_by_env = format!("BATON_E2E_KEY={origin}");
+    let answered =
+        baton(&ask, None, &[("BATON_E2E_KEY", Some(TEST_KEY)), ("BATON_ALLOW_KEY_ENV", Some(&allowed_by_env))]).await;
+    assert_eq!(answered.code, Some(0), "{}", answered.stderr);
+    assert_eq!(s.requests().len(), 2);
+
+    // The well-known variables need no consent for their official host, and allowing one is said
+    // to be needless.
+    let needless = baton(&["keys", "allow-env", "OPENAI_API_KEY", "https://api.openai.com/v1"], None, &[]).await;
+    assert_eq!(needless.code, Some(0), "{}", needless.stderr);
+    assert!(needless.stdout.contains("nothing to allow"), "{}", needless.stdout);
+    let bad = baton(&["keys", "allow-env", "sk-0123456789abcdef", &url], None, &[]).await;
+    assert_eq!(bad.code, Some(2), "{}", bad.stderr);
+    assert!(!bad.stderr.contains("sk-0123456789abcdef"), "a key given by mistake is not echoed");
 }

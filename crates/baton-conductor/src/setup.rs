@@ -48,6 +48,9 @@ pub enum SetupError {
     /// A `[conductor]` setting names something that does not exist.
     #[error("{0}")]
     Settings(String),
+    /// The pool would send a variable's key to a host the user has not allowed it to go to.
+    #[error(transparent)]
+    KeyNotAllowed(#[from] baton_engine::keys::KeyNotAllowed),
 }
 
 /// What a pool asks of the models a process keeps loaded.
@@ -243,11 +246,18 @@ pub async fn planner(
             .unwrap_or_else(|| "default".to_owned());
         // Like a worker's: the pool's variable wins, else the keychain entry for this server.
         let key = match &spec.api_key_env {
-            Some(var) => baton_engine::keys::env_key_source(
-                Some(var.clone()),
-                "the conductor".to_owned(),
-                ProviderKind::OpenAiCompatible,
-            ),
+            Some(var) => {
+                let (var_, to, owner) = (var.clone(), source.clone(), "the conductor");
+                tokio::task::spawn_blocking(move || baton_engine::keys::check_env_key(&var_, &to, owner))
+                    .await
+                    .map_err(|e| SetupError::Settings(format!("the conductor's key could not be checked: {e}")))??;
+                baton_engine::keys::env_key_source(
+                    Some(var.clone()),
+                    owner.to_owned(),
+                    ProviderKind::OpenAiCompatible,
+                    Some(source.clone()),
+                )
+            }
             None => baton_engine::keys::keychain_key_source(
                 baton_secrets::account(ProviderKind::OpenAiCompatible, Some(&source)),
                 ProviderKind::OpenAiCompatible,

@@ -27,6 +27,7 @@ use crate::prices::{self, Price, Pricing};
 
 // The caps are the ledger's type (the pool file only sets them); kept here under its old path.
 pub use crate::accounting::Budget;
+pub use read::is_env_var_name;
 
 /// A pool file, parsed and checked, and what the pool learned of its workers.
 #[derive(Debug, Clone, PartialEq)]

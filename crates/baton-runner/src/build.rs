@@ -93,6 +93,7 @@ pub fn routes_every_question(pool: &Pool) -> bool {
 
 /// Builds the executor `setup` describes for `pool`.
 pub async fn build(pool: Pool, setup: Setup<'_>) -> Result<Built, SetupError> {
+    check_env_keys(&pool).await?;
     let pool = with_what_was_learned(pool, setup.store).await;
     let needed = match setup.conductor {
         Conductor::Required if routes_every_question(&pool) => Conductor::IfConfigured,
@@ -114,6 +115,17 @@ pub async fn build(pool: Pool, setup: Setup<'_>) -> Result<Built, SetupError> {
         executor = executor.with_planner(planner);
     }
     Ok(Built { executor, pool, conductor })
+}
+
+/// Refuses, before anything runs, a pool whose workers would send a variable's key to a host the
+/// user has not allowed it to go to (the conductor's is checked as it is set up). Each request
+/// checks again as it reads the key; this says it before a run starts, with what to do.
+async fn check_env_keys(pool: &Pool) -> Result<(), SetupError> {
+    let pool = pool.clone();
+    tokio::task::spawn_blocking(move || baton_engine::keys::check_pool_env_keys(&pool))
+        .await
+        .map_err(|e| SetupError::Settings(format!("the pool's keys could not be checked: {e}")))??;
+    Ok(())
 }
 
 /// Like [`build`] for an executor that only plans (a draft): the conductor is loaded whatever

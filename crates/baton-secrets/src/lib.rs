@@ -49,6 +49,55 @@ pub fn is_official_host(provider: ProviderKind, url: &str) -> bool {
     }
 }
 
+/// The environment variables whose key Baton sends, without asking, to their provider's official
+/// host (and only there).
+pub const WELL_KNOWN_KEY_VARS: [(&str, ProviderKind); 3] = [
+    ("OPENAI_API_KEY", ProviderKind::OpenAi),
+    ("ANTHROPIC_API_KEY", ProviderKind::Anthropic),
+    ("GEMINI_API_KEY", ProviderKind::Gemini),
+];
+
+/// The environment variable that allows variable/host pairs where there is no keychain to record
+/// the consent in: `VAR=URL` pairs separated by spaces or commas. A pool file cannot set it, so
+/// it is the user's own word, like a keychain entry.
+pub const ALLOW_KEY_ENV: &str = "BATON_ALLOW_KEY_ENV";
+
+/// `url`'s origin, the part a key is bound to: scheme, host and port, lower-cased, with the
+/// scheme's default port left out (`https://Host:443/v1` → `https://host`). `None` for anything
+/// that is not an absolute http(s) URL.
+pub fn origin(url: &str) -> Option<String> {
+    let (scheme, rest) = url.trim().split_once("://")?;
+    let scheme = scheme.to_ascii_lowercase();
+    let default_port = match scheme.as_str() {
+        "https" => ":443",
+        "http" => ":80",
+        _ => return None,
+    };
+    let authority = rest.split(['/', '?', '#']).next()?.to_ascii_lowercase();
+    let authority = authority.strip_suffix(default_port).unwrap_or(&authority);
+    (!authority.is_empty()).then(|| format!("{scheme}://{authority}"))
+}
+
+/// Whether the key in environment variable `var` may go to `url` without asking: the variable
+/// is one of the [`WELL_KNOWN_KEY_VARS`] and `url` is on its provider's official host.
+pub fn is_well_known_pairing(var: &str, url: &str) -> bool {
+    WELL_KNOWN_KEY_VARS.iter().any(|(name, provider)| *name == var && is_official_host(*provider, url))
+}
+
+/// The keychain account recording that the user allowed `var`'s key to go to `origin`. The
+/// entry holds no secret, only the pairing, filed beside the keys it guards.
+pub fn env_consent_account(var: &str, origin: &str) -> String {
+    format!("allow-env:{var}@{origin}")
+}
+
+/// Whether [`ALLOW_KEY_ENV`]'s value `allowed` holds the pairing of `var` and `origin`.
+pub fn allowed_by_variable(allowed: &str, var: &str, origin: &str) -> bool {
+    allowed
+        .split([' ', ',', '\n', '\t'])
+        .filter_map(|pair| pair.split_once('='))
+        .any(|(name, url)| name == var && self::origin(url).as_deref() == Some(origin))
+}
+
 /// What went wrong with the keychain. Messages never contain a key.
 #[derive(Debug, thiserror::Error)]
 pub enum SecretsError {
@@ -158,6 +207,21 @@ impl KeyStore {
             Err(e) if vanished(&e) => Ok(false),
             Err(e) => Err(classify(e, account)),
         }
+    }
+
+    /// Records that the user allows the key in environment variable `var` to go to `origin`.
+    pub fn allow_env(&self, var: &str, origin: &str) -> Result<(), SecretsError> {
+        self.set(&env_consent_account(var, origin), "allowed")
+    }
+
+    /// Withdraws that consent; `false` when there was none.
+    pub fn forbid_env(&self, var: &str, origin: &str) -> Result<bool, SecretsError> {
+        self.delete(&env_consent_account(var, origin))
+    }
+
+    /// Whether the user allowed the key in `var` to go to `origin`.
+    pub fn env_allowed(&self, var: &str, origin: &str) -> Result<bool, SecretsError> {
+        Ok(self.get(&env_consent_account(var, origin))?.is_some())
     }
 
     /// Whether each of `accounts` has a key, with its last four characters; never the key.
@@ -277,6 +341,40 @@ mod tests {
             assert_ne!(account(ProviderKind::OpenAi, Some(elsewhere)), "openai", "{elsewhere}");
         }
         assert_eq!(account(ProviderKind::Gemini, Some("https://generativelanguage.googleapis.com/v1beta")), "gemini");
+    }
+
+    #[test]
+    fn origins_keep_scheme_host_and_port_and_drop_the_rest() {
+        assert_eq!(origin("https://API.example.com:443/v1/").as_deref(), Some("https://api.example.com"));
+        assert_eq!(origin("http://127.0.0.1:8000/v1").as_deref(), Some("http://127.0.0.1:8000"));
+        assert_eq!(origin("http://h:80").as_deref(), Some("http://h"));
+        assert_ne!(origin("http://h:8000"), origin("http://h:8001"), "another port is another server");
+        assert_ne!(origin("http://h"), origin("https://h"), "plain http is not https");
+        assert_eq!(origin("ftp://h"), None);
+        assert_eq!(origin("h:8000"), None);
+        assert_eq!(origin("https://"), None);
+    }
+
+    #[test]
+    fn well_known_variables_go_only_to_their_provider_s_official_host() {
+        assert!(is_well_known_pairing("OPENAI_API_KEY", "https://api.openai.com/v1"));
+        assert!(is_well_known_pairing("ANTHROPIC_API_KEY", "https://api.anthropic.com"));
+        assert!(is_well_known_pairing("GEMINI_API_KEY", "https://generativelanguage.googleapis.com/v1beta"));
+        assert!(!is_well_known_pairing("OPENAI_API_KEY", "https://api.anthropic.com"), "another provider's host");
+        assert!(!is_well_known_pairing("OPENAI_API_KEY", "http://127.0.0.1:8000/v1"));
+        assert!(!is_well_known_pairing("OPENAI_API_KEY", "https://api.openai.com.evil.example/v1"));
+        assert!(!is_well_known_pairing("AWS_SECRET_ACCESS_KEY", "https://api.openai.com/v1"));
+    }
+
+    #[test]
+    fn the_allow_variable_names_exact_pairs() {
+        let allowed = "MY_KEY=http://127.0.0.1:8000/v1, OTHER=https://h.example";
+        assert!(allowed_by_variable(allowed, "MY_KEY", "http://127.0.0.1:8000"));
+        assert!(allowed_by_variable(allowed, "OTHER", "https://h.example"));
+        assert!(!allowed_by_variable(allowed, "MY_KEY", "http://127.0.0.1:8001"), "another port");
+        assert!(!allowed_by_variable(allowed, "OTHER", "http://127.0.0.1:8000"), "another variable's host");
+        assert!(!allowed_by_variable("MY_KEY", "MY_KEY", "http://127.0.0.1:8000"), "no host, no pairing");
+        assert!(!allowed_by_variable("", "MY_KEY", "http://127.0.0.1:8000"));
     }
 
     #[test]

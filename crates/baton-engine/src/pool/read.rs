@@ -346,7 +346,7 @@ fn worker(t: &toml::Table) -> Result<WorkerSpec, FieldError> {
 /// A portable environment variable name, and not a key pasted in its place. Keys with dashes
 /// (`sk-…`, `AIza…`) never match; keys of letters, digits and `_` only (Mistral's, Groq's
 /// `gsk_…`) are long runs mixing lower-case letters and digits, which names are not.
-fn is_env_var_name(name: &str) -> bool {
+pub fn is_env_var_name(name: &str) -> bool {
     let mut chars = name.chars();
     let portable = chars.next().is_some_and(|c| c == '_' || c.is_ascii_alphabetic())
         && chars.all(|c| c == '_' || c.is_ascii_alphanumeric())
