@@ -12,6 +12,7 @@ use crate::Outcome;
 #[cfg(feature = "local")]
 mod conductor;
 mod executor;
+mod flood;
 mod history;
 mod serve;
 
@@ -79,6 +80,14 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// What a flood costs `baton serve` in resident memory, for each bound it keeps: idle
+    /// connections, waiting request bodies, responses kept for `Idempotency-Key`, and a remote
+    /// conductor's endless plan; each sent far past its bound (Linux: memory from /proc).
+    Flood {
+        /// One JSON object on stdout.
+        #[arg(long)]
+        json: bool,
+    },
     /// A local conductor model's speed: load time, prompt and decode rates, time to the first
     /// plan token cold (the first plan) and warm (later plans, whose prompts share the pool's
     /// prefix), plan tokens and time, and what the plan grammar costs per token.
@@ -127,6 +136,7 @@ pub async fn run(cmd: Command) -> Outcome {
             let slots = max_concurrent_runs.unwrap_or(2 * requests);
             serve::run(requests, bursts, latency_ms, !no_history, slots, pin_threads, json).await
         }
+        Command::Flood { json } => flood::run(json).await,
         #[cfg(feature = "local")]
         Command::Conductor(args) => conductor::run(args).await,
         // Named in full: this arm is this file's only use of `Failure`, and the `local` feature

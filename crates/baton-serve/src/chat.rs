@@ -137,7 +137,9 @@ pub async fn completions(
     let started = async {
         let bytes = handling::read_body(&service, body).await?;
         let mut call = parse(&service, &headers, &bytes)?;
-        let permit = handling::admit(&service, bytes.len()).await?;
+        // Parsed: the raw body need not wait in the queue beside its copy.
+        drop(bytes);
+        let permit = handling::admit(&service).await?;
         if let Some(store) = &service.store {
             call.conversation = handling::continued(&service, store, &call).await?;
         }

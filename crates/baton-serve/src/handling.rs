@@ -31,11 +31,39 @@ pub(crate) async fn read_body(service: &Service, body: Body) -> Result<axum::bod
     })
 }
 
+/// The middleware that bounds the bodies a server holds: each request's body counts against
+/// [`crate::MAX_QUEUED_BYTES`] from before it is read until its handler has answered (a run
+/// that streams: once it has its slot; one that does not: once its answer is whole), so bodies
+/// being read and bodies waiting for a run slot share the bound. A body counts its declared
+/// length, or the server's limit for one sent without a length. Past the bound, 429 with
+/// `Retry-After` before the body is read.
+pub(crate) async fn bound_body(
+    axum::extract::State(service): axum::extract::State<Arc<Service>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::body::HttpBody;
+    use axum::response::IntoResponse;
+    let most = service.options.max_body_bytes;
+    let declared = request.body().size_hint().upper().map_or(most, |n| usize::try_from(n).unwrap_or(most).min(most));
+    let Some(_held) = QueuedBytes::join(&service.queued_bytes, declared) else {
+        return ApiError::busy(
+            format!(
+                "the requests this server is reading or that wait for a run slot hold {} MiB already; try again shortly",
+                crate::MAX_QUEUED_BYTES >> 20
+            ),
+            Some(1),
+        )
+        .into_response();
+    };
+    next.run(request).await
+}
+
 /// A run slot for `call`, with its cost capped at what is left of the day's cap. A request
 /// waits its turn while every slot is taken; 429 when the queue is full too, when the history
-/// has fallen a whole set of runs behind, or when the day's cap is spent.
-/// `body_bytes` is the request's body, which it holds (with its parsed copy) while it waits.
-pub(crate) async fn admit(service: &Service, body_bytes: usize) -> Result<OwnedSemaphorePermit, ApiError> {
+/// has fallen a whole set of runs behind, or when the day's cap is spent. (Its body is counted
+/// while it waits by [`bound_body`].)
+pub(crate) async fn admit(service: &Service) -> Result<OwnedSemaphorePermit, ApiError> {
     let most = service.options.max_concurrent_runs.max(1);
     // Runs going, and runs that ended but wait for the history. The wait is usually a few
     // milliseconds, but one commit can take tens on a busy disk, and a client asking one
@@ -57,16 +85,6 @@ pub(crate) async fn admit(service: &Service, body_bytes: usize) -> Result<OwnedS
                     format!(
                         "all {} of this server's run slots are busy and {} requests wait already; try again shortly",
                         service.options.max_concurrent_runs, service.options.max_queued_runs
-                    ),
-                    Some(1),
-                ));
-            };
-            let Some(_bytes) = QueuedBytes::join(&service.queued_bytes, body_bytes) else {
-                return Err(ApiError::busy(
-                    format!(
-                        "all {} of this server's run slots are busy and the requests waiting hold {} MiB already; try again shortly",
-                        service.options.max_concurrent_runs,
-                        crate::MAX_QUEUED_BYTES >> 20
                     ),
                     Some(1),
                 ));
@@ -97,8 +115,8 @@ impl Drop for Queued {
     }
 }
 
-/// The bytes of a waiting request's body, counted against [`crate::MAX_QUEUED_BYTES`] until
-/// it leaves the queue.
+/// The bytes of a request's body, counted against [`crate::MAX_QUEUED_BYTES`] until its
+/// handler has answered ([`bound_body`]).
 struct QueuedBytes(Arc<AtomicUsize>, usize);
 
 impl QueuedBytes {

@@ -33,6 +33,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use error::ApiError;
 pub use guard::Guard;
+pub use idempotency::{KEPT_AT_MOST, KEPT_BYTES_AT_MOST};
 pub use token::{TOKEN_ACCOUNT, TokenError, token};
 
 /// How a server is bound and bounded.
@@ -96,7 +97,7 @@ pub struct Service {
     runs: Arc<Semaphore>,
     /// Requests waiting for a run slot.
     queued: Arc<std::sync::atomic::AtomicUsize>,
-    /// The bytes of the waiting requests' bodies.
+    /// The bytes of the bodies being read or waiting for a run slot.
     queued_bytes: Arc<std::sync::atomic::AtomicUsize>,
     /// The responses of requests sent with an `Idempotency-Key`.
     idempotent: idempotency::Responses,
@@ -367,9 +368,10 @@ impl Service {
 /// queue lets them (Ollama queues 512).
 pub const DEFAULT_QUEUE: usize = 256;
 
-/// The most bytes of request bodies that may wait for a run slot, all together (each waits
-/// with its parsed copy, about as many bytes again): past it, a request that would wait gets
-/// 429 with `Retry-After`, as with a full queue.
+/// The most bytes of request bodies a server holds at once, being read or waiting for a run
+/// slot (each waits with its parsed copy, about as many bytes again), counted by their declared
+/// length: past it, a request gets 429 with `Retry-After` before its body is read, as with a
+/// full queue.
 pub const MAX_QUEUED_BYTES: usize = 64 << 20;
 
 /// The most connections a server holds open at once; past them it accepts no more until one
@@ -404,6 +406,9 @@ pub fn router(service: Arc<Service>) -> Router {
         })
         // Inside the guard: only a caller with the token has its responses kept.
         .layer(axum::middleware::from_fn_with_state(service.clone(), idempotency::replay))
+        // Outside the replay, which reads the body too; inside the guard, so that a caller
+        // without the token never has its body read.
+        .layer(axum::middleware::from_fn_with_state(service.clone(), handling::bound_body))
         .layer(axum::middleware::from_fn_with_state(service.clone(), guard::check))
         .layer(axum::middleware::from_fn_with_state(service.clone(), count))
         .with_state(service)

@@ -119,7 +119,9 @@ pub async fn create(
     let started = async {
         let bytes = handling::read_body(&service, body).await?;
         let (mut call, echo) = parse(&service, &headers, &bytes)?;
-        let permit = handling::admit(&service, bytes.len()).await?;
+        // Parsed: the raw body need not wait in the queue beside its copy.
+        drop(bytes);
+        let permit = handling::admit(&service).await?;
         if let Some(store) = &service.store {
             if let Some(previous) = &echo.previous {
                 continue_response(&service, store, previous, &mut call).await?;

@@ -812,6 +812,63 @@ async fn requests_beyond_the_slots_wait_their_turn_and_only_a_full_queue_refuses
     assert_eq!((at("quitter"), at("fourth"), asked.len()), (None, None, 3), "{asked:?}");
 }
 
+/// Bodies count from before they are read: clients that declare large bodies and send them
+/// slowly (or never) cannot make the server hold more than `MAX_QUEUED_BYTES` of them; the
+/// next request is refused at once, before its body is read, and a request without a body
+/// (the models list) is not held up.
+#[tokio::test]
+async fn bodies_count_against_the_bound_from_before_they_are_read() {
+    use tokio::io::AsyncWriteExt;
+    let s = serve_with(&[("a", "alpha")], |o| o.max_body_bytes = 4 << 20).await;
+    let port = s.url.rsplit(':').next().expect("port").to_owned();
+    let head = |length: usize| {
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {TOKEN}\r\n\
+             Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n{{\"model\""
+        )
+    };
+    // Sixteen clients each declare 4 MiB and send a few bytes of it: 64 MiB held, none of it sent.
+    let mut slow = Vec::new();
+    for _ in 0..baton_serve::MAX_QUEUED_BYTES / (4 << 20) {
+        let mut c = tokio::net::TcpStream::connect(("127.0.0.1", port.parse::<u16>().expect("port"))).await.expect("c");
+        c.write_all(head(4 << 20).as_bytes()).await.expect("head");
+        slow.push(c);
+    }
+    let status = async || {
+        let body = json!({ "model": "baton/a", "messages": question("Small.") });
+        let sent = client().post(format!("{}/v1/chat/completions", s.url)).bearer_auth(TOKEN).json(&body).send();
+        let r = tokio::time::timeout(Duration::from_secs(10), sent).await.expect("answered at once").expect("sent");
+        (r.status().as_u16(), r.headers().get("retry-after").cloned(), r.text().await.expect("text"))
+    };
+    // Wait until the server has read all sixteen heads.
+    let mut refused = None;
+    for _ in 0..200 {
+        let (code, retry, text) = status().await;
+        if code == 429 {
+            refused = Some((retry, text));
+            break;
+        }
+        assert_eq!(code, 200, "{text}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (retry, text) = refused.expect("past the bound, a request is refused");
+    assert_eq!(retry.expect("Retry-After"), "1");
+    assert!(text.contains("64 MiB already"), "{text}");
+    let models = client().get(format!("{}/v1/models", s.url)).bearer_auth(TOKEN).send().await.expect("sent");
+    assert_eq!(models.status(), 200, "a request without a body holds nothing");
+    // The slow clients hang up: their bytes are free again.
+    drop(slow);
+    let mut answered = false;
+    for _ in 0..200 {
+        if status().await.0 == 200 {
+            answered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(answered, "the bound frees as its bodies go");
+}
+
 /// A run frees its slot when it ends, though the history records it a moment later: a client
 /// that asks one question after another is never refused for the history's sake. A history that
 /// cannot write at all (another process holds it) lets a whole set of runs wait for it

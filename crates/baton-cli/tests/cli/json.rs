@@ -38,6 +38,7 @@ const OUTPUTS: &[&str] = &[
     "baton bench executor --json",
     "baton bench history --json",
     "baton bench serve --json",
+    "baton bench flood --json",
     "baton bench conductor --json",
 ];
 
@@ -491,6 +492,12 @@ async fn bench_prints_what_the_page_documents() {
     documented_object("baton bench history --json", &bench(&args).await);
     let args = ["serve", "--requests", "2", "--bursts", "1", "--latency-ms", "1", "--no-history", "--json"];
     documented_object("baton bench serve --json", &bench(&args).await);
+    let flood = documented_object("baton bench flood --json", &bench(&["flood", "--json"]).await);
+    let phases = flood["phases"].as_array().expect("phases");
+    assert_eq!(phases.len(), 4, "{flood}");
+    // Each bound held: the endless plan was cut off, and the body flood was partly refused.
+    assert!(phases[3]["outcome"].as_str().is_some_and(|o| o.starts_with("refused")), "{flood}");
+    assert!(phases[1]["outcome"].as_str().is_some_and(|o| !o.ends_with(" 0 were refused at once")), "{flood}");
 }
 
 /// `bench conductor` measures a real model writing whole plans, which takes minutes on a CPU
