@@ -830,8 +830,9 @@ fn front_ends_build_executors_only_through_the_runner() {
 
 #[test]
 fn front_ends_learn_evaluate_serve_and_record_only_through_the_application_layer() {
-    // The serve bench builds a server of fake workers on purpose: it measures the server itself.
-    let benches = ["crates/baton-cli/src/bench/serve.rs"];
+    // The serve and flood benches build a server of fake workers on purpose: they measure the
+    // server itself.
+    let benches = ["crates/baton-cli/src/bench/serve.rs", "crates/baton-cli/src/bench/flood.rs"];
     let needles = [
         "Harness::new",
         "Service::new",

@@ -84,6 +84,10 @@ pub enum Command {
     /// connections, waiting request bodies, responses kept for `Idempotency-Key`, and a remote
     /// conductor's endless plan; each sent far past its bound (Linux: memory from /proc).
     Flood {
+        /// Run only flood N (0 to 3) in this process, printing its figures as JSON: what the
+        /// bench runs each flood as.
+        #[arg(long, value_name = "N", hide = true)]
+        only: Option<usize>,
         /// One JSON object on stdout.
         #[arg(long)]
         json: bool,
@@ -136,7 +140,7 @@ pub async fn run(cmd: Command) -> Outcome {
             let slots = max_concurrent_runs.unwrap_or(2 * requests);
             serve::run(requests, bursts, latency_ms, !no_history, slots, pin_threads, json).await
         }
-        Command::Flood { json } => flood::run(json).await,
+        Command::Flood { only, json } => flood::run(only, json).await,
         #[cfg(feature = "local")]
         Command::Conductor(args) => conductor::run(args).await,
         // Named in full: this arm is this file's only use of `Failure`, and the `local` feature

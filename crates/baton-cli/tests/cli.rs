@@ -274,9 +274,11 @@ async fn interrupting_a_run_exits_130() {
     let plan = "model_id = [0]\nsubtasks = ['take your time']\naccess_list = [[]]";
     let plan_path = dir.path().join("plan.txt");
     std::fs::write(&plan_path, plan).expect("write");
+    let args = ["ask", "--pool", path(&pool), "--plan", path(&plan_path), "Q"];
     let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_baton"))
-        .args(["ask", "--pool", path(&pool), "--plan", path(&plan_path), "Q"])
+        .args(args)
         .env("BATON_E2E_KEY", TEST_KEY)
+        .env("BATON_ALLOW_KEY_ENV", baton_tests::consent(&args).expect("the pool names its servers"))
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)

@@ -179,8 +179,10 @@ fn slow_pool(dir: &Path, runtime: &Path, s: &TestServer) -> SlowPool {
 impl SlowPool {
     /// `baton ask --plan PLAN QUESTION`, each with the same environment, so the same helper.
     fn ask(&self, plan: &Path, question: &str) -> tokio::process::Child {
+        let args = ["ask", "--pool", arg(&self.pool), "--plan", arg(plan), question];
         tokio::process::Command::new(env!("CARGO_BIN_EXE_baton"))
-            .args(["ask", "--pool", arg(&self.pool), "--plan", arg(plan), question])
+            .args(args)
+            .env("BATON_ALLOW_KEY_ENV", baton_tests::consent(&args).unwrap_or_default())
             .env("BATON_DB", &self.db)
             .env("BATON_E2E_KEY", TEST_KEY)
             .env("BATON_KEEP_WARM", "60")

@@ -159,9 +159,10 @@ mod tests {
 
     #[test]
     fn a_variable_goes_only_to_a_host_it_is_allowed_to() {
+        // A documentation address no other test allows: the tests share one keyring.
         let pool = Pool::parse(
             "[[worker]]\nname = 'gpt'\nprovider = 'openai'\nmodel = 'gpt-5'\napi_key_env = 'OPENAI_API_KEY'\n\
-             [[worker]]\nname = 'rogue'\nprovider = 'openai'\nmodel = 'gpt-5'\nbase_url = 'http://127.0.0.1:9/v1'\napi_key_env = 'PATH'\n",
+             [[worker]]\nname = 'rogue'\nprovider = 'openai'\nmodel = 'gpt-5'\nbase_url = 'http://192.0.2.7:9/v1'\napi_key_env = 'PATH'\n",
             "p.toml",
         )
         .expect("valid");
@@ -169,10 +170,10 @@ mod tests {
         assert_eq!(check_env_key("OPENAI_API_KEY", pool.workers[0].effective_base_url(), "worker \"gpt\""), Ok(()));
         // PATH is always set, so only the binding stands between its value and the server.
         let refused = check_pool_env_keys(&pool).expect_err("PATH was never allowed to go to that server");
-        assert_eq!((refused.var.as_str(), refused.origin.as_str()), ("PATH", "http://127.0.0.1:9"));
+        assert_eq!((refused.var.as_str(), refused.origin.as_str()), ("PATH", "http://192.0.2.7:9"));
         assert_eq!(refused.owner, "worker \"rogue\"");
         let message = refused.to_string();
-        assert!(message.contains("`baton keys allow-env PATH http://127.0.0.1:9`"), "{message}");
+        assert!(message.contains("`baton keys allow-env PATH http://192.0.2.7:9`"), "{message}");
         // And a request built some other way is refused as it reads the key.
         let e = key_source(&pool.workers[1])().expect_err("refused per request too");
         assert_eq!(e.kind, ErrorKind::Auth);

@@ -1,7 +1,8 @@
 //! `bench flood`: what a flood costs `baton serve` in resident memory, one bound at a time: idle
 //! connections, the bodies of requests waiting in the queue, the responses kept for
 //! `Idempotency-Key`, and a remote conductor whose plan never ends. Each is sent far past its
-//! bound; the figures are this process's resident memory before, while flooded, and after.
+//! bound, each in a process of its own; the figures are that process's resident memory (server
+//! and clients) before, while flooded, and after.
 //!
 //! Resident memory counts what the allocator keeps as well as what is in use: "after" shows
 //! what was not handed back to the system, not a leak by itself. Linux only (`/proc`).
@@ -41,38 +42,69 @@ struct Phase {
     after: Option<u64>,
 }
 
-pub(super) async fn run(json: bool) -> Outcome {
+/// The floods, in the order they run.
+const PHASES: usize = 4;
+
+/// Runs each flood in a process of its own (this program, `--only N`), so that what one leaves
+/// in the allocator does not hide what the next costs; with `only`, runs that one here.
+pub(super) async fn run(only: Option<usize>, json: bool) -> Outcome {
     let failed = |e: &dyn std::fmt::Display| Failure::Failed(e.to_string());
-    let descriptors = raise_descriptor_limit();
-    let phases = vec![
-        connections(descriptors).await.map_err(|e| failed(&e))?,
-        queued_bodies().await.map_err(|e| failed(&e))?,
-        kept_responses().await.map_err(|e| failed(&e))?,
-        endless_plan().await.map_err(|e| failed(&e))?,
-    ];
-    let peak = status_kib("VmHWM:");
-    if json {
-        let rows: Vec<_> = phases
-            .iter()
-            .map(|p| {
-                serde_json::json!({
-                    "flood": p.name, "offered": p.offered, "bound": p.bound, "outcome": p.outcome,
-                    "rss_kib_before": p.before, "rss_kib_flooded": p.flooded, "rss_kib_after": p.after,
-                })
+    if let Some(n) = only {
+        let descriptors = raise_descriptor_limit();
+        let phase = match n {
+            0 => connections(descriptors).await,
+            1 => queued_bodies().await,
+            2 => kept_responses().await,
+            3 => endless_plan().await,
+            _ => return Err(Failure::BadInput(format!("--only takes 0 to {}", PHASES - 1))),
+        }
+        .map_err(|e| failed(&e))?;
+        println!(
+            "{}",
+            serde_json::json!({
+                "flood": phase.name, "offered": phase.offered, "bound": phase.bound, "outcome": phase.outcome,
+                "rss_kib_before": phase.before, "rss_kib_flooded": phase.flooded, "rss_kib_after": phase.after,
+                "rss_kib_peak": status_kib("VmHWM:"),
             })
-            .collect();
-        println!("{}", crate::json::line(&serde_json::json!({ "phases": rows, "rss_kib_peak": peak })));
+        );
         return Ok(());
     }
-    let mib = |kib: Option<u64>| kib.map_or_else(|| "unknown".to_owned(), |k| format!("{:.1} MiB", k as f64 / 1024.0));
-    println!("resident memory of this process (server and clients), flooding one bound at a time:");
-    for p in &phases {
-        println!("  {}: {}", p.name, p.offered);
-        println!("    bound: {}", p.bound);
-        println!("    {}", p.outcome);
-        println!("    resident: before {}, flooded {}, after {}", mib(p.before), mib(p.flooded), mib(p.after));
+    let exe = std::env::current_exe().map_err(|e| failed(&e))?;
+    let mut phases = Vec::with_capacity(PHASES);
+    for n in 0..PHASES {
+        let out = tokio::process::Command::new(&exe)
+            .args(["bench", "flood", "--only", &n.to_string()])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .await
+            .map_err(|e| failed(&e))?;
+        if !out.status.success() {
+            return Err(Failure::Failed(format!("flood {n} failed: {}", String::from_utf8_lossy(&out.stderr).trim())));
+        }
+        let phase: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| failed(&e))?;
+        phases.push(phase);
     }
-    println!("  peak resident over the whole bench: {}", mib(peak));
+    if json {
+        println!("{}", crate::json::line(&serde_json::json!({ "phases": phases })));
+        return Ok(());
+    }
+    let mib = |v: &serde_json::Value| {
+        v.as_u64().map_or_else(|| "unknown".to_owned(), |k| format!("{:.1} MiB", k as f64 / 1024.0))
+    };
+    let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
+    println!("resident memory of a server and its clients in one process, a process for each flood:");
+    for p in &phases {
+        println!("  {}: {}", text(&p["flood"]), text(&p["offered"]));
+        println!("    bound: {}", text(&p["bound"]));
+        println!("    {}", text(&p["outcome"]));
+        println!(
+            "    resident: before {}, flooded {}, after {} (peak {})",
+            mib(&p["rss_kib_before"]),
+            mib(&p["rss_kib_flooded"]),
+            mib(&p["rss_kib_after"]),
+            mib(&p["rss_kib_peak"])
+        );
+    }
     Ok(())
 }
 
