@@ -83,6 +83,7 @@ pub fn typescript() -> String {
         baton_engine::profile::RouteHow::decl(&cfg),
         baton_engine::profile::KindRoute::decl(&cfg),
         baton_engine::profile::PoolLearning::decl(&cfg),
+        baton_engine::profile::PlanVariety::decl(&cfg),
         crate::learn::LearnRequest::decl(&cfg),
         crate::learn::Learned::decl(&cfg),
         crate::local_api::LocalApiForm::decl(&cfg),

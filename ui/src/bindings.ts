@@ -863,7 +863,7 @@ worse: number, };
 
 export type Route = "auto" | "always" | "never";
 
-export type RouteHow = "always" | "clear" | "no_gain" | "lead";
+export type RouteHow = "always" | "clear" | "no_gain" | "lead" | "workflow";
 
 export type KindRoute = { 
 /**
@@ -877,7 +877,15 @@ by_kind: boolean,
 /**
  * How it is shown: the category, or for a kind "other multiple-choice".
  */
-label: string, worker: string, how: RouteHow, };
+label: string, 
+/**
+ * The worker alone, or with [`RouteHow::Workflow`] the workflow's first worker.
+ */
+worker: string, 
+/**
+ * With [`RouteHow::Workflow`], the workflow in words: "a, then b seeing a's answer".
+ */
+workflow: string | null, how: RouteHow, };
 
 export type PoolLearning = { 
 /**
@@ -890,7 +898,12 @@ workers: Array<WorkerLearning>,
  */
 plans: WorkerLearning | null, 
 /**
- * Each learned kind of question and the worker it goes to.
+ * The workflows search found while the pool learned, each with its figures (`worker` is
+ * the workflow in words), on this pool's workers.
+ */
+workflows: Array<WorkerLearning>, 
+/**
+ * Each learned kind of question and the worker (or workflow) it goes to.
  */
 routes: Array<KindRoute>, 
 /**
@@ -901,7 +914,13 @@ named_fallback: string | null,
 /**
  * `[conductor] route`.
  */
-route: Route, };
+route: Route, 
+/**
+ * How varied the conductor's sampled plans were, where they were measured.
+ */
+plan_variety: PlanVariety | null, };
+
+export type PlanVariety = { samples: number, distinct: number, };
 
 export type LearnRequest = { 
 /**

@@ -223,8 +223,18 @@ struct GrpoGroup {
     question: String,
     completions: Vec<String>,
     rewards: Vec<f64>,
+    /// Where each completion comes from: `sample` (the conductor wrote it for this prompt), or
+    /// the strategy key of a learning run's search candidate (`chain:a>b`, `fan-out:a+b>a`),
+    /// a plan of fixed shape written as the conductor would write it, which was run and scored
+    /// the same way.
+    sources: Vec<String>,
     /// The runs in the history the samples come from.
     run_ids: Vec<i64>,
+}
+
+/// Whether a result is a learning run's search candidate (a workflow of fixed shape).
+fn searched(strategy: &str) -> bool {
+    strategy.starts_with("chain:") || strategy.starts_with("fan-out:")
 }
 
 async fn export_grpo(store: &baton_store::Store, id: &str, out: &std::path::Path, samples: Option<usize>) -> Outcome {
@@ -244,8 +254,14 @@ async fn export_grpo(store: &baton_store::Store, id: &str, out: &std::path::Path
     }
     let results = store.eval_results(id).await.map_err(failed)?;
     let mut groups: std::collections::BTreeMap<String, Vec<&baton_store::evaluations::EvalResult>> = Default::default();
+    // The conductor's samples first: a group's prompt is its first sample's.
     for r in results.iter().filter(|r| r.strategy == "conductor") {
         groups.entry(r.item_id.clone()).or_default().push(r);
+    }
+    for r in results.iter().filter(|r| searched(&r.strategy)) {
+        if let Some(group) = groups.get_mut(&r.item_id) {
+            group.push(r);
+        }
     }
     if groups.is_empty() {
         return Err(Failure::BadInput(format!(
@@ -266,6 +282,7 @@ async fn export_grpo(store: &baton_store::Store, id: &str, out: &std::path::Path
             question: String::new(),
             completions: Vec::new(),
             rewards: Vec::new(),
+            sources: Vec::new(),
             run_ids: Vec::new(),
         };
         let mut first: Option<baton_engine::PlanPrompt> = None;
@@ -281,6 +298,18 @@ async fn export_grpo(store: &baton_store::Store, id: &str, out: &std::path::Path
                 skipped += 1;
                 continue;
             };
+            // A search candidate has no request of its own: its plan is written as the conductor
+            // writes one, a completion for the group's prompt.
+            if searched(&r.strategy) {
+                if first.is_none() {
+                    continue;
+                }
+                group.completions.push(format!("```python\n{}```", plan.plan.to_python()));
+                group.rewards.push(if r.correct { 1.0 } else { 0.5 });
+                group.sources.push(r.strategy.clone());
+                group.run_ids.push(run);
+                continue;
+            }
             let (sample, reward) = match plan.rejected.first() {
                 Some(rejected) => ((rejected.prompt.clone(), rejected.raw.clone()), 0.0),
                 None => ((plan.prompt.clone(), plan.raw.clone()), if r.correct { 1.0 } else { 0.5 }),
@@ -308,6 +337,7 @@ async fn export_grpo(store: &baton_store::Store, id: &str, out: &std::path::Path
             }
             group.completions.push(raw);
             group.rewards.push(reward);
+            group.sources.push("sample".into());
             group.run_ids.push(run);
         }
         if let Some(k) = samples {
@@ -317,6 +347,7 @@ async fn export_grpo(store: &baton_store::Store, id: &str, out: &std::path::Path
             }
             group.completions.truncate(k);
             group.rewards.truncate(k);
+            group.sources.truncate(k);
             group.run_ids.truncate(k);
         }
         if group.completions.is_empty() {
@@ -328,7 +359,7 @@ async fn export_grpo(store: &baton_store::Store, id: &str, out: &std::path::Path
     }
     std::fs::write(out, text).map_err(|e| Failure::Failed(format!("{}: {e}", out.display())))?;
     eprintln!(
-        "{written} prompts written to {}; {skipped} samples left out (no plan, or too few samples)",
+        "{written} prompts written to {}, from the results of strategy `conductor` (the samples) and, in a learning run, `chain:…` and `fan-out:…` (search candidates); {skipped} samples left out (no plan, or too few samples)",
         out.display()
     );
     if unrecorded > 0 {

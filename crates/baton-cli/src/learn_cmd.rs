@@ -41,6 +41,10 @@ pub struct LearnArgs {
     /// examples. 0: learn the workers alone only. Needs a conductor in the pool.
     #[arg(long, value_name = "N", default_value_t = learn::DEFAULT_PLANS)]
     plans: u32,
+    /// Do not search for workflows (chains of two workers, then a fan-out) on the items that
+    /// no worker alone and no plan answered.
+    #[arg(long)]
+    no_search: bool,
 }
 
 pub async fn learn(args: LearnArgs) -> Outcome {
@@ -53,6 +57,7 @@ pub async fn learn(args: LearnArgs) -> Outcome {
         concurrency: args.concurrency,
         max_cost_usd: args.max_cost_usd,
         plans: args.plans,
+        search: !args.no_search,
     };
     let store = args.db.open().await?;
     let io = crate::io::Io::terminal();
@@ -82,7 +87,7 @@ pub async fn learn(args: LearnArgs) -> Outcome {
 /// time per item; and what runs do with it.
 pub fn profiles_table(learning: &PoolLearning) -> String {
     let mut out = String::new();
-    for w in learning.workers.iter().chain(&learning.plans) {
+    for w in learning.workers.iter().chain(&learning.plans).chain(&learning.workflows) {
         let marks = &w.marks;
         let marked = (marks.total() > 0).then(|| {
             format!(
@@ -122,6 +127,13 @@ pub fn profiles_table(learning: &PoolLearning) -> String {
         }
         out.push_str(marked.as_deref().unwrap_or_default());
     }
+    if let Some(v) = learning.plan_variety {
+        let share = f64::from(v.distinct) / f64::from(v.samples.max(1)) * 100.0;
+        out.push_str(&format!(
+            "The conductor's samples: {} distinct plans of {} ({share:.0}%), counted per item.\n",
+            v.distinct, v.samples
+        ));
+    }
     if let Some(name) = &learning.named_fallback {
         out.push_str(&match learning.route {
             Route::Always => {
@@ -140,8 +152,10 @@ pub fn profiles_table(learning: &PoolLearning) -> String {
                 RouteHow::Clear => "alone, without a plan (a clear margin)",
                 RouteHow::NoGain => "alone, without a plan (plans not shown to do better)",
                 RouteHow::Lead => "as the plan's lead (the conductor plans)",
+                RouteHow::Workflow => "without a plan (a clear margin over every worker alone)",
             };
-            out.push_str(&format!("  {:<width$} {}, {how}\n", route.label, route.worker));
+            let to = route.workflow.as_deref().unwrap_or(&route.worker);
+            out.push_str(&format!("  {:<width$} {to}, {how}\n", route.label));
         }
     }
     out

@@ -649,3 +649,140 @@ async fn the_conductor_plans_from_the_plans_that_were_right_when_the_pool_learne
     assert_eq!(accuracies[0], 1.0, "with learned plans");
     assert!(accuracies[1] < 0.8, "without them, the pinned lead answers every question: {}", accuracies[1]);
 }
+
+/// A word problem only two workers together answer: `reader` restates it as arithmetic
+/// (`[x * y + z]`) without computing it, `calc` computes an expression it is shown in an earlier
+/// answer but cannot read a word problem. Returns the item, its needle and reader's restatement,
+/// and calc's table entry (the expression and its answer).
+fn word(id: &str, n: u32) -> ((Value, String, String), (String, String)) {
+    let (x, y, z) = (11 + n, 13 + 2 * n, 7 + n % 5);
+    let needle = format!("<{id}>");
+    let question = format!(
+        "{needle} A farmer plants {x} rows of apple trees with {y} trees in each row, then {z} more trees by the gate. How many apple trees does the farmer have?"
+    );
+    let expression = format!("[{x} * {y} + {z}]");
+    let answer = x * y + z;
+    let item =
+        json!({"id": id, "kind": "number", "category": "word", "question": question, "answer": answer.to_string()});
+    let computed = format!("{expression} = {answer}\n#### {answer}");
+    ((item, needle, format!("As arithmetic, the problem is {expression}.")), (expression, computed))
+}
+
+/// Only a workflow answers here: no worker alone and no plan of the conductor's (every one
+/// worker 0 alone) is right on any item. Learning searches the chains of two, in a fixed
+/// order, finds "reader, then calc seeing reader's answer" on every item, measures it and makes
+/// it the route for word problems: on held-out items the pool goes from 0 to every item right,
+/// two calls each, with no plan written. A changed worker makes the workflow stale.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pool_whose_workers_answer_only_together_learns_the_workflow_that_does() {
+    let s = server().await;
+    let setup = Setup::new();
+    let learn: Vec<_> = (0..12).map(|i| word(&format!("lw{i}"), i)).collect();
+    let test: Vec<_> = (0..20).map(|i| word(&format!("tw{i}"), 20 + i)).collect();
+    let all: Vec<_> = learn.iter().chain(&test).collect();
+    let reader = setup.knows("reader", &all.iter().map(|(item, _)| item).collect::<Vec<_>>());
+    let calc: serde_json::Map<String, Value> =
+        all.iter().map(|(_, (expression, reply))| (expression.clone(), Value::from(reply.clone()))).collect();
+    let calc = setup.write("calc.json", &Value::Object(calc).to_string());
+    let dud = setup.write("dud.json", "{}");
+    // The first worker listed is the one that is always wrong, so search has to go past it.
+    let text =
+        std::fs::read_to_string(setup.pool(&s, &[("dud", &dud, 1.0), ("calc", &calc, 1.0), ("reader", &reader, 1.0)]))
+            .expect("pool")
+            .replace(
+                &format!("model = \"calc;knows={}", path(&calc)),
+                &format!("model = \"calc;after={}", path(&calc)),
+            );
+    let pool = setup.write("pool.toml", &text);
+    let learn_suite = setup.suite("learn.jsonl", &learn.iter().map(|(item, _)| item).collect::<Vec<_>>());
+    let held_out = setup.suite("held-out.jsonl", &test.iter().map(|(item, _)| item).collect::<Vec<_>>());
+    let strategies = "conductor,single:dud,single:calc,single:reader";
+
+    let before = setup.eval(&held_out, &pool, "before", strategies).await;
+    for strategy in strategies.split(',') {
+        assert_eq!(accuracy(&before, strategy), 0.0, "{strategy}: no one answers alone");
+    }
+
+    let out = setup.learn(&learn_suite, &pool).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(out.stderr.contains("search: 12 items that no worker alone and no plan answered"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("at most W·(W−1) chains plus one fan-out per item = 7 runs for W = 3"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        out.stderr.contains("search found reader, then calc seeing reader's answer (right on 12"),
+        "{}",
+        out.stderr
+    );
+    let route = "word                 reader, then calc seeing reader's answer, without a plan (a clear margin over every worker alone)";
+    assert!(out.stdout.contains(route), "{}", out.stdout);
+    // Search tried the chains in order and stopped at the first that answered: the five before it,
+    // then this one, on each of the 12 items (two calls each), and no fan-out.
+    let seen = |text: &str| s.requests().iter().filter(|r| r.body.to_string().contains(text)).count();
+    let searched = seen(baton_engine::workflow::CHAIN_THEN);
+    assert_eq!(searched, 6 * 12, "the second step of each chain tried, each once");
+    assert_eq!(seen(baton_engine::workflow::FAN_OUT_THEN), 0, "no fan-out: a chain answered every item");
+
+    // Search candidates are training data beside the conductor's samples, under its prompt.
+    let id = out.stderr.lines().find_map(|l| l.strip_prefix("learning ")).and_then(|l| l.split(':').next());
+    let grpo = setup.dir.path().join("grpo.jsonl");
+    let id = id.expect("the learning run's id");
+    let export = baton(&["eval", "export-grpo", id, "-o", path(&grpo), "--db", path(&setup.db)]).await;
+    assert_eq!(export.code, Some(0), "{}", export.stderr);
+    assert!(export.stderr.contains("`chain:…` and `fan-out:…` (search candidates)"), "{}", export.stderr);
+    let groups: Vec<Value> =
+        std::fs::read_to_string(&grpo).expect("grpo").lines().map(|l| serde_json::from_str(l).expect("json")).collect();
+    assert_eq!(groups.len(), 12, "one group per learned item");
+    for group in &groups {
+        let sources: Vec<&str> =
+            group["sources"].as_array().expect("sources").iter().filter_map(Value::as_str).collect();
+        let rewards = group["rewards"].as_array().expect("rewards");
+        assert_eq!(sources.iter().filter(|s| **s == "sample").count(), 3, "{group}");
+        assert_eq!(sources.len(), 3 + 6, "three samples and six chains: {group}");
+        let found = sources.iter().position(|s| *s == "chain:reader>calc").expect("the chain that answered");
+        assert_eq!(rewards[found], 1.0, "{group}");
+        assert!(group["completions"][found].as_str().expect("plan").contains("model_id = [2, 1]"), "{group}");
+        assert_eq!(rewards.iter().filter(|r| r.as_f64() == Some(1.0)).count(), 1, "{group}");
+    }
+
+    let calls = s.requests().len();
+    let plans_before = s.requests().iter().filter(|r| r.model.starts_with("cond")).count();
+    let after = setup.eval(&held_out, &pool, "after", strategies).await;
+    assert_eq!(accuracy(&after, "conductor"), 1.0, "{:?}", after["conductor"]);
+    assert_eq!(accuracy(&after, "single:calc"), 0.0);
+    assert_eq!(s.requests().iter().filter(|r| r.model.starts_with("cond")).count(), plans_before, "no plan written");
+    assert_eq!(after["conductor"]["figures"]["calls"], 40, "two calls per item");
+    let against_best = &after["comparisons"][0];
+    assert_eq!(against_best["a"], "conductor");
+    assert!(against_best["mcnemar_p"].as_f64().expect("p") < 0.05, "{against_best}");
+    assert!(s.requests().len() > calls);
+
+    // `pool show` shows the workflow's figures and the route.
+    let show = baton(&["pool", "show", "--pool", path(&pool), "--db", path(&setup.db)]).await;
+    assert_eq!(show.code, Some(0), "{}", show.stderr);
+    assert!(
+        show.stdout.contains("reader, then calc seeing reader's answer: learned in learn-learn-"),
+        "{}",
+        show.stdout
+    );
+    assert!(show.stdout.contains(route), "{}", show.stdout);
+
+    // Planning every question, the conductor is shown the workflow's plans as examples.
+    let never = setup.write("never.toml", &text.replace("[conductor]\n", "[conductor]\nroute = \"never\"\n"));
+    let ((item, _, _), _) = &test[0];
+    let question = item["question"].as_str().expect("question");
+    let out = baton(&["plan", "--json", "--pool", path(&never), "--db", path(&setup.db), question]).await;
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let told = s.requests().iter().rev().find(|r| r.model.starts_with("cond")).expect("a plan").body.to_string();
+    assert!(told.contains("Example [learned]") && told.contains("Above is another model"), "{told}");
+
+    // A workflow belongs to its workers as they were: change calc, and it routes nothing.
+    let changed = setup.write(
+        "changed.toml",
+        &text.replace("name = \"calc\"\nprovider", "name = \"calc\"\ntemperature = 1\nprovider"),
+    );
+    let stale = setup.eval(&held_out, &changed, "stale", "conductor").await;
+    assert_eq!(accuracy(&stale, "conductor"), 0.0, "calc changed: the workflow is stale");
+}

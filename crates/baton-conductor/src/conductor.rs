@@ -153,6 +153,7 @@ impl LocalConductor {
             grammar: Some(grammar.to_lark()),
             max_tokens,
             temperature: self.options.temperature,
+            top_p: None,
             complete_at: Some(crate::grammar::FENCE_CLOSE.to_owned()),
         };
         let output_cap = u32::try_from(options.max_tokens).unwrap_or(u32::MAX);

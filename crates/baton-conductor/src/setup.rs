@@ -168,6 +168,7 @@ async fn local_worker(
         model,
         max_tokens: spec.max_tokens as usize,
         temperature: spec.temperature.map(f64::from),
+        top_p: spec.top_p.map(f64::from),
     }))
 }
 

@@ -168,13 +168,33 @@ async fn greedy_plans_repeat_exactly_and_the_second_reuses_the_prompt_prefix() {
     assert!(next.usage.cached_input_tokens > 0, "the prefix before the examples is reused: {:?}", next.usage);
 }
 
+/// Above a temperature of 0 the conductor really samples: the same prompt gives different
+/// plans. The engine starts every request greedy (top-k 1), under which a temperature alone
+/// changes nothing and a learning run's "samples" are one plan.
+#[tokio::test(flavor = "multi_thread")]
+async fn sampled_plans_differ_where_greedy_ones_repeat() {
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let Some(model) = model().await else { return };
+    let conductor = LocalConductor::new(model.clone(), workers(3), options(1.0));
+    let ctx = PlanningContext::question("Which of 91, 97 and 99 are prime numbers?", 3, 4);
+    let mut texts = std::collections::BTreeSet::new();
+    for sample in 0..4 {
+        let (planned, _) = conductor
+            .plan_with_stats(&ctx, &mut |_| {}, unmetered())
+            .await
+            .unwrap_or_else(|e| panic!("sample {sample}: {e}"));
+        texts.insert(planned.raw);
+    }
+    assert!(texts.len() >= 2, "four samples at temperature 1 were one text: {texts:?}");
+}
+
 /// A worker's answer ends on its end-of-turn token, and its prompt is counted before the call
 /// exactly as the model then reads it (what its reservation under a token cap counts).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_local_worker_answer_ends_on_its_end_of_turn_token() {
     let _turn = ONE_AT_A_TIME.lock().await;
     let Some(model) = model().await else { return };
-    let worker = LocalWorker { model: model.clone(), max_tokens: 400, temperature: Some(0.0) };
+    let worker = LocalWorker { model: model.clone(), max_tokens: 400, temperature: Some(0.0), top_p: None };
     let request = ChatRequest {
         system: None,
         messages: vec![Message::user("What is the capital of France? Answer in one short sentence.")],
@@ -212,7 +232,7 @@ async fn requests_side_by_side_are_each_answered_as_alone() {
     let Some(path) = baton_tests::real_model() else { return };
     let config = LocalModelConfig { path, force_cpu: true, max_sequences: Some(4), ..Default::default() };
     let model = Arc::new(LocalModel::load(&config).await.expect("SmolLM2 loads"));
-    let worker = Arc::new(LocalWorker { model, max_tokens: 128, temperature: Some(0.0) });
+    let worker = Arc::new(LocalWorker { model, max_tokens: 128, temperature: Some(0.0), top_p: None });
     let ask = |question: &'static str| {
         let worker = worker.clone();
         async move {

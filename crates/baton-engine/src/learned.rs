@@ -6,6 +6,8 @@
 
 use std::collections::BTreeMap;
 
+use crate::workflow::Workflow;
+
 /// What the pool learned of its workers alone: the best one overall, the choices per category
 /// and per kind, and the category of each question it learned from, so a new question can be
 /// placed by the learned questions nearest to it. From the history, never from the pool file
@@ -29,6 +31,9 @@ pub struct Measured {
     /// workers renumbered into this pool (plans naming a worker that changed since are left
     /// out); the conductor's examples for similar questions.
     pub plans: Vec<LearnedPlan>,
+    /// The workflows search found while the pool learned, with what they did, on this pool's
+    /// workers (those naming a worker that changed since are left out).
+    pub workflows: Vec<(Workflow, crate::profile::Profile)>,
 }
 
 /// What the profiles choose for each category (or each kind) of question: its worker, and
@@ -44,6 +49,10 @@ pub struct Choices {
     /// conductor's plans were measured, and not shown to do better than that worker alone
     /// ([`crate::profile::weigh_plans`]).
     pub no_gain: BTreeMap<String, String>,
+    /// Key → a learned workflow that was right more often than every worker alone by a clear
+    /// margin ([`crate::profile::weigh_workflows`]): it answers without a plan, ahead of any
+    /// worker alone.
+    pub flows: BTreeMap<String, FlowChoice>,
 }
 
 impl Choices {
@@ -51,6 +60,14 @@ impl Choices {
     pub fn alone(&self, key: &str) -> Option<&String> {
         self.clear.get(key).or_else(|| self.no_gain.get(key))
     }
+}
+
+/// The workflow a kind of question goes to, and why.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlowChoice {
+    pub workflow: Workflow,
+    /// In words: "reader, then calc seeing reader's answer was right on 12 of 12 …".
+    pub why: String,
 }
 
 /// A plan the conductor wrote while the pool learned, whose answer was right: an example it

@@ -22,6 +22,7 @@ pub mod progress;
 pub mod rerun;
 pub mod routing;
 mod words;
+pub mod workflow;
 
 pub use accounting::Budget;
 pub use event::{RerunOf, RunError, RunErrorKind, RunEvent, StepError, StepErrorKind, StepRef, Totals};

@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::learned::{Choices, MIN_CATEGORY_ITEMS, Measured};
+use crate::workflow::Workflow;
 
 /// What a worker did alone on one category's items while the pool learned.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, ts_rs::TS)]
@@ -157,6 +158,7 @@ pub fn measure(profiles: &[Profile], questions: Vec<(String, String)>) -> Measur
         questions,
         strengths,
         plans: Vec::new(),
+        workflows: Vec::new(),
     }
 }
 
@@ -221,7 +223,7 @@ pub fn weigh_plans(measured: &mut Measured, profiles: &[Profile], planned: &Prof
     }
     let name = |w: usize| profiles.get(w).map_or("?", |p| p.worker.as_str());
     let weigh = |choices: &mut Choices, figures_of: &dyn Fn(&Profile) -> &BTreeMap<String, CategoryFigures>| {
-        let Choices { best, clear, no_gain } = choices;
+        let Choices { best, clear, no_gain, .. } = choices;
         no_gain.clear();
         for (key, &w) in best.iter().filter(|(key, _)| !clear.contains_key(*key)) {
             let (Some(alone), Some(plans)) =
@@ -241,6 +243,63 @@ pub fn weigh_plans(measured: &mut Measured, profiles: &[Profile], planned: &Prof
                 alone.n
             );
             no_gain.insert(key.clone(), why);
+        }
+    };
+    weigh(&mut measured.by_category, &|p| &p.by_category);
+    weigh(&mut measured.by_kind, &|p| &p.by_kind);
+}
+
+/// Where a learned workflow beats every worker alone: for each category and kind, the
+/// cheapest of the `flows` (each with its figures, as a worker's profile holds them) that were
+/// right by a clear margin over every worker alone (the lower end of the workflow's 95%
+/// interval above the upper end of each worker's) becomes the key's choice in
+/// [`Choices::flows`], and runs of that kind execute it. A worker as good as the workflow is
+/// never beaten by a clear margin, so a single worker still wins wherever it is as good (and
+/// one call is cheaper than two). Only where the workflow and every worker have at least
+/// [`MIN_CATEGORY_ITEMS`] runs on the key, and every worker a current profile (a worker not
+/// measured might do as well alone). `flows` are kept in `measured` as well, to be shown.
+pub fn weigh_workflows(measured: &mut Measured, profiles: &[Profile], flows: &[(Workflow, Profile)]) {
+    measured.workflows = flows.to_vec();
+    if profiles.is_empty() || profiles.iter().any(|p| p.freshness != Freshness::Current) {
+        return;
+    }
+    let names: Vec<String> = profiles.iter().map(|p| p.worker.clone()).collect();
+    let weigh = |choices: &mut Choices, figures_of: &dyn Fn(&Profile) -> &BTreeMap<String, CategoryFigures>| {
+        choices.flows.clear();
+        let mut keys: Vec<&String> = flows.iter().flat_map(|(_, p)| figures_of(p).keys()).collect();
+        keys.sort();
+        keys.dedup();
+        for key in keys {
+            let alone: Option<Vec<&CategoryFigures>> = profiles.iter().map(|p| figures_of(p).get(key)).collect();
+            let Some(alone) = alone.filter(|a| a.iter().all(|f| f.n as usize >= MIN_CATEGORY_ITEMS)) else {
+                continue;
+            };
+            let highest = alone.iter().map(|f| f.interval().1).fold(0.0, f64::max);
+            let clear: Vec<(&Workflow, &CategoryFigures)> = flows
+                .iter()
+                .filter_map(|(w, p)| figures_of(p).get(key).map(|f| (w, f)))
+                .filter(|(_, f)| f.n as usize >= MIN_CATEGORY_ITEMS && f.interval().0 > highest)
+                .collect();
+            let top = clear.iter().map(|(_, f)| f.accuracy()).fold(0.0, f64::max);
+            let cheapest = clear.iter().filter(|(_, f)| f.accuracy() >= top - AS_GOOD_WITHIN - 1e-9).min_by(|a, b| {
+                let cost = |f: &CategoryFigures| if f.cost_complete { f.cost_per_item_usd } else { f64::INFINITY };
+                cost(a.1)
+                    .total_cmp(&cost(b.1))
+                    .then(a.0.calls().cmp(&b.0.calls()))
+                    .then(a.1.latency_p50_ms.cmp(&b.1.latency_p50_ms))
+                    .then(a.0.cmp(b.0))
+            });
+            let Some((workflow, f)) = cheapest else { continue };
+            let best_alone = alone.iter().map(|f| f.right).max().unwrap_or(0);
+            let why = format!(
+                "{} was right on {} of {} when the pool learned, no worker alone on more than {} of {}",
+                workflow.describe(&names),
+                f.right,
+                f.n,
+                best_alone,
+                alone.first().map_or(0, |f| f.n)
+            );
+            choices.flows.insert(key.clone(), crate::learned::FlowChoice { workflow: (*workflow).clone(), why });
         }
     };
     weigh(&mut measured.by_category, &|p| &p.by_category);
@@ -357,13 +416,27 @@ pub struct PoolLearning {
     /// The conductor's sampled plans, scored as a worker's answers are, where they were
     /// measured with this conductor over these workers.
     pub plans: Option<WorkerLearning>,
-    /// Each learned kind of question and the worker it goes to.
+    /// The workflows search found while the pool learned, each with its figures (`worker` is
+    /// the workflow in words), on this pool's workers.
+    pub workflows: Vec<WorkerLearning>,
+    /// Each learned kind of question and the worker (or workflow) it goes to.
     pub routes: Vec<KindRoute>,
     /// The worker the pool names as its fallback (`fallback_worker`): then what was learned
     /// routes nothing (and with `route = "always"` every question goes to it).
     pub named_fallback: Option<String>,
     /// `[conductor] route`.
     pub route: crate::Route,
+    /// How varied the conductor's sampled plans were, where they were measured.
+    pub plan_variety: Option<PlanVariety>,
+}
+
+/// The conductor's samples while the pool learned: how many, and how many were distinct plans
+/// for their item. A share near 0 says the samples were one plan over again (a greedy
+/// conductor), and learning could keep only what that one plan did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, ts_rs::TS)]
+pub struct PlanVariety {
+    pub samples: u32,
+    pub distinct: u32,
 }
 
 /// One worker's profile, for showing.
@@ -404,7 +477,10 @@ pub struct KindRoute {
     pub by_kind: bool,
     /// How it is shown: the category, or for a kind "other multiple-choice".
     pub label: String,
+    /// The worker alone, or with [`RouteHow::Workflow`] the workflow's first worker.
     pub worker: String,
+    /// With [`RouteHow::Workflow`], the workflow in words: "a, then b seeing a's answer".
+    pub workflow: Option<String>,
     pub how: RouteHow,
 }
 
@@ -420,11 +496,18 @@ pub enum RouteHow {
     NoGain,
     /// The conductor plans, with this worker as the plan's lead and the fallback.
     Lead,
+    /// A learned workflow, without a plan, because it beat every worker alone by a clear margin.
+    Workflow,
 }
 
-/// `profiles` (in `pool`'s order, as [`measure`] takes them) and the conductor's `planned`
-/// figures made ready to show.
-pub fn learning(pool: &crate::Pool, profiles: &[Profile], planned: Option<&Profile>) -> PoolLearning {
+/// `profiles` (in `pool`'s order, as [`measure`] takes them), the conductor's `planned`
+/// figures and the learned workflows' (`flows`) made ready to show.
+pub fn learning(
+    pool: &crate::Pool,
+    profiles: &[Profile],
+    planned: Option<&Profile>,
+    flows: &[(Workflow, Profile)],
+) -> PoolLearning {
     let shown = |p: &Profile, identity_now: String, priced: bool| WorkerLearning {
         worker: p.worker.clone(),
         freshness: p.freshness,
@@ -447,40 +530,72 @@ pub fn learning(pool: &crate::Pool, profiles: &[Profile], planned: Option<&Profi
     // The plans' cost is the workers' calls with the conductor's: priced where every worker is.
     let priced = pool.workers.iter().all(|w| !matches!(w.pricing(), crate::prices::Pricing::Unknown));
     let plans = planned.map(|p| shown(p, pool.options.conductor.identity(), priced));
+    let names: Vec<String> = pool.workers.iter().map(|w| w.name.clone()).collect();
+    let workflows = flows
+        .iter()
+        .map(|(flow, p)| {
+            let on = flow.workers();
+            let priced = on
+                .iter()
+                .all(|w| pool.workers.get(*w).is_some_and(|w| !matches!(w.pricing(), crate::prices::Pricing::Unknown)));
+            WorkerLearning { worker: flow.describe(&names), ..shown(p, flow.key(&names), priced) }
+        })
+        .collect();
     let fallback = &pool.options.fallback;
-    let name = |w: usize| pool.workers.get(w).map_or_else(|| "?".to_owned(), |w| w.name.clone());
+    let name = |w: usize| names.get(w).cloned().unwrap_or_else(|| "?".to_owned());
     if fallback.worker.is_some() {
         let named = fallback.worker.map(name);
-        return PoolLearning { workers, plans, routes: Vec::new(), named_fallback: named, route: fallback.route };
+        let route = fallback.route;
+        return PoolLearning {
+            workers,
+            plans,
+            workflows,
+            routes: Vec::new(),
+            named_fallback: named,
+            route,
+            plan_variety: None,
+        };
     }
     let mut measured = measure(profiles, Vec::new());
     if let Some(planned) = planned {
         weigh_plans(&mut measured, profiles, planned);
     }
-    let how = |choices: &Choices, key: &str| match fallback.route {
-        crate::Route::Always => RouteHow::Always,
-        crate::Route::Auto if choices.clear.contains_key(key) => RouteHow::Clear,
-        crate::Route::Auto if choices.no_gain.contains_key(key) => RouteHow::NoGain,
-        _ => RouteHow::Lead,
+    weigh_workflows(&mut measured, profiles, flows);
+    let route_of = |choices: &Choices, key: &str, by_kind: bool, label: String| {
+        let flow = choices.flows.get(key).filter(|_| fallback.route != crate::Route::Never);
+        let worker = choices.best.get(key).copied();
+        let how = match fallback.route {
+            _ if flow.is_some() => RouteHow::Workflow,
+            crate::Route::Always => RouteHow::Always,
+            crate::Route::Auto if choices.clear.contains_key(key) => RouteHow::Clear,
+            crate::Route::Auto if choices.no_gain.contains_key(key) => RouteHow::NoGain,
+            _ => RouteHow::Lead,
+        };
+        let lead = flow.and_then(|f| f.workflow.workers().first().copied()).or(worker)?;
+        Some(KindRoute {
+            category: key.to_owned(),
+            by_kind,
+            label,
+            worker: name(lead),
+            workflow: flow.map(|f| f.workflow.describe(&names)),
+            how,
+        })
+    };
+    let keys = |c: &Choices| -> Vec<String> {
+        let mut keys: Vec<String> = c.best.keys().chain(c.flows.keys()).cloned().collect();
+        keys.sort();
+        keys.dedup();
+        keys
     };
     let (categories, kinds) = (&measured.by_category, &measured.by_kind);
-    let by_category = categories.best.iter().map(|(category, &w)| KindRoute {
-        category: category.clone(),
-        by_kind: false,
-        label: category.clone(),
-        worker: name(w),
-        how: how(categories, category),
-    });
-    let by_kind =
-        kinds.best.iter().filter(|(kind, _)| !categories.best.contains_key(*kind)).map(|(kind, &w)| KindRoute {
-            category: kind.clone(),
-            by_kind: true,
-            label: format!("other {}", kind_words(kind)),
-            worker: name(w),
-            how: how(kinds, kind),
-        });
+    let category_keys = keys(categories);
+    let by_category = category_keys.iter().filter_map(|c| route_of(categories, c, false, c.clone()));
+    let by_kind = keys(kinds)
+        .into_iter()
+        .filter(|kind| !category_keys.contains(kind))
+        .filter_map(|kind| route_of(kinds, &kind, true, format!("other {}", kind_words(&kind))));
     let routes = by_category.chain(by_kind).collect();
-    PoolLearning { workers, plans, routes, named_fallback: None, route: fallback.route }
+    PoolLearning { workers, plans, workflows, routes, named_fallback: None, route: fallback.route, plan_variety: None }
 }
 
 /// Figures made ready to show, with their intervals.

@@ -5,7 +5,8 @@
 //! Order of work:
 //! 1. the calibration split (only when a strategy needs one): every worker alone;
 //! 2. from it, the lookup router's table (best worker per category) and MoA's aggregator;
-//! 3. the test split: the conductor, single workers, MoA;
+//! 3. the test split: the conductor, single workers, MoA; in a learning run, then search
+//!    (workflows for the items nothing answered, each one found measured on its kind);
 //! 4. best-of-n, its `n` matched to the conductor's measured cost per item when not given;
 //! 5. the routers and the oracle, built from the single workers' results on the test split.
 //!
@@ -14,6 +15,7 @@
 //! - `items`: which items run, and which of them are calibration;
 //! - `phases`: what each step of the order of work runs and decides;
 //! - `jobs`: running many runs at once within the spending cap;
+//! - `search`: a learning run's search for workflows;
 //! - `run_one`: one run through the executor, recorded in the history, and its result;
 //! - `scoring`: an answer checked against its item, and best-of-n's vote;
 //! - `derived`: what is computed from other results rather than run (the lookup table, best-of-n's
@@ -36,6 +38,7 @@ mod jobs;
 mod phases;
 mod run_one;
 mod scoring;
+mod search;
 mod setup;
 
 pub use run_one::prompt;
@@ -77,7 +80,9 @@ pub enum Purpose {
     /// strategies, it writes `plan_samples` plans for each item (sampled), which are run;
     /// `conductor` is then its identity, which the plans' figures are kept under. The suite's
     /// items pinned `test` are not among its items: `held_out` says how many were left out.
-    Learn { identities: Vec<String>, plan_samples: u32, conductor: Option<String>, held_out: usize },
+    /// With `search`, the items nothing answered are searched for a workflow that does
+    /// (`harness/search.rs`).
+    Learn { identities: Vec<String>, plan_samples: u32, conductor: Option<String>, held_out: usize, search: bool },
 }
 
 /// The settings an evaluation is resumed with must be these; stored as its config.
@@ -117,6 +122,13 @@ pub struct Config {
     /// it was recorded, whose plans' figures are then used for nothing but examples.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub conductor: Option<String>,
+    /// A learning run that searches for workflows where nothing else answered.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub search: bool,
+    /// The workflows search found and measured, by their strategy key (workers by their index
+    /// in `workers`): the history reads their figures under these keys.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub workflows: BTreeMap<String, baton_engine::workflow::Workflow>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -229,6 +241,11 @@ impl Harness {
         // 3. The test split.
         let test_jobs = eval.test_jobs();
         if let Some(end) = eval.run_remaining(test_jobs).await? {
+            return eval.finish(end).await;
+        }
+        // 3b. A learning run's search: workflows for the items nothing answered, each found
+        // one then measured on the other items of its kind.
+        if let Some(end) = eval.search().await? {
             return eval.finish(end).await;
         }
         // 4. Best-of-n, at the conductor's cost.

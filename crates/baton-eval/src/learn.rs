@@ -30,6 +30,9 @@ pub struct LearnOptions {
     /// Plans the conductor writes (sampled) and runs for each item; 0, or a pool without a
     /// conductor: the workers alone only.
     pub plans: u32,
+    /// Search for workflows (chains of two workers, then a fan-out) on the items no worker
+    /// alone and no sampled plan answered.
+    pub search: bool,
 }
 
 /// Plans per item by default: enough that a group of samples differs, few enough that
@@ -50,6 +53,7 @@ impl LearnOptions {
             concurrency: 4,
             max_cost_usd: None,
             plans: DEFAULT_PLANS,
+            search: true,
         }
     }
 }
@@ -126,7 +130,7 @@ pub fn spec(pool: &Pool, options: &LearnOptions) -> Result<Spec, EvalError> {
         calibration: None,
         limit: options.limit,
         seed: options.seed,
-        purpose: Purpose::Learn { identities, plan_samples, conductor, held_out },
+        purpose: Purpose::Learn { identities, plan_samples, conductor, held_out, search: options.search },
     })
 }
 

@@ -15,6 +15,7 @@ pub struct LocalWorker {
     pub model: Arc<LocalModel>,
     pub max_tokens: usize,
     pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
 }
 
 impl ChatModel for LocalWorker {
@@ -37,6 +38,7 @@ impl ChatModel for LocalWorker {
                     grammar: None,
                     max_tokens: request.max_tokens.map_or(me.max_tokens, |m| m as usize),
                     temperature: request.temperature.map(f64::from).or(me.temperature),
+                    top_p: request.top_p.map(f64::from).or(me.top_p),
                     complete_at: None,
                 };
                 let result = me.model.generate(request.system.as_deref(), &request.messages, &options, &mut send).await;

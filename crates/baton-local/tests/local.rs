@@ -115,7 +115,7 @@ async fn a_model_bigger_than_the_free_memory_is_refused_before_loading() {
 async fn a_local_worker_streams_an_answer_and_stops_at_its_token_limit() {
     use baton_providers::{ChatEvent, ChatModel, ChatRequest, Message};
     use futures::StreamExt;
-    let worker = baton_local::LocalWorker { model: model().await, max_tokens: 12, temperature: Some(1.0) };
+    let worker = baton_local::LocalWorker { model: model().await, max_tokens: 12, temperature: Some(1.0), top_p: None };
     let request = ChatRequest { messages: vec![Message::user("Say something.")], ..ChatRequest::default() };
     // What a call reserves for is what the model reads, and a remembered tokenization is never
     // taken for another prompt's.
@@ -149,7 +149,8 @@ async fn a_local_worker_reports_usage_when_the_model_ends_its_answer() {
     use futures::StreamExt;
     // A random model ends its answer with an end-of-text token after ~100 tokens on average, well
     // before this cap, so these runs finish by end of text rather than by length.
-    let worker = baton_local::LocalWorker { model: model().await, max_tokens: 1000, temperature: Some(1.0) };
+    let worker =
+        baton_local::LocalWorker { model: model().await, max_tokens: 1000, temperature: Some(1.0), top_p: None };
     for i in 0..3 {
         let request = ChatRequest { messages: vec![Message::user(format!("Answer {i}."))], ..ChatRequest::default() };
         let mut stream = worker.stream(request).await.expect("stream");

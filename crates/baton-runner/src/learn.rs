@@ -33,8 +33,10 @@ pub struct Learned {
 /// so in [`Learned::ended`], and the same request goes on where it ended.
 ///
 /// A worker measured on the same items as it is defined now is not asked again. The
-/// conductor samples its plans without what the pool learned before, so they show what it does
-/// on its own. One learning run per id at a time in this process: a second would ask every
+/// conductor samples its plans from the prompt a run would give it (what the pool learned
+/// before included: the measured lines, the learned plans as examples), never routed. Items
+/// that nothing answered are searched for a workflow that does (`LearnOptions::search`). One
+/// learning run per id at a time in this process: a second would ask every
 /// worker the same items again, so it is refused.
 pub async fn learn(
     pool: &Pool,
@@ -76,9 +78,9 @@ pub async fn learn(
         Ended::Finished
     } else {
         let conductor = if plans > 0 { Conductor::Required } else { Conductor::None };
-        // What was learned before stays out (no history to the build): the samples show what
-        // the conductor does on its own.
-        let built = crate::build(learn::sampling_pool(pool), context.setup(conductor, None)).await?;
+        // The samples are written from the prompt a run would see, with what was learned before
+        // (the history to the build); the sampling pool never routes, so every item is planned.
+        let built = crate::build(learn::sampling_pool(pool), context.setup(conductor, Some(store))).await?;
         let harness = Harness::new(Arc::new(built.executor), workers, store.clone(), plans > 0);
         tracing::info!(learning = %spec.id, items = learn::items(&spec), "learning started");
         let ended = harness.run(&spec, progress, cancel).await?;

@@ -38,6 +38,7 @@ pub async fn learned_into(pool: &mut Pool, store: &Store) {
             if let Some(planned) = &learned.planned {
                 baton_engine::profile::weigh_plans(&mut measured, &learned.profiles, planned);
             }
+            baton_engine::profile::weigh_workflows(&mut measured, &learned.profiles, &learned.workflows);
             measured.plans = learned.plans;
             pool.learned = measured;
         }
@@ -49,5 +50,8 @@ pub async fn learned_into(pool: &mut Pool, store: &Store) {
 /// as `baton pool show` and the Workers screen show it.
 pub async fn pool_learning(pool: &Pool, store: &Store) -> Result<baton_engine::profile::PoolLearning, StoreError> {
     let learned = store.learned(&identities(pool), conductor_identity(pool).as_deref()).await?;
-    Ok(baton_engine::profile::learning(pool, &learned.profiles, learned.planned.as_ref()))
+    let mut learning =
+        baton_engine::profile::learning(pool, &learned.profiles, learned.planned.as_ref(), &learned.workflows);
+    learning.plan_variety = learned.plan_variety;
+    Ok(learning)
 }

@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use baton_engine::learned::LearnedPlan;
 use baton_engine::profile::{CategoryFigures, ChatMarks, Freshness, Profile};
+use baton_engine::workflow::Workflow;
 use sqlx::Row;
 
 use crate::{Store, StoreError};
@@ -26,6 +27,13 @@ pub struct Learned {
     pub planned: Option<Profile>,
     pub questions: Vec<(String, String)>,
     pub plans: Vec<LearnedPlan>,
+    /// The workflows search found (a learning run's config lists them under `workflows`, by
+    /// their strategy key), renumbered into this pool, each with its figures as a profile
+    /// (`worker` is its key in this pool): only those whose every worker is in the pool as it
+    /// was learned, so a workflow goes stale with any of its workers.
+    pub workflows: Vec<(Workflow, Profile)>,
+    /// How varied the conductor's samples were, in the runs [`Learned::planned`] comes from.
+    pub plan_variety: Option<baton_engine::profile::PlanVariety>,
 }
 
 /// The items a pool learned from ([`Store::learned_items`]).
@@ -154,6 +162,8 @@ impl Store {
         let mut planned = Tallies::default();
         let (mut planned_counted, mut planned_in) = (HashSet::new(), Vec::new());
         let now: HashSet<&str> = workers.iter().map(|(_, identity)| identity.as_str()).collect();
+        // Per workflow (on this pool's workers): its tallies, the questions counted, its runs.
+        let mut flows: BTreeMap<Workflow, (Tallies, HashSet<String>, Vec<String>)> = BTreeMap::new();
         for evaluation in self.evaluations().await? {
             let config = &evaluation.config;
             if config["learn"] != serde_json::json!(true) {
@@ -195,6 +205,15 @@ impl Store {
             // The run's worker numbers in this pool: the worker of the same identity, if any.
             let renumber: Vec<Option<usize>> =
                 identities.iter().map(|i| workers.iter().position(|(_, now)| now == i)).collect();
+            let searched: BTreeMap<String, Workflow> =
+                serde_json::from_value(config["workflows"].clone()).unwrap_or_default();
+            for (key, flow) in searched {
+                let Some(here) = flow.renumbered(|w| renumber.get(w).copied().flatten()) else { continue };
+                let (tallies, counted, runs) = flows.entry(here).or_default();
+                if self.tally(&evaluation.id, &key, tallies, counted, &mut BTreeMap::new()).await? > 0 {
+                    runs.push(evaluation.id.clone());
+                }
+            }
             for plan in self.right_plans(&evaluation.id, &renumber).await? {
                 let cheaper = |kept: &LearnedPlan| (plan.cost_usd, plan.calls) < (kept.cost_usd, kept.calls);
                 if plans.get(&plan.question).is_none_or(cheaper) {
@@ -238,6 +257,13 @@ impl Store {
         }
         let mut plans: Vec<LearnedPlan> = plans.into_values().collect();
         plans.sort_by(|a, b| a.cost_usd.total_cmp(&b.cost_usd).then(a.calls.cmp(&b.calls)));
+        let mut variety = baton_engine::profile::PlanVariety::default();
+        for run in &planned_in {
+            let (samples, distinct) = self.plan_variety(run).await?;
+            variety.samples += samples;
+            variety.distinct += distinct;
+        }
+        let plan_variety = (variety.samples > 0).then_some(variety);
         let planned = (!planned_in.is_empty()).then(|| {
             let mut profile = Profile {
                 worker: PLANS.to_owned(),
@@ -251,12 +277,31 @@ impl Store {
             planned.into_profile(&mut profile);
             profile
         });
-        Ok(Learned { profiles, planned, questions: questions.into_iter().collect(), plans })
+        let names: Vec<String> = workers.iter().map(|(name, _)| name.clone()).collect();
+        let workflows = flows
+            .into_iter()
+            .filter(|(_, (_, _, runs))| !runs.is_empty())
+            .map(|(flow, (tallies, _, runs))| {
+                let mut profile = Profile {
+                    worker: flow.key(&names),
+                    freshness: Freshness::Current,
+                    identity: None,
+                    by_category: BTreeMap::new(),
+                    by_kind: BTreeMap::new(),
+                    learned_in: runs,
+                    marks: ChatMarks::default(),
+                };
+                tallies.into_profile(&mut profile);
+                (flow, profile)
+            })
+            .collect();
+        let questions = questions.into_iter().collect();
+        Ok(Learned { profiles, planned, questions, plans, workflows, plan_variety })
     }
 
-    /// The plans of learning run `evaluation`'s conductor samples whose answers were right:
-    /// one round, usable as written (no fallback), every step on a worker that `renumber`
-    /// (the run's worker number → this pool's) still has.
+    /// The plans of learning run `evaluation`'s conductor samples and searched workflows whose
+    /// answers were right: one round, usable as written (no fallback), every step on a worker
+    /// that `renumber` (the run's worker number → this pool's) still has.
     async fn right_plans(&self, evaluation: &str, renumber: &[Option<usize>]) -> Result<Vec<LearnedPlan>, StoreError> {
         if renumber.iter().all(Option::is_none) {
             return Ok(Vec::new());
@@ -264,7 +309,8 @@ impl Store {
         let rows = sqlx::query(
             "SELECT r.question, e.category, e.cost_usd, e.calls, p.plan
              FROM eval_results e JOIN runs r ON r.uid = e.run_uid JOIN plans p ON p.run_id = r.id AND p.round = 0
-             WHERE e.evaluation_id = ?1 AND e.strategy = 'conductor' AND e.correct = 1 AND e.plan_valid = 1
+             WHERE e.evaluation_id = ?1 AND e.correct = 1
+               AND ((e.strategy = 'conductor' AND e.plan_valid = 1) OR e.strategy LIKE 'chain:%' OR e.strategy LIKE 'fan-out:%')
                AND NOT EXISTS (SELECT 1 FROM plans q WHERE q.run_id = r.id AND q.round > 0)",
         )
         .bind(evaluation)
@@ -293,6 +339,23 @@ impl Store {
             }
         }
         Ok(plans)
+    }
+
+    /// Of learning run `evaluation`'s conductor samples, how many there were and how many were
+    /// distinct plans for their item (by the plan as it ran, `plans.plan`): samples that are
+    /// one plan teach nothing a single one would not.
+    pub async fn plan_variety(&self, evaluation: &str) -> Result<(u32, u32), StoreError> {
+        let row = sqlx::query(
+            "SELECT COUNT(*) AS samples, COUNT(DISTINCT e.item_id || char(0) || p.plan) AS distinct_plans
+             FROM eval_results e JOIN runs r ON r.uid = e.run_uid JOIN plans p ON p.run_id = r.id AND p.round = 0
+             WHERE e.evaluation_id = ?1 AND e.strategy = 'conductor'",
+        )
+        .bind(evaluation)
+        .fetch_one(&self.pool)
+        .await?;
+        let count =
+            |c: &str| -> Result<u32, StoreError> { Ok(row.try_get::<i64, _>(c)?.clamp(0, i64::from(u32::MAX)) as u32) };
+        Ok((count("samples")?, count("distinct_plans")?))
     }
 
     /// The user's marks in compare in chat, by the identity of the worker that answered alone.

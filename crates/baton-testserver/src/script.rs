@@ -8,6 +8,7 @@ use std::time::Duration;
 /// |---|---|
 /// | `reply=TEXT` | answer TEXT (`_` stands for a space) instead of the default echo |
 /// | `knows=PATH` | a JSON object `{needle: reply}`: answer the reply of the needle found in the last user turn (needles must not overlap; else as without it), so a worker can be right on exactly the questions a test chooses |
+/// | `after=PATH` | like `knows=`, but the needle is looked for in the earlier answers the call shows (assistant turns): a worker that answers right only after seeing another worker's answer (it wins over `knows=`) |
 /// | `latency=MS` | spread the answer over MS milliseconds |
 /// | `ttfb=MS` | wait MS before sending the response headers |
 /// | `slow=MSxN` | like `ttfb` but only for the first N calls |
@@ -27,6 +28,7 @@ pub struct Script {
     pub name: String,
     pub reply: Option<String>,
     pub knows: Option<std::path::PathBuf>,
+    pub after: Option<std::path::PathBuf>,
     pub latency: Duration,
     pub ttfb: Duration,
     pub slow: Option<(Duration, u32)>,
@@ -67,6 +69,7 @@ impl Script {
             match key {
                 "reply" => script.reply = Some(value.replace('_', " ")),
                 "knows" => script.knows = Some(value.into()),
+                "after" => script.after = Some(value.into()),
                 "latency" => script.latency = ms(value).unwrap_or_default(),
                 "ttfb" => script.ttfb = ms(value).unwrap_or_default(),
                 "slow" => {
@@ -94,9 +97,15 @@ impl Script {
         script
     }
 
-    /// The answer text for a conversation whose last user turn is `last_user` and which holds
-    /// `seen` earlier answers.
-    pub fn answer(&self, last_user: &str, seen: usize) -> String {
+    /// The answer text for a conversation whose last user turn is `last_user` and whose earlier
+    /// answers (assistant turns) are `earlier`.
+    pub fn answer(&self, last_user: &str, earlier: &[&str]) -> String {
+        let seen = earlier.len();
+        if let Some(known) =
+            self.after.as_deref().and_then(|path| earlier.iter().find_map(|answer| known_reply(path, answer)))
+        {
+            return known;
+        }
         if let Some(known) = self.knows.as_deref().and_then(|path| known_reply(path, last_user)) {
             return known;
         }
@@ -258,7 +267,7 @@ mod tests {
     fn lines_streams_a_long_markdown_answer_one_line_per_piece() {
         let s = Script::parse("long;lines=40;latency=2000");
         assert_eq!(s.lines, Some(40));
-        let text = s.answer("anything", 0);
+        let text = s.answer("anything", &[]);
         let pieces = s.pieces(&text);
         assert_eq!(pieces.len(), 40);
         assert_eq!(pieces.concat(), text);
@@ -276,7 +285,7 @@ mod tests {
         }
         assert_eq!(Script::parse("long;lines=4000").pieces(&long_markdown(4000)).len(), 4000);
         // A scripted reply wins; without `lines` nothing changes.
-        assert_eq!(Script::parse("m;lines=5;reply=hi").answer("q", 0), "hi");
+        assert_eq!(Script::parse("m;lines=5;reply=hi").answer("q", &[]), "hi");
         // Scripted conductors: every worker in turn, or the last example shown.
         let system = "Workers:\n- Model 0: a\n- Model 1: b\n```python\nmodel_id = [...]\n```\nExample [x]. Question: q\n```python\nmodel_id = [0]\nsubtasks = [\"s\"]\naccess_list = [[]]\n```\n\nExample [learned]. Question: r\n```python\nmodel_id = [1]\nsubtasks = [\"t\"]\naccess_list = [[]]\n```\n";
         let each = Script::parse("c;plan=each");
@@ -286,5 +295,17 @@ mod tests {
         assert_eq!(copied, "```python\nmodel_id = [1]\nsubtasks = [\"t\"]\naccess_list = [[]]\n```");
         assert_eq!(Script::parse("w").plan(system, 0), None, "a worker writes no plan");
         assert_eq!(Script::parse("m;lines=0").lines, None);
+    }
+
+    #[test]
+    fn after_answers_only_from_what_an_earlier_answer_says() {
+        let path = std::env::temp_dir().join(format!("baton-after-{}.json", std::process::id()));
+        std::fs::write(&path, "{\"17 * 23\": \"#### 391\"}").expect("write");
+        let s = Script::parse(&format!("calc;after={}", path.display()));
+        // The question alone, even with the expression in it, is not enough: it must be an answer seen.
+        assert!(s.answer("What is 17 * 23?", &[]).starts_with("calc (saw 0 earlier answers)"));
+        assert_eq!(s.answer("Compute it.", &["The question asks for 17 * 23."]), "#### 391");
+        assert!(s.answer("Compute it.", &["I do not know."]).starts_with("calc (saw 1 earlier answers)"));
+        let _ = std::fs::remove_file(&path);
     }
 }

@@ -156,7 +156,6 @@ fn json_response(status: StatusCode, body: Value, retry_after: Option<&str>) -> 
 /// The conversation as the server sees it: last user text, earlier answers, prompt size.
 struct Conversation {
     last_user: String,
-    answers_seen: usize,
     prompt_chars: usize,
     thinking: bool,
     include_usage: bool,
@@ -239,7 +238,6 @@ fn conversation(wire: Wire, body: &Value) -> Conversation {
         Wire::Gemini => (body["contents"].as_array().unwrap_or(&empty), "model", "parts"),
     };
     let mut last_user = String::new();
-    let mut answers_seen = 0;
     let mut prompt_chars = 0;
     let mut system = match wire {
         Wire::OpenAi => String::new(),
@@ -253,12 +251,11 @@ fn conversation(wire: Wire, body: &Value) -> Conversation {
         prompt_chars += text.len();
         let breakpoint =
             turn[content_key].as_array().is_some_and(|blocks| blocks.iter().any(|b| b.get("cache_control").is_some()));
-        if turn["role"] == assistant_role {
-            answers_seen += 1;
-        } else if turn["role"] == "system" {
+        if turn["role"] == "system" {
             system.push_str(&text);
             continue;
-        } else {
+        }
+        if turn["role"] != assistant_role {
             last_user = text.clone();
         }
         kept.push((turn["role"].as_str().unwrap_or_default().to_owned(), text, breakpoint));
@@ -274,7 +271,7 @@ fn conversation(wire: Wire, body: &Value) -> Conversation {
         Wire::Gemini => body["generationConfig"].get("thinkingConfig").is_some(),
     };
     let include_usage = body["stream_options"]["include_usage"].as_bool().unwrap_or(false);
-    Conversation { last_user, answers_seen, prompt_chars, thinking, include_usage, system, turns: kept, max_tokens }
+    Conversation { last_user, prompt_chars, thinking, include_usage, system, turns: kept, max_tokens }
 }
 
 /// What a call shares with the server: `hangups` counts streams the client closed before their
@@ -323,7 +320,15 @@ pub(crate) async fn respond(
                 conv.turns.iter().filter(|(role, ..)| role == "user").map(|(_, t, _)| t.as_str()).collect();
             script.plan(&format!("{}\n{}", conv.system, asked.join("\n")), call).unwrap_or_default()
         }
-        None => script.answer(&conv.last_user, conv.answers_seen),
+        None => {
+            let earlier: Vec<&str> = conv
+                .turns
+                .iter()
+                .filter(|(role, ..)| role == "assistant" || role == "model")
+                .map(|(_, t, _)| t.as_str())
+                .collect();
+            script.answer(&conv.last_user, &earlier)
+        }
     };
     let thinking_tokens = if conv.thinking { 7 } else { 0 };
     let mut pieces = script.pieces(&text);

@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
 import type { CategoryRow, WorkerLearning } from "../bindings";
-import { callsFor, costPerItem, freshness, marksText, rightOf, routeText } from "./learning";
+import { callsFor, costPerItem, freshness, marksText, rightOf, routeText, searchBound } from "./learning";
 
 const row = (right: number, n: number, cost = 0.0012): CategoryRow => ({
   category: "arithmetic",
@@ -43,10 +43,15 @@ describe("a learned profile, as the Workers screen shows it", () => {
   });
 
   it("tells apart a question answered alone from one the conductor plans", () => {
-    expect(routeText({ category: "math", by_kind: false, label: "math", worker: "alpha", how: "clear" })).toContain("without a plan");
-    expect(routeText({ category: "math", by_kind: false, label: "math", worker: "alpha", how: "lead" })).toContain("conductor plans");
-    expect(routeText({ category: "math", by_kind: false, label: "math", worker: "alpha", how: "no_gain" })).toContain("plans not shown to do better");
-    expect(routeText({ category: "math", by_kind: false, label: "math", worker: "alpha", how: "always" })).toContain("routes every question");
+    expect(routeText({ category: "math", by_kind: false, label: "math", worker: "alpha", workflow: null, how: "clear" })).toContain("without a plan");
+    expect(routeText({ category: "math", by_kind: false, label: "math", worker: "alpha", workflow: null, how: "lead" })).toContain("conductor plans");
+    expect(routeText({ category: "math", by_kind: false, label: "math", worker: "alpha", workflow: null, how: "no_gain" })).toContain("plans not shown to do better");
+    expect(routeText({ category: "math", by_kind: false, label: "math", worker: "alpha", workflow: null, how: "always" })).toContain("routes every question");
+    expect(
+      routeText({ category: "word", by_kind: false, label: "word", worker: "reader", workflow: "reader, then calc seeing reader's answer", how: "workflow" }),
+    ).toBe("reader, then calc seeing reader's answer, without a plan (a clear margin over every worker alone)");
+    expect(searchBound(3)).toBe(7);
+    expect(searchBound(1)).toBe(0);
   });
 
   it("shows the chat marks only where the user marked something", () => {

@@ -50,7 +50,15 @@ export function routeText(r: KindRoute): string {
       return `${r.worker}, alone without a plan (plans not shown to do better)`;
     case "lead":
       return `${r.worker}, as the plan's lead (the conductor plans)`;
+    case "workflow":
+      return `${r.workflow ?? r.worker}, without a plan (a clear margin over every worker alone)`;
   }
+}
+
+/** The most runs a learning run's search makes for one item nothing else answered: every chain
+ * of two workers, W·(W−1), and one fan-out. */
+export function searchBound(workers: number): number {
+  return workers < 2 ? 0 : workers * (workers - 1) + 1;
 }
 
 /** The calls a learning run asks: every worker once on every item. */

@@ -153,6 +153,7 @@ pub async fn run(a: ConductorArgs) -> Outcome {
         grammar: None,
         max_tokens: plan_tokens.max(16.0) as usize,
         temperature: options.temperature,
+        top_p: None,
         complete_at: None,
     };
     let started = Instant::now();

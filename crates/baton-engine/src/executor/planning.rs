@@ -55,10 +55,10 @@ impl Executor {
         deltas: PlanDeltas<'_>,
         cancel: &CancellationToken,
     ) -> Result<Planned, PlannerError> {
-        if let Some((worker, why)) =
+        if let Some((routed, why)) =
             crate::routing::route(&self.options.fallback, &self.learned, self.workers.len(), question)
         {
-            let plan = crate::fallback::alone_plan(worker, &history, question);
+            let plan = routed.plan(&history, question);
             return Ok(Planned { routed: Some(why), ..Planned::bare(String::new(), plan) });
         }
         let Some(planner) = &self.planner else {
@@ -174,14 +174,14 @@ impl Executor {
         parent: Option<StepRef>,
         work: Vec<Message>,
     ) -> Result<Written, StepFailure> {
-        // What the pool learned may name the worker for this kind of question; then no plan
-        // is written (a plan costs seconds to minutes on a CPU). Only for the question's round.
+        // What the pool learned may name the worker (or the workflow) for this kind of
+        // question; then no plan is written (a plan costs seconds to minutes on a CPU). Only for the question's round.
         if depth == 0
-            && let Some((worker, why)) =
+            && let Some((routed, why)) =
                 crate::routing::route(&self.options.fallback, &self.learned, self.workers.len(), &ctx.question)
         {
             let round = ctx.rounds.fetch_add(1, Ordering::SeqCst);
-            let plan = crate::fallback::alone_plan(worker, &ctx.history, &ctx.question);
+            let plan = routed.plan(&ctx.history, &ctx.question);
             let mut ready = RunEvent::given_plan(round, depth, parent, plan.clone());
             if let RunEvent::PlanReady { fallback, .. } = &mut ready {
                 *fallback = Some(why);

@@ -153,7 +153,7 @@ fn thin_categories_are_chosen_by_their_kind_and_told_as_it() {
         m.strengths[&0],
         "When this pool learned, it was right on 6 of 6 numeric questions and 12 of 12 multiple-choice questions."
     );
-    let shown = learning(&crate::Pool::parse(TWO_WORKERS, "pool.toml").expect("pool"), &profiles, None);
+    let shown = learning(&crate::Pool::parse(TWO_WORKERS, "pool.toml").expect("pool"), &profiles, None, &[]);
     let kinds: Vec<&str> = shown.workers[0].kinds.iter().map(|r| r.category.as_str()).collect();
     assert_eq!(kinds, ["choice"], "number is a category of its own already");
     let routes: Vec<(&str, bool, &str)> =
@@ -205,7 +205,7 @@ fn a_plan_is_skipped_where_the_conductors_plans_were_not_shown_to_do_better_than
     // Proofs: plans 8 of 16 (interval from 28%) against a's 2 of 8: they help, so the
     // conductor plans.
     assert!(!m.by_category.no_gain.contains_key("proofs"), "{:?}", m.by_category.no_gain);
-    let shown = learning(&crate::Pool::parse(TWO_WORKERS, "pool.toml").expect("pool"), &profiles, Some(&planned));
+    let shown = learning(&crate::Pool::parse(TWO_WORKERS, "pool.toml").expect("pool"), &profiles, Some(&planned), &[]);
     let routes: Vec<(&str, RouteHow)> = shown.routes.iter().map(|r| (r.category.as_str(), r.how)).collect();
     assert_eq!(routes, [("proofs", RouteHow::Lead), ("sums", RouteHow::NoGain)]);
     assert_eq!(shown.plans.as_ref().map(|p| p.categories.len()), Some(2));
@@ -287,7 +287,7 @@ fn what_was_learned_is_shown_with_intervals_and_where_each_kind_goes() {
         profile("a", Freshness::Current, &[("math", figures(8, 8, 0.01)), ("trivia", figures(4, 8, 0.01))]),
         profile("b", Freshness::Current, &[("math", figures(0, 8, 0.001)), ("trivia", figures(4, 8, 0.001))]),
     ];
-    let shown = learning(&pool(""), &profiles, None);
+    let shown = learning(&pool(""), &profiles, None, &[]);
     assert_eq!(shown.workers[0].identity_now, pool("").workers[0].identity());
     let math = &shown.workers[0].categories[0];
     assert_eq!((math.category.as_str(), math.figures.right, math.figures.n), ("math", 8, 8));
@@ -297,9 +297,9 @@ fn what_was_learned_is_shown_with_intervals_and_where_each_kind_goes() {
     // Math: a by a clear margin. Trivia: both as good, b cheaper, but 4 of 8 is not clearly
     // right more often than not, so the conductor plans with b as its lead.
     assert_eq!(routes, [("math", "a", RouteHow::Clear), ("trivia", "b", RouteHow::Lead)]);
-    let always = learning(&pool("[conductor]\nroute = \"always\"\n"), &profiles, None);
+    let always = learning(&pool("[conductor]\nroute = \"always\"\n"), &profiles, None, &[]);
     assert!(always.routes.iter().all(|r| r.how == RouteHow::Always));
-    let named = learning(&pool("[conductor]\nfallback_worker = \"b\"\n"), &profiles, None);
+    let named = learning(&pool("[conductor]\nfallback_worker = \"b\"\n"), &profiles, None, &[]);
     assert_eq!(named.named_fallback.as_deref(), Some("b"));
     assert!(named.routes.is_empty(), "the user's worker is not replaced by a measurement");
 
@@ -314,4 +314,39 @@ fn what_was_learned_is_shown_with_intervals_and_where_each_kind_goes() {
     );
     assert!(infos[1].description.as_deref().is_some_and(|d| d.starts_with("When this pool learned")));
     assert_eq!(described.infos()[0].description.as_deref(), Some("Fast"), "the workers' own infos are unchanged");
+}
+
+#[test]
+fn a_workflow_routes_a_kind_only_by_a_clear_margin_over_every_worker_alone() {
+    let chain = Workflow::Chain { first: 0, then: 1 };
+    let fan = Workflow::FanOut { answerers: vec![0, 1], aggregator: 0 };
+    let flow = |w: &Workflow, f: CategoryFigures| (w.clone(), profile("flow", Freshness::Current, &[("word", f)]));
+    let workers = [
+        profile("reader", Freshness::Current, &[("word", figures(0, 12, 0.001))]),
+        profile("calc", Freshness::Current, &[("word", figures(1, 12, 0.001))]),
+    ];
+    // Both workflows are clear of every worker; the chain is as good and makes fewer calls.
+    let mut m = measure(&workers, Vec::new());
+    weigh_workflows(&mut m, &workers, &[flow(&fan, figures(12, 12, 0.002)), flow(&chain, figures(12, 12, 0.002))]);
+    let chosen = &m.by_category.flows["word"];
+    assert_eq!(chosen.workflow, chain);
+    assert!(chosen.why.contains("reader, then calc seeing reader's answer was right on 12 of 12"), "{}", chosen.why);
+    assert!(chosen.why.contains("no worker alone on more than 1 of 12"), "{}", chosen.why);
+    assert_eq!(m.workflows.len(), 2, "both are kept to be shown");
+
+    // A worker alone as good as the workflow: no margin, the worker stays the choice.
+    let strong = [workers[0].clone(), profile("calc", Freshness::Current, &[("word", figures(11, 12, 0.001))])];
+    let mut m = measure(&strong, Vec::new());
+    weigh_workflows(&mut m, &strong, &[flow(&chain, figures(12, 12, 0.002))]);
+    assert!(m.by_category.flows.is_empty());
+    assert_eq!(m.by_category.best["word"], 1);
+
+    // Too few runs, or a worker not measured as it is now: nothing is chosen.
+    let mut m = measure(&workers, Vec::new());
+    weigh_workflows(&mut m, &workers, &[flow(&chain, figures(3, 3, 0.002))]);
+    assert!(m.by_category.flows.is_empty(), "3 runs say too little");
+    let stale = [workers[0].clone(), profile("calc", Freshness::Stale, &[("word", figures(1, 12, 0.001))])];
+    let mut m = measure(&stale, Vec::new());
+    weigh_workflows(&mut m, &stale, &[flow(&chain, figures(12, 12, 0.002))]);
+    assert!(m.by_category.flows.is_empty(), "a changed worker might do as well alone");
 }

@@ -16,18 +16,18 @@ use crate::strategy::Strategy;
 
 /// One evaluation under way: what its phases share.
 pub(super) struct Evaluation<'a> {
-    harness: &'a Harness,
-    spec: &'a Spec,
+    pub(super) harness: &'a Harness,
+    pub(super) spec: &'a Spec,
     /// The settings, and the choices made so far (saved as they are made).
-    config: Config,
-    ctx: Arc<RunCtx<'a>>,
+    pub(super) config: Config,
+    pub(super) ctx: Arc<RunCtx<'a>>,
     /// (strategy, item, repeat) of the results recorded before this call: a resume pays for
     /// nothing twice.
     done: HashSet<(String, String, u32)>,
     /// The calibration split, as indices into the items.
     calibration_items: Vec<usize>,
     /// The test split, as indices into the items.
-    test_items: Vec<usize>,
+    pub(super) test_items: Vec<usize>,
     /// The strategies that are run (the others are derived from their results).
     runnable: Vec<&'a Strategy>,
     /// The workers that run alone on the test split, in pool order: every one when a router or
@@ -264,7 +264,7 @@ impl<'a> Evaluation<'a> {
         Ok(())
     }
 
-    async fn save_config(&self) -> Result<(), EvalError> {
+    pub(super) async fn save_config(&self) -> Result<(), EvalError> {
         let json = serde_json::to_value(&self.config).unwrap_or_default();
         self.harness.store.update_evaluation(&self.spec.id, &json, "running").await?;
         Ok(())

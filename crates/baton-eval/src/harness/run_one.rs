@@ -35,8 +35,15 @@ pub(super) struct Job {
 pub(super) enum Run {
     Conductor,
     Single(usize),
-    Moa { aggregator: usize },
-    BestOfN { worker: usize, n: u32 },
+    Moa {
+        aggregator: usize,
+    },
+    BestOfN {
+        worker: usize,
+        n: u32,
+    },
+    /// A workflow of a learning run's search.
+    Workflow(baton_engine::workflow::Workflow),
 }
 
 /// The shared state of the runs in flight: what has been spent and what is promised to runs
@@ -113,6 +120,7 @@ fn plan_for(h: &Harness, what: &Run, question: &str) -> Option<Plan> {
         Run::BestOfN { worker, n } => {
             Some(Plan { steps: (0..*n).map(|_| one(*worker, question.to_owned(), Access::Steps(vec![]))).collect() })
         }
+        Run::Workflow(flow) => Some(flow.plan(&[], question)),
     }
 }
 

@@ -106,6 +106,8 @@ impl Harness {
                 Purpose::Learn { conductor, .. } => conductor.clone(),
                 _ => None,
             },
+            search: matches!(spec.purpose, Purpose::Learn { search: true, .. }),
+            workflows: BTreeMap::new(),
         };
         let spent_before = match self.store.evaluation(&spec.id).await? {
             Some(existing) => {
@@ -133,6 +135,7 @@ impl Harness {
                 config.best_of_n = before.best_of_n;
                 config.moa_aggregator = before.moa_aggregator;
                 config.lookup = before.lookup;
+                config.workflows = before.workflows;
                 existing.spent_usd
             }
             None => {

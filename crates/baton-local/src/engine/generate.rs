@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use baton_providers::{ErrorKind, Message, ProviderError, Usage};
-use mistralrs::{Constraint, RequestBuilder, Response, StopTokens};
+use mistralrs::{Constraint, RequestBuilder, Response, SamplingParams, StopTokens};
 
 use super::{LORA_ALIAS, LocalModel, Speed, chat_turns};
 
@@ -33,6 +33,8 @@ pub struct GenerateOptions {
     pub max_tokens: usize,
     /// `None` uses the model's generation defaults; `Some(0.0)` is greedy.
     pub temperature: Option<f64>,
+    /// Nucleus sampling's share of the probability mass; `None`: the model's default.
+    pub top_p: Option<f64>,
     /// Text that can only end a complete answer (a plan's closing fence): once the text ends
     /// with it, after an earlier fence (the opening one, which passes through the same text as
     /// it is written), the model gets a short grace to stop by itself, then the stream is
@@ -49,7 +51,10 @@ impl LocalModel {
         options: &GenerateOptions,
         on_text: &mut (dyn FnMut(&str) + Send),
     ) -> Result<Generated, ProviderError> {
-        let mut request = RequestBuilder::new();
+        // A new request starts greedy (mistral.rs's `deterministic()`: top-k 1), and a model's
+        // generation defaults fill only what a request leaves unset: a temperature alone would
+        // still keep only the likeliest token. Neutral settings make the temperature sample.
+        let mut request = RequestBuilder::new().set_sampling(SamplingParams::neutral());
         for (role, content) in chat_turns(system, messages) {
             request = request.add_message(role, content);
         }
@@ -59,6 +64,9 @@ impl LocalModel {
         // Without a temperature the model's own generation defaults apply; 0 is greedy.
         if let Some(t) = options.temperature {
             request = request.set_sampler_temperature(t);
+        }
+        if let Some(p) = options.top_p {
+            request = request.set_sampler_topp(p);
         }
         if self.lora {
             request = request.set_adapter(LORA_ALIAS);
