@@ -3,12 +3,10 @@
 //! routes the question ([`crate::routing::route`]), the worker it names. The run says which, and
 //! why, in `PlanReady::fallback`.
 
-use baton_plan::{Access, Plan, Step};
-use baton_providers::{Message, Role};
-
 use crate::learned::Measured;
 use crate::pool::FallbackOptions;
 use crate::routing::learned_worker;
+pub use crate::workflow::{alone_plan, alone_subtask};
 
 /// Which worker answers alone when the plans cannot be used, and why that one (`None`: no
 /// measurement chose it). The user's `fallback_worker` first; then what the pool learned
@@ -26,40 +24,12 @@ pub fn fallback_worker(
     learned_worker(learned, workers, question).map_or((0, None), |(w, why)| (w, Some(why)))
 }
 
-/// The one instruction a worker alone gets: the question, after the conversation so far when
-/// there is one (a worker sees no history of its own).
-pub fn alone_subtask(history: &[Message], question: &str) -> String {
-    if history.is_empty() {
-        return question.to_owned();
-    }
-    let mut text = String::from("The conversation so far:\n");
-    for m in history {
-        let who = match m.role {
-            Role::User => "User",
-            _ => "Assistant",
-        };
-        text.push_str(&format!("\n{who}: {}\n", m.content));
-    }
-    text.push_str(&format!("\nAnswer the user's new message:\n\n{question}"));
-    text
-}
-
-/// The plan that runs the question on `worker` alone.
-pub fn alone_plan(worker: usize, history: &[Message], question: &str) -> Plan {
-    Plan {
-        steps: vec![Step {
-            model_id: worker,
-            subtask: alone_subtask(history, question),
-            access: Access::Steps(vec![]),
-        }],
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::learned::Choices;
     use crate::routing::category_of;
+    use baton_providers::Message;
 
     #[test]
     fn the_fallback_goes_to_the_best_worker_for_the_questions_category() {

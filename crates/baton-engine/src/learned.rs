@@ -31,9 +31,6 @@ pub struct Measured {
     /// workers renumbered into this pool (plans naming a worker that changed since are left
     /// out); the conductor's examples for similar questions.
     pub plans: Vec<LearnedPlan>,
-    /// The workflows search found while the pool learned, with what they did, on this pool's
-    /// workers (those naming a worker that changed since are left out).
-    pub workflows: Vec<(Workflow, crate::profile::Profile)>,
 }
 
 /// What the profiles choose for each category (or each kind) of question: its worker, and

@@ -158,7 +158,6 @@ pub fn measure(profiles: &[Profile], questions: Vec<(String, String)>) -> Measur
         questions,
         strengths,
         plans: Vec::new(),
-        workflows: Vec::new(),
     }
 }
 
@@ -257,9 +256,8 @@ pub fn weigh_plans(measured: &mut Measured, profiles: &[Profile], planned: &Prof
 /// never beaten by a clear margin, so a single worker still wins wherever it is as good (and
 /// one call is cheaper than two). Only where the workflow and every worker have at least
 /// [`MIN_CATEGORY_ITEMS`] runs on the key, and every worker a current profile (a worker not
-/// measured might do as well alone). `flows` are kept in `measured` as well, to be shown.
+/// measured might do as well alone).
 pub fn weigh_workflows(measured: &mut Measured, profiles: &[Profile], flows: &[(Workflow, Profile)]) {
-    measured.workflows = flows.to_vec();
     if profiles.is_empty() || profiles.iter().any(|p| p.freshness != Freshness::Current) {
         return;
     }

@@ -81,7 +81,7 @@ impl Routed {
     /// The plan a routed run executes.
     pub fn plan(&self, history: &[baton_providers::Message], question: &str) -> baton_plan::Plan {
         match self {
-            Routed::Worker(w) => crate::fallback::alone_plan(*w, history, question),
+            Routed::Worker(w) => crate::workflow::alone_plan(*w, history, question),
             Routed::Workflow(flow) => flow.plan(history, question),
         }
     }

@@ -2,13 +2,13 @@
 //! pool's workers, whose subtasks come from a template so that a workflow found on one question
 //! replays on the next. Where one answers a kind of question right by a clear margin over every
 //! worker alone, runs of that kind execute it without asking the conductor
-//! ([`crate::routing::route`]), as a clear single worker is routed to.
+//! ([`crate::routing::route`]), as a clear single worker is routed to. The one-worker plan
+//! (`alone_plan`, the fallback's and a routed worker's) is the simplest of these shapes, and is
+//! here too.
 
 use baton_plan::{Access, Plan, Step};
-use baton_providers::Message;
+use baton_providers::{Message, Role};
 use serde::{Deserialize, Serialize};
-
-use crate::fallback::alone_subtask;
 
 /// A workflow's shape, its workers by their index in the pool.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -109,6 +109,35 @@ impl Workflow {
                 aggregator: map(*aggregator)?,
             },
         })
+    }
+}
+
+/// The one instruction a worker alone gets: the question, after the conversation so far when
+/// there is one (a worker sees no history of its own).
+pub fn alone_subtask(history: &[Message], question: &str) -> String {
+    if history.is_empty() {
+        return question.to_owned();
+    }
+    let mut text = String::from("The conversation so far:\n");
+    for m in history {
+        let who = match m.role {
+            Role::User => "User",
+            _ => "Assistant",
+        };
+        text.push_str(&format!("\n{who}: {}\n", m.content));
+    }
+    text.push_str(&format!("\nAnswer the user's new message:\n\n{question}"));
+    text
+}
+
+/// The plan that runs the question on `worker` alone.
+pub fn alone_plan(worker: usize, history: &[Message], question: &str) -> Plan {
+    Plan {
+        steps: vec![Step {
+            model_id: worker,
+            subtask: alone_subtask(history, question),
+            access: Access::Steps(vec![]),
+        }],
     }
 }
 
