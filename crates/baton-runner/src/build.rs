@@ -85,8 +85,8 @@ impl Built {
     }
 }
 
-/// Whether `pool` sends every question to one worker without a plan (`route = "always"`), so
-/// it answers with no conductor at all.
+/// Whether `pool` sends every question to one worker, or to a learned workflow, without a plan
+/// (`route = "always"`), so it answers with no conductor at all.
 pub fn routes_every_question(pool: &Pool) -> bool {
     pool.options.fallback.route == Route::Always
 }
